@@ -1,0 +1,25 @@
+"""autotune: make PyTorch training jobs fit in GPU memory and run fast.
+
+    plan = autotune.fit(model, batch, global_batch_size=64, memory_budget="24GiB")
+    step = plan.apply(model, optimizer)
+    loss = step(global_batch)
+"""
+
+from .api import fit
+from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
+from .plan import Plan, Rung, Trial
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutotuneError",
+    "DeviceError",
+    "InvalidSetting",
+    "NoFeasiblePlan",
+    "Plan",
+    "Rung",
+    "Trial",
+    "fit",
+    "is_oom",
+    "__version__",
+]

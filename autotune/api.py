@@ -1,0 +1,174 @@
+"""`autotune.fit`: devices -> cache -> controller -> cache.
+
+It resolves the settings, looks the workload up in the plan cache, and on a miss runs the search with
+trials that snapshot the model, optimizer and RNG first and restore them in `finally`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import agent
+from . import batch as batches
+from . import cache as plan_cache
+from . import distributed
+from .batching import per_rank_batch, solve_accumulation
+from .controller import Controller
+from .devices import Placement, default_budget, parse_bytes, resolve_device
+from .errors import InvalidSetting
+from .losses import resolve as resolve_loss
+from .optimizers import OptimizerSpec
+from .plan import Plan
+from .settings import FitSettings
+from .snapshot import Snapshot
+from .techniques import find_blocks, ladder, parse_techniques
+from .trial import TrialRunner, Workload
+
+log = logging.getLogger(__name__)
+
+
+def fit(
+    model: nn.Module,
+    batch: Any,
+    *,
+    global_batch_size: int | None = None,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    memory_budget: int | str | None = None,
+    device: str | torch.device | None = None,
+    cache: Any = None,
+    techniques: Any = None,
+    margin: float | None = None,
+    retune: bool | None = None,
+    trial_steps: int | None = None,
+    max_trials: int | None = None,
+) -> Plan:
+    """Find the fastest plan that fits: precision, checkpointing, offload, micro-batch and accumulation.
+
+    Args:
+        model: the model to train, on the target device or the CPU (moved for the trials and back).
+        batch: an example batch (Tensor, tuple/list or dict of Tensors, batch dimension first).
+        global_batch_size: samples per optimizer step over all ranks; default $AUTOTUNE_GLOBAL_BATCH_SIZE,
+            else the example batch's size times the world size.
+        optimizer: None (AdamW), an optimizer (its class and hyperparameters are reused; it is never
+            stepped), or a factory `params -> Optimizer`.
+        loss_fn: `(model, batch) -> loss`; default `model(**batch).loss` or a scalar output.
+        memory_budget: bytes or a string like "24GiB"; default what the device can give this process.
+        device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
+        cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
+        techniques: allowed rungs, a subset of ("bf16", "checkpointing", "offload"); default all.
+        margin: fraction of the budget kept free (default 0.1).
+        retune: ignore a cached plan and tune again.
+        trial_steps: measured optimizer steps per trial (after one warm-up step).
+        max_trials: stop the search after this many trials.
+
+    Returns:
+        The `Plan`, with `source` "tuned" or "cache".
+
+    Raises:
+        InvalidSetting: a setting is wrong (the message names it and the fix).
+        NoFeasiblePlan: nothing fits even at micro-batch 1 on the top rung.
+        DeviceError: a CUDA error that is not an OOM; restart the process.
+
+    Example:
+        >>> plan = autotune.fit(model, batch, global_batch_size=64, memory_budget="24GiB")
+        >>> step = plan.apply(model, optimizer)
+        >>> loss = step(global_batch)
+    """
+    started = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise InvalidSetting(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    settings = FitSettings.resolve(global_batch_size=global_batch_size, memory_budget=memory_budget,
+                                   margin=margin, device=device, cache=cache, techniques=techniques,
+                                   measured_steps=trial_steps, max_trials=max_trials, retune=retune)
+    placement = resolve_device(settings.device)
+    example_size = batches.batch_size(batch)
+    world = distributed.world_size()
+    global_batch = settings.global_batch_size or example_size * world
+    per_rank = per_rank_batch(global_batch, world)
+    budget, budget_source = _budget(settings, placement)
+    allowed = parse_techniques(settings.techniques)
+    store = plan_cache.open_cache(settings.cache)
+    parts = plan_cache.key_parts(model=model, batch=batch, global_batch_size=global_batch, world_size=world,
+                                 placement=placement, budget_bytes=budget, techniques=allowed,
+                                 margin=settings.margin)
+    key = plan_cache.plan_key(parts)
+
+    if store is not None and not settings.retune:
+        hit = store.get(key)
+        if hit is not None:
+            log.info("plan cache hit %s: %s", key[:12], hit.summary())
+            plan = dataclasses.replace(hit, source="cache", trials=hit.trials)
+            agent.report_plan(plan)
+            return plan
+    bound = store.max_safe_micro_batch(key) if store is not None else None
+    if settings.max_micro_batch is not None:
+        bound = min(bound or settings.max_micro_batch, settings.max_micro_batch)
+
+    log.info("autotune: tuning on %s with a %.2f GiB budget (%s), global batch %d over %d rank(s)",
+             placement.name, budget / 2**30, budget_source, global_batch, world)
+    plan = _tune(model, batch, optimizer, loss_fn, settings, placement, budget, allowed, global_batch,
+                 per_rank, world, bound)
+    plan = dataclasses.replace(plan, key=key)
+    if store is not None and distributed.is_writer():
+        store.put(plan, parts)
+    log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
+             time.perf_counter() - started, len(plan.trials))
+    agent.report_plan(plan)
+    return plan
+
+
+def _budget(settings: FitSettings, placement: Placement) -> tuple[int, str]:
+    if settings.memory_budget is not None:
+        return parse_bytes(settings.memory_budget), "memory_budget"
+    return default_budget(placement)
+
+
+def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings,
+          placement: Placement, budget: int, allowed: frozenset[str], global_batch: int, per_rank: int,
+          world: int, bound: int | None) -> Plan:
+    spec = OptimizerSpec.from_user(optimizer, model)
+    blocks = find_blocks(model)
+    rungs, notes = ladder(allowed, placement, blocks)
+    limit = int((1 - settings.margin) * budget)
+    home = _device_of(model)
+    snapshot = Snapshot.take(model, optimizer)
+    try:
+        if home != placement.torch_device:
+            model.to(placement.torch_device)
+        work = Workload(model=model, batch=batches.to_device(batch, placement.torch_device),
+                        loss_fn=resolve_loss(loss_fn), spec=spec, placement=placement, budget_bytes=budget,
+                        limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
+                        warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
+        controller = Controller(TrialRunner(work, agree=distributed.agree_oom), per_rank=per_rank,
+                                limit_bytes=limit, max_micro=bound, max_trials=settings.max_trials,
+                                world_size=world)
+        result = controller.search(rungs)
+    finally:
+        if home != placement.torch_device:
+            model.to(home)
+        snapshot.restore()
+    best = result.best
+    steps, last = solve_accumulation(per_rank, best.micro_batch_size)
+    tokens = batches.tokens_per_sample(batch)
+    reason = result.reason + "".join(f"; {n}" for n in [*notes, *result.notes][:2])
+    return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
+                micro_batch_size=min(best.micro_batch_size, per_rank), accumulation_steps=steps,
+                world_size=world, global_batch_size=global_batch, last_micro_batch_size=last,
+                peak_memory_bytes=best.peak_bytes, memory_budget_bytes=budget, margin=settings.margin,
+                samples_per_second=best.samples_per_second,
+                tokens_per_second=best.samples_per_second * tokens if tokens else None,
+                device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
+                trials=tuple(result.trials))
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,1 @@
+"""One module per `autotune` subcommand; `autotune.cli` assembles them."""

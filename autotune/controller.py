@@ -1,0 +1,207 @@
+"""The decision graph: which trial to run next, and which measured configuration wins.
+
+Per rung: measure two micro-batch sizes, predict from the memory slope the largest that keeps the peak
+under the limit, verify it with one trial, and bisect only when the prediction missed. Across rungs:
+climb while a higher rung can still beat the best measured so far, judged from the time model of the
+best rung (time per micro-step ~ a + b x m): a higher rung lets the micro-batch grow, but costs at
+least its recompute/copy overhead per sample, so it cannot beat `per_rank / (a + (1 + overhead) x b x
+per_rank + optimizer)`. The winner is the fastest whole global step; within noise, the one with more
+headroom. The controller takes the trial runner as an argument, so tests drive it with scripted fakes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch
+from .errors import NoFeasiblePlan
+from .plan import Rung, Trial
+
+log = logging.getLogger(__name__)
+
+Runner = Callable[[Rung, int], Trial]
+
+# Least extra time per sample a rung adds over plain BF16 (optimistic on purpose: a rung is skipped only
+# when even this cannot win). Full recompute is about one more forward (~+33% of a step); PEERS.md
+# lesson 6 measured 10-21% tokens/s lost.
+MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10}
+NOISE = 0.03  # step-time medians closer than this are a tie
+MAX_BISECT = 2  # bisection steps per rung after a missed prediction
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    best: Trial
+    trials: list[Trial]
+    reason: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class _RungState:
+    rung: Rung
+    trials: list[Trial] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[Trial]:
+        return [t for t in self.trials if t.fits]
+
+    @property
+    def smallest_bad(self) -> int | None:
+        bad = [t.micro_batch_size for t in self.trials if not t.fits]
+        return min(bad) if bad else None
+
+    @property
+    def largest_ok(self) -> int | None:
+        ok = [t.micro_batch_size for t in self.ok]
+        return max(ok) if ok else None
+
+
+class Controller:
+    def __init__(self, runner: Runner, *, per_rank: int, limit_bytes: int, max_micro: int | None = None,
+                 max_trials: int = 24, world_size: int = 1) -> None:
+        self.runner = runner
+        self.per_rank = per_rank
+        self.limit = limit_bytes
+        self.cap = max(1, min(per_rank, max_micro or per_rank))
+        self.max_trials = max_trials
+        self.world_size = world_size
+        self.trials: list[Trial] = []
+        self.notes: list[str] = []
+
+    # -- top level -------------------------------------------------------------------------------------
+    def search(self, rungs: Sequence[Rung]) -> SearchResult:
+        states: list[_RungState] = []
+        start = 1
+        for rung in rungs:
+            best = self._best()
+            if best is not None:
+                bound = self._upper_bound(rung, states)
+                if bound is not None and bound <= best.samples_per_second * (1 + NOISE):
+                    self.notes.append(f"stopped before {rung.name}: at best {bound:,.1f} samples/s, "
+                                      f"not above the {best.samples_per_second:,.1f} already measured")
+                    break
+            if len(self.trials) >= self.max_trials:
+                self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
+                break
+            state = self._explore(rung, start)
+            states.append(state)
+            # The next rung saves memory, so it starts where this one ran out of room.
+            start = state.smallest_bad or state.largest_ok or start
+        best = self._best()
+        if best is None:
+            raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
+        return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes)
+
+    # -- one rung --------------------------------------------------------------------------------------
+    def _explore(self, rung: Rung, start: int) -> _RungState:
+        state = _RungState(rung=rung)
+        first = self._run(state, min(start, self.cap))
+        if not first.fits and first.micro_batch_size > 1:
+            first = self._run(state, 1)
+        if not first.fits or first.micro_batch_size >= self.cap:
+            return state
+        second = self._run(state, min(self.cap, 2 * first.micro_batch_size))
+        if not second.fits:
+            self._bisect(state)
+            return state
+        if second.micro_batch_size >= self.cap:
+            return state
+        points = [(t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom"]
+        guess = _balanced(predict_max_micro_batch(points, self.limit, self.cap), self.per_rank)
+        if guess > second.micro_batch_size and self._budget_left():
+            self._run(state, guess)
+            if state.smallest_bad is not None:
+                self._bisect(state)
+        return state
+
+    def _bisect(self, state: _RungState) -> None:
+        for _ in range(MAX_BISECT):
+            lo, hi = state.largest_ok, state.smallest_bad
+            if lo is None or hi is None or not self._budget_left():
+                return
+            mid = bisect_next(lo, hi)
+            if mid is None:
+                return
+            mid = max(lo + 1, _balanced(mid, self.per_rank))
+            if mid >= hi or ceil_div(self.per_rank, mid) == ceil_div(self.per_rank, lo):
+                return  # no micro-batch between them saves an accumulation step
+            self._run(state, mid)
+
+    def _run(self, state: _RungState, micro: int) -> Trial:
+        for t in state.trials:
+            if t.micro_batch_size == micro:
+                return t
+        trial = self.runner(state.rung, micro)
+        log.info("trial %-32s micro-batch %4d: %-11s peak %7.2f GiB  %s", state.rung.name, micro, trial.outcome,
+                 trial.peak_bytes / 2**30,
+                 f"{trial.samples_per_second:,.1f} samples/s" if trial.fits else trial.note)
+        state.trials.append(trial)
+        self.trials.append(trial)
+        return trial
+
+    def _budget_left(self) -> bool:
+        return len(self.trials) < self.max_trials
+
+    # -- choosing --------------------------------------------------------------------------------------
+    def _best(self) -> Trial | None:
+        ok = [t for t in self.trials if t.fits]
+        if not ok:
+            return None
+        fastest = max(t.samples_per_second for t in ok)
+        # Within noise of the fastest, prefer headroom: the lowest peak (PEERS.md lesson 5).
+        close = [t for t in ok if t.samples_per_second >= fastest * (1 - NOISE)]
+        return min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
+
+    def _upper_bound(self, rung: Rung, states: list[_RungState]) -> float | None:
+        """Optimistic samples/s for `rung`, from the time model of the rung holding the best trial."""
+        best = self._best()
+        assert best is not None
+        state = next((s for s in states if s.rung == best.rung), None)
+        if state is None or len({t.micro_batch_size for t in state.ok}) < 2:
+            return None  # one point gives no time model: the higher rung may still win
+        a, b = fit_line([(t.micro_batch_size, t.step_seconds) for t in state.ok])
+        opt = min(t.optimizer_seconds for t in state.ok)
+        b = max(b, 0.0)
+        extra = MIN_OVERHEAD[rung.offload if rung.offload != "none" else rung.checkpointing]
+        base_extra = MIN_OVERHEAD[best.rung.offload if best.rung.offload != "none" else best.rung.checkpointing]
+        micro_seconds = max(a, 0.0) + b * self.cap * (1 + extra) / (1 + base_extra)
+        per_step = global_step_seconds(micro_seconds, opt, self.per_rank, self.cap)
+        return self.per_rank * self.world_size / per_step
+
+    def _reason(self, best: Trial) -> str:
+        plain = [t for t in self.trials if t.fits and t.rung.checkpointing == "none" and t.rung.offload == "none"]
+        head = f"{best.rung.name} at micro-batch {best.micro_batch_size}"
+        fitting = len({(t.rung, t.micro_batch_size) for t in self.trials if t.fits})
+        if best.rung.checkpointing == "none" and best.rung.offload == "none":
+            others = [t for t in self.trials if t.fits and t.rung != best.rung]
+            if others:
+                runner_up = max(others, key=lambda t: t.samples_per_second)
+                return (f"{head}: the fastest of {fitting} configurations that fit, "
+                        f"{best.samples_per_second / runner_up.samples_per_second:.2f}x the best with "
+                        f"{runner_up.rung.name}")
+            return f"{head}: the fastest of {fitting} configurations that fit"
+        if plain:
+            top = max(plain, key=lambda t: t.samples_per_second)
+            return (f"{head}: {best.samples_per_second / top.samples_per_second:.2f}x the fastest plan without "
+                    f"checkpointing or offload (micro-batch {top.micro_batch_size})")
+        return f"{head}: nothing lighter fits under the limit ({self.limit / 2**30:.2f} GiB)"
+
+    def _nothing_fits(self, rungs: Sequence[Rung]) -> str:
+        ran = [t for t in self.trials if t.peak_bytes]
+        smallest = min(ran, key=lambda t: t.peak_bytes) if ran else None
+        tried = "; ".join(f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}" for t in self.trials)
+        seen = (f"the smallest peak seen was {smallest.peak_bytes / 2**30:.2f} GiB ({smallest.rung.name} at "
+                f"micro-batch {smallest.micro_batch_size})" if smallest else "no trial got far enough to measure a peak")
+        return (f"no configuration fits under {self.limit / 2**30:.2f} GiB (memory_budget less margin) even at "
+                f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. Tried: {tried}. "
+                "Raise memory_budget, allow more techniques (techniques=('bf16', 'checkpointing', 'offload')), "
+                "or shrink the model or the sequence.")
+
+
+def _balanced(micro: int, per_rank: int) -> int:
+    """The smallest micro-batch needing as few accumulation steps as `micro`: same speed, more headroom."""
+    steps = ceil_div(per_rank, max(1, micro))
+    return ceil_div(per_rank, steps)

@@ -1,0 +1,215 @@
+"""`Plan` and `Trial`: what autotune decided, and the measurements it decided from.
+
+Both are frozen, keyword-only dataclasses that validate themselves and round-trip through plain dicts
+(`to_dict` / `from_dict`), which is the only form the cache and the CLI ever store or print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+PLAN_FORMAT_VERSION = 1
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+CHECKPOINTING = ("none", "selective", "full")
+OFFLOAD = ("none", "activations", "optimizer")
+OUTCOMES = ("ok", "oom", "over_budget")
+SOURCES = ("tuned", "cache")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rung:
+    """One step of the memory ladder: a precision, a checkpointing strength and an offload strength."""
+
+    precision: str = "bf16"
+    checkpointing: str = "none"
+    offload: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        _check_choice("offload", self.offload, OFFLOAD)
+
+    @property
+    def name(self) -> str:
+        """Short label, e.g. "bf16+full ckpt+optimizer offload"."""
+        parts = [self.precision]
+        if self.checkpointing != "none":
+            parts.append(f"{self.checkpointing} ckpt")
+        if self.offload != "none":
+            parts.append(f"{self.offload} offload")
+        return "+".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Trial:
+    """One measured trial: a rung at a micro-batch size, and what happened."""
+
+    rung: Rung
+    micro_batch_size: int
+    outcome: str  # "ok" | "oom" | "over_budget" (ran, but its peak left less than the margin)
+    peak_bytes: int = 0  # peak device memory seen (reserved on CUDA, live storage under the simulation)
+    seconds: float = 0.0  # wall time of the whole trial, set-up and clean-up included
+    step_seconds: float = 0.0  # median forward+backward time of one micro-batch, from the second step on
+    optimizer_seconds: float = 0.0  # median optimizer.step() time
+    samples_per_second: float = 0.0  # estimated for a whole global step at this micro-batch
+    alloc_retries: int = 0  # allocator retries (cudaFree + retry) during the measured steps
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rung, Rung):
+            raise ValueError(f"Trial.rung must be a Rung, got {type(self.rung).__name__}")
+        _check_positive_int("Trial.micro_batch_size", self.micro_batch_size)
+        _check_choice("Trial.outcome", self.outcome, OUTCOMES)
+        for name in ("peak_bytes", "alloc_retries"):
+            _check_non_negative_int(f"Trial.{name}", getattr(self, name))
+        for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second"):
+            _check_non_negative_number(f"Trial.{name}", getattr(self, name))
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["rung"] = dataclasses.asdict(self.rung)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trial:
+        _check_known_fields("Trial", d, cls)
+        d = dict(d)
+        d["rung"] = Rung(**_dict_field("Trial.rung", d.get("rung")))
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The configuration autotune chose, with the reason and every trial behind it."""
+
+    precision: str
+    checkpointing: str
+    offload: str
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int
+    global_batch_size: int
+    last_micro_batch_size: int  # < micro_batch_size when the per-rank batch does not divide evenly
+    peak_memory_bytes: int
+    memory_budget_bytes: int
+    margin: float
+    samples_per_second: float
+    tokens_per_second: float | None = None  # samples/s x tokens per sample, when the batch has a sequence
+    device: str = "cuda"  # "cuda" | "cpu" (simulated ceiling)
+    device_name: str = ""
+    source: str = "tuned"
+    reason: str = ""
+    trials: tuple[Trial, ...] = field(default_factory=tuple)
+    key: str = ""  # cache key, "" when the plan was never cached
+    format_version: int = PLAN_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload)
+        for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
+                     "last_micro_batch_size", "memory_budget_bytes"):
+            _check_positive_int(f"Plan.{name}", getattr(self, name))
+        _check_non_negative_int("Plan.peak_memory_bytes", self.peak_memory_bytes)
+        _check_non_negative_number("Plan.samples_per_second", self.samples_per_second)
+        if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
+            raise ValueError(f"Plan.margin must be in [0, 1), got {self.margin!r}")
+        _check_choice("Plan.source", self.source, SOURCES)
+        _check_choice("Plan.device", self.device, ("cuda", "cpu"))
+        if self.last_micro_batch_size > self.micro_batch_size:
+            raise ValueError("Plan.last_micro_batch_size cannot exceed Plan.micro_batch_size")
+        per_rank = self.global_batch_size // self.world_size
+        if per_rank * self.world_size != self.global_batch_size:
+            raise ValueError(f"Plan.global_batch_size {self.global_batch_size} does not divide by "
+                             f"world_size {self.world_size}")
+        covered = (self.accumulation_steps - 1) * self.micro_batch_size + self.last_micro_batch_size
+        if covered != per_rank:
+            raise ValueError(f"Plan covers {covered} samples per rank but the global batch needs {per_rank}: "
+                             "micro_batch_size, accumulation_steps and last_micro_batch_size disagree")
+        if not all(isinstance(t, Trial) for t in self.trials):
+            raise ValueError("Plan.trials must hold Trial objects")
+
+    @property
+    def rung(self) -> Rung:
+        return Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload)
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    def apply(self, model: Any, optimizer: Any = None, *, loss_fn: Any = None) -> Any:
+        """Apply this plan to `model` (and `optimizer`) and return the training step callable.
+
+        See `autotune.step.TrainingStep`.
+        """
+        from .step import TrainingStep  # step imports plan: import here to keep the graph acyclic
+
+        return TrainingStep(self, model, optimizer, loss_fn=loss_fn)
+
+    def summary(self) -> str:
+        """One line: rung, micro-batch x accumulation, throughput and memory."""
+        rate = (f"{self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second
+                else f"{self.samples_per_second:,.1f} samples/s")
+        return (f"{self.rung.name}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
+                f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
+                f"peak {self.peak_memory_bytes / 2**30:.2f} of {self.memory_budget_bytes / 2**30:.2f} GiB")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["trials"] = [t.to_dict() for t in self.trials]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Rebuild a plan from `to_dict` output; unknown fields and bad values raise `ValueError`."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan must be a dict, got {type(d).__name__}")
+        _check_known_fields("Plan", d, cls)
+        d = dict(d)
+        trials = d.get("trials", [])
+        if not isinstance(trials, (list, tuple)):
+            raise ValueError("Plan.trials must be a list")
+        d["trials"] = tuple(Trial.from_dict(_dict_field("Plan.trials[]", t)) for t in trials)
+        version = d.get("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format version {version} is not {PLAN_FORMAT_VERSION}; re-tune "
+                             "with retune=True or upgrade autotune")
+        return cls(**d)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_non_negative_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _check_non_negative_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+
+
+def _check_known_fields(kind: str, d: dict[str, Any], cls: type) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {kind} field(s): {', '.join(unknown)}")
+
+
+def _dict_field(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+    return value

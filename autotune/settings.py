@@ -1,0 +1,92 @@
+"""`FitSettings`: fit's arguments and their `AUTOTUNE_*` environment defaults, validated in one place.
+
+An argument passed to `fit` wins; otherwise the environment variable (set by `autotune run`, or by hand);
+otherwise the default below. Each default is defined once, here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidSetting
+
+ENV_PREFIX = "AUTOTUNE_"
+DEFAULT_MARGIN = 0.10
+DEFAULT_WARMUP_STEPS = 1
+DEFAULT_MEASURED_STEPS = 3
+DEFAULT_MAX_TRIALS = 24
+
+ENV = {
+    "global_batch_size": "AUTOTUNE_GLOBAL_BATCH_SIZE",
+    "memory_budget": "AUTOTUNE_MEMORY_BUDGET",
+    "margin": "AUTOTUNE_MARGIN",
+    "device": "AUTOTUNE_DEVICE",
+    "cache": "AUTOTUNE_CACHE",
+    "techniques": "AUTOTUNE_TECHNIQUES",
+    "measured_steps": "AUTOTUNE_TRIAL_STEPS",
+    "max_micro_batch": "AUTOTUNE_MAX_MICRO_BATCH",
+    "retune": "AUTOTUNE_RETUNE",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FitSettings:
+    global_batch_size: int | None = None
+    memory_budget: int | str | None = None
+    margin: float = DEFAULT_MARGIN
+    device: str | None = None
+    cache: Any = None
+    techniques: Any = None
+    measured_steps: int = DEFAULT_MEASURED_STEPS
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    max_trials: int = DEFAULT_MAX_TRIALS
+    max_micro_batch: int | None = None
+    retune: bool = False
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size is not None and (
+                isinstance(self.global_batch_size, bool) or not isinstance(self.global_batch_size, int)
+                or self.global_batch_size < 1):
+            raise InvalidSetting(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 0.9:
+            raise InvalidSetting(f"margin must be a fraction in [0, 0.9), e.g. 0.1 for 10% headroom; got {self.margin!r}")
+        for name in ("measured_steps", "max_trials"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidSetting(f"{name} must be a positive integer, got {value!r}")
+        if self.measured_steps < 2 and self.warmup_steps < 1:
+            raise InvalidSetting("a trial needs at least two optimizer steps: warmup_steps >= 1 and measured_steps >= 1")
+        if self.max_micro_batch is not None and (not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1):
+            raise InvalidSetting(f"max_micro_batch must be a positive integer, got {self.max_micro_batch!r}")
+
+    @classmethod
+    def resolve(cls, **given: Any) -> FitSettings:
+        """Arguments that are None fall back to their `AUTOTUNE_*` variable, then to the default."""
+        values: dict[str, Any] = {}
+        for name, value in given.items():
+            if value is None and name in ENV:
+                value = _from_env(name)
+            if value is not None:
+                values[name] = value
+        return cls(**values)
+
+
+def _from_env(name: str) -> Any:
+    var = ENV[name]
+    raw = os.environ.get(var)
+    if raw is None or raw == "":
+        return None
+    try:
+        if name in ("global_batch_size", "measured_steps", "max_micro_batch"):
+            return int(raw)
+        if name == "margin":
+            return float(raw)
+        if name == "retune":
+            return raw.lower() in ("1", "true", "yes")
+        if name == "cache" and raw.lower() in ("0", "false", "off", "no"):
+            return False
+    except ValueError as exc:
+        raise InvalidSetting(f"environment variable {var}={raw!r} is not a valid {name}; unset it or fix it") from exc
+    return raw

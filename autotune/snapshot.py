@@ -1,0 +1,72 @@
+"""Snapshot and restore what trials may disturb: weights, buffers, gradients, train/eval flags, RNG state.
+
+`fit` takes a snapshot first and restores it in `finally`, so the model, the user's optimizer and the
+random streams are exactly as they were, whatever the trials did or raised.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(kw_only=True, slots=True)
+class Snapshot:
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, host copy of its values)
+    grads: list[tuple[nn.Parameter, torch.Tensor | None]]
+    dtypes: list[tuple[nn.Parameter, torch.dtype]]
+    modes: list[tuple[nn.Module, bool]]
+    optimizer_state: dict[str, Any] | None
+    optimizer: torch.optim.Optimizer | None
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    python_rng: Any
+
+    @classmethod
+    def take(cls, model: nn.Module, optimizer: Any = None) -> Snapshot:
+        with torch.no_grad():
+            tensors = [(t, t.detach().to("cpu", copy=True)) for t in [*model.parameters(), *model.buffers()]]
+        user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        return cls(
+            tensors=tensors,
+            grads=[(p, p.grad) for p in model.parameters()],
+            dtypes=[(p, p.dtype) for p in model.parameters()],
+            modes=[(m, m.training) for m in model.modules()],
+            optimizer_state=_copy_state(user_opt.state_dict()) if user_opt is not None else None,
+            optimizer=user_opt,
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+            python_rng=random.getstate(),
+        )
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for (p, dtype) in self.dtypes:
+                if p.dtype != dtype:  # an offload rung that failed half-way left 16-bit weights
+                    p.data = p.data.to(dtype)
+            for live, saved in self.tensors:
+                live.copy_(saved)
+        for p, grad in self.grads:
+            p.grad = grad
+        for module, training in self.modes:
+            module.training = training
+        if self.optimizer is not None and self.optimizer_state is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.python_rng)
+
+
+def _copy_state(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _copy_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_state(v) for v in state]
+    return state

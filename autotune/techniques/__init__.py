@@ -1,0 +1,143 @@
+"""The memory ladder, and `apply_rung`: put one rung on a model and get back what a training step needs.
+
+Rungs, cheapest first (each saves memory and costs time):
+    bf16                      autocast; weights stay FP32
+    bf16 + selective ckpt     every other block recomputed
+    bf16 + full ckpt          every block recomputed
+    bf16 + full ckpt + activations offload   block inputs parked in pinned host memory
+    bf16 + full ckpt + optimizer offload     FP32 masters and optimizer state on the host
+
+A technique that is off is a null context or a no-op, so the training step has one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+from ..devices import Placement
+from ..errors import InvalidSetting
+from ..optimizers import OptimizerSpec
+from ..plan import Rung
+from . import checkpointing
+from .checkpointing import BlockGroup, find_blocks
+from .offload import HostOptimizer
+from .precision import autocast_factory, choose_precision, make_scaler
+
+TECHNIQUES = ("bf16", "checkpointing", "offload")
+
+__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "ladder", "parse_techniques", "find_blocks", "BlockGroup"]
+
+
+def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
+    """The allowed techniques; None means all of them."""
+    if techniques is None:
+        return frozenset(TECHNIQUES)
+    if isinstance(techniques, str):
+        techniques = [t.strip() for t in techniques.split(",") if t.strip()]
+    chosen = frozenset(techniques)
+    unknown = sorted(chosen - set(TECHNIQUES))
+    if unknown:
+        raise InvalidSetting(f"techniques: unknown {', '.join(map(repr, unknown))}; allowed are "
+                             f"{', '.join(TECHNIQUES)} (e.g. techniques=('bf16', 'checkpointing'))")
+    return chosen
+
+
+def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None) -> tuple[list[Rung], list[str]]:
+    """The rungs to climb, cheapest first, and a note for each rung left out and why."""
+    precision, _ = choose_precision("bf16" in allowed, placement)
+    notes: list[str] = []
+    strengths = ["none"]
+    if "checkpointing" in allowed:
+        if blocks is None:
+            notes.append("checkpointing skipped: no repeated blocks (same-class children of a ModuleList "
+                         "or Sequential) found in the model")
+        else:
+            strengths += ["selective", "full"] if len(blocks.blocks) >= 4 else ["full"]
+    rungs = [Rung(precision=precision, checkpointing=s) for s in strengths]
+    if "offload" in allowed:
+        if blocks is not None and "checkpointing" in allowed:
+            rungs.append(Rung(precision=precision, checkpointing="full", offload="activations"))
+        if precision != "fp32":
+            top = "full" if blocks is not None and "checkpointing" in allowed else "none"
+            rungs.append(Rung(precision=precision, checkpointing=top, offload="optimizer"))
+        else:
+            notes.append("optimizer offload skipped: it keeps 16-bit weights on the device and fp32 was asked for")
+    return rungs, notes
+
+
+@dataclass(kw_only=True)
+class AppliedRung:
+    """A rung in force on a model: what one micro-step and one optimizer step need."""
+
+    rung: Rung
+    model: nn.Module
+    optimizer: Any  # torch.optim.Optimizer, or HostOptimizer under optimizer offload
+    autocast: Callable[[], ContextManager[object]]
+    scaler: torch.amp.GradScaler | None
+    _undo: list[Callable[[], None]]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None and not self._host else loss).backward()
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None and not self._host:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        # Keep gradient buffers allocated: under accumulation they are live while the next micro-batch
+        # runs forward, and a trial must see that peak.
+        self.optimizer.zero_grad(set_to_none=False)
+
+    @property
+    def _host(self) -> bool:
+        return isinstance(self.optimizer, HostOptimizer)
+
+    def remove(self) -> None:
+        """Undo everything `apply_rung` did, last first."""
+        while self._undo:
+            self._undo.pop()()
+
+
+def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Placement,
+               blocks: BlockGroup | None, *, optimizer: torch.optim.Optimizer | None = None) -> AppliedRung:
+    """Put `rung` on `model`; the optimizer is `optimizer` if given, else a fresh one from `spec`.
+
+    Under optimizer offload the returned optimizer is a `HostOptimizer` built from `spec` (with
+    `optimizer`'s state, when given, moved into it).
+    """
+    undo: list[Callable[[], None]] = []
+    try:
+        scaler = make_scaler(rung.precision, placement)
+        if rung.checkpointing != "none":
+            if blocks is None:
+                raise InvalidSetting("checkpointing needs repeated blocks and none were found in the model")
+            undo.append(checkpointing.install(blocks, rung.checkpointing,
+                                              offload_activations=rung.offload == "activations",
+                                              placement=placement))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if rung.offload == "optimizer":
+            state = optimizer.state_dict() if optimizer is not None and optimizer.state else None
+            dtype = torch.bfloat16 if rung.precision == "bf16" else torch.float16
+            opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state)
+            undo.append(opt.restore)
+        else:
+            opt = optimizer if optimizer is not None else spec.build(trainable)
+        return AppliedRung(rung=rung, model=model, optimizer=opt, scaler=scaler,
+                           autocast=autocast_factory(rung.precision, placement), _undo=undo)
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
+
+
+def null_context() -> ContextManager[object]:
+    return contextlib.nullcontext()

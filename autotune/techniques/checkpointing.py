@@ -1,0 +1,132 @@
+"""The checkpointing rung: recompute the model's repeated blocks in backward instead of storing them.
+
+Blocks are found automatically: the largest group of same-class children of an `nn.ModuleList` or
+`nn.Sequential` (a transformer's layers, a ResNet stage's bottlenecks, Hugging Face decoder layers).
+Two strengths: `selective` checkpoints every other block (about half the activation memory back for
+half the recompute), `full` checkpoints every block. Checkpointing is non-reentrant
+(`use_reentrant=False`): it supports keyword arguments and restores the dropout RNG on recompute.
+
+Guards (PEERS.md lesson 8): a block's BatchNorm running statistics are saved before the recompute and
+put back after it, so they are updated once per forward, as without checkpointing; the block's own
+forward hooks run once, because the block's `forward` is what is wrapped, not its `__call__`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..devices import Placement
+from .offload import to_device, to_host
+
+
+@dataclass(kw_only=True, slots=True)
+class BlockGroup:
+    """The repeated blocks of a model: where they live and what they are."""
+
+    path: str  # e.g. "transformer.h"
+    blocks: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return type(self.blocks[0]).__name__ if self.blocks else ""
+
+
+def find_blocks(model: nn.Module) -> BlockGroup | None:
+    """The model's repeated blocks, or None when it has none (then checkpointing cannot apply).
+
+    Among every `ModuleList`/`Sequential` in the model, the same-class children with the most parameters
+    in total win; at least two blocks are needed.
+    """
+    best: BlockGroup | None = None
+    best_params = 0
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[nn.Module]] = defaultdict(list)
+        for child in container.children():
+            by_class[type(child)].append(child)
+        for blocks in by_class.values():
+            if len(blocks) < 2:
+                continue
+            n_params = sum(p.numel() for b in blocks for p in b.parameters())
+            if n_params > best_params:
+                best, best_params = BlockGroup(path=path, blocks=blocks), n_params
+    return best
+
+
+def install(blocks: BlockGroup, strength: str, *, offload_activations: bool, placement: Placement) -> Callable[[], None]:
+    """Wrap the chosen blocks' `forward` with non-reentrant checkpointing; returns the undo function."""
+    if strength == "none":
+        return lambda: None
+    chosen = blocks.blocks if strength == "full" else blocks.blocks[::2]
+    for block in chosen:
+        original = block.forward  # the bound method; restored by deleting the instance attribute
+        wrapped = _checkpointed(block, original, offload_activations, placement)
+        block.forward = wrapped  # type: ignore[method-assign]
+
+    def remove() -> None:
+        for block in chosen:
+            block.__dict__.pop("forward", None)
+
+    return remove
+
+
+def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool, placement: Placement) -> Callable[..., Any]:
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        calls = [0]
+        parked = offload and bool(args) and isinstance(args[0], torch.Tensor)
+        first_input = [args[0]] if parked else []
+        wants_grad = parked and args[0].requires_grad
+
+        def run(*inner: Any, **inner_kwargs: Any) -> Any:
+            calls[0] += 1
+            if parked:
+                # Forward uses the device tensor it was given (gradients flow to it directly); the
+                # recompute brings the parked copy back. Only the saved values matter in a recompute.
+                x = first_input.pop() if first_input else to_device(inner[0], placement.torch_device)
+                inner = (x.requires_grad_(wants_grad) if calls[0] > 1 else x, *inner[1:])
+            if calls[0] == 1 or not norms:
+                return original(*inner, **inner_kwargs)
+            with _frozen_norm_stats(norms):  # a recompute: statistics were already updated once
+                return original(*inner, **inner_kwargs)
+
+        if parked:
+            # The block's input is the one tensor a checkpointed block keeps alive: keep it on the host.
+            args = (to_host(args[0]), *args[1:])
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    return forward
+
+
+class _frozen_norm_stats:
+    """Save BatchNorm running statistics on entry and put them back on exit."""
+
+    def __init__(self, norms: list[nn.modules.batchnorm._BatchNorm]) -> None:
+        self.norms = norms
+        self.saved: list[list[torch.Tensor | None]] = []
+
+    def __enter__(self) -> None:
+        with torch.no_grad():
+            self.saved = [[None if b is None else b.detach().clone()
+                           for b in (n.running_mean, n.running_var, n.num_batches_tracked)] for n in self.norms]
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for norm, saved in zip(self.norms, self.saved):
+                for buf, old in zip((norm.running_mean, norm.running_var, norm.num_batches_tracked), saved):
+                    if buf is not None and old is not None:
+                        buf.copy_(old)
+        self.saved = []

@@ -1,0 +1,123 @@
+"""The offload rung: move what the GPU need not hold to host memory.
+
+Two strengths:
+- `activations`: with every block checkpointed, the one tensor each block keeps (its input) goes to
+  pinned host memory in forward and comes back for the recompute in backward (`to_host` / `to_device`).
+  Pays at long sequences; at short ones the copies cost more than they save (PEERS.md lesson 7).
+- `optimizer`: FP32 master weights and the optimizer state live on the host and are updated there by a
+  fused CPU optimizer; the GPU holds only 16-bit weights and gradients (`HostOptimizer`). For AdamW that
+  takes the 16 bytes/parameter of FP32 weights + grads + two moments down to 4 (bf16 weights + grads).
+
+On the simulated CPU device, host copies are made inside `host_memory()`, so the ceiling stops counting
+them exactly as a GPU would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ceiling import host_memory
+from ..optimizers import OptimizerSpec
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    with host_memory():
+        if t.device.type == "cpu":  # the simulated device: a separate copy, bookkept as host memory
+            return t.detach().clone()
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t.detach(), non_blocking=True)
+        return host
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """A detached copy of `x` in (pinned) host memory."""
+    return _pinned_copy(x)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A detached copy of host tensor `x` back on `device` (a counted copy on the simulated device)."""
+    if device.type == "cpu":
+        return x.detach().clone()
+    return x.to(device, non_blocking=True)
+
+
+class HostOptimizer:
+    """Optimizer offload: FP32 masters and state on the host, 16-bit weights and gradients on the device.
+
+    `step()` copies the device gradients into pinned FP32 host buffers, steps a CPU optimizer over the
+    masters, and copies the updated masters back into the device weights (cast to 16 bits). `restore()`
+    puts FP32 weights back on the device and drops the host copies.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], spec: OptimizerSpec, dtype: torch.dtype,
+                 scaler: torch.amp.GradScaler | None = None, state: dict[str, Any] | None = None) -> None:
+        self.params = list(params)
+        self.dtype = dtype
+        self.scaler = scaler
+        with host_memory():
+            self.masters = [self._host_master(p) for p in self.params]
+            self.optimizer = spec.build(self.masters, host=True)
+            if state is not None:
+                self.optimizer.load_state_dict(state)
+        with torch.no_grad():
+            for p in self.params:
+                p.data = p.data.to(dtype)  # the device copy shrinks to 16 bits; its FP32 storage is freed
+        self.param_groups = self.optimizer.param_groups
+
+    @staticmethod
+    def _host_master(p: nn.Parameter) -> torch.Tensor:
+        master = _pinned_copy(p.data.float()) if p.device.type != "cpu" else p.data.detach().float().clone()
+        master.grad = torch.zeros_like(master, pin_memory=p.device.type != "cpu")
+        return master
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, master in zip(self.params, self.masters):
+            if p.grad is None:
+                master.grad.zero_()
+            else:
+                master.grad.copy_(p.grad, non_blocking=True)
+        if self.params and self.params[0].device.type == "cuda":
+            torch.cuda.synchronize(self.params[0].device)
+        if self.scaler is not None and not self._unscale():
+            return  # non-finite gradients: skip this step, as GradScaler.step would
+        with host_memory():
+            self.optimizer.step()
+        for p, master in zip(self.params, self.masters):
+            p.data.copy_(master, non_blocking=True)
+
+    def _unscale(self) -> bool:
+        """FP16 only: divide host gradients by the loss scale; False (and a smaller scale) on inf/NaN."""
+        scale = float(self.scaler.get_scale())
+        finite = all(math.isfinite(float(m.grad.abs().max())) for m in self.masters if m.grad.numel())
+        if finite:
+            for m in self.masters:
+                m.grad.div_(scale)
+            self.scaler.update(scale)
+        else:
+            self.scaler.update(scale * self.scaler.get_backoff_factor())
+        return finite
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Undo the offload: FP32 weights back on the device, host copies released."""
+        for p, master in zip(self.params, self.masters):
+            p.data = master.detach().to(p.device, copy=True)
+            p.grad = None
+        self.masters = []
+        self.optimizer = None  # type: ignore[assignment]
