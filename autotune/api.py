@@ -97,7 +97,8 @@ def fit(
     store = plan_cache.open_cache(settings.cache)
     parts = plan_cache.key_parts(model=model, batch=batch, global_batch_size=global_batch, world_size=world,
                                  placement=placement, budget_bytes=budget, techniques=allowed,
-                                 margin=settings.margin)
+                                 margin=settings.margin, optimizer=optimizer, loss_fn=loss_fn,
+                                 max_micro_batch=settings.max_micro_batch)
     key = plan_cache.plan_key(parts)
 
     if store is not None and not settings.retune:
@@ -146,9 +147,10 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                         loss_fn=resolve_loss(loss_fn), spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
-        controller = Controller(TrialRunner(work, agree=distributed.agree_oom), per_rank=per_rank,
-                                limit_bytes=limit, max_micro=bound, max_trials=settings.max_trials,
-                                world_size=world)
+        runner = TrialRunner(work, agree=distributed.agree_oom)
+        controller = Controller(runner, per_rank=per_rank, limit_bytes=limit, max_micro=bound,
+                                max_trials=settings.max_trials, world_size=world,
+                                remeasure=lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps))
         result = controller.search(rungs)
     finally:
         if home != placement.torch_device:

@@ -61,12 +61,13 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def predict_max_micro_batch(points: Sequence[tuple[int, int]], limit_bytes: float, cap: int) -> int:
     """Largest micro-batch whose predicted peak stays under `limit_bytes`, from `peak(m) = fixed + m x slope`.
 
-    `points` are (micro_batch, peak_bytes) of trials that ran. The answer is clamped to [1, cap]; a flat or
-    falling slope (noise at tiny batches) predicts `cap`.
+    `points` are (micro_batch, peak_bytes) of trials that ran. The answer is clamped to [1, cap]. A flat or
+    falling slope is noise (allocator rounding swamps a few samples' activations), not a sign that memory
+    is free: then the guess is only double the largest measured size.
     """
     fixed, slope = fit_line([(float(m), float(p)) for m, p in points])
     if slope <= 0:
-        return cap
+        return max(1, min(cap, 2 * max(m for m, _ in points)))
     guess = math.floor((limit_bytes - fixed) / slope)
     return max(1, min(cap, guess))
 

@@ -7,6 +7,10 @@ best rung (time per micro-step ~ a + b x m): a higher rung lets the micro-batch 
 least its recompute/copy overhead per sample, so it cannot beat `per_rank / (a + (1 + overhead) x b x
 per_rank + optimizer)`. The winner is the fastest whole global step; within noise, the one with more
 headroom. The controller takes the trial runner as an argument, so tests drive it with scripted fakes.
+
+`sizes` restricts the micro-batches tried (zero-change trials of `autotune run` need divisors of the
+per-rank batch, since the script does its own batching): every size asked for is snapped down to an
+allowed one, and growth moves to the next allowed size when snapping would stand still.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ Runner = Callable[[Rung, int], Trial]
 # lesson 6 measured 10-21% tokens/s lost.
 MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10}
 NOISE = 0.03  # step-time medians closer than this are a tie
+RUNOFF = 0.08  # rungs whose best is this close to the leader get re-measured with a longer run
 MAX_BISECT = 2  # bisection steps per rung after a missed prediction
 
 
@@ -61,11 +66,14 @@ class _RungState:
 
 class Controller:
     def __init__(self, runner: Runner, *, per_rank: int, limit_bytes: int, max_micro: int | None = None,
-                 max_trials: int = 24, world_size: int = 1) -> None:
+                 max_trials: int = 24, world_size: int = 1, sizes: Sequence[int] | None = None,
+                 remeasure: Runner | None = None) -> None:
         self.runner = runner
+        self.remeasure = remeasure  # a longer-running runner for the final runoff; None skips it
         self.per_rank = per_rank
         self.limit = limit_bytes
-        self.cap = max(1, min(per_rank, max_micro or per_rank))
+        self.sizes = sorted({s for s in sizes if 1 <= s <= per_rank} | {1}) if sizes else None
+        self.cap = self._snap(max(1, min(per_rank, max_micro or per_rank)))
         self.max_trials = max_trials
         self.world_size = world_size
         self.trials: list[Trial] = []
@@ -74,7 +82,7 @@ class Controller:
     # -- top level -------------------------------------------------------------------------------------
     def search(self, rungs: Sequence[Rung]) -> SearchResult:
         states: list[_RungState] = []
-        start = 1
+        previous: _RungState | None = None
         for rung in rungs:
             best = self._best()
             if best is not None:
@@ -86,24 +94,37 @@ class Controller:
             if len(self.trials) >= self.max_trials:
                 self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
                 break
-            state = self._explore(rung, start)
+            state = self._explore(rung, previous)
             states.append(state)
-            # The next rung saves memory, so it starts where this one ran out of room.
-            start = state.smallest_bad or state.largest_ok or start
+            if state.ok or previous is None:
+                previous = state
         best = self._best()
         if best is None:
             raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
+        best = self._runoff(best)
         return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes)
 
     # -- one rung --------------------------------------------------------------------------------------
-    def _explore(self, rung: Rung, start: int) -> _RungState:
+    def _explore(self, rung: Rung, previous: _RungState | None) -> _RungState:
+        """Two points, a prediction, a verification; bisection only after a miss.
+
+        A higher rung saves memory, so it starts at the largest micro-batch the rung below fitted and
+        probes next the smallest that did not fit there: the one question this rung has to answer.
+        """
         state = _RungState(rung=rung)
+        start = previous.largest_ok or 1 if previous is not None else 1
         first = self._run(state, min(start, self.cap))
         if not first.fits and first.micro_batch_size > 1:
             first = self._run(state, 1)
         if not first.fits or first.micro_batch_size >= self.cap:
             return state
-        second = self._run(state, min(self.cap, 2 * first.micro_batch_size))
+        probe = previous.smallest_bad if previous is not None else None
+        if probe is None or probe <= first.micro_batch_size:
+            probe = 2 * first.micro_batch_size
+        probe = self._snap(min(self.cap, probe))
+        if probe <= first.micro_batch_size:  # no allowed size up to the probe (see `sizes`): the next one above
+            probe = next(s for s in self.sizes or () if s > first.micro_batch_size)
+        second = self._run(state, probe)
         if not second.fits:
             self._bisect(state)
             return state
@@ -118,6 +139,11 @@ class Controller:
         return state
 
     def _bisect(self, state: _RungState) -> None:
+        """Narrow the gap between the largest micro-batch that fits and the smallest that does not.
+
+        When the failure ran to the end (over the limit, not an OOM) its peak is a third point on the
+        line, and the line's answer is the next try; after an OOM only the midpoint is known to be safe.
+        """
         for _ in range(MAX_BISECT):
             lo, hi = state.largest_ok, state.smallest_bad
             if lo is None or hi is None or not self._budget_left():
@@ -125,12 +151,22 @@ class Controller:
             mid = bisect_next(lo, hi)
             if mid is None:
                 return
-            mid = max(lo + 1, _balanced(mid, self.per_rank))
-            if mid >= hi or ceil_div(self.per_rank, mid) == ceil_div(self.per_rank, lo):
+            points = [(t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom"]
+            if any(t.outcome == "over_budget" for t in state.trials) and len({m for m, _ in points}) >= 2:
+                mid = min(hi - 1, max(lo + 1, predict_max_micro_batch(points, self.limit, self.cap)))
+            mid = self._snap(max(lo + 1, _balanced(mid, self.per_rank)))
+            if mid <= lo or mid >= hi or ceil_div(self.per_rank, mid) == ceil_div(self.per_rank, lo):
                 return  # no micro-batch between them saves an accumulation step
             self._run(state, mid)
 
+    def _snap(self, micro: int) -> int:
+        """The largest allowed micro-batch not above `micro` (any size when `sizes` was not given)."""
+        if self.sizes is None:
+            return micro
+        return max(s for s in self.sizes if s <= max(1, micro))
+
     def _run(self, state: _RungState, micro: int) -> Trial:
+        micro = self._snap(micro)
         for t in state.trials:
             if t.micro_batch_size == micro:
                 return t
@@ -155,10 +191,36 @@ class Controller:
         close = [t for t in ok if t.samples_per_second >= fastest * (1 - NOISE)]
         return min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
 
+    def _runoff(self, best: Trial) -> Trial:
+        """Re-measure the leaders with longer runs when they are close: near the memory edge single
+        trials are erratic (allocator retries, launch jitter), and the pick must not hinge on one."""
+        if self.remeasure is None:
+            return best
+        ok = [t for t in self.trials if t.fits]
+        rivals = sorted((t for t in ok if t.rung != best.rung and t.samples_per_second >= best.samples_per_second
+                         * (1 - RUNOFF)), key=lambda t: -t.samples_per_second)
+        if not rivals:
+            return best
+        finalists = [self.remeasure(t.rung, t.micro_batch_size) for t in (best, rivals[0])]
+        for t in finalists:
+            log.info("runoff %-31s micro-batch %4d: %-11s %s samples/s", t.rung.name, t.micro_batch_size,
+                     t.outcome, f"{t.samples_per_second:,.1f}")
+        self.trials.extend(finalists)
+        fitting = [t for t in finalists if t.fits]
+        if not fitting:
+            return best
+        fastest = max(t.samples_per_second for t in fitting)
+        close = [t for t in fitting if t.samples_per_second >= fastest * (1 - NOISE)]
+        winner = min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
+        self.notes.append(f"runoff between {finalists[0].rung.name} @ {finalists[0].micro_batch_size} and "
+                          f"{finalists[1].rung.name} @ {finalists[1].micro_batch_size}")
+        return winner
+
     def _upper_bound(self, rung: Rung, states: list[_RungState]) -> float | None:
         """Optimistic samples/s for `rung`, from the time model of the rung holding the best trial."""
         best = self._best()
-        assert best is not None
+        if best is None:
+            return None
         state = next((s for s in states if s.rung == best.rung), None)
         if state is None or len({t.micro_batch_size for t in state.ok}) < 2:
             return None  # one point gives no time model: the higher rung may still win

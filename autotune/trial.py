@@ -64,7 +64,7 @@ class TrialRunner:
         self.work = work
         self.agree = agree
 
-    def __call__(self, rung: Rung, micro: int) -> Trial:
+    def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None) -> Trial:
         work = self.work
         started = time.perf_counter()
         micro_batch = batches.resize(work.batch, micro)
@@ -73,32 +73,34 @@ class TrialRunner:
         timings: tuple[float, float] | None = None
         failure = ""
         try:
-            with meter.watching(work.model, micro_batch):
-                applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks)
-                timings = _run_steps(applied, micro_batch, work)
-        except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
-            if is_device_poisoned(exc):
-                raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
-                                  "The CUDA context is unusable; restart the process.") from exc
-            if not is_oom(exc):
-                raise
-            failure = _first_line(exc)
+            try:
+                with meter.watching(work.model, micro_batch):
+                    applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks)
+                    timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps)
+            except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
+                if is_device_poisoned(exc):
+                    raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
+                                      "The CUDA context is unusable; restart the process.") from exc
+                if not is_oom(exc):
+                    raise
+                failure = _first_line(exc)
+            # Out of the except block: the exception no longer pins the failed step's tensors. Read the
+            # peak now, before clean-up resets the allocator's statistics.
+            reading = meter.read()
         finally:
-            # Runs after the except block has been left, so the exception no longer pins the step's tensors.
             _clean_up(work, applied)
         del micro_batch
-        reading = meter.read()
         oom = self.agree(timings is None)
         return _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, oom,
                            failure, time.perf_counter() - started)
 
 
-def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload) -> tuple[float, float]:
+def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float]:
     """Median (forward+backward seconds, optimizer seconds) over the measured steps."""
     work.model.train()
     step_times: list[float] = []
     opt_times: list[float] = []
-    for i in range(work.warmup_steps + work.measured_steps):
+    for i in range(work.warmup_steps + measured):
         t0 = now(work.placement)
         with applied.autocast():
             loss, count = split_loss(work.loss_fn(work.model, micro_batch))
@@ -117,8 +119,15 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload) -> tuple[
 
 
 def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
+    """Undo the rung and give every byte of the trial back before the next one measures its peak.
+
+    The trial's optimizer (and its state: 8 bytes a parameter for AdamW) must be dropped before
+    `empty_cache()`: freed later, its blocks would stay cached and count in the next trial's reserved peak.
+    """
     if applied is not None:
         applied.remove()
+        applied.optimizer = None
+        applied.scaler = None
     for p in work.model.parameters():
         p.grad = None
     gc.collect()

@@ -1,0 +1,177 @@
+"""autotune.fit beside an exhaustive grid of the same rungs, on one GPU under a memory ceiling.
+
+Each method runs in its own process (`--method`), so one's fragmentation cannot help or hurt another;
+`--all` runs them one after another and prints a table. Results are JSON lines (`--out`).
+
+    python benchmarks/bench_fit.py --all --out results.jsonl                 # GPT-2 large, 24 GiB
+    python benchmarks/bench_fit.py --method train --steps 100 --out r.jsonl  # 100 steps at the plan
+    python benchmarks/bench_fit.py --all --model tiny --device cpu --budget 40MiB   # a CPU dry run
+
+Workload W1 (DESIGN.md, PEERS.md): GPT-2 large from a transformers config with random weights,
+sequence 1024, AdamW, global batch 64, memory capped with torch.cuda.set_per_process_memory_fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import autotune  # noqa: E402
+from autotune.devices import parse_bytes, resolve_device  # noqa: E402
+from autotune.optimizers import OptimizerSpec  # noqa: E402
+from autotune.plan import Rung  # noqa: E402
+from autotune.techniques import find_blocks, ladder, parse_techniques  # noqa: E402
+from autotune.trial import TrialRunner, Workload  # noqa: E402
+from autotune.losses import resolve  # noqa: E402
+
+GRID_MICRO = (1, 2, 4, 8, 16, 32, 64)
+
+
+def build(model_name: str, device: str, seq: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    if model_name == "tiny":
+        from gpt import GPT, GPTConfig, random_batch
+
+        cfg = GPTConfig(n_layer=6, n_embd=128, seq_len=seq)
+        ids, labels = random_batch(cfg, 8)
+        return GPT(cfg).to(device), {"input_ids": ids.to(device), "labels": labels.to(device)}
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    sizes = {"gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25), "gpt2": (12, 768, 12)}
+    n_layer, n_embd, n_head = sizes[model_name]
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max(1024, seq), use_cache=False)
+    model = GPT2LMHeadModel(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (8, seq), device=device)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def cap_memory(device: str, budget: int) -> None:
+    if device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+
+
+def run_fit(args: argparse.Namespace) -> dict[str, Any]:
+    model, batch = build(args.model, args.device, args.seq)
+    started = time.perf_counter()
+    plan = autotune.fit(model, batch, global_batch_size=args.global_batch_size, memory_budget=args.budget,
+                        device=args.device, cache=False)
+    seconds = time.perf_counter() - started
+    return {"method": "autotune", "tune_seconds": seconds, "trials": len(plan.trials),
+            "ooms": sum(t.outcome == "oom" for t in plan.trials), "plan": plan.to_dict(),
+            "config": [plan.rung.name, plan.micro_batch_size], "samples_per_second": plan.samples_per_second}
+
+
+def run_grid(args: argparse.Namespace) -> dict[str, Any]:
+    model, batch = build(args.model, args.device, args.seq)
+    placement = resolve_device(args.device)
+    budget = parse_bytes(args.budget)
+    rungs, _ = ladder(parse_techniques(None), placement, find_blocks(model))
+    work = Workload(model=model, batch=batch, loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
+                    placement=placement, budget_bytes=budget, limit_bytes=int(0.9 * budget),
+                    per_rank=args.global_batch_size, blocks=find_blocks(model), measured_steps=args.grid_steps)
+    runner = TrialRunner(work)
+    rows = []
+    started = time.perf_counter()
+    for rung in rungs:
+        for micro in [m for m in GRID_MICRO if m <= args.global_batch_size]:
+            trial = runner(rung, micro)
+            rows.append(trial.to_dict())
+            print(f"grid {rung.name:36} {micro:3d} {trial.outcome:11} {trial.peak_bytes / 2**30:6.2f} GiB "
+                  f"{trial.samples_per_second * args.seq:10.0f} tok/s", flush=True)
+            if trial.outcome == "oom":
+                break  # larger micro-batches on this rung cannot fit either
+    return {"method": "grid", "seconds": time.perf_counter() - started, "trials": rows}
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    model, batch = build(args.model, args.device, args.seq)
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = autotune.fit(model, batch, global_batch_size=args.global_batch_size, memory_budget=args.budget,
+                        device=args.device, cache=False, optimizer=optimizer)
+    step = plan.apply(model, optimizer)
+    vocab = int(batch["input_ids"].max()) + 1
+    losses, times = [], []
+    for _ in range(args.steps):
+        ids = torch.randint(0, vocab, (args.global_batch_size, args.seq), device=args.device)
+        t0 = time.perf_counter()
+        losses.append(step({"input_ids": ids, "labels": ids}))
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    return {"method": "train", "steps": args.steps, "plan": plan.to_dict(), "final_plan": step.plan.to_dict(),
+            "recovered": step.plan.micro_batch_size != plan.micro_batch_size, "losses": losses,
+            "median_step_seconds": steady, "samples_per_second": args.global_batch_size / steady,
+            "peak_reserved": torch.cuda.max_memory_reserved() if args.device.startswith("cuda") else None}
+
+
+def table(rows: list[dict[str, Any]], seq: int) -> None:
+    grid = next((r for r in rows if r["method"] == "grid"), None)
+    fit = next((r for r in rows if r["method"] == "autotune"), None)
+    if grid:
+        ok = [t for t in grid["trials"] if t["outcome"] == "ok"]
+        best = max(ok, key=lambda t: t["samples_per_second"]) if ok else None
+        if best:
+            print(f"grid best: {Rung(**best['rung']).name} micro-batch {best['micro_batch_size']}: "
+                  f"{best['samples_per_second'] * seq:,.0f} tok/s ({len(grid['trials'])} configs, "
+                  f"{grid['seconds']:.0f} s)")
+    if fit:
+        plan = fit["plan"]
+        print(f"autotune: {plan['precision']}/{plan['checkpointing']}/{plan['offload']} micro-batch "
+              f"{plan['micro_batch_size']} x {plan['accumulation_steps']}: {fit['samples_per_second'] * seq:,.0f} "
+              f"tok/s, {fit['trials']} trials, {fit['ooms']} OOMs, {fit['tune_seconds']:.1f} s")
+        if grid and best:
+            same = [t for t in grid["trials"] if t["rung"] == {k: plan[k] for k in ("precision", "checkpointing",
+                    "offload")} and t["micro_batch_size"] == plan["micro_batch_size"]]
+            if same:
+                print(f"autotune's choice measured by the grid: {same[0]['samples_per_second'] * seq:,.0f} tok/s = "
+                      f"{same[0]['samples_per_second'] / best['samples_per_second']:.3f}x the grid's best")
+            print(f"autotune's own measure / grid best: {fit['samples_per_second'] / best['samples_per_second']:.3f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=("fit", "grid", "train"))
+    p.add_argument("--all", action="store_true", help="grid, then fit, each in its own process")
+    p.add_argument("--model", default="gpt2-large", choices=("gpt2-large", "gpt2-xl", "gpt2", "tiny"))
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--global-batch-size", type=int, default=64)
+    p.add_argument("--budget", default="24GiB")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--grid-steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--out", default="bench_fit.jsonl")
+    args = p.parse_args()
+    if args.all:
+        for method in ("grid", "fit"):
+            cmd = [sys.executable, __file__, "--method", method] + [a for a in sys.argv[1:] if a != "--all"]
+            subprocess.run(cmd, check=True)
+        with open(args.out) as f:
+            table([json.loads(line) for line in f], args.seq)
+        return 0
+    cap_memory(args.device, parse_bytes(args.budget))
+    result = {"fit": run_fit, "grid": run_grid, "train": run_train}[args.method](args)
+    result.update(model=args.model, seq=args.seq, budget=args.budget, global_batch_size=args.global_batch_size,
+                  device=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    with open(args.out, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    if args.method == "train":
+        print(f"train: {args.steps} steps, recovered={result['recovered']}, {result['samples_per_second'] * args.seq:,.0f} "
+              f"tok/s, loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
