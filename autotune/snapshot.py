@@ -31,7 +31,7 @@ class Snapshot:
         with torch.no_grad():
             tensors = [(t, t.detach().to("cpu", copy=True)) for t in [*model.parameters(), *model.buffers()]]
         user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        return cls(
+        snapshot = cls(
             tensors=tensors,
             grads=[(p, p.grad) for p in model.parameters()],
             dtypes=[(p, p.dtype) for p in model.parameters()],
@@ -42,6 +42,11 @@ class Snapshot:
             cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
             python_rng=random.getstate(),
         )
+        # Trials start without gradients: backward would otherwise accumulate into the user's own
+        # gradient tensors. The originals are put back by restore().
+        for p in model.parameters():
+            p.grad = None
+        return snapshot
 
     def restore(self) -> None:
         with torch.no_grad():

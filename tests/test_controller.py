@@ -1,0 +1,108 @@
+"""The decision graph against a scripted fake runner (no model, no device): what it tries and what it picks."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.batching import global_step_seconds
+from autotune.controller import Controller
+from autotune.errors import NoFeasiblePlan
+from autotune.plan import Rung, Trial
+
+GiB = 2**30
+BF16, SEL, FULL = Rung(), Rung(checkpointing="selective"), Rung(checkpointing="full")
+OFFLOAD = Rung(checkpointing="full", offload="optimizer")
+
+
+class FakeGPU:
+    """peak(m) = fixed + m x per_sample per rung; step time = launch + m x per_sample_time x recompute."""
+
+    def __init__(self, budget, per_rank, rungs):
+        self.budget, self.per_rank, self.rungs, self.calls = budget, per_rank, rungs, []
+
+    def __call__(self, rung, micro):
+        self.calls.append((rung, micro))
+        fixed, per_sample, launch, sample_time, *rest = self.rungs[rung]
+        opt = rest[0] if rest else 0.01
+        peak = int(fixed + micro * per_sample)
+        if peak > self.budget:
+            return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=self.budget)
+        step = launch + micro * sample_time
+        rate = self.per_rank / global_step_seconds(step, opt, self.per_rank, micro)
+        outcome = "ok" if peak <= 0.9 * self.budget else "over_budget"
+        return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, step_seconds=step,
+                     optimizer_seconds=opt, samples_per_second=rate)
+
+
+def _search(gpu, rungs, **kw):
+    return Controller(gpu, per_rank=gpu.per_rank, limit_bytes=int(0.9 * gpu.budget), **kw).search(rungs)
+
+
+def test_checkpointing_wins_when_it_lets_a_launch_bound_model_grow():
+    # PEERS.md's GPT-2 large shape: without checkpointing only micro-batch 2 fits; with it, 8 does, faster.
+    gpu = FakeGPU(24 * GiB, 64, {
+        BF16: (14 * GiB, 3.0 * GiB, 0.10, 0.030),
+        SEL: (14 * GiB, 1.8 * GiB, 0.12, 0.034),
+        FULL: (14 * GiB, 0.8 * GiB, 0.14, 0.040),
+        OFFLOAD: (4 * GiB, 0.8 * GiB, 0.14, 0.040, 1.5),  # the CPU optimizer step is slow
+    })
+    result = _search(gpu, [BF16, SEL, FULL, OFFLOAD])
+    assert result.best.rung == FULL
+    assert result.best.micro_batch_size == 8  # balanced: 8 x 8 covers 64 like 9 would not do better
+    assert len(result.trials) <= 12
+    assert sum(t.outcome == "oom" for t in result.trials) == 0
+    assert "x the fastest plan without checkpointing" in result.reason
+
+
+def test_no_climbing_when_the_cheapest_rung_already_runs_the_whole_batch():
+    gpu = FakeGPU(80 * GiB, 16, {BF16: (1 * GiB, 0.5 * GiB, 0.01, 0.01), FULL: (1 * GiB, 0.1 * GiB, 0.01, 0.013)})
+    result = _search(gpu, [BF16, FULL])
+    assert result.best.rung == BF16 and result.best.micro_batch_size == 16
+    assert all(rung == BF16 for rung, _ in gpu.calls)
+
+
+def test_a_saturated_rung_stops_the_climb():
+    # GPU-bound (no launch overhead): bigger micro-batches buy nothing, recompute only costs.
+    gpu = FakeGPU(24 * GiB, 64, {BF16: (4 * GiB, 1 * GiB, 0.0, 0.03), FULL: (4 * GiB, 0.3 * GiB, 0.0, 0.04)})
+    result = _search(gpu, [BF16, FULL])
+    assert result.best.rung == BF16
+    assert any("stopped before bf16+full ckpt" in n for n in result.notes)
+    assert all(rung == BF16 for rung, _ in gpu.calls)
+
+
+def test_prediction_is_verified_and_bisected_after_a_miss():
+    class Convex(FakeGPU):  # memory grows faster than linearly: the line over-predicts
+        def __call__(self, rung, micro):
+            self.rungs[rung] = (2 * GiB, (0.5 + 0.05 * micro) * GiB, 0.0, 0.01)
+            return super().__call__(rung, micro)
+
+    gpu = Convex(16 * GiB, 64, {BF16: None})
+    result = _search(gpu, [BF16])
+    sizes = [m for _, m in gpu.calls]
+    assert sizes[:2] == [1, 2] and len(sizes) <= 6
+    best = result.best.micro_batch_size
+    assert 2 + best * (0.5 + 0.05 * best) <= 0.9 * 16  # the winner really fits under the limit
+
+
+def test_nothing_fits_raises_with_what_was_tried():
+    gpu = FakeGPU(8 * GiB, 8, {BF16: (9 * GiB, 1 * GiB, 0, 0.01), FULL: (8.5 * GiB, 0.1 * GiB, 0, 0.01)})
+    with pytest.raises(NoFeasiblePlan, match=r"even at micro-batch 1 on the top rung \(bf16\+full ckpt\).*Tried: bf16 @ 1: oom") as err:
+        _search(gpu, [BF16, FULL])
+    assert len(err.value.trials) == 2
+
+
+def test_headroom_breaks_a_tie():
+    gpu = FakeGPU(24 * GiB, 8, {BF16: (1 * GiB, 2 * GiB, 0.0, 0.01)})
+    controller = Controller(gpu, per_rank=8, limit_bytes=int(0.9 * gpu.budget))
+    a = Trial(rung=BF16, micro_batch_size=8, outcome="ok", peak_bytes=20 * GiB, samples_per_second=100.0)
+    b = Trial(rung=FULL, micro_batch_size=8, outcome="ok", peak_bytes=10 * GiB, samples_per_second=98.5)
+    c = Trial(rung=SEL, micro_batch_size=8, outcome="ok", peak_bytes=5 * GiB, samples_per_second=90.0)
+    controller.trials = [a, b, c]
+    assert controller._best() is b  # within 3% of the fastest, and more headroom; c is too slow
+
+
+def test_max_micro_caps_the_search():
+    gpu = FakeGPU(80 * GiB, 64, {BF16: (1 * GiB, 0.1 * GiB, 0.01, 0.01)})
+    result = _search(gpu, [BF16], max_micro=5)
+    assert result.best.micro_batch_size <= 5
+    assert max(m for _, m in gpu.calls) <= 5

@@ -1,0 +1,44 @@
+"""Plan and Trial validate themselves and round-trip through dicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autotune.plan import Plan, Rung, Trial
+
+
+def _plan(**over):
+    fields = dict(precision="bf16", checkpointing="full", offload="none", micro_batch_size=10, accumulation_steps=7,
+                  world_size=1, global_batch_size=64, last_micro_batch_size=4, peak_memory_bytes=10, margin=0.1,
+                  memory_budget_bytes=100, samples_per_second=5.0, reason="r",
+                  trials=(Trial(rung=Rung(checkpointing="full"), micro_batch_size=10, outcome="ok"),))
+    fields.update(over)
+    return Plan(**fields)
+
+
+def test_round_trip_through_json():
+    plan = _plan()
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+    assert again.trials[0].rung == Rung(checkpointing="full")
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"micro_batch_size": -1}, "micro_batch_size"),
+    ({"precision": "int8"}, "precision"),
+    ({"accumulation_steps": 6}, "covers 54 samples"),
+    ({"global_batch_size": 63, "world_size": 2}, "does not divide"),
+    ({"margin": 1.5}, "margin"),
+])
+def test_bad_values_are_rejected(over, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(**over)
+
+
+def test_unknown_fields_are_rejected():
+    d = _plan().to_dict()
+    d["evil"] = "__import__('os')"
+    with pytest.raises(ValueError, match="unknown Plan field"):
+        Plan.from_dict(d)
