@@ -93,6 +93,7 @@ def fit(
     global_batch = settings.global_batch_size or example_size * world
     per_rank = per_rank_batch(global_batch, world)
     budget, budget_source = _budget(settings, placement)
+    budget = distributed.smallest(budget)  # every rank searches under the same limit, so all decide alike
     allowed = parse_techniques(settings.techniques)
     store = plan_cache.open_cache(settings.cache)
     parts = plan_cache.key_parts(model=model, batch=batch, global_batch_size=global_batch, world_size=world,
@@ -147,7 +148,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                         loss_fn=resolve_loss(loss_fn), spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
-        runner = TrialRunner(work, agree=distributed.agree_oom)
+        runner = TrialRunner(work, agree=distributed.agree_trial)
         controller = Controller(runner, per_rank=per_rank, limit_bytes=limit, max_micro=bound,
                                 max_trials=settings.max_trials, world_size=world,
                                 remeasure=lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps))

@@ -52,15 +52,15 @@ class Workload:
     measured_steps: int = 3
 
 
-def agree_local(oom: bool) -> bool:
-    """Single process: nothing to agree with. Under torch.distributed this is an all-reduce (MAX)."""
-    return oom
+def agree_local(trial: Trial) -> Trial:
+    """Single process: nothing to agree with. Under torch.distributed: `distributed.agree_trial`."""
+    return trial
 
 
 class TrialRunner:
     """Callable `(rung, micro_batch_size) -> Trial`; what the controller calls for every measurement."""
 
-    def __init__(self, work: Workload, agree: Callable[[bool], bool] = agree_local) -> None:
+    def __init__(self, work: Workload, agree: Callable[[Trial], Trial] = agree_local) -> None:
         self.work = work
         self.agree = agree
 
@@ -90,9 +90,9 @@ class TrialRunner:
         finally:
             _clean_up(work, applied)
         del micro_batch
-        oom = self.agree(timings is None)
-        return _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, oom,
-                           failure, time.perf_counter() - started)
+        trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
+                            time.perf_counter() - started)
+        return self.agree(trial)
 
 
 def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float]:
@@ -138,9 +138,9 @@ def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
 
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
-                timings: tuple[float, float] | None, oom: bool, failure: str, seconds: float) -> Trial:
-    if oom or timings is None:
-        note = failure or "another rank ran out of memory"
+                timings: tuple[float, float] | None, failure: str, seconds: float) -> Trial:
+    if timings is None:
+        note = failure
         return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=peak, seconds=seconds,
                      alloc_retries=retries, note=note[:200])
     step_s, opt_s = timings

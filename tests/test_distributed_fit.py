@@ -1,0 +1,67 @@
+"""Several ranks (gloo, CPU processes) tune together and end with one plan, whatever their ceilings."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import autotune
+    from gpt import GPT, GPTConfig, random_batch
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=64, n_layer=4, n_embd=32, n_head=4, seq_len=32)
+        model = GPT(cfg)
+        neighbour = 2**19 if rank == 1 else 0  # rank 1 shares its GPU: 0.5 MiB more in use, step after step
+        crowd: list[torch.Tensor] = []
+
+        def loss_fn(m, batch):
+            crowd[:] = [torch.ones(neighbour // 4)]  # allocated under the trial's ceiling, held across the step
+            return m(*batch)
+
+        plan = autotune.fit(model, random_batch(cfg, 4), global_batch_size=16, memory_budget=budgets[rank],
+                            device="cpu", cache=False, trial_steps=1, loss_fn=loss_fn)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(plan.to_dict(), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_ceilings_agree_on_one_plan():
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        # different ceilings, and a neighbour on rank 1: the plan has to fit there, and rank 0 must follow it
+        budgets = [3 * 2**20, int(2.5 * 2**20)]
+        ctx = mp.start_processes(_rank_main, args=(init_file, tmp, budgets), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+        for _ in range(300):
+            if ctx.join(timeout=1):
+                break
+        else:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks did not finish within 300 s (a collective left waiting?)")
+        plans = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
+    notes = [[t.pop("note") for t in p["trials"]] for p in plans]
+    assert plans[0] == plans[1]  # same plan, same trials, same figures on both ranks
+    plan = plans[0]
+    assert plan["world_size"] == WORLD
+    assert plan["micro_batch_size"] * (plan["accumulation_steps"] - 1) + plan["last_micro_batch_size"] == 16 // WORLD
+    assert plan["peak_memory_bytes"] <= 0.9 * budgets[1]
+    # rank 0 alone would have fitted some of these; it followed rank 1's OOM
+    assert any(n.startswith("another rank") for n in notes[0]), notes
+    assert plan["memory_budget_bytes"] == min(budgets)
