@@ -6,6 +6,7 @@
 """
 
 from .api import fit
+from .cache import PlanCache
 from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
 from .plan import Plan, Rung, Trial
 
@@ -17,6 +18,7 @@ __all__ = [
     "InvalidSetting",
     "NoFeasiblePlan",
     "Plan",
+    "PlanCache",
     "Rung",
     "Trial",
     "fit",

@@ -63,9 +63,14 @@ class FitSettings:
 
     @classmethod
     def resolve(cls, **given: Any) -> FitSettings:
-        """Arguments that are None fall back to their `AUTOTUNE_*` variable, then to the default."""
+        """Arguments that are None or not given fall back to their `AUTOTUNE_*` variable, then to the default.
+
+        Every variable in `ENV` is read, so one that fit has no argument for (AUTOTUNE_MAX_MICRO_BATCH, set
+        by `autotune run` after an OOM) still applies.
+        """
         values: dict[str, Any] = {}
-        for name, value in given.items():
+        for name in [*given, *(n for n in ENV if n not in given)]:
+            value = given.get(name)
             if value is None and name in ENV:
                 value = _from_env(name)
             if value is not None:

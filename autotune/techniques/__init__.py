@@ -12,7 +12,6 @@ A technique that is off is a null context or a no-op, so the training step has o
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -83,7 +82,8 @@ class AppliedRung:
     _undo: list[Callable[[], None]]
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None and not self._host else loss).backward()
+        # Scale under optimizer offload too: HostOptimizer.step unscales the host gradients itself.
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def optimizer_step(self) -> None:
         if self.scaler is not None and not self._host:
@@ -137,7 +137,3 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
         for fn in reversed(undo):
             fn()
         raise
-
-
-def null_context() -> ContextManager[object]:
-    return contextlib.nullcontext()

@@ -86,6 +86,7 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        args, kwargs = _without_kv_cache(args, kwargs)
         calls = [0]
         parked = offload and bool(args) and isinstance(args[0], torch.Tensor)
         first_input = [args[0]] if parked else []
@@ -109,6 +110,22 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     return forward
+
+
+def _without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The block's arguments with any Hugging Face KV cache (`transformers` `Cache`) replaced by None.
+
+    A decoder layer appends its keys and values to the cache in forward; the recompute in backward would
+    append them again (keys twice as long as the queries: a shape error, or silently wrong attention).
+    Training reads nothing back from it, so a checkpointed block gets none, as Hugging Face's own
+    checkpointing does. GPT-2 passes the cache positionally, hence both args and kwargs.
+    """
+    return (tuple(None if _is_kv_cache(a) else a for a in args),
+            {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()})
+
+
+def _is_kv_cache(value: Any) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
 
 
 class _frozen_norm_stats:

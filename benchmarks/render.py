@@ -1,0 +1,442 @@
+"""Render bench_peers.py's JSON lines into benchmarks/RESULTS.md (its "Peers" section) and a PNG plot.
+
+    python benchmarks/render.py benchmarks/results/peers.jsonl
+    python benchmarks/render.py a.jsonl b.jsonl --results benchmarks/RESULTS.md --plot benchmarks/peers.png
+
+Only the text between `<!-- peers:begin -->` and `<!-- peers:end -->` is replaced (the markers are added at
+the end of the file when absent); other sections of RESULTS.md are left alone. Every figure in the table
+cites the line it came from (`file:line`). Where autotune is behind a peer or the grid on any figure, the
+section says so. The plot needs matplotlib (imported only here); without it the table is still written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from typing import Any
+
+BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
+METHODS = ("autotune-cold", "autotune-warm", "accelerate", "lightning-power", "lightning-binsearch", "grid")
+AUTOTUNE = ("autotune-cold", "autotune-warm")
+LABELS = {"autotune-cold": "autotune, cold cache", "autotune-warm": "autotune, warm cache",
+          "accelerate": "Accelerate `find_executable_batch_size`", "lightning-power": "Lightning `scale_batch_size` power",
+          "lightning-binsearch": "Lightning `scale_batch_size` binsearch", "grid": "exhaustive grid (reference)"}
+SHORT = {"autotune-cold": "autotune (cold)", "autotune-warm": "autotune (warm)", "accelerate": "Accelerate",
+         "lightning-power": "Lightning power", "lightning-binsearch": "Lightning binsearch", "grid": "the grid"}
+
+
+# -- reading ------------------------------------------------------------------------------------------
+def load(paths: list[str]) -> list[dict[str, Any]]:
+    """Every record of every file, each tagged with `_at`: "file:line" (the file's name as given)."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    records.append({**json.loads(line), "_at": f"{os.path.basename(path)}:{n}"})
+    return records
+
+
+def key_of(config: dict[str, Any]) -> tuple[str, str, str, int]:
+    r = config["rung"]
+    return r["precision"], r["checkpointing"], r["offload"], config["micro_batch_size"]
+
+
+class Workload:
+    """One workload's records on one device: the latest tune record per method, the best verification per
+    configuration, and what was skipped or broke."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
+        last = records[-1]
+        self.name, self.spec, self.smoke, self.device = last["workload"], last["spec"], last["smoke"], last["device"]
+        self.unit, self.per_sample = self.spec["unit"], self.spec["per_sample"]
+        self.tune: dict[str, dict[str, Any]] = {}
+        self.problems: dict[str, dict[str, Any]] = {}
+        self.verified: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+        for r in records:  # later lines win: a rerun replaces an earlier run of the same method
+            method = r.get("method")
+            if r["kind"] == "tune":
+                self.tune[method] = r
+                self.problems.pop(method, None)
+            elif r["kind"] in ("error", "skip") and method:
+                self.problems[method] = r
+            elif r["kind"] == "verify":
+                key = key_of(r["config"])
+                if _steps_done(r) >= _steps_done(self.verified.get(key)):
+                    self.verified[key] = r
+        self.other_problems = [r for r in records if r["kind"] in ("error", "skip") and not r.get("method")]
+
+    # -- figures ------------------------------------------------------------------------------------
+    def verification(self, method: str) -> dict[str, Any] | None:
+        config = (self.tune.get(method) or {}).get("config")
+        return self.verified.get(key_of(config)) if config else None
+
+    def train_rate(self, method: str) -> float | None:
+        """Units/s of whole global steps in the verifying run, when it ran at least one step."""
+        v = self.verification(method)
+        train = (v or {}).get("train") or {}
+        return train["samples_per_second"] * self.per_sample if train.get("samples_per_second") else None
+
+    def trial_rate(self, method: str) -> float | None:
+        """Units/s estimated by autotune's TrialRunner (the grid's measure) in the verifying process."""
+        if method == "grid" and "grid" in self.tune and self.verification("grid") is None:
+            best = self.tune["grid"].get("estimated_samples_per_second")
+            return best * self.per_sample if best else None
+        trial = (self.verification(method) or {}).get("trial") or {}
+        return trial["samples_per_second"] * self.per_sample if trial.get("outcome") == "ok" else None
+
+    def ratio(self, method: str) -> tuple[float | None, str]:
+        """(rate / the grid best's rate, "" or "est."): whole-step rates when both ran, else trial estimates."""
+        if "grid" not in self.tune or not self.tune["grid"].get("config"):
+            return None, ""
+        mine, best = self.train_rate(method), self.train_rate("grid")
+        if mine and best:
+            return mine / best, ""
+        mine, best = self.trial_rate(method), self.trial_rate("grid")
+        if mine and best:
+            return mine / best, "est."
+        return None, ""
+
+    def steps_ok(self, method: str) -> bool | None:
+        train = (self.verification(method) or {}).get("train")
+        if not train:
+            return None
+        return not train["oom"]
+
+
+def _steps_done(record: dict[str, Any] | None) -> int:
+    if record is None:
+        return -1
+    return ((record.get("train") or {}).get("steps_done")) or 0
+
+
+def workloads(records: list[dict[str, Any]]) -> list[Workload]:
+    by: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by[(r.get("smoke", False), r.get("device", ""), r["workload"])].append(r)
+    return [Workload(rs) for _, rs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1]))]
+
+
+# -- table cells --------------------------------------------------------------------------------------
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def describe(config: dict[str, Any] | None) -> str:
+    if not config:
+        return "none"
+    text = f"{config['name']}, micro-batch {config['micro_batch_size']} × {config['accumulation_steps']}"
+    if config["last_micro_batch_size"] != config["micro_batch_size"]:
+        text += f" (last {config['last_micro_batch_size']})"
+    return text
+
+
+def row(w: Workload, method: str) -> dict[str, str]:
+    """The table's cells for one method."""
+    t = w.tune.get(method)
+    if t is None:
+        p = w.problems.get(method)
+        why = (p.get("error") or p.get("reason") or "") if p else "not run"
+        return {"method": LABELS[method], "trials": "", "ooms": "", "time": "", "config": f"— ({why})",
+                "rate": "", "ratio": "", "steps": "", "at": p["_at"] if p else ""}
+    config = describe(t.get("config"))
+    if t.get("error"):
+        config = f"none: gave up ({t['error']})"
+    notes = [n for n in (t.get("note"), "cache hit" if t.get("source") == "cache" else "") if n]
+    if notes:
+        config += f" — {'; '.join(notes)}"
+    v = w.verification(method)
+    rate = w.train_rate(method)
+    ratio, how = w.ratio(method)
+    return {"method": LABELS[method], "trials": str(t["trials"]), "ooms": str(t["ooms"]),
+            "time": _seconds(t["tune_seconds"]), "config": config,
+            "rate": _num(rate) if rate else _rate_missing(w, method),
+            "ratio": f"{ratio:.2f}×{' (' + how + ')' if how else ''}" if ratio else "",
+            "steps": _steps(v), "at": ", ".join(x for x in (t["_at"], v["_at"] if v else "") if x)}
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
+def _rate_missing(w: Workload, method: str) -> str:
+    v = w.verification(method)
+    if not (w.tune[method].get("config")):
+        return "—"
+    if v is None:
+        est = w.trial_rate(method)
+        return f"{_num(est)} (est., not verified)" if est else "not verified"
+    train = v.get("train")
+    if train and train["oom"] and not train["steps_done"]:
+        return "OOM"
+    return "—"
+
+
+def _steps(v: dict[str, Any] | None) -> str:
+    if v is None:
+        return "not run"
+    train = v.get("train")
+    if not train:
+        return "not run (--steps 0)"
+    done, asked = train["steps_done"], train["steps_requested"]
+    if train["oom"]:
+        return f"**no**: OOM in step {done + 1} of {asked}"
+    if train.get("stopped"):
+        return f"yes for {done} of {asked} (stopped: {train['stopped']})"
+    return f"yes, {done} of {asked}"
+
+
+# -- where autotune is behind -------------------------------------------------------------------------
+def behind(w: Workload) -> list[str]:
+    """One plain sentence per figure on which an autotune row is worse than a peer or the grid."""
+    out = []
+    for mine in AUTOTUNE:
+        t = w.tune.get(mine)
+        if t is None:
+            continue
+        me = SHORT[mine]
+        for other in METHODS:
+            o = w.tune.get(other)
+            if other in AUTOTUNE or o is None:
+                continue
+            them = SHORT[other] + (" (which then found no configuration)" if not o.get("config") else "")
+            if o["trials"] < t["trials"]:
+                out.append(f"Trials: {me} ran {t['trials']} trials, {them} {o['trials']} [{t['_at']}, {o['_at']}].")
+            if o["ooms"] < t["ooms"]:
+                out.append(f"OOMs while tuning: {me} hit {t['ooms']}, {them} {o['ooms']} [{t['_at']}, {o['_at']}].")
+            if o["tune_seconds"] < t["tune_seconds"]:
+                out.append(f"Tuning time: {me} took {_seconds(t['tune_seconds'])}, {them} "
+                           f"{_seconds(o['tune_seconds'])} [{t['_at']}, {o['_at']}]." + _time_reason(w, mine, other))
+            out += _rate_behind(w, mine, other, me)
+        if w.steps_ok(mine) is False:
+            v = w.verification(mine)
+            out.append(f"Training: {me}'s plan ran out of memory in step {v['train']['steps_done'] + 1} of "
+                       f"{v['train']['steps_requested']} ({v['train']['error']}) [{v['_at']}].")
+    return out
+
+
+def _rate_behind(w: Workload, mine: str, other: str, me: str) -> list[str]:
+    a, b = w.train_rate(mine), w.train_rate(other)
+    how = "whole global steps in training"
+    if not (a and b):
+        a, b, how = w.trial_rate(mine), w.trial_rate(other), "trial estimates"
+    if not (a and b) or a >= b:
+        return []
+    cfg_a, cfg_b = w.tune[mine]["config"], w.tune[other]["config"]
+    same = key_of(cfg_a) == key_of(cfg_b)
+    why = (" Same configuration, so this is run-to-run noise between two processes." if same else
+           f" autotune chose {describe(cfg_a)}; {SHORT[other]} {describe(cfg_b)}.")
+    va, vb = w.verification(mine), w.verification(other)
+    cites = ", ".join(x["_at"] for x in (va, vb) if x) or w.tune[other]["_at"]
+    return [f"Throughput: {me} {_num(a)} {w.unit}, {SHORT[other]} {_num(b)} {w.unit} ({a / b:.2f}×, {how})."
+            f"{why} [{cites}]"]
+
+
+def _time_reason(w: Workload, mine: str, other: str) -> str:
+    t, o = w.tune[mine], w.tune[other]
+    if other == "grid":
+        return ""
+    if t.get("source") == "cache":
+        return " (a cache hit: no trials, the time is the lookup and process work)"
+    return (f" Why: autotune measures every trial over 1 warm-up + {w.spec.get('trial_steps', 3)}"
+            f" steps and times rungs above the first that fits, to pick by throughput; the peer stops at the "
+            f"largest batch that survives its probe.") if t["trials"] else ""
+
+
+# -- markdown -----------------------------------------------------------------------------------------
+COLUMNS = (("method", "Method"), ("trials", "Trials"), ("ooms", "OOMs tuning"), ("time", "Tuning time"),
+           ("config", "Chosen configuration"), ("rate", "{unit}, global step"), ("ratio", "× grid best"),
+           ("steps", "Steps without OOM"), ("at", "Lines"))
+
+
+def table(w: Workload) -> str:
+    heads = [h.format(unit=w.unit) for _, h in COLUMNS]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for method in METHODS:
+        if method in w.tune or method in w.problems:
+            cells = row(w, method)
+            lines.append("| " + " | ".join(cells[k].replace("|", "\\|") for k, _ in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def grid_table(w: Workload) -> str:
+    g = w.tune.get("grid")
+    if not g:
+        return ""
+    sizes = sorted({t["micro_batch_size"] for t in g["grid"]})
+    rungs: dict[str, dict[int, str]] = {}
+    for t in g["grid"]:
+        name = _rung_name(t["rung"])
+        cell = {"ok": _num(t["samples_per_second"] * w.per_sample), "oom": "OOM",
+                "over_budget": f"{_num(t['samples_per_second'] * w.per_sample)} (over margin)"}[t["outcome"]]
+        rungs.setdefault(name, {})[t["micro_batch_size"]] = cell
+    lines = ["| rung \\ micro-batch | " + " | ".join(map(str, sizes)) + " |", "|" + "---|" * (len(sizes) + 1)]
+    for name, cells in rungs.items():
+        lines.append(f"| {name} | " + " | ".join(cells.get(m, "") for m in sizes) + " |")
+    done = "" if g.get("complete", True) else " The grid was cut short by the deadline."
+    return (f"Grid [{g['_at']}]: {w.unit} estimated for a whole global step by autotune's TrialRunner; OOM: "
+            f"out of memory; over margin: ran but above 90% of the ceiling, so not eligible.{done}\n\n"
+            + "\n".join(lines))
+
+
+def _rung_name(r: dict[str, str]) -> str:
+    parts = [r["precision"]]
+    if r["checkpointing"] != "none":
+        parts.append(f"{r['checkpointing']} ckpt")
+    if r["offload"] != "none":
+        parts.append(f"{r['offload']} offload")
+    return "+".join(parts)
+
+
+def facts(w: Workload) -> str:
+    last = w.records[-1]
+    versions = ", ".join(f"{k} {v}" for k, v in sorted((last.get("versions") or {}).items()))
+    dates = sorted({r["date"] for r in w.records if r.get("date")})
+    commands = sorted({r["command"] for r in w.records if r.get("command")})
+    span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}" if dates else "?"
+    cmd = "\n".join(f"    {c}" for c in commands)
+    return (f"Device: {w.device} · torch {last.get('torch')} (CUDA {last.get('cuda')}) · {versions} · {span}\n\n"
+            f"Commands:\n\n{cmd}")
+
+
+def section(ws: list[Workload], files: list[str], plot: str | None, command: str) -> str:
+    out = [BEGIN, "## autotune beside its peers", "",
+           f"Generated by `{command}` from {', '.join(f'`{f}`' for f in files)}; each figure cites its "
+           "`file:line`. How it is measured: `benchmarks/README.md`. Trials and OOMs count the tries each method "
+           "made while tuning; the throughput is of whole global steps (accumulation included) in a fresh "
+           "process training at the chosen configuration, the same loop for every method; × grid best divides "
+           "it by the same figure for the grid's best configuration (est.: TrialRunner estimates, when training "
+           "figures are missing).", ""]
+    if any(w.smoke for w in ws):
+        out += ["**Smoke run: tiny CPU stand-ins under a simulated memory ceiling. These figures test the "
+                "pipeline; they say nothing about performance.**", ""]
+    if plot:
+        out += [f"![{', '.join(w.name for w in ws)}: throughput against micro-batch]({plot})", ""]
+    for w in ws:
+        out += [f"### {w.name}: {w.spec['title']}; {w.spec['budget']} ceiling, global batch {w.spec['global_batch_size']}",
+                "", facts(w), "", table(w), ""]
+        lost = behind(w)
+        out += ["**Where autotune is behind:**", ""]
+        out += [f"- {s}" for s in lost] if lost else ["- Nowhere in this run: on every figure above, autotune is "
+                                                      "level with or ahead of each peer and the grid."]
+        for r in w.other_problems:
+            out += [f"- Note: {r.get('label') or r.get('stage')}: {r.get('error') or r.get('reason')} [{r['_at']}]"]
+        grid = grid_table(w)
+        if grid:
+            out += ["", "<details><summary>The grid, every rung × micro-batch</summary>", "", grid, "", "</details>"]
+        out.append("")
+    out.append(END)
+    return "\n".join(out)
+
+
+def write_section(path: str, text: str) -> None:
+    """Replace the text between the markers (inclusive) in `path`, or append it at the end."""
+    old = open(path).read() if os.path.exists(path) else ""
+    if BEGIN in old and END in old and old.index(BEGIN) < old.index(END):
+        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
+    else:
+        new = (old.rstrip("\n") + "\n\n" if old.strip() else "") + text + "\n"
+    with open(path, "w") as f:
+        f.write(new)
+
+
+def text_summary(records: list[dict[str, Any]]) -> str:
+    """A plain-text version of the tables, for the console."""
+    out = []
+    for w in workloads([r for r in records if "workload" in r]):
+        out.append(f"\n{w.name} ({w.spec['title']}, {w.spec['budget']}, global batch {w.spec['global_batch_size']}) "
+                   f"on {w.device}")
+        for method in METHODS:
+            if method in w.tune or method in w.problems:
+                c = row(w, method)
+                out.append(f"  {SHORT[method]:20} trials {c['trials']:>3} ooms {c['ooms']:>3} {c['time']:>9}  "
+                           f"{c['config'][:70]:70} {c['rate']:>12} {w.unit} {c['ratio']:>6}  {c['steps']}")
+        for s in behind(w):
+            out.append(f"  behind: {s}")
+    return "\n".join(out)
+
+
+# -- the plot -----------------------------------------------------------------------------------------
+MARKERS = {"autotune-cold": ("*", "black", 16), "autotune-warm": ("P", "dimgray", 10), "accelerate": ("v", "tab:red", 10),
+           "lightning-power": ("^", "tab:purple", 10), "lightning-binsearch": ("D", "tab:brown", 8)}
+
+
+def plot(ws: list[Workload], path: str) -> bool:
+    """Throughput against micro-batch per rung (the grid), with each method's answer marked. False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("render: matplotlib is not installed; no plot (pip install matplotlib, then render again)",
+              file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(ws), figsize=(6.4 * len(ws), 4.8), squeeze=False)
+    for ax, w in zip(axes[0], ws):
+        _plot_one(ax, w)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_one(ax: Any, w: Workload) -> None:
+    g = w.tune.get("grid")
+    if g:
+        lines: dict[str, list[tuple[int, float, str]]] = {}
+        for t in g["grid"]:
+            lines.setdefault(_rung_name(t["rung"]), []).append(
+                (t["micro_batch_size"], t["samples_per_second"] * w.per_sample, t["outcome"]))
+        for name, pts in lines.items():
+            ran = [(m, y) for m, y, o in pts if o != "oom"]
+            (line,) = ax.plot([m for m, _ in ran], [y for _, y in ran], "o-", label=name, alpha=0.8)
+            over = [(m, y) for m, y, o in pts if o == "over_budget"]
+            ax.plot([m for m, _ in over], [y for _, y in over], "o", mfc="white", color=line.get_color())
+            ooms = [m for m, _, o in pts if o == "oom"]
+            ax.plot(ooms, [0] * len(ooms), "x", color=line.get_color(), ms=9)
+    for method, (marker, color, size) in MARKERS.items():
+        t = w.tune.get(method)
+        if not t or not t.get("config"):
+            continue
+        micro = t["config"]["micro_batch_size"]
+        y = w.trial_rate(method)
+        label = f"{SHORT[method]}: {t['config']['name']} @ {micro}" + ("" if y else " (OOM)")
+        ax.plot([micro], [y or 0], marker, color=color, ms=size, label=label, mec="black", zorder=5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batch size")
+    ax.set_ylabel(f"{w.unit}, whole global step (TrialRunner)")
+    ax.set_title(f"{w.name}: {w.spec['title']}\n{w.spec['budget']} ceiling, global batch {w.spec['global_batch_size']}"
+                 f"{' (SMOKE, CPU)' if w.smoke else ''}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+# -- command line -------------------------------------------------------------------------------------
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", help="JSON-lines files from bench_peers.py")
+    p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    p.add_argument("--plot", default=None, help="PNG path; default peers.png beside --results")
+    p.add_argument("--workload", action="append", help="only these workloads (default: all in the files)")
+    args = p.parse_args()
+    records = [r for r in load(args.files) if "workload" in r]
+    ws = [w for w in workloads(records) if not args.workload or w.name in args.workload]
+    if not ws:
+        p.error("no bench_peers records in the files")
+    plot_path = args.plot or os.path.join(os.path.dirname(os.path.abspath(args.results)), "peers.png")
+    drew = plot(ws, plot_path)
+    rel = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(args.results))) if drew else None
+    command = "python benchmarks/render.py " + " ".join(sys.argv[1:])
+    write_section(args.results, section(ws, args.files, rel, command))
+    print(f"render: wrote {args.results}" + (f" and {plot_path}" if drew else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,12 @@
+"""Hangs before its first optimizer step (waiting on data that never comes); writes its pid to argv[1]."""
+
+import os
+import sys
+import time
+
+tmp = sys.argv[1] + ".tmp"
+with open(tmp, "w") as f:
+    f.write(str(os.getpid()))
+os.replace(tmp, sys.argv[1])
+while True:
+    time.sleep(1)

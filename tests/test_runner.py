@@ -1,0 +1,314 @@
+"""`autotune run`: the supervisor against small scripts that fail, run out of memory, hang or ignore SIGTERM.
+
+The end-to-end tests start `python -m autotune run ...` as a real process (signals, process groups and
+exit codes are the point); each is bounded by a subprocess timeout. The decision logic (flag mapping,
+classification, the restart loop) is also tested in-process with fakes, which is fast and exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from autotune import runner
+from autotune.cli import main
+from autotune.controller import Controller
+from autotune.errors import InvalidSetting
+from autotune.plan import Rung, Trial
+from autotune.process import ChildExit
+from autotune.verdict import classify
+from autotune.zero_change import FlagMap
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+TIMEOUT = 180  # seconds for any one `autotune run` (two CPUs under load start torch slowly)
+ZERO_CHANGE_MAPS = ["--map", "micro_batch=--per_device_train_batch_size",
+                    "--map", "accumulation=--gradient_accumulation_steps"]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1"}
+
+
+def autotune_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "autotune", "run", *args], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def start_run(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "autotune", "run", *args], cwd=ROOT, env=_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[str], seconds: float = TIMEOUT) -> str:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"autotune run exited ({proc.returncode}) before the script started: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.terminate()  # the supervisor stops its job on the way out
+            proc.wait(timeout=60)
+            pytest.fail(f"the script did not write {path} within {seconds} s")
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def stop_all(proc: subprocess.Popen[str], job: list[psutil.Process]) -> None:
+    """Whatever the test found, leave nothing running: the supervisor, then the job's processes, by pid."""
+    proc.kill()
+    for p in job:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def gone(p: psutil.Process) -> bool:
+    """Exited (a zombie awaiting its reaper counts: it runs nothing and holds no memory)."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- end to end ------------------------------------------------------------------------------------------
+
+def test_a_failure_that_is_not_memory_passes_its_exit_code_through_and_is_not_retried(tmp_path: Path) -> None:
+    launches = tmp_path / "launches"
+    done = autotune_run(tmp_path, str(SCRIPTS / "exit7.py"), str(launches))
+    assert done.returncode == 7, done.stderr
+    assert launches.read_text().splitlines() == ["launch 0"]
+    assert "ValueError: bad learning rate schedule" in done.stderr  # the traceback tail passes through
+    assert "not retried" in done.stderr
+
+
+@pytest.mark.parametrize("cache", ["plans.db", "off"])
+def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Path, cache: str) -> None:
+    log = tmp_path / "attempts"
+    setting = str(tmp_path / cache) if cache != "off" else "off"
+    done = autotune_run(tmp_path, "--global-batch-size", "16", "--budget", "256MiB", "--trial-steps", "2",
+                        "--cache", setting, str(SCRIPTS / "cooperative_oom.py"), str(log))
+    assert done.returncode == 0, done.stderr
+    attempts = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    assert [a[0] for a in attempts] == [0, 1]  # AUTOTUNE_RESTART_COUNT of each launch
+    (_, first, _), (_, second, accumulation) = attempts
+    assert second < first
+    assert second * accumulation >= 16  # the global batch is kept
+    assert "restarting" in done.stderr and "finished with micro-batch" in done.stdout
+
+
+def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Path) -> None:
+    """Each sample costs 1 MiB: under a 7 MiB ceiling micro-batch 8 runs out of memory, 4 fits."""
+    out = tmp_path / "final"
+    done = autotune_run(tmp_path, "--global-batch-size", "32", "--budget", "7MiB", "--trial-steps", "2", "--json",
+                        *ZERO_CHANGE_MAPS, str(SCRIPTS / "zero_change_oom.py"), str(out))
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)  # --json: the plan, and nothing else, on stdout
+    assert (plan["micro_batch_size"], plan["accumulation_steps"]) == (4, 8)
+    assert plan["peak_memory_bytes"] <= 0.9 * 7 * 2**20
+    assert out.read_text() == "batch=4 accumulation=8"
+    assert "FINAL batch=4" in done.stderr  # the script's own stdout went to stderr
+
+
+def test_a_hung_trial_is_stopped_at_the_trial_timeout(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    proc = start_run(tmp_path, "--global-batch-size", "8", "--trial-timeout", "20", "--grace-period", "1",
+                     *ZERO_CHANGE_MAPS, str(SCRIPTS / "hang.py"), str(pid_file))
+    job = [psutil.Process(int(wait_for_file(pid_file, proc)))]
+    try:
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 124, stderr
+        assert "still running after 20 s" in stderr and "--trial-timeout" in stderr
+        assert all(gone(p) for p in job)
+    finally:
+        stop_all(proc, job)
+
+
+def test_a_job_ignoring_sigterm_is_killed_after_the_grace_period_and_leaves_no_orphan(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    proc = start_run(tmp_path, "--grace-period", "1", str(SCRIPTS / "ignore_term.py"), str(pid_file))
+    job = [psutil.Process(int(p)) for p in wait_for_file(pid_file, proc).split()]
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 143, stderr
+        assert "ignored the signal" in stderr
+        deadline = time.monotonic() + 10
+        while not all(gone(p) for p in job) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(p) for p in job), [p.pid for p in job if not gone(p)]
+    finally:
+        stop_all(proc, job)  # after the checks: leave nothing behind even when they fail
+
+
+def test_sigint_stops_the_job_and_exits_130(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    proc = start_run(tmp_path, str(SCRIPTS / "sleeper.py"), str(pid_file))
+    job = psutil.Process(int(wait_for_file(pid_file, proc)))
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, stderr
+        assert gone(job)
+    finally:
+        stop_all(proc, [job])
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = [prefix]
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found += _commands(command, (*prefix, name))
+        else:
+            found.append((*prefix, name))
+    return found
+
+
+@pytest.mark.parametrize("path", _commands(main), ids=lambda p: " ".join(p) or "autotune")
+def test_every_command_has_help_with_an_example(path: tuple[str, ...]) -> None:
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output, f"`autotune {' '.join(path)} --help` shows no example"
+
+
+@pytest.mark.parametrize("args", [
+    ["--map", "micro_batch=--bs", "tests/scripts/exit7.py"],  # accumulation not mapped
+    ["--map", "speed=--fast", "--map", "accumulation=--acc", "tests/scripts/exit7.py"],
+    ["--budget", "lots", "tests/scripts/exit7.py"],
+    ["no_such_script.py"],
+])
+def test_usage_errors_exit_2(args: list[str]) -> None:
+    result = CliRunner().invoke(main, ["run", *args])
+    assert result.exit_code == 2, result.output
+
+
+def test_arguments_after_the_script_go_to_the_script_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def fake_run(options: runner.RunOptions, on_plan: object = None) -> runner.RunResult:
+        seen["options"] = options
+        return runner.RunResult(exit_code=0)
+
+    monkeypatch.setattr("autotune.commands.run.run_script", fake_run)
+    result = CliRunner().invoke(main, ["run", "--max-restarts", "1", "tests/scripts/exit7.py", "--budget", "x",
+                                       "-v", "--json"])
+    assert result.exit_code == 0, result.output
+    assert seen["options"].script_args == ("--budget", "x", "-v", "--json")
+    assert seen["options"].max_restarts == 1 and not seen["options"].json_output
+
+
+# -- zero-change flags -----------------------------------------------------------------------------------
+
+def test_flag_map_replaces_the_scripts_own_values() -> None:
+    flags = FlagMap.parse(["micro_batch=--bs", "accumulation=--acc", "checkpointing=--ckpt", "bf16=--bf16"])
+    args = ["--bs", "64", "--acc=2", "--ckpt", "--bf16", "false", "--lr", "3e-4"]
+    assert flags.global_batch(args, world_size=2) == 256
+    out = flags.apply(args, micro=8, accumulation=4, rung=Rung(precision="bf16", checkpointing="none"))
+    assert out == ["--lr", "3e-4", "--bs", "8", "--acc", "4", "--bf16"]
+
+
+def test_flag_map_needs_both_batch_knobs() -> None:
+    with pytest.raises(InvalidSetting, match="accumulation"):
+        FlagMap.parse(["micro_batch=--bs"])
+
+
+# -- classification --------------------------------------------------------------------------------------
+
+def _exit(returncode: int, tail: str = "", **kw: object) -> ChildExit:
+    return ChildExit(returncode=returncode, seconds=1.0, output_tail=tail, **kw)  # type: ignore[arg-type]
+
+
+def test_the_agents_record_decides_and_outranks_the_output_text() -> None:
+    assert classify(_exit(1), [{"outcome": "oom", "error": "OutOfMemoryError: CUDA out of memory"}]).kind == "oom"
+    # A recovered OOM logged earlier does not make a later ValueError an OOM.
+    judged = classify(_exit(1, "warning: CUDA out of memory, retrying"), [{"outcome": "error", "error": "ValueError"}])
+    assert (judged.kind, judged.exit_code) == ("error", 1)
+    assert classify(_exit(1, "RuntimeError: CUDA error: out of memory"), []).kind == "oom"
+    assert classify(_exit(-signal.SIGKILL), []).note.startswith("killed by SIGKILL")
+    assert classify(_exit(-signal.SIGSEGV), []).exit_code == 128 + signal.SIGSEGV
+    assert classify(_exit(-signal.SIGINT, signal_received=signal.SIGINT), []).exit_code == 130
+
+
+# -- the search over divisors ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("per_rank", [7, 9, 12, 32])
+def test_the_controller_only_tries_allowed_micro_batches(per_rank: int) -> None:
+    allowed = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    tried: list[int] = []
+
+    def fake(rung: Rung, micro: int) -> Trial:  # 1 MiB per sample; a fixed time per micro-step
+        tried.append(micro)
+        fits = micro <= 5
+        return Trial(rung=rung, micro_batch_size=micro, outcome="ok" if fits else "oom",
+                     peak_bytes=micro * 2**20 if fits else 0, step_seconds=0.01, optimizer_seconds=0.001,
+                     samples_per_second=per_rank / (0.01 * per_rank / micro + 0.001) if fits else 0.0)
+
+    result = Controller(fake, per_rank=per_rank, limit_bytes=int(5.5 * 2**20), sizes=allowed).search([Rung()])
+    assert set(tried) <= set(allowed) and len(tried) == len(set(tried))
+    assert result.best.micro_batch_size == max(d for d in allowed if d <= 5)
+
+
+# -- restart loops, with a fake launcher -----------------------------------------------------------------
+
+def _fake_launches(monkeypatch: pytest.MonkeyPatch, fits_in_trials: int, fits_for_real: int) -> list[tuple[bool, int]]:
+    """Trials fit up to `fits_in_trials`; the real run only up to `fits_for_real` (it meets longer inputs)."""
+    calls: list[tuple[bool, int]] = []
+
+    def launch(self: runner.Launcher, args: list[str], env: dict[str, str], *, trial: bool = False):
+        micro = int(args[args.index("--bs") + 1])
+        calls.append((trial, micro))
+        limit = fits_in_trials if trial else fits_for_real
+        if micro > limit:
+            return classify(_exit(1), [{"outcome": "oom", "error": "OutOfMemoryError: CUDA out of memory"}])
+        record = {"outcome": "ok", "trial": {"step_seconds": [0.01], "optimizer_seconds": [0.001],
+                                             "peak_bytes": micro * 2**20}} if trial else {"outcome": "ok"}
+        return classify(_exit(0), [record])
+
+    monkeypatch.setattr(runner.Launcher, "launch", launch)
+    return calls
+
+
+def test_zero_change_real_run_oom_retunes_below_the_failed_micro_batch(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=4)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = runner.run(runner.RunOptions(script=str(script), maps=("micro_batch=--bs", "accumulation=--acc"),
+                                          global_batch_size=32, device="cpu", budget="1GiB"))
+    assert result.exit_code == 0, result.message
+    assert [micro for trial, micro in calls if not trial] == [8, 4]
+    assert (result.plan.micro_batch_size, result.plan.accumulation_steps) == (4, 8)
+    assert [a.outcome for a in result.attempts] == ["oom", "ok"]
+
+
+def test_restarts_stop_at_max_restarts_with_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = _fake_launches(monkeypatch, fits_in_trials=32, fits_for_real=0)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = runner.run(runner.RunOptions(script=str(script), maps=("micro_batch=--bs", "accumulation=--acc"),
+                                          global_batch_size=32, device="cpu", budget="1GiB", max_restarts=2))
+    assert result.exit_code == 3
+    assert len([c for c in calls if not c[0]]) == 3 and "after 2 restart(s)" in result.message
+
+
+def test_an_oom_before_fit_reported_a_plan_is_not_restarted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def launch(self: runner.Launcher, args: list[str], env: dict[str, str], *, trial: bool = False):
+        return classify(_exit(1), [{"outcome": "oom", "error": "OutOfMemoryError: CUDA out of memory"}])
+
+    monkeypatch.setattr(runner.Launcher, "launch", launch)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = runner.run(runner.RunOptions(script=str(script)))
+    assert result.exit_code == 3 and "before autotune.fit reported a plan" in result.message
+    assert len(result.attempts) == 1
