@@ -117,7 +117,8 @@ def fit(
              placement.name, budget / 2**30, budget_source, global_batch, world)
     plan = _tune(model, batch, optimizer, loss_fn, settings, placement, budget, allowed, global_batch,
                  per_rank, world, bound)
-    plan = dataclasses.replace(plan, key=key)
+    # A plan carries its key only when it is cached: a recovery during training writes back by key.
+    plan = dataclasses.replace(plan, key=key if store is not None else "")
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
     log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,

@@ -224,12 +224,14 @@ class Controller:
         state = next((s for s in states if s.rung == best.rung), None)
         if state is None or len({t.micro_batch_size for t in state.ok}) < 2:
             return None  # one point gives no time model: the higher rung may still win
-        a, b = fit_line([(t.micro_batch_size, t.step_seconds) for t in state.ok])
+        _, b = fit_line([(t.micro_batch_size, t.step_seconds) for t in state.ok])
+        # The line's slope, anchored at the largest measured micro-batch: beyond it each extra sample
+        # costs at least b (b >= 0), and at it the time is what was measured, not what the fit says.
+        top = max(state.ok, key=lambda t: t.micro_batch_size)
         opt = min(t.optimizer_seconds for t in state.ok)
-        b = max(b, 0.0)
         extra = MIN_OVERHEAD[rung.offload if rung.offload != "none" else rung.checkpointing]
         base_extra = MIN_OVERHEAD[best.rung.offload if best.rung.offload != "none" else best.rung.checkpointing]
-        micro_seconds = max(a, 0.0) + b * self.cap * (1 + extra) / (1 + base_extra)
+        micro_seconds = (top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size)) * (1 + extra) / (1 + base_extra)
         per_step = global_step_seconds(micro_seconds, opt, self.per_rank, self.cap)
         return self.per_rank * self.world_size / per_step
 

@@ -56,7 +56,7 @@ def _param_bytes(model: torch.nn.Module) -> int:
 def test_checkpointing_is_needed_and_found(capped):
     model, batch = _model_and_batch()
     p = _param_bytes(model)
-    budget = int(6.6 * p)  # limit 5.9P: the AdamW step fits, a whole uncheckpointed sample does not
+    budget = int(7.0 * p)  # limit 6.3P: the AdamW step and full checkpointing fit, an uncheckpointed sample does not
     capped(budget)
     with pytest.raises(autotune.NoFeasiblePlan, match="no configuration fits"):
         autotune.fit(model, batch, global_batch_size=16, memory_budget=budget, cache=False, techniques=("bf16",))
