@@ -40,13 +40,13 @@ from .cache_rows import CacheEntry, Failure, PlanRow, TeamDir, check_plan_matche
 from .errors import AutotuneError, InvalidSetting
 from .plan import Plan
 
-__all__ = ["PlanCache", "CacheEntry", "CacheError", "CacheWarning", "ImportReport", "default_path", "open_cache",
-           "key_parts", "plan_key", "filesystem_type", "is_network_filesystem"]
+__all__ = ["CacheEntry", "CacheError", "CacheWarning", "ImportReport", "PlanCache", "default_path", "filesystem_type",
+           "is_network_filesystem", "key_parts", "open_cache", "plan_key"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_TIMEOUT = 5.0  # seconds a statement waits for another process's lock before giving up
+DEFAULT_TIMEOUT = 10.0  # seconds a statement waits for another process's lock before giving up (then: no cache)
 
 
 class CacheWarning(UserWarning):
@@ -302,7 +302,8 @@ class PlanCache:
     def _trouble(self, exc: BaseException, what: str) -> None:
         self.close()
         problem = cache_db.classify(exc)
-        detail = f"{what}: {exc}"
+        code = getattr(exc, "sqlite_errorname", "")  # Python 3.11+; says BUSY from BUSY_RECOVERY and the like
+        detail = f"{what}: {exc}" + (f" [{code}]" if code else "")
         if problem == "corrupt":
             moved = cache_db.move_aside(self.path)
             if moved is not None:  # recovered: the next call starts a new file

@@ -8,6 +8,8 @@ again (`check_parts` validates their shape first): a row whose key does not matc
 The model enters through a digest of its structure, not its weights' values: module classes and their
 plain settings (`n_head`, `eps`, `p`...), parameter names, shapes, dtypes and `requires_grad` (frozen
 weights need no gradient or optimizer state), and buffers. Training the model does not change its key.
+Where in doubt the key errs toward a miss (one more tune) rather than a wrong hit (a plan for another
+workload): a module attribute that changes as training goes (a step counter) changes the key too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import os
 from typing import Any
@@ -132,7 +135,10 @@ def runtime_versions(kind: str) -> dict[str, Any]:
 
 @functools.cache
 def _default_adamw_flags() -> dict[str, Any]:
-    return _group_flags(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
+    # Read from the signature, not a built optimizer: the first optimizer built in a process imports
+    # torch's compiler stack (seconds), which would turn a millisecond cache hit into a slow one.
+    defaults = {name: p.default for name, p in inspect.signature(torch.optim.AdamW).parameters.items()}
+    return _group_flags(defaults)
 
 
 def _group_flags(group: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +164,7 @@ def _model_config(model: torch.nn.Module) -> dict[str, Any]:
                     if not k.startswith("_") and _is_setting(v)}
         # Hugging Face keeps the attention kernel (eager / sdpa / flash) here; it changes memory a lot.
         if hasattr(config, "_attn_implementation"):
-            settings["_attn_implementation"] = str(getattr(config, "_attn_implementation"))
+            settings["_attn_implementation"] = str(config._attn_implementation)
         out[attr] = settings
     return out
 

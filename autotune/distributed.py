@@ -12,6 +12,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from .accumulation import LossWeights
 from .plan import Trial
 
 
@@ -82,3 +83,56 @@ def agree_oom(oom: bool) -> bool:
     flag = torch.tensor([1 if oom else 0], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def reduce_gradients(model: torch.nn.Module, weights: LossWeights) -> torch.Tensor:
+    """Data parallel, model replicated: sum every rank's share of the gradient; the global mean loss.
+
+    Called once per optimizer step, after every rank has agreed that none ran out of memory: the
+    collectives run only then, so an OOM mid-step never leaves a rank inside one (DDP's hooks would
+    start the all-reduce in the last backward, where a rank that failed earlier never arrives). Each
+    rank weighted its micro-batches by its own sample (or token) count; one all-reduce of the counts
+    gives each rank the factor that makes its gradient its share of the global batch, and a SUM
+    all-reduce of the rescaled gradients (in place, no extra buffers) gives the full-batch gradient,
+    also when ranks hold different numbers of samples.
+    """
+    totals = weights.totals(_collective_device())  # (samples, tokens, loss total) of this rank
+    dist.all_reduce(totals)
+    factor = weights.share(totals)
+    pending = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:  # a branch this rank did not take: the others still send theirs
+            p.grad = torch.zeros_like(p)
+        p.grad.mul_(factor)
+        pending.append(dist.all_reduce(p.grad, async_op=True))  # NCCL and gloo overlap these
+    for work in pending:
+        work.wait()
+    return weights.global_mean_loss(totals)
+
+
+def total(value: float) -> float:
+    """`value` summed over all ranks (samples in this step's global batch)."""
+    if not active():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def finish_sharded(model: torch.nn.Module, weights: LossWeights) -> torch.Tensor:
+    """FSDP2: the gradients are already reduced (averaged over ranks); token losses still need the global count.
+
+    Every rank weighed its micro-batches by the same divisor (`TrainingStep._loss_weights`), so one factor,
+    the same on every shard, makes the averaged sums the full-batch gradient: world / global tokens.
+    """
+    totals = weights.totals(_collective_device())
+    dist.all_reduce(totals)
+    if weights.by_tokens:
+        factor = world_size() / max(float(totals[1]), 1.0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+    return weights.global_mean_loss(totals)

@@ -125,17 +125,10 @@ class Child:
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                now = time.monotonic()
-                if now - tracked_at >= TRACK_EVERY_SECONDS:
+                if time.monotonic() - tracked_at >= TRACK_EVERY_SECONDS:
                     self._track()
-                    tracked_at = now
-                if self.timeout is not None and self._stop_at is None and now - started > self.timeout:
-                    log.warning("%s: still running after %.0f s; stopping it", self.name, self.timeout)
-                    self._timed_out = True
-                    self.stop(signal.SIGTERM)
-                if self._stop_at is not None and not self._killed and now - self._stop_at > self.grace:
-                    log.warning("%s ignored the signal for %.0f s; killing its process group", self.name, self.grace)
-                    self._kill_all()
+                    tracked_at = time.monotonic()
+                self._enforce(time.monotonic() - started)
             self._clean_leftovers()
         finally:
             sampler.stop()
@@ -145,6 +138,16 @@ class Child:
                          timed_out=self._timed_out, signal_received=self._signal,
                          output_tail=self._tail.decode(errors="replace"),
                          peak_gpu_bytes=sampler.peak_process_bytes, peak_gpu_total_bytes=sampler.peak_total_bytes)
+
+    def _enforce(self, elapsed: float) -> None:
+        """Stop the job at its deadline; kill it when it outlives the grace period after a stop."""
+        if self.timeout is not None and self._stop_at is None and elapsed > self.timeout:
+            log.warning("%s: still running after %.0f s; stopping it", self.name, self.timeout)
+            self._timed_out = True
+            self.stop(signal.SIGTERM)
+        if self._stop_at is not None and not self._killed and time.monotonic() - self._stop_at > self.grace:
+            log.warning("%s ignored the signal for %.0f s; killing its process group", self.name, self.grace)
+            self._kill_all()
 
     def _track(self) -> None:
         """Remember every descendant seen, so even one that left the group can be killed by pid later."""

@@ -67,7 +67,7 @@ class RunOptions:
     nproc_per_node: int | None = None  # launch through torch.distributed.run with this many ranks
     maps: tuple[str, ...] = ()
     device: str | None = None
-    grace: float = DEFAULT_GRACE
+    grace_period: float = DEFAULT_GRACE  # seconds between a polite signal and SIGKILL
     verbose: bool = False  # show zero-change trials' own output
 
     def __post_init__(self) -> None:
@@ -75,7 +75,7 @@ class RunOptions:
             raise InvalidSetting(f"SCRIPT {self.script!r} is not a file; pass the path of a Python training script")
         if self.max_restarts < 0:
             raise InvalidSetting(f"--max-restarts must be 0 or more, got {self.max_restarts}")
-        if self.trial_timeout <= 0 or self.grace < 0:
+        if self.trial_timeout <= 0 or self.grace_period < 0:
             raise InvalidSetting("--trial-timeout must be positive and --grace-period not negative")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise InvalidSetting(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
@@ -170,7 +170,7 @@ class Launcher:
             result_file = os.path.join(tmp, "result.json")
             child = Child(self.command(args), env=self._environment(env, result_file),
                           echo=not trial or opts.verbose, capture_stdout=trial, stdout_to_stderr=opts.json_output,
-                          timeout=opts.trial_timeout if trial else None, grace=opts.grace,
+                          timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
                           name=os.path.basename(opts.script))
             exit_ = self.forwarder.run(child)
             verdict = classify(exit_, agent.read_results(result_file))

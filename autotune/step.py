@@ -46,6 +46,7 @@ from .plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
 from .settings import FitSettings
 from .techniques import AppliedRung, apply_rung, find_blocks, ladder, parse_techniques
 from .techniques.offload import HostOptimizer
+from .techniques.sharding import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class TrainingStep:
         self.placement = _placement(plan, model)
         self.spec = OptimizerSpec.from_user(optimizer, model)
         self.blocks = find_blocks(model)
+        self._sharded = distributed.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
         self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks)
         self.grow_after = grow_after
         self.recoveries: list[Recovery] = []
@@ -168,15 +170,18 @@ class TrainingStep:
         """Run the whole batch and step: (mean loss, "") on success, else (nan, the OOM's first line)."""
         self._micro_step = -1
         with self._memory_guard(batch):
-            loss, failure = self._guarded_accumulate(batch, n)
-            # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10).
+            weights, failure = self._guarded_accumulate(batch, n)
+            # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
+            # torch.distributed no collective runs before this point, so a rank that failed early and
+            # ranks that ran every micro-batch meet here, and all of them re-run the batch.
             if distributed.agree_oom(bool(failure)):
                 return float("nan"), failure or "another rank ran out of memory"
+            loss = self._finish(weights)
             self._optimizer_step()
         self._drop_gradients()  # set_to_none: see _drop_gradients
         return float(loss), ""
 
-    def _guarded_accumulate(self, batch: Any, n: int) -> tuple[torch.Tensor | None, str]:
+    def _guarded_accumulate(self, batch: Any, n: int) -> tuple[LossWeights | None, str]:
         # The micro-steps' tensors live in _accumulate's frame; returning from here releases the
         # exception, its traceback, and with them that frame (pytorch #27600).
         try:
@@ -189,11 +194,11 @@ class TrainingStep:
                 raise
             return None, _first_line(exc)
 
-    def _accumulate(self, batch: Any, n: int) -> torch.Tensor:
-        """Forward and backward over every micro-batch; the mean loss, detached."""
+    def _accumulate(self, batch: Any, n: int) -> LossWeights:
+        """Forward and backward over every micro-batch; the weights, which `_finish` turns into the loss."""
         applied = self._applied
         sizes = split_sizes(n, self.plan.micro_batch_size)
-        weights = LossWeights(n, len(sizes))
+        weights = self._loss_weights(n, len(sizes))
         start = 0
         for index, size in enumerate(sizes):
             self._micro_step = index
@@ -203,9 +208,31 @@ class TrainingStep:
                 loss, count = split_loss(self.loss_fn(self.model, micro))
             applied.backward(weights.weigh(loss, count, size))
             del loss, count, micro  # free the graph's last references before the next forward
-        weights.correct(self.model)
         self._micro_step = -1  # all ran: an OOM reported now came from another rank
+        return weights
+
+    def _finish(self, weights: LossWeights) -> torch.Tensor:
+        """Make the accumulated gradients the whole global batch's; the mean loss over it, detached.
+
+        One process: the token-count correction. Under torch.distributed (the model replicated): every
+        rank's share rescaled and summed over ranks (`distributed.reduce_gradients`), so the update equals
+        one full-batch step on one process and every rank returns the same loss.
+        """
+        if self._sharded:
+            return distributed.finish_sharded(self.model, weights)
+        if distributed.active():
+            return distributed.reduce_gradients(self.model, weights)
+        weights.correct(self.model)
         return weights.mean_loss()
+
+    def _loss_weights(self, n: int, steps: int) -> LossWeights:
+        if not self._sharded:
+            return LossWeights(n, steps)
+        # FSDP averages the gradients over ranks inside backward, so every rank must weigh alike: n_i over
+        # (global samples / world) for mean losses, plain sums for token losses (finish_sharded divides by
+        # the global count). The sum runs before any micro-batch, where every rank arrives.
+        world = distributed.world_size()
+        return LossWeights(n, steps, divisor=distributed.total(n) / world, estimate=1.0)
 
     def _optimizer_step(self) -> None:
         if self._link is not None:

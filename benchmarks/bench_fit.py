@@ -23,42 +23,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autotune  # noqa: E402
-from autotune.devices import parse_bytes, resolve_device  # noqa: E402
-from autotune.optimizers import OptimizerSpec  # noqa: E402
-from autotune.plan import Rung  # noqa: E402
-from autotune.techniques import find_blocks, ladder, parse_techniques  # noqa: E402
-from autotune.trial import TrialRunner, Workload  # noqa: E402
+from autotune.devices import parse_bytes  # noqa: E402
 from autotune.losses import resolve  # noqa: E402
-
-GRID_MICRO = (1, 2, 4, 8, 16, 32, 64)
-
-
-def build(model_name: str, device: str, seq: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    if model_name == "tiny":
-        from gpt import GPT, GPTConfig, random_batch
-
-        cfg = GPTConfig(n_layer=6, n_embd=128, seq_len=seq)
-        ids, labels = random_batch(cfg, 8)
-        return GPT(cfg).to(device), {"input_ids": ids.to(device), "labels": labels.to(device)}
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    sizes = {"gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25), "gpt2": (12, 768, 12)}
-    n_layer, n_embd, n_head = sizes[model_name]
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max(1024, seq), use_cache=False)
-    model = GPT2LMHeadModel(cfg).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (8, seq), device=device)
-    return model, {"input_ids": ids, "labels": ids}
-
-
-def cap_memory(device: str, budget: int) -> None:
-    if device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+from autotune.plan import Rung  # noqa: E402
+from workloads import GRID_MICRO, Spec, cap_memory, grid, trial_runner  # noqa: E402
+from workloads import build_gpt as build  # noqa: E402
 
 
 def run_fit(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,24 +46,18 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     model, batch = build(args.model, args.device, args.seq)
-    placement = resolve_device(args.device)
-    budget = parse_bytes(args.budget)
-    rungs, _ = ladder(parse_techniques(None), placement, find_blocks(model))
-    work = Workload(model=model, batch=batch, loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
-                    placement=placement, budget_bytes=budget, limit_bytes=int(0.9 * budget),
-                    per_rank=args.global_batch_size, blocks=find_blocks(model), measured_steps=args.grid_steps)
-    runner = TrialRunner(work)
-    rows = []
+    spec = Spec(name="bench_fit", title=args.model, model=args.model, budget=args.budget,
+                global_batch_size=args.global_batch_size, seq=args.seq, device=args.device,
+                trial_steps=args.grid_steps)
+    runner, rungs = trial_runner(spec, model, batch, resolve(None), args.device)
+
+    def show(trial: Any) -> None:
+        print(f"grid {trial.rung.name:36} {trial.micro_batch_size:3d} {trial.outcome:11} "
+              f"{trial.peak_bytes / 2**30:6.2f} GiB {trial.samples_per_second * args.seq:10.0f} tok/s", flush=True)
+
     started = time.perf_counter()
-    for rung in rungs:
-        for micro in [m for m in GRID_MICRO if m <= args.global_batch_size]:
-            trial = runner(rung, micro)
-            rows.append(trial.to_dict())
-            print(f"grid {rung.name:36} {micro:3d} {trial.outcome:11} {trial.peak_bytes / 2**30:6.2f} GiB "
-                  f"{trial.samples_per_second * args.seq:10.0f} tok/s", flush=True)
-            if trial.outcome == "oom":
-                break  # larger micro-batches on this rung cannot fit either
-    return {"method": "grid", "seconds": time.perf_counter() - started, "trials": rows}
+    trials = grid(runner, rungs, GRID_MICRO, args.global_batch_size, show).trials
+    return {"method": "grid", "seconds": time.perf_counter() - started, "trials": [t.to_dict() for t in trials]}
 
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:

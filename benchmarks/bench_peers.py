@@ -128,10 +128,11 @@ def tune_grid(spec: wl.Spec, args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     sizes = tuple(int(m) for m in args.grid_micro.split(",")) if args.grid_micro else spec.grid_micro
-    trials, complete = wl.grid(runner, rungs, sizes, spec.global_batch_size, show, args.stop_at)
+    result = wl.grid(runner, rungs, sizes, spec.global_batch_size, show, args.stop_at)
+    trials, complete = result.trials, result.complete
     best = wl.best_trial(trials)
-    return {"trials": len(trials), "ooms": sum(t.outcome == "oom" for t in trials),
-            "tune_seconds": time.perf_counter() - started, "complete": complete,
+    return {"trials": len(trials) + len(result.errors), "ooms": sum(t.outcome == "oom" for t in trials),
+            "tune_seconds": time.perf_counter() - started, "complete": complete, "errors": result.errors,
             "grid": [t.to_dict() for t in trials], "rungs": [r.name for r in rungs],
             "config": config_of(best.rung, best.micro_batch_size, spec.global_batch_size) if best else None,
             "estimated_samples_per_second": best.samples_per_second if best else 0.0,
@@ -168,6 +169,9 @@ def child(args: argparse.Namespace) -> int:
         base["method"] = args.method
     try:
         wl.cap_memory(spec.device, spec.budget)
+        # torch imports its compiler stack at the first optimizer built in a process (seconds): pay it before
+        # any method's clock starts, as a training script that built its optimizer already has.
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
         if args.child == "verify":
             body = verify(spec, args)
         elif args.method == "grid":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -82,13 +83,14 @@ def lightning_search(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, dev
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning's own deprecation noise
     tries: list[dict[str, Any]] = []
     module = _lightning_module(pl, model, batch, loss_fn)
     root = tempfile.mkdtemp(prefix="bench-lightning-")  # the finder saves (and restores) a checkpoint here
     trainer = pl.Trainer(accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,
                          precision="bf16-mixed", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                         num_sanity_val_steps=0)
+                         num_sanity_val_steps=0, max_epochs=1)
     original = scaling._try_loop_run
 
     def counted(trainer: Any, params: Any) -> None:  # count the finder's trials; behaviour unchanged

@@ -1,6 +1,6 @@
 """Render bench_peers.py's JSON lines into benchmarks/RESULTS.md (its "Peers" section) and a PNG plot.
 
-    python benchmarks/render.py benchmarks/results/peers.jsonl
+    python benchmarks/render.py benchmarks/data/peers.jsonl
     python benchmarks/render.py a.jsonl b.jsonl --results benchmarks/RESULTS.md --plot benchmarks/peers.png
 
 Only the text between `<!-- peers:begin -->` and `<!-- peers:end -->` is replaced (the markers are added at
@@ -57,9 +57,12 @@ class Workload:
         self.tune: dict[str, dict[str, Any]] = {}
         self.problems: dict[str, dict[str, Any]] = {}
         self.verified: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+        self.verify_errors: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for r in records:  # later lines win: a rerun replaces an earlier run of the same method
             method = r.get("method")
-            if r["kind"] == "tune":
+            if r["kind"] == "error" and r.get("stage") == "verify" and r.get("config"):
+                self.verify_errors[key_of(r["config"])] = r
+            elif r["kind"] == "tune":
                 self.tune[method] = r
                 self.problems.pop(method, None)
             elif r["kind"] in ("error", "skip") and method:
@@ -79,15 +82,21 @@ class Workload:
         """Units/s of whole global steps in the verifying run, when it ran at least one step."""
         v = self.verification(method)
         train = (v or {}).get("train") or {}
+        if train.get("oom"):
+            return None  # a configuration that cannot train has no throughput to compare
         return train["samples_per_second"] * self.per_sample if train.get("samples_per_second") else None
 
-    def trial_rate(self, method: str) -> float | None:
-        """Units/s estimated by autotune's TrialRunner (the grid's measure) in the verifying process."""
+    def trial_rate(self, method: str, outcomes: tuple[str, ...] = ("ok",)) -> float | None:
+        """Units/s estimated by autotune's TrialRunner (the grid's measure) in the verifying process, when
+        the trial's outcome is one of `outcomes`."""
         if method == "grid" and "grid" in self.tune and self.verification("grid") is None:
             best = self.tune["grid"].get("estimated_samples_per_second")
             return best * self.per_sample if best else None
         trial = (self.verification(method) or {}).get("trial") or {}
-        return trial["samples_per_second"] * self.per_sample if trial.get("outcome") == "ok" else None
+        return trial["samples_per_second"] * self.per_sample if trial.get("outcome") in outcomes else None
+
+    def trial_outcome(self, method: str) -> str:
+        return ((self.verification(method) or {}).get("trial") or {}).get("outcome", "")
 
     def ratio(self, method: str) -> tuple[float | None, str]:
         """(rate / the grid best's rate, "" or "est."): whole-step rates when both ran, else trial estimates."""
@@ -156,7 +165,8 @@ def row(w: Workload, method: str) -> dict[str, str]:
             "time": _seconds(t["tune_seconds"]), "config": config,
             "rate": _num(rate) if rate else _rate_missing(w, method),
             "ratio": f"{ratio:.2f}×{' (' + how + ')' if how else ''}" if ratio else "",
-            "steps": _steps(v), "at": ", ".join(x for x in (t["_at"], v["_at"] if v else "") if x)}
+            "steps": _steps(v, w.verify_errors.get(key_of(t["config"])) if t.get("config") else None),
+            "at": ", ".join(x for x in (t["_at"], v["_at"] if v else "") if x)}
 
 
 def _seconds(s: float) -> str:
@@ -171,14 +181,14 @@ def _rate_missing(w: Workload, method: str) -> str:
         est = w.trial_rate(method)
         return f"{_num(est)} (est., not verified)" if est else "not verified"
     train = v.get("train")
-    if train and train["oom"] and not train["steps_done"]:
-        return "OOM"
+    if train and train["oom"]:
+        return "OOM in training"
     return "—"
 
 
-def _steps(v: dict[str, Any] | None) -> str:
+def _steps(v: dict[str, Any] | None, error: dict[str, Any] | None = None) -> str:
     if v is None:
-        return "not run"
+        return f"verification failed: {error['error']} [{error['_at']}]" if error else "not run"
     train = v.get("train")
     if not train:
         return "not run (--steps 0)"
@@ -192,59 +202,72 @@ def _steps(v: dict[str, Any] | None) -> str:
 
 # -- where autotune is behind -------------------------------------------------------------------------
 def behind(w: Workload) -> list[str]:
-    """One plain sentence per figure on which an autotune row is worse than a peer or the grid."""
-    out = []
+    """One plain sentence per figure on which an autotune row is worse than a peer or the grid, by figure."""
+    out: list[str] = []
+    cold, warm = w.tune.get("autotune-cold"), w.tune.get("autotune-warm")
+    one_plan = bool(cold and warm and cold.get("config") and warm.get("config")
+                    and key_of(cold["config"]) == key_of(warm["config"]))
     for mine in AUTOTUNE:
         t = w.tune.get(mine)
         if t is None:
             continue
         me = SHORT[mine]
+        plan_too = not (mine == "autotune-warm" and one_plan)  # the plan's figures are said once for both
+        plan_me = "autotune (cold and warm: the same plan)" if one_plan else me
         for other in METHODS:
             o = w.tune.get(other)
             if other in AUTOTUNE or o is None:
                 continue
             them = SHORT[other] + (" (which then found no configuration)" if not o.get("config") else "")
+            cites = f"[{t['_at']}, {o['_at']}]"
             if o["trials"] < t["trials"]:
-                out.append(f"Trials: {me} ran {t['trials']} trials, {them} {o['trials']} [{t['_at']}, {o['_at']}].")
+                out.append(f"Trials: {me} ran {t['trials']}, {them} {o['trials']} {cites}.")
             if o["ooms"] < t["ooms"]:
-                out.append(f"OOMs while tuning: {me} hit {t['ooms']}, {them} {o['ooms']} [{t['_at']}, {o['_at']}].")
+                out.append(f"OOMs while tuning: {me} hit {t['ooms']}, {them} {o['ooms']} {cites}.")
             if o["tune_seconds"] < t["tune_seconds"]:
                 out.append(f"Tuning time: {me} took {_seconds(t['tune_seconds'])}, {them} "
-                           f"{_seconds(o['tune_seconds'])} [{t['_at']}, {o['_at']}]." + _time_reason(w, mine, other))
-            out += _rate_behind(w, mine, other, me)
-        if w.steps_ok(mine) is False:
+                           f"{_seconds(o['tune_seconds'])} {cites}." + _time_reason(w, mine, other))
+            if plan_too:
+                out += _rate_behind(w, mine, other, plan_me)
+        if plan_too and w.steps_ok(mine) is False:
             v = w.verification(mine)
-            out.append(f"Training: {me}'s plan ran out of memory in step {v['train']['steps_done'] + 1} of "
+            out.append(f"Training: {plan_me}'s plan ran out of memory in step {v['train']['steps_done'] + 1} of "
                        f"{v['train']['steps_requested']} ({v['train']['error']}) [{v['_at']}].")
-    return out
+    order = ("Trials", "OOMs", "Tuning time", "Throughput", "Training")
+    return sorted(out, key=lambda line: next(i for i, o in enumerate(order) if line.startswith(o)))
 
 
 def _rate_behind(w: Workload, mine: str, other: str, me: str) -> list[str]:
     a, b = w.train_rate(mine), w.train_rate(other)
     how = "whole global steps in training"
-    if not (a and b):
+    if not _trained(w, mine) and not _trained(w, other):  # --steps 0: only the TrialRunner's estimates exist
         a, b, how = w.trial_rate(mine), w.trial_rate(other), "trial estimates"
     if not (a and b) or a >= b:
         return []
     cfg_a, cfg_b = w.tune[mine]["config"], w.tune[other]["config"]
     same = key_of(cfg_a) == key_of(cfg_b)
-    why = (" Same configuration, so this is run-to-run noise between two processes." if same else
-           f" autotune chose {describe(cfg_a)}; {SHORT[other]} {describe(cfg_b)}.")
+    why = (" The same configuration, measured in two processes: run-to-run noise." if same else
+           f" autotune chose {describe(cfg_a)}; {SHORT[other]}: {describe(cfg_b)}.")
     va, vb = w.verification(mine), w.verification(other)
     cites = ", ".join(x["_at"] for x in (va, vb) if x) or w.tune[other]["_at"]
     return [f"Throughput: {me} {_num(a)} {w.unit}, {SHORT[other]} {_num(b)} {w.unit} ({a / b:.2f}×, {how})."
             f"{why} [{cites}]"]
 
 
+def _trained(w: Workload, method: str) -> bool:
+    return bool((w.verification(method) or {}).get("train"))
+
+
 def _time_reason(w: Workload, mine: str, other: str) -> str:
-    t, o = w.tune[mine], w.tune[other]
+    t = w.tune[mine]
     if other == "grid":
         return ""
     if t.get("source") == "cache":
         return " (a cache hit: no trials, the time is the lookup and process work)"
-    return (f" Why: autotune measures every trial over 1 warm-up + {w.spec.get('trial_steps', 3)}"
-            f" steps and times rungs above the first that fits, to pick by throughput; the peer stops at the "
-            f"largest batch that survives its probe.") if t["trials"] else ""
+    steps = w.spec.get("trial_steps", 3)
+    return (f" Why: autotune runs each trial for 1 warm-up and {steps} measured step{'s' if steps > 1 else ''} "
+            "and also times rungs above the first that fits, to choose by throughput; the peer stops at the "
+            "largest batch that survives its probe.") if t["trials"] else ""
 
 
 # -- markdown -----------------------------------------------------------------------------------------
@@ -274,10 +297,15 @@ def grid_table(w: Workload) -> str:
         cell = {"ok": _num(t["samples_per_second"] * w.per_sample), "oom": "OOM",
                 "over_budget": f"{_num(t['samples_per_second'] * w.per_sample)} (over margin)"}[t["outcome"]]
         rungs.setdefault(name, {})[t["micro_batch_size"]] = cell
+    for e in g.get("errors", []):
+        rungs.setdefault(e["rung"], {})[e["micro_batch_size"]] = "error"
+        sizes = sorted(set(sizes) | {e["micro_batch_size"]})
     lines = ["| rung \\ micro-batch | " + " | ".join(map(str, sizes)) + " |", "|" + "---|" * (len(sizes) + 1)]
     for name, cells in rungs.items():
         lines.append(f"| {name} | " + " | ".join(cells.get(m, "") for m in sizes) + " |")
     done = "" if g.get("complete", True) else " The grid was cut short by the deadline."
+    done += "".join(f" {e['rung']} at micro-batch {e['micro_batch_size']} failed, not for memory: {e['error']} "
+                    "(the grid went on with the next rung)." for e in g.get("errors", []))
     return (f"Grid [{g['_at']}]: {w.unit} estimated for a whole global step by autotune's TrialRunner; OOM: "
             f"out of memory; over margin: ran but above 90% of the ceiling, so not eligible.{done}\n\n"
             + "\n".join(lines))
@@ -299,7 +327,8 @@ def facts(w: Workload) -> str:
     commands = sorted({r["command"] for r in w.records if r.get("command")})
     span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}" if dates else "?"
     cmd = "\n".join(f"    {c}" for c in commands)
-    return (f"Device: {w.device} · torch {last.get('torch')} (CUDA {last.get('cuda')}) · {versions} · {span}\n\n"
+    cuda = f" (CUDA {last['cuda']})" if last.get("cuda") else ""
+    return (f"Device: {w.device} · torch {last.get('torch')}{cuda} · {versions} · {span}\n\n"
             f"Commands:\n\n{cmd}")
 
 
@@ -321,8 +350,16 @@ def section(ws: list[Workload], files: list[str], plot: str | None, command: str
                 "", facts(w), "", table(w), ""]
         lost = behind(w)
         out += ["**Where autotune is behind:**", ""]
-        out += [f"- {s}" for s in lost] if lost else ["- Nowhere in this run: on every figure above, autotune is "
-                                                      "level with or ahead of each peer and the grid."]
+        if lost:
+            out += [f"- {s}" for s in lost]
+        elif not any(m in w.tune for m in AUTOTUNE):
+            out += ["- autotune did not run in these records: nothing to compare."]
+        else:
+            out += ["- Nowhere in these records: on every figure above, autotune is level with or ahead of each "
+                    "peer and the grid that ran."]
+        for e in (w.tune.get("grid") or {}).get("errors", []):
+            out += [f"- Note: the grid's {e['rung']} rung failed at micro-batch {e['micro_batch_size']} with an error "
+                    f"that is not an OOM ({e['error']}) [{w.tune['grid']['_at']}]: autotune's rung, not the benchmark."]
         for r in w.other_problems:
             out += [f"- Note: {r.get('label') or r.get('stage')}: {r.get('error') or r.get('reason')} [{r['_at']}]"]
         grid = grid_table(w)
@@ -335,7 +372,10 @@ def section(ws: list[Workload], files: list[str], plot: str | None, command: str
 
 def write_section(path: str, text: str) -> None:
     """Replace the text between the markers (inclusive) in `path`, or append it at the end."""
-    old = open(path).read() if os.path.exists(path) else ""
+    old = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
     if BEGIN in old and END in old and old.index(BEGIN) < old.index(END):
         new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
     else:
@@ -405,9 +445,12 @@ def _plot_one(ax: Any, w: Workload) -> None:
         if not t or not t.get("config"):
             continue
         micro = t["config"]["micro_batch_size"]
-        y = w.trial_rate(method)
-        label = f"{SHORT[method]}: {t['config']['name']} @ {micro}" + ("" if y else " (OOM)")
-        ax.plot([micro], [y or 0], marker, color=color, ms=size, label=label, mec="black", zorder=5)
+        y = w.trial_rate(method, ("ok", "over_budget"))
+        outcome = w.trial_outcome(method)
+        note = {"ok": "", "over_budget": " (over margin)", "oom": " (trial OOM)"}.get(outcome, " (not verified)")
+        label = f"{SHORT[method]}: {t['config']['name']} @ {micro}{note}"
+        ax.plot([micro], [y or 0], marker, color=color, ms=size, label=label, mec="black", zorder=5,
+                mfc="white" if outcome == "over_budget" else color)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel(f"{w.unit}, whole global step (TrialRunner)")

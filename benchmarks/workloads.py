@@ -25,8 +25,9 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from autotune import batch as batches  # noqa: E402
 from autotune.batching import split_sizes  # noqa: E402
 from autotune.ceiling import SimulatedCeiling  # noqa: E402
 from autotune.devices import Placement, now, parse_bytes, resolve_device  # noqa: E402
-from autotune.errors import is_oom  # noqa: E402
+from autotune.errors import DeviceError, is_oom  # noqa: E402
 from autotune.losses import default_loss  # noqa: E402
 from autotune.optimizers import OptimizerSpec  # noqa: E402
 from autotune.plan import Rung, Trial  # noqa: E402
@@ -210,7 +211,11 @@ class CudaLikeCeiling(SimulatedCeiling):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except torch.OutOfMemoryError as exc:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate past the ceiling ({exc})") from None
+            # A failed cudaMalloc allocates nothing; the simulation has already made the op's output, so
+            # free it (it lives in the raising frame) before anyone can hold on to the error.
+            traceback.clear_frames(exc.__traceback__)
+            text = str(exc)
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate past the ceiling ({text})")
 
 
 @contextlib.contextmanager
@@ -244,21 +249,38 @@ def trial_runner(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, device:
     return TrialRunner(work), rungs
 
 
+@dataclass(kw_only=True, slots=True)
+class GridResult:
+    trials: list[Trial]
+    complete: bool = True  # False when `stop_at` cut it short
+    errors: list[dict[str, Any]] = field(default_factory=list)  # non-OOM failures: {rung, micro_batch_size, error}
+
+
 def grid(runner: TrialRunner, rungs: list[Rung], micro_sizes: tuple[int, ...], per_rank: int,
-         on_trial: Callable[[Trial], None] = lambda t: None, stop_at: float | None = None) -> tuple[list[Trial], bool]:
+         on_trial: Callable[[Trial], None] = lambda t: None, stop_at: float | None = None) -> GridResult:
     """Every rung at every micro-batch size up to `per_rank`, smallest first; on each rung, sizes above an
-    OOM are skipped (they cannot fit either). Returns (trials, complete: False when `stop_at` cut it short)."""
-    trials: list[Trial] = []
+    OOM are skipped (they cannot fit either). A rung that fails otherwise (a bug, not memory) is recorded
+    and the grid goes on with the next rung; a poisoned CUDA context (`DeviceError`) ends it."""
+    result = GridResult(trials=[])
     for rung in rungs:
         for micro in [m for m in micro_sizes if m <= per_rank]:
             if stop_at is not None and time.time() > stop_at:
-                return trials, False
-            trial = runner(rung, micro)
-            trials.append(trial)
+                result.complete = False
+                return result
+            try:
+                trial = runner(rung, micro)
+            except DeviceError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded with the rung, which the table then shows
+                text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+                print(f"grid {rung.name:36} {micro:4d} error: {text}", flush=True)
+                result.errors.append({"rung": rung.name, "micro_batch_size": micro, "error": text})
+                break
+            result.trials.append(trial)
             on_trial(trial)
             if trial.outcome == "oom":
                 break
-    return trials, True
+    return result
 
 
 def best_trial(trials: list[Trial] | list[dict[str, Any]]) -> Any:

@@ -14,7 +14,7 @@ from autotune.devices import Placement
 from autotune.plan import Plan, Rung, Trial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from gpt import GPT, GPTConfig, random_batch  # noqa: E402
+from gpt import GPT, GPTConfig, random_batch
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_BATCH = 8

@@ -21,20 +21,30 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from cache_samples import TINY, fit, sample, tiny_workload
-from gpt import GPT, GPTConfig, random_batch
+from gpt import GPT, random_batch
 
 from autotune import cache as cache_module
-from autotune.cache import (CacheError, CacheWarning, PlanCache, default_path, filesystem_type, is_network_filesystem,
-                            key_parts, open_cache, plan_key)
+from autotune.cache import (
+    CacheError,
+    CacheWarning,
+    PlanCache,
+    default_path,
+    filesystem_type,
+    is_network_filesystem,
+    key_parts,
+    open_cache,
+    plan_key,
+)
 from autotune.cache_rows import read_rows
 from autotune.devices import Placement
 from autotune.errors import InvalidSetting
+from autotune.plan import Plan
 
 WORKERS = 16
 PLANS_PER_WORKER = 20
@@ -110,23 +120,23 @@ def test_key_survives_a_json_round_trip() -> None:
 
 # -- concurrency -----------------------------------------------------------------------------------------------
 
-def _worker(path: str, worker: int, barrier: multiprocessing.synchronize.Barrier) -> None:
+def _worker(path: str, worker: int, samples: list, barrier: multiprocessing.synchronize.Barrier) -> None:
     try:
         warnings.simplefilter("error", CacheWarning)  # any degradation is a failure here
-        mine = [sample(worker * PLANS_PER_WORKER + j) for j in range(PLANS_PER_WORKER)]
+        mine = samples[worker * PLANS_PER_WORKER:(worker + 1) * PLANS_PER_WORKER]
+        neighbour = samples[((worker + 1) % WORKERS) * PLANS_PER_WORKER:][:PLANS_PER_WORKER]
         barrier.wait()
         store = PlanCache(path, strict=True)  # strict: database trouble raises instead of degrading
-        for plan, parts in mine:
+        for (plan, parts), (other, _) in zip(mine, neighbour):
             store.put(plan, parts)
             if store.get(plan.key) != plan:
                 raise AssertionError(f"read back a different plan for {plan.key[:12]}")
             store.mark_unsafe(plan.key, micro_batch_size=2 * plan.micro_batch_size, note=f"worker {worker}")
             if store.max_safe_micro_batch(plan.key) != 2 * plan.micro_batch_size - 1:
                 raise AssertionError("lost a failure")
-            other = sample(((worker + 1) % WORKERS) * PLANS_PER_WORKER)[0]
-            store.get(other.key)  # maybe there yet, maybe not: either way no error
+            store.get(other.key)  # there yet or not, written by another process this instant: no error either way
         store.entries()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported through the exit code, with the traceback
         traceback.print_exc()
         sys.stdout.flush()
         os._exit(1)
@@ -135,9 +145,10 @@ def _worker(path: str, worker: int, barrier: multiprocessing.synchronize.Barrier
 
 def test_sixteen_processes_write_and_read_one_cache_without_error_or_loss(tmp_path: Path) -> None:
     path = str(tmp_path / "plans.db")  # a new file: the processes also race to create it
-    ctx = multiprocessing.get_context("fork")
+    samples = [sample(i) for i in range(WORKERS * PLANS_PER_WORKER)]
+    ctx = multiprocessing.get_context("fork")  # the children inherit the samples; nothing is pickled
     barrier = ctx.Barrier(WORKERS)
-    procs = [ctx.Process(target=_worker, args=(path, w, barrier)) for w in range(WORKERS)]
+    procs = [ctx.Process(target=_worker, args=(path, w, samples, barrier)) for w in range(WORKERS)]
     for p in procs:
         p.start()
     for p in procs:
@@ -146,8 +157,7 @@ def test_sixteen_processes_write_and_read_one_cache_without_error_or_loss(tmp_pa
 
     entries = {e.key: e for e in PlanCache(path).entries()}
     assert len(entries) == WORKERS * PLANS_PER_WORKER
-    for i in range(WORKERS * PLANS_PER_WORKER):
-        plan, _ = sample(i)
+    for plan, _ in samples:
         entry = entries[plan.key]
         assert entry.plan == plan and entry.status == "safe"
         assert [f.micro_batch_size for f in entry.failures] == [2 * plan.micro_batch_size]
@@ -240,18 +250,20 @@ def test_export_then_import_into_an_empty_cache_reproduces_the_plans(tmp_path: P
 
 def tampered_export(tmp_path: Path) -> tuple[Path, str]:
     """An export of five plans, four of them tampered with, plus two lines that are not plan rows."""
-    store = PlanCache(tmp_path / "mine.db")
+    work = tmp_path / "tampering"
+    work.mkdir()
+    store = PlanCache(work / "plans.db")
     for i in range(5):
         store.put(*sample(i))
-    store.export(tmp_path / "plans.jsonl")
-    rows = [json.loads(line) for line in (tmp_path / "plans.jsonl").read_text().splitlines()]
+    store.export(work / "plans.jsonl")
+    rows = [json.loads(line) for line in (work / "plans.jsonl").read_text().splitlines()]
     rows[0]["plan"]["speedup"] = 2.0  # unknown field
     rows[1]["plan"]["micro_batch_size"] = -4  # negative micro-batch
     rows[2]["key"] = rows[3]["key"]  # wrong key
     rows[3]["parts"]["budget_bytes"] *= 2  # parts and key agree, but the plan answers another budget
     rows[3]["key"] = rows[3]["plan"]["key"] = plan_key(rows[3]["parts"])
     lines = [json.dumps(r) for r in rows] + ["{not json", json.dumps({**rows[4], "pickle": "gASVAAAA"})]
-    path = tmp_path / "tampered.jsonl"
+    path = work / "tampered.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path, rows[4]["key"]
 
@@ -303,10 +315,11 @@ def test_a_team_directory_is_read_after_a_local_miss_and_never_written(
 
 # -- a broken database still yields a plan, with one warning -----------------------------------------------------
 
-def fit_with_broken_cache(cache: object) -> tuple[object, list[warnings.WarningMessage]]:
+def fit_with_broken_cache(cache: Path | Callable[[], PlanCache]) -> tuple[Plan, list[warnings.WarningMessage]]:
+    """`fit` with max_trials=2 (any plan will do), counting the cache's warnings from opening it on."""
     model, batch = tiny_workload()
     with cache_warnings() as caught:
-        plan = fit(model, batch, cache, max_trials=2)
+        plan = fit(model, batch, cache if isinstance(cache, Path) else cache(), max_trials=2)
     return plan, caught
 
 
@@ -344,7 +357,7 @@ def test_a_locked_database_past_the_timeout_still_yields_a_plan(tmp_path: Path, 
     holder.execute("BEGIN EXCLUSIVE" if lock == "exclusive" else "BEGIN IMMEDIATE")
     holder.execute("INSERT INTO failures (key, micro_batch_size, time) VALUES ('x', 1, 0)")
     try:
-        plan, caught = fit_with_broken_cache(PlanCache(path, timeout=0.2))
+        plan, caught = fit_with_broken_cache(lambda: PlanCache(path, timeout=0.2))
     finally:
         holder.rollback()
         holder.close()
@@ -365,7 +378,7 @@ def read_only(directory: Path) -> Iterator[None]:
     saved = directory.with_name(directory.name + ".saved")
     shutil.copytree(directory, saved)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(directory)],
-                      capture_output=True).returncode != 0:
+                      capture_output=True, check=False).returncode != 0:
         pytest.skip("running as root without the right to mount: no way to make a read-only directory")
     try:
         shutil.copytree(saved, directory, dirs_exist_ok=True)
@@ -403,7 +416,7 @@ def fill_to_page_limit(store: PlanCache) -> None:
 def test_a_full_database_still_yields_a_plan(tmp_path: Path) -> None:
     store = PlanCache(tmp_path / "plans.db")
     fill_to_page_limit(store)
-    plan, caught = fit_with_broken_cache(store)
+    plan, caught = fit_with_broken_cache(lambda: store)
     assert plan.source == "tuned"
     assert len(caught) == 1 and "is full" in str(caught[0].message)
     assert "autotune cache clear" in str(caught[0].message)

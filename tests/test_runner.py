@@ -107,16 +107,20 @@ def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Pa
 
 
 def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Path) -> None:
-    """Each sample costs 1 MiB: under a 7 MiB ceiling micro-batch 8 runs out of memory, 4 fits."""
+    """Each sample costs 1.5 MiB: under an 8 MiB ceiling micro-batch 8 runs out of memory, 4 fits."""
     out = tmp_path / "final"
-    done = autotune_run(tmp_path, "--global-batch-size", "32", "--budget", "7MiB", "--trial-steps", "2", "--json",
+    done = autotune_run(tmp_path, "--global-batch-size", "32", "--budget", "8MiB", "--trial-steps", "2", "--json",
                         *ZERO_CHANGE_MAPS, str(SCRIPTS / "zero_change_oom.py"), str(out))
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)  # --json: the plan, and nothing else, on stdout
-    assert (plan["micro_batch_size"], plan["accumulation_steps"]) == (4, 8)
-    assert plan["peak_memory_bytes"] <= 0.9 * 7 * 2**20
-    assert out.read_text() == "batch=4 accumulation=8"
-    assert "FINAL batch=4" in done.stderr  # the script's own stdout went to stderr
+    outcomes = {t["micro_batch_size"]: t["outcome"] for t in plan["trials"]}
+    assert outcomes[4] == "ok" and all(o != "ok" for m, o in outcomes.items() if m > 4), done.stderr
+    # Which fitting size is fastest is a timing question (the controller's, tested with fakes); memory is not.
+    micro, accumulation = plan["micro_batch_size"], plan["accumulation_steps"]
+    assert micro <= 4 and micro * accumulation == 32, done.stderr
+    assert plan["peak_memory_bytes"] <= 0.9 * 8 * 2**20
+    assert out.read_text() == f"batch={micro} accumulation={accumulation}"
+    assert f"FINAL batch={micro}" in done.stderr  # the script's own stdout went to stderr
 
 
 def test_a_hung_trial_is_stopped_at_the_trial_timeout(tmp_path: Path) -> None:

@@ -210,34 +210,41 @@ def _list_row(entry: CacheEntry) -> list[str]:
 
 
 def _describe(entry: CacheEntry) -> str:
-    parts, plan = entry.parts, entry.plan
-    batch = "; ".join(f"{p or 'batch'} {tuple(shape)} {dtype}" for p, shape, dtype in parts.get("batch", []))
-    runtime = parts.get("runtime", {})
-    lines = [
-        f"key       {entry.key}",
-        f"status    {_status(entry)}",
-        f"origin    {entry.origin}, updated {_age(entry.updated)} ago",
-        f"model     {_model(entry.parts)} parameters, structure {parts.get('model', {}).get('digest', '')[:12]}",
-        f"batch     {batch} (per sample), global batch {parts.get('global_batch_size')} over "
-        f"{parts.get('world_size')} rank(s)",
-        f"device    {_gpu(parts)}, {_bytes(parts.get('device', {}).get('total_bytes', 0))}",
-        f"budget    {_bytes(parts.get('budget_bytes', 0))}, margin {parts.get('margin', 0):.0%}; allowed: "
-        f"{', '.join(parts.get('techniques', []))}",
-        f"runtime   torch {runtime.get('torch')}, CUDA {runtime.get('cuda') or 'none'}; optimizer "
-        f"{parts.get('optimizer', {}).get('class')}; loss {parts.get('loss')}",
-    ]
-    if plan is None:
-        return "\n".join(lines + ["plan      unreadable (written by another plan format); re-tune with retune=True"])
-    lines += [f"plan      {plan.summary()}", f"why       {plan.reason}", "", "trials:"]
-    trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, _bytes(t.peak_bytes),
-               f"{t.samples_per_second:,.1f}" if t.fits else t.note] for t in plan.trials]
-    lines.append(_indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S"], trials)))
+    lines = [f"key       {entry.key}", f"status    {_status(entry)}",
+             f"origin    {entry.origin}, updated {_age(entry.updated)} ago", *_describe_parts(entry.parts)]
+    if entry.plan is None:
+        lines.append("plan      unreadable (written by another plan format); re-tune with retune=True")
+    else:
+        lines += _describe_plan(entry.plan)
     if entry.failures:
         lines += ["", "OOMs seen in real training:"]
         lines += [f"  micro-batch {f.micro_batch_size}, {_age(f.time)} ago"
                   + (f", shapes {json.dumps(f.shapes)}" if f.shapes else "") + (f": {f.note}" if f.note else "")
                   for f in entry.failures]
     return "\n".join(lines)
+
+
+def _describe_parts(parts: dict[str, Any]) -> list[str]:
+    """What the plan was tuned for: the key's parts, one line per topic."""
+    batch = "; ".join(f"{p or 'batch'} {tuple(shape)} {dtype}" for p, shape, dtype in parts.get("batch", []))
+    runtime, device = parts.get("runtime", {}), parts.get("device", {})
+    return [
+        f"model     {_model(parts)} parameters, structure {parts.get('model', {}).get('digest', '')[:12]}",
+        (f"batch     {batch} per sample; global batch {parts.get('global_batch_size')} over "
+         f"{parts.get('world_size')} rank(s)"),
+        f"device    {_gpu(parts)}, {_bytes(device.get('total_bytes', 0))}",
+        (f"budget    {_bytes(parts.get('budget_bytes', 0))}, margin {parts.get('margin', 0):.0%}; allowed: "
+         f"{', '.join(parts.get('techniques', []))}"),
+        (f"runtime   torch {runtime.get('torch')}, CUDA {runtime.get('cuda') or 'none'}; optimizer "
+         f"{parts.get('optimizer', {}).get('class')}; loss {parts.get('loss')}"),
+    ]
+
+
+def _describe_plan(plan: Plan) -> list[str]:
+    trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, _bytes(t.peak_bytes),
+               f"{t.samples_per_second:,.1f}" if t.fits else t.note] for t in plan.trials]
+    return [f"plan      {plan.summary()}", f"why       {plan.reason}", "", "trials:",
+            _indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S"], trials))]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:

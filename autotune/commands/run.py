@@ -78,8 +78,9 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
     """
     _configure_logging(verbose, quiet)
     try:
+        # The remaining options are named as RunOptions' fields.
         opts = RunOptions(script=script, script_args=script_args, json_output=json_output, verbose=verbose > 0,
-                          grace=options.pop("grace_period"), **options)  # type: ignore[arg-type]
+                          **options)  # type: ignore[arg-type]
         result = run_script(opts, on_plan=None if json_output else _show_plan)
     except InvalidSetting as exc:
         raise click.UsageError(str(exc)) from exc

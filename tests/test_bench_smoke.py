@@ -1,0 +1,147 @@
+"""The peer benchmark end to end on the CPU (--smoke: tiny models under the simulated ceiling), and its
+renderer on hand-made records: JSON lines in, a RESULTS.md section and a plot out."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+
+import render  # noqa: E402
+
+
+def _bench(tmp_path, *args: str) -> list[dict]:
+    out = tmp_path / "peers.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_peers.py"), "--smoke", "--workload", "W1",
+                           "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _render(tmp_path, *files: str) -> str:
+    results = tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "render.py"), *files, "--results", str(results),
+                           "--plot", str(tmp_path / "peers.png")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return results.read_text()
+
+
+@pytest.mark.slow  # about a minute on a CPU: every trial is real, under the simulated ceiling
+def test_autotune_and_grid_smoke_end_to_end(tmp_path):
+    records = _bench(tmp_path, "--methods", "autotune-cold,grid", "--steps", "1", "--grid-micro", "8,16")
+    tune = {r["method"]: r for r in records if r["kind"] == "tune"}
+    assert set(tune) == {"autotune-cold", "grid"}, records
+    assert not [r for r in records if r["kind"] == "error"], records
+    fit, grid = tune["autotune-cold"], tune["grid"]
+    assert fit["trials"] >= 1 and fit["config"]["micro_batch_size"] >= 1 and fit["tune_seconds"] > 0
+    assert fit["source"] == "tuned"
+    assert grid["complete"] and grid["config"] and {t["micro_batch_size"] for t in grid["grid"]} <= {8, 16}
+    for r in records:  # one run, every record self-describing
+        assert r["run_id"] == records[0]["run_id"] and r["device"].startswith("cpu") and r["smoke"]
+        assert r["command"].startswith("python benchmarks/bench_peers.py --smoke")
+    verified = [r for r in records if r["kind"] == "verify"]
+    answers = {render.key_of(r["config"]) for r in tune.values()}
+    assert {render.key_of(v["config"]) for v in verified} == answers  # each distinct answer once
+    for v in verified:
+        assert v["train"]["steps_requested"] == 1
+        assert v["train"]["oom"] or v["train"]["steps_done"] == 1
+
+    (tmp_path / "RESULTS.md").write_text("# Results\n\nAnother section, left alone.\n")
+    text = _render(tmp_path, str(tmp_path / "peers.jsonl"))
+    assert text.startswith("# Results\n\nAnother section, left alone.\n")
+    assert text.count(render.BEGIN) == 1 and text.count(render.END) == 1
+    assert "| Method | Trials | OOMs tuning |" in text and "autotune, cold cache" in text
+    assert "Where autotune is behind" in text and "peers.jsonl:1" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "peers.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (importlib.util.find_spec("accelerate") and importlib.util.find_spec("lightning")),
+                    reason="needs accelerate and lightning (pip install accelerate lightning)")
+def test_peers_smoke_trigger_their_own_oom_handling(tmp_path):
+    records = _bench(tmp_path, "--methods", "accelerate,lightning-power", "--steps", "1")
+    tune = {r["method"]: r for r in records if r["kind"] == "tune"}
+    assert set(tune) == {"accelerate", "lightning-power"}, records
+    acc, lit = tune["accelerate"], tune["lightning-power"]
+    # Accelerate starts at 128 and shrinks x0.9 per OOM: the simulated ceiling must read as a CUDA OOM to it.
+    assert acc["tries"][0]["micro_batch_size"] == 128 and acc["ooms"] >= 1
+    assert [t["micro_batch_size"] for t in acc["tries"][:3]] == [128, 115, 103]
+    # Lightning doubles from 2 until an OOM, then answers the last size that ran.
+    assert [t["micro_batch_size"] for t in lit["tries"][:2]] == [2, 4] and lit["ooms"] == 1
+    for r in (acc, lit):
+        assert r["answer"] and r["config"]["rung"] == {"precision": "bf16", "checkpointing": "none", "offload": "none"}
+        assert r["config"]["micro_batch_size"] == min(r["answer"], r["spec"]["global_batch_size"])
+    assert len([r for r in records if r["kind"] == "verify"]) == len({render.key_of(r["config"]) for r in tune.values()})
+
+
+# -- the renderer on hand-made records (fast) ---------------------------------------------------------
+SPEC = {"name": "W1", "title": "test", "model": "m", "budget": "24GiB", "global_batch_size": 64, "seq": 1024,
+        "image": 0, "unit": "tok/s", "per_sample": 1024, "trial_steps": 3}
+BASE = {"run_id": "r", "command": "python benchmarks/bench_peers.py --workload W1", "smoke": False, "workload": "W1",
+        "spec": SPEC, "device": "NVIDIA H200", "torch": "2.x", "cuda": "12", "versions": {}, "date": "2026-01-01"}
+
+
+def _config(ckpt: str, offload: str, micro: int) -> dict:
+    name = "+".join(["bf16"] + ([f"{ckpt} ckpt"] if ckpt != "none" else []) + ([f"{offload} offload"] if offload != "none" else []))
+    return {"rung": {"precision": "bf16", "checkpointing": ckpt, "offload": offload}, "name": name,
+            "micro_batch_size": micro, "accumulation_steps": 64 // micro, "last_micro_batch_size": micro}
+
+
+def _records() -> list[dict]:
+    best, peer = _config("full", "optimizer", 16), _config("none", "none", 4)
+    grid = [{"rung": best["rung"], "micro_batch_size": 16, "outcome": "ok", "samples_per_second": 26.0,
+             "peak_bytes": 1}, {"rung": peer["rung"], "micro_batch_size": 4, "outcome": "oom",
+                                "samples_per_second": 0.0, "peak_bytes": 1}]
+    train = {"steps_requested": 100, "steps_done": 100, "oom": False, "oom_at_step": None, "error": "", "stopped": "",
+             "median_step_seconds": 2.4, "samples_per_second": 26.0, "peak_bytes": 1}
+    return [
+        {**BASE, "kind": "tune", "method": "autotune-cold", "trials": 15, "ooms": 0, "tune_seconds": 36.0,
+         "config": best, "source": "tuned"},
+        {**BASE, "kind": "tune", "method": "accelerate", "trials": 27, "ooms": 26, "tune_seconds": 9.2, "config": peer,
+         "answer": 4, "error": "", "tries": []},
+        {**BASE, "kind": "tune", "method": "lightning-power", "trials": 2, "ooms": 2, "tune_seconds": 3.0,
+         "config": None, "answer": None, "error": "ValueError: batch_size should be a positive integer value"},
+        {**BASE, "kind": "tune", "method": "grid", "trials": 2, "ooms": 1, "tune_seconds": 100.0, "config": best,
+         "grid": grid, "complete": True, "estimated_samples_per_second": 26.0},
+        {**BASE, "kind": "verify", "config": best, "methods": ["autotune-cold", "grid"],
+         "trial": {"outcome": "ok", "samples_per_second": 25.0}, "train": train},
+        {**BASE, "kind": "verify", "config": peer, "methods": ["accelerate"], "trial": {"outcome": "oom",
+         "samples_per_second": 0.0}, "train": {**train, "steps_done": 1, "oom": True, "oom_at_step": 1,
+                                                "error": "OutOfMemoryError: CUDA out of memory.",
+                                                "samples_per_second": 0.0}},
+    ]
+
+
+def test_render_says_plainly_where_autotune_is_behind(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    text = _render(tmp_path, str(path))
+    section = text[text.index(render.BEGIN):]
+    assert "Tuning time: autotune (cold) took 36.0 s, Accelerate 9.2 s [r.jsonl:1, r.jsonl:2]." in section
+    assert "Trials: autotune (cold) ran 15 trials, Lightning power (which then found no configuration) 2" in section
+    assert "Trials: autotune (cold) ran 15 trials, the grid 2" in section
+    assert "OOMs while tuning" not in section  # autotune had none
+    assert "26,624 | 1.00×" in section  # 26 samples/s x 1024 tokens, the grid's best itself
+    assert "**no**: OOM in step 2 of 100" in section
+    assert "none: gave up (ValueError: batch_size should be a positive integer value)" in section
+
+
+def test_render_replaces_only_its_own_section(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    results = tmp_path / "RESULTS.md"
+    results.write_text(f"# Results\n\n{render.BEGIN}\nold\n{render.END}\n\n## Another section\n\nkept\n")
+    text = _render(tmp_path, str(path))
+    assert "\nold\n" not in text and text.endswith("## Another section\n\nkept\n")
+    again = _render(tmp_path, str(path))
+    assert again == text  # idempotent

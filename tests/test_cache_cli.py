@@ -1,0 +1,135 @@
+"""`autotune cache ...`: every command through click's runner, on real cache files."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import click
+import pytest
+from cache_samples import sample
+from click.testing import CliRunner
+
+from autotune import cache as cache_module
+from autotune.cache import PlanCache
+from autotune.cli import main
+from autotune.commands.cache import cache as cache_group
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    cache_module._warned.clear()
+
+
+@pytest.fixture
+def filled(tmp_path: Path) -> Path:
+    """A cache with three plans, one of them seen to run out of memory at its micro-batch."""
+    path = tmp_path / "plans.db"
+    store = PlanCache(path)
+    for i in range(3):
+        store.put(*sample(i))
+    store.mark_unsafe(sample(2)[0].key, micro_batch_size=4, shapes={"x": [4, 4]}, note="CUDA out of memory")
+    return path
+
+
+def run(*args: str, input: str | None = None) -> click.testing.Result:
+    return CliRunner().invoke(main, ["cache", *args], input=input, catch_exceptions=False)
+
+
+@pytest.mark.parametrize("name", sorted(cache_group.commands))
+def test_every_command_has_help_with_an_example(name: str) -> None:
+    result = run(name, "--help")
+    assert result.exit_code == 0
+    assert "Example" in result.output and f"autotune cache {name}" in result.output
+
+
+def test_list_prints_a_table_and_json(filled: Path) -> None:
+    result = run("--cache", str(filled), "list")
+    assert result.exit_code == 0
+    header, *rows = result.output.splitlines()
+    assert header.split() == ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "TOKENS/S", "AGE", "STATUS"]
+    assert len(rows) == 3
+    assert sum("unsafe: OOM at micro-batch 4" in r for r in rows) == 1
+    assert all("Linear (20)" in r and "bf16, 4x2" in r for r in rows)
+
+    listed = json.loads(run("--cache", str(filled), "list", "--json").output)
+    assert {e["key"] for e in listed} == {sample(i)[0].key for i in range(3)}
+    assert sorted(e["status"] for e in listed) == ["safe", "safe", "unsafe"]
+
+
+def test_list_of_an_empty_cache_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "empty.db"))
+    result = run("list")
+    assert result.exit_code == 0 and "no cached plans in" in result.output and "empty.db" in result.output
+
+
+def test_show_takes_a_key_prefix(filled: Path) -> None:
+    plan = sample(2)[0]
+    result = run("--cache", str(filled), "show", plan.key[:8])
+    assert result.exit_code == 0
+    assert plan.key in result.output and "OOMs seen in real training" in result.output
+    assert "CUDA out of memory" in result.output and "simulated OOM" in result.output  # failures and trials
+
+    shown = json.loads(run("--cache", str(filled), "show", plan.key[:8], "--json").output)
+    assert shown["plan"]["micro_batch_size"] == 4 and shown["failures"][0]["shapes"] == {"x": [4, 4]}
+
+    missing = run("--cache", str(filled), "show", "zzzz")
+    assert missing.exit_code == 1 and "autotune cache list" in missing.output
+    ambiguous = run("--cache", str(filled), "show", "")
+    assert ambiguous.exit_code == 1 and "give more of the key" in ambiguous.output
+
+
+def test_export_then_import(filled: Path, tmp_path: Path) -> None:
+    out = tmp_path / "team.jsonl"
+    result = run("--cache", str(filled), "export", str(out))
+    assert result.exit_code == 0 and "exported 3 plan(s)" in result.output
+    result = run("--cache", str(tmp_path / "new.db"), "import", str(out))
+    assert result.exit_code == 0 and "imported 3 plan(s)" in result.output
+    assert {e.key for e in PlanCache(tmp_path / "new.db").entries()} == {sample(i)[0].key for i in range(3)}
+
+
+def test_import_lists_rejected_rows_and_fails(filled: Path, tmp_path: Path) -> None:
+    out = tmp_path / "team.jsonl"
+    run("--cache", str(filled), "export", str(out))
+    rows = out.read_text().splitlines()
+    bad = json.loads(rows[0])
+    bad["plan"]["micro_batch_size"] = -1
+    out.write_text("\n".join([json.dumps(bad), *rows[1:]]) + "\n")
+
+    result = CliRunner().invoke(main, ["cache", "--cache", str(tmp_path / "new.db"), "import", str(out)])
+    assert result.exit_code == 1
+    assert "rejected line 1: plan: Plan.micro_batch_size must be a positive integer, got -1" in result.output
+    assert "imported 2 plan(s)" in result.output and "1 row(s)" in result.output
+
+
+def test_clear_asks_first(filled: Path) -> None:
+    declined = run("--cache", str(filled), "clear", input="n\n")
+    assert declined.exit_code == 1 and len(PlanCache(filled).entries()) == 3
+    result = run("--cache", str(filled), "clear", "--yes")
+    assert result.exit_code == 0 and "deleted 3 plan(s)" in result.output
+    assert PlanCache(filled).entries() == []
+
+
+def test_delete_one_plan(filled: Path) -> None:
+    key = sample(0)[0].key
+    result = run("--cache", str(filled), "delete", key[:10])
+    assert result.exit_code == 0 and key[:12] in result.output
+    assert key not in {e.key for e in PlanCache(filled).entries()}
+
+
+def test_path_follows_the_option_then_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run("--cache", str(tmp_path / "a.db"), "path").output.strip() == str(tmp_path / "a.db")
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "b.db"))
+    assert run("path").output.strip() == str(tmp_path / "b.db")
+
+
+def test_an_unusable_cache_is_an_environment_error_naming_the_fix(tmp_path: Path) -> None:
+    foreign = tmp_path / "app.db"
+    with sqlite3.connect(foreign) as conn:
+        conn.execute("CREATE TABLE users (name TEXT)")
+    result = CliRunner().invoke(main, ["cache", "--cache", str(foreign), "list"])
+    assert result.exit_code == 4
+    assert "not an autotune plan cache" in result.output and "AUTOTUNE_CACHE" in result.output

@@ -1,0 +1,237 @@
+"""`plan.apply()` under torch.distributed (gloo, CPU processes): data-parallel steps that equal one full-batch
+step on one process, token counts summed over ranks, and an OOM on one rank recovered on every rank.
+
+The ranks are spawned once per world size and run every scenario in turn (starting processes dominates the
+cost); each scenario checks itself on every rank in float64 against a single-process full-batch step of
+SGD (Adam would hide a mis-weighted gradient: see test_step.py) and reports to a JSON file. A spawn that does
+not finish in time is killed and fails the tests: nothing waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SCENARIOS = ("mean-uneven", "tokens-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
+             "sharded-mean-uneven", "sharded-tokens-uneven", "sharded-peak")
+TIMEOUT_S = 240
+
+
+# -- what runs on each rank ---------------------------------------------------------------------------------
+
+def _shares(world: int, seed: int, t_of=lambda r: 6):
+    """Each rank's batch: rank r holds r + 2 samples, so the shares are uneven."""
+    from test_step import seq_batch
+
+    return [seq_batch(r + 2, t_of(r), seed=seed + r) for r in range(world)]
+
+
+def _reference(model, shares, loss_fn=None):
+    """One SGD step over the union of every rank's share, in one process: the full-batch yardstick."""
+    from test_step import sgd
+
+    m = copy.deepcopy(model)
+    opt = sgd(m.parameters())
+    if loss_fn is None:  # a mean over samples: each share's mean weighted by its samples
+        n = sum(len(b[0]) for b in shares)
+        loss = sum(m(*b) * len(b[0]) for b in shares) / n
+    else:  # tokens: every share's sum over the total count
+        outs = [loss_fn(m, b) for b in shares]
+        loss = sum(o[0] for o in outs) / sum(o[1] for o in outs)
+    loss.backward()
+    opt.step()
+    return m, float(loss.detach())
+
+
+def _train(plan, model, batch, loss_fn=None, sharded=False):
+    from autotune.step import TrainingStep
+    from autotune.techniques.sharding import shard
+    from test_step import sgd
+
+    m = copy.deepcopy(model)
+    if sharded:
+        shard(m, precision=plan.precision)  # FSDP2 in place; the optimizer comes after
+    step = TrainingStep(plan, m, sgd(m.parameters()), loss_fn=loss_fn)
+    loss = step(batch)
+    if sharded:  # the full parameters, gathered from every rank's shard, in a plain copy of the model
+        full = copy.deepcopy(model)
+        with torch.no_grad():
+            for p, q in zip(full.parameters(), m.parameters()):
+                p.copy_(q.full_tensor())
+        m = full
+    return m, step, loss
+
+
+def _sharded_peak(rank: int, world: int) -> dict:
+    """The simulated peak per rank of one step: FSDP2-sharded is below replicated (AdamW: state is sharded too)."""
+    from test_step import HUGE, adamw, make_plan, seq_batch
+    from autotune.step import TrainingStep
+    from autotune.techniques.sharding import shard
+
+    from test_step import Net
+
+    torch.manual_seed(0)
+    model = Net(width=64, depth=4)  # parameters dominate: 4 blocks of 2 x 64 x 256 weights
+    batch = seq_batch(4, 4, seed=50, dtype=torch.float32)
+    peaks = {}
+    for sharded in (False, True):
+        m = copy.deepcopy(model)
+        if sharded:
+            shard(m, precision="fp32")
+        step = TrainingStep(make_plan(2, 4 * world, budget=HUGE), m, adamw(m.parameters()))
+        step(batch)
+        step(batch)  # the second step holds AdamW's state
+        peaks[sharded] = step.last_peak_bytes
+    assert peaks[True] < peaks[False], peaks
+    return {"micro": 2, "loss": 0.0, "recoveries": [], "params": [], "peaks": [peaks[False], peaks[True]]}
+
+
+def _scenario(name: str, rank: int, world: int) -> dict:
+    import math
+
+    from test_step import HUGE, assert_same_training, make_plan, new_model, padded_batch, peak_of, token_loss
+
+    if name == "sharded-peak":
+        return _sharded_peak(rank, world)
+    model = new_model()
+    loss_fn = None
+    budget = HUGE
+    sharded = name.startswith("sharded-")
+    name = name.removeprefix("sharded-")
+    if name == "mean-uneven":
+        shares = _shares(world, seed=10)
+    elif name == "tokens-uneven":
+        lengths = [[0, 3], [9, 1, 4], [2, 12, 5, 7], [1, 1, 1, 1, 11]]
+        shares = [padded_batch(lengths[r], t=12, seed=20 + r) for r in range(world)]
+        loss_fn = token_loss
+    elif name in ("oom-on-one-rank", "oom-at-last-micro-batch"):
+        shares = _shares(world, seed=30)
+        calls = {"n": 0}
+        # rank 1 runs out of memory at its first micro-batch, or at its last one; only in the first attempt
+        at = 1 if name == "oom-on-one-rank" else math.ceil(len(shares[1][0]) / 2)
+
+        def loss_fn(m, b):  # noqa: F811 - the scenario's loss
+            calls["n"] += 1
+            if rank == 1 and calls["n"] == at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank 1)")
+            return m(*b)
+    elif name == "longer-input-on-one-rank":
+        # rank 1's sequences are 8x longer: micro-batch 2 runs out of memory there under the simulated
+        # ceiling, and fits everywhere at micro-batch 1
+        shares = _shares(world, seed=40, t_of=lambda r: 48 if r == 1 else 6)
+        long = shares[1]
+        fits = peak_of(make_plan(1, len(long[0])), model, long)
+        too_big = peak_of(make_plan(2, len(long[0])), model, long)
+        assert fits < too_big, (fits, too_big)
+        budget = (fits + too_big) // 2
+    else:
+        raise ValueError(name)
+
+    plan = make_plan(2, sum(len(b[0]) for b in shares), budget=budget)
+    got, step, loss = _train(plan, model, shares[rank], loss_fn, sharded=sharded)
+    want, want_loss = _reference(model, shares, None if loss_fn is None or name.startswith("oom") else loss_fn)
+    assert_same_training(model, got, want)
+    assert math.isclose(loss, want_loss, rel_tol=1e-10), (loss, want_loss)
+    return {"micro": step.plan.micro_batch_size, "loss": loss,
+            "recoveries": [{"micro_step": r.micro_step, "failed": r.failed, "now": r.now} for r in step.recoveries],
+            "params": [float(p.double().sum()) for p in got.parameters()]}
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name in SCENARIOS:
+            try:
+                results[name] = {"ok": True, **_scenario(name, rank, world)}
+            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+                results[name] = {"ok": False, "error": traceback.format_exc()}
+            dist.barrier()  # a scenario that failed on one rank must not leave the next one out of step
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _spawn(world: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world,
+                                 join=False, start_method="spawn")
+        for _ in range(TIMEOUT_S):
+            if ctx.join(timeout=1):
+                break
+        else:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish within {TIMEOUT_S} s (a collective left waiting?)")
+        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return _spawn(2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return _spawn(4)
+
+
+def _check(ranks: list[dict], name: str) -> list[dict]:
+    results = [r[name] for r in ranks]
+    for rank, res in enumerate(results):
+        assert res["ok"], f"rank {rank}:\n{res.get('error')}"
+    assert all(r["params"] == results[0]["params"] for r in results), "ranks hold different parameters"
+    assert all(r["loss"] == results[0]["loss"] for r in results), "ranks report different losses"
+    return results
+
+
+@pytest.mark.parametrize("name", ["mean-uneven", "tokens-uneven"])
+def test_step_on_two_ranks_equals_one_full_batch_step(two_ranks, name):
+    results = _check(two_ranks, name)
+    assert all(r["micro"] == 2 and not r["recoveries"] for r in results)
+
+
+@pytest.mark.parametrize("name", ["oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank"])
+def test_oom_on_one_rank_is_recovered_on_every_rank(two_ranks, name):
+    results = _check(two_ranks, name)
+    # every rank re-ran the same batch at the smaller micro-batch; only rank 1 saw the OOM itself
+    assert [r["micro"] for r in results] == [1, 1]
+    assert [len(r["recoveries"]) for r in results] == [1, 1]
+    assert results[0]["recoveries"][0]["micro_step"] == -1  # "another rank ran out of memory"
+    assert results[1]["recoveries"][0]["micro_step"] >= 0
+    assert results[0]["recoveries"][0]["now"] == results[1]["recoveries"][0]["now"] == "fp32 at micro-batch 1"
+
+
+@pytest.mark.parametrize("name", ["sharded-mean-uneven", "sharded-tokens-uneven"])
+def test_fsdp2_sharded_step_equals_one_full_batch_step(two_ranks, name):
+    results = _check(two_ranks, name)
+    assert all(r["micro"] == 2 and not r["recoveries"] for r in results)
+
+
+def test_fsdp2_sharded_peak_per_rank_is_below_replicated(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        assert res["sharded-peak"]["ok"], f"rank {rank}:\n{res['sharded-peak'].get('error')}"
+    replicated, sharded = two_ranks[0]["sharded-peak"]["peaks"]
+    assert sharded < 0.8 * replicated, (replicated, sharded)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_four_ranks(four_ranks, name):
+    results = _check(four_ranks, name)
+    recovered = name not in ("mean-uneven", "tokens-uneven", "sharded-mean-uneven", "sharded-tokens-uneven",
+                             "sharded-peak")
+    assert all(r["micro"] == (1 if recovered else 2) for r in results)
+    assert all(len(r["recoveries"]) == int(recovered) for r in results)
