@@ -203,7 +203,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, PlanRow | None, str]]:
 def write_rows(path: str | Path, rows: Iterable[PlanRow]) -> int:
     """Write rows as JSON lines, atomically (a reader never sees half a file); returns how many."""
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")  # same file system: atomic rename
     count = 0
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

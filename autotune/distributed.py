@@ -112,13 +112,15 @@ def reduce_gradients(model: torch.nn.Module, weights: LossWeights) -> torch.Tens
     return weights.global_mean_loss(totals)
 
 
-def total(value: float) -> float:
-    """`value` summed over all ranks (samples in this step's global batch)."""
+def total_and_range(samples: int, steps: int) -> tuple[float, int, int]:
+    """(samples summed over ranks, fewest micro-steps of any rank, most micro-steps of any rank)."""
     if not active():
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(t)
-    return float(t.item())
+        return float(samples), steps, steps
+    t = torch.tensor([float(samples), -float(steps), float(steps)], dtype=torch.float64, device=_collective_device())
+    total = t[:1].clone()
+    dist.all_reduce(total)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(total.item()), int(-t[1].item()), int(t[2].item())
 
 
 def finish_sharded(model: torch.nn.Module, weights: LossWeights) -> torch.Tensor:

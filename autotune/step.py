@@ -232,7 +232,12 @@ class TrainingStep:
         # (global samples / world) for mean losses, plain sums for token losses (finish_sharded divides by
         # the global count). The sum runs before any micro-batch, where every rank arrives.
         world = distributed.world_size()
-        return LossWeights(n, steps, divisor=distributed.total(n) / world, estimate=1.0)
+        total, fewest, most = distributed.total_and_range(n, steps)
+        if fewest != most:  # FSDP's collectives run in every micro-step: unequal counts would leave one waiting
+            raise InvalidSetting(f"under FSDP every rank must run the same number of micro-batches, but they range "
+                                 f"from {fewest} to {most} at micro-batch {self.plan.micro_batch_size}; give every "
+                                 f"rank the same number of samples (global batch / world size)")
+        return LossWeights(n, steps, divisor=total / world, estimate=1.0)
 
     def _optimizer_step(self) -> None:
         if self._link is not None:

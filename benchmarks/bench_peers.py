@@ -101,6 +101,7 @@ def tune_autotune(spec: wl.Spec, args: argparse.Namespace) -> dict[str, Any]:
 def tune_peer(spec: wl.Spec, args: argparse.Namespace) -> dict[str, Any]:
     import peers
 
+    peers.preload(args.method)
     model, batch, loss_fn = wl.build(spec)
     started = time.perf_counter()
     if args.method == "accelerate":
@@ -198,11 +199,13 @@ class Driver:
         self.command = "python benchmarks/bench_peers.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     def spawn(self, spec: wl.Spec, stage: str, extra: list[str], label: str) -> None:
+        which = {"method": extra[extra.index("--method") + 1] if "--method" in extra else None,
+                 "config": json.loads(extra[extra.index("--config") + 1]) if "--config" in extra else None}
         remaining = self.deadline - time.time() if self.deadline else None
         if remaining is not None and remaining < 2 * CHILD_SLACK:
             print(f"[{spec.name}] {label}: not started, the command deadline is near", flush=True)
-            self.record(spec, {"kind": "skip", "stage": stage, "label": label,
-                               "reason": f"not started: under {2 * CHILD_SLACK:.0f} s left of --deadline {self.args.deadline:.0f}"})
+            self.record(spec, {"kind": "skip", "stage": stage, "label": label, **which, "reason":
+                               f"not started: under {2 * CHILD_SLACK:.0f} s left of --deadline {self.args.deadline:.0f}"})
             return
         cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--workload", spec.name,
                "--out", self.args.out, "--run-id", self.run_id, "--command", self.command,
@@ -217,19 +220,19 @@ class Driver:
         print(f"[{spec.name}] {label} ...", flush=True)
         started = time.time()
         try:
-            rc = subprocess.run(cmd, env=env, timeout=remaining).returncode
+            rc = subprocess.run(cmd, env=env, timeout=remaining, check=False).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         print(f"[{spec.name}] {label}: exit {rc} after {time.time() - started:.0f} s", flush=True)
         if rc not in (0, RECORDED_ERROR):  # otherwise it died without writing a record: write one
             why = (f"killed at the command deadline ({self.args.deadline:.0f} s)" if rc == "timeout"
                    else f"died with exit status {rc}" + (" (SIGKILL: host memory?)" if rc == -9 else ""))
-            self.record(spec, {"kind": "error", "stage": stage, "label": label, "error": why,
-                               "method": extra[extra.index("--method") + 1] if "--method" in extra else None})
+            self.record(spec, {"kind": "error", "stage": stage, "label": label, "error": why, **which})
 
     def record(self, spec: wl.Spec, body: dict[str, Any]) -> None:
         append(self.args.out, {"run_id": self.run_id, "command": self.command, "smoke": self.args.smoke,
-                               "workload": spec.name, "spec": spec.info(), **wl.environment(spec.device), **body})
+                               "workload": spec.name, "spec": spec.info(),
+                               **wl.environment(spec.device, name_device=False), **body})
 
     def run(self, spec: wl.Spec, methods: list[str]) -> None:
         lacking = wl.missing(spec)
@@ -251,7 +254,8 @@ class Driver:
         """One fresh process per distinct answer of this run, unless --known already verified it."""
         mine = [r for r in read([self.args.out]) if r.get("run_id") == self.run_id and r["workload"] == spec.name]
         answers: dict[tuple[str, str, str, int], list[str]] = {}
-        for r in mine:
+        first = ("grid", *METHODS)  # the reference first: the ratios need it, should the deadline cut the rest
+        for r in sorted(mine, key=lambda r: first.index(r["method"]) if r.get("method") in first else len(first)):
             if r["kind"] == "tune" and r.get("config"):
                 answers.setdefault(config_key(r["config"]), []).append(r["method"])
         done = {config_key(r["config"]) for r in read(self.args.known)
@@ -271,8 +275,8 @@ def main() -> int:
     p.add_argument("--workload", action="append", choices=("W1", "W2", "W3"),
                    help="repeatable; default all three")
     p.add_argument("--methods", default="all", help=f"comma-separated, from: {', '.join(METHODS)}; default all")
-    p.add_argument("--steps", type=int, default=100,
-                   help="training steps that verify each answer (0: time it only); default 100")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps that verify each answer (0: time it only); default 100, 2 with --smoke")
     p.add_argument("--probe-steps", type=int, default=3,
                    help="optimizer steps per peer try (Lightning's steps_per_trial default, 3)")
     p.add_argument("--deadline", type=float, default=None,
@@ -302,6 +306,8 @@ def main() -> int:
     if unknown:
         p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     methods = [m for m in METHODS if m in methods]  # cold before warm, whatever order was given
+    if args.steps is None:
+        args.steps = 2 if args.smoke else 100
     if args.deadline is None and not args.smoke:
         args.deadline = 560.0
     if not args.smoke and not torch.cuda.is_available():

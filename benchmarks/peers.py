@@ -30,6 +30,15 @@ from autotune.errors import is_oom
 DATASET_LENGTH = 1 << 20  # longer than any batch a finder tries: Lightning stops growing at the dataset's length
 
 
+def preload(method: str) -> None:
+    """Import the peer's library now, so that its import time (seconds for lightning) is charged to no clock."""
+    if method == "accelerate":
+        import accelerate.utils  # noqa: F401
+    else:
+        import lightning.pytorch  # noqa: F401
+        import lightning.pytorch.tuner  # noqa: F401
+
+
 def _bf16_autocast(device: str) -> torch.autocast:
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 

@@ -51,7 +51,7 @@ class Workload:
 
     def __init__(self, records: list[dict[str, Any]]) -> None:
         self.records = records
-        last = records[-1]
+        last = next((r for r in reversed(records) if r.get("device")), records[-1])
         self.name, self.spec, self.smoke, self.device = last["workload"], last["spec"], last["smoke"], last["device"]
         self.unit, self.per_sample = self.spec["unit"], self.spec["per_sample"]
         self.tune: dict[str, dict[str, Any]] = {}
@@ -60,7 +60,7 @@ class Workload:
         self.verify_errors: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for r in records:  # later lines win: a rerun replaces an earlier run of the same method
             method = r.get("method")
-            if r["kind"] == "error" and r.get("stage") == "verify" and r.get("config"):
+            if r["kind"] in ("error", "skip") and r.get("stage") == "verify" and r.get("config"):
                 self.verify_errors[key_of(r["config"])] = r
             elif r["kind"] == "tune":
                 self.tune[method] = r
@@ -71,7 +71,8 @@ class Workload:
                 key = key_of(r["config"])
                 if _steps_done(r) >= _steps_done(self.verified.get(key)):
                     self.verified[key] = r
-        self.other_problems = [r for r in records if r["kind"] in ("error", "skip") and not r.get("method")]
+        self.other_problems = [r for r in records if r["kind"] in ("error", "skip") and not r.get("method")
+                               and not (r.get("stage") == "verify" and r.get("config"))]
 
     # -- figures ------------------------------------------------------------------------------------
     def verification(self, method: str) -> dict[str, Any] | None:
@@ -88,10 +89,10 @@ class Workload:
 
     def trial_rate(self, method: str, outcomes: tuple[str, ...] = ("ok",)) -> float | None:
         """Units/s estimated by autotune's TrialRunner (the grid's measure) in the verifying process, when
-        the trial's outcome is one of `outcomes`."""
-        if method == "grid" and "grid" in self.tune and self.verification("grid") is None:
-            best = self.tune["grid"].get("estimated_samples_per_second")
-            return best * self.per_sample if best else None
+        the trial's outcome is one of `outcomes`; unverified, the tuning process's own estimate."""
+        if self.verification(method) is None:  # unverified: the method's own estimate (autotune's, the grid's)
+            est = (self.tune.get(method) or {}).get("estimated_samples_per_second")
+            return est * self.per_sample if est else None
         trial = (self.verification(method) or {}).get("trial") or {}
         return trial["samples_per_second"] * self.per_sample if trial.get("outcome") in outcomes else None
 
@@ -125,8 +126,10 @@ def _steps_done(record: dict[str, Any] | None) -> int:
 
 def workloads(records: list[dict[str, Any]]) -> list[Workload]:
     by: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by[(r.get("smoke", False), r.get("device", ""), r["workload"])].append(r)
+    named = {(r.get("smoke", False), r["workload"]): r["device"] for r in records if r.get("device")}
+    for r in records:  # the driver's own records (skips, kills) name no device: they join their workload's
+        device = r.get("device") or named.get((r.get("smoke", False), r["workload"]), "")
+        by[(r.get("smoke", False), device, r["workload"])].append(r)
     return [Workload(rs) for _, rs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1]))]
 
 
@@ -188,7 +191,11 @@ def _rate_missing(w: Workload, method: str) -> str:
 
 def _steps(v: dict[str, Any] | None, error: dict[str, Any] | None = None) -> str:
     if v is None:
-        return f"verification failed: {error['error']} [{error['_at']}]" if error else "not run"
+        if error is None:
+            return "not run"
+        if error["kind"] == "skip":
+            return f"not run ({error['reason']}) [{error['_at']}]"
+        return f"verification failed: {error['error']} [{error['_at']}]"
     train = v.get("train")
     if not train:
         return "not run (--steps 0)"
@@ -248,8 +255,7 @@ def _rate_behind(w: Workload, mine: str, other: str, me: str) -> list[str]:
     same = key_of(cfg_a) == key_of(cfg_b)
     why = (" The same configuration, measured in two processes: run-to-run noise." if same else
            f" autotune chose {describe(cfg_a)}; {SHORT[other]}: {describe(cfg_b)}.")
-    va, vb = w.verification(mine), w.verification(other)
-    cites = ", ".join(x["_at"] for x in (va, vb) if x) or w.tune[other]["_at"]
+    cites = ", ".join((w.verification(m) or w.tune[m])["_at"] for m in (mine, other))
     return [f"Throughput: {me} {_num(a)} {w.unit}, {SHORT[other]} {_num(b)} {w.unit} ({a / b:.2f}×, {how})."
             f"{why} [{cites}]"]
 
@@ -264,6 +270,8 @@ def _time_reason(w: Workload, mine: str, other: str) -> str:
         return ""
     if t.get("source") == "cache":
         return " (a cache hit: no trials, the time is the lookup and process work)"
+    if not w.tune[other].get("config"):
+        return " Why: autotune climbs to a rung that fits; the peer only shrinks the batch, then gives up."
     steps = w.spec.get("trial_steps", 3)
     return (f" Why: autotune runs each trial for 1 warm-up and {steps} measured step{'s' if steps > 1 else ''} "
             "and also times rungs above the first that fits, to choose by throughput; the peer stops at the "
@@ -293,7 +301,7 @@ def grid_table(w: Workload) -> str:
     sizes = sorted({t["micro_batch_size"] for t in g["grid"]})
     rungs: dict[str, dict[int, str]] = {}
     for t in g["grid"]:
-        name = _rung_name(t["rung"])
+        name = rung_name(t["rung"])
         cell = {"ok": _num(t["samples_per_second"] * w.per_sample), "oom": "OOM",
                 "over_budget": f"{_num(t['samples_per_second'] * w.per_sample)} (over margin)"}[t["outcome"]]
         rungs.setdefault(name, {})[t["micro_batch_size"]] = cell
@@ -311,7 +319,8 @@ def grid_table(w: Workload) -> str:
             + "\n".join(lines))
 
 
-def _rung_name(r: dict[str, str]) -> str:
+def rung_name(r: dict[str, str]) -> str:
+    """A rung's label from its dict, as `Rung.name` writes it."""
     parts = [r["precision"]]
     if r["checkpointing"] != "none":
         parts.append(f"{r['checkpointing']} ckpt")
@@ -321,7 +330,7 @@ def _rung_name(r: dict[str, str]) -> str:
 
 
 def facts(w: Workload) -> str:
-    last = w.records[-1]
+    last = next((r for r in reversed(w.records) if r.get("device")), w.records[-1])
     versions = ", ".join(f"{k} {v}" for k, v in sorted((last.get("versions") or {}).items()))
     dates = sorted({r["date"] for r in w.records if r.get("date")})
     commands = sorted({r["command"] for r in w.records if r.get("command")})
@@ -400,66 +409,6 @@ def text_summary(records: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-# -- the plot -----------------------------------------------------------------------------------------
-MARKERS = {"autotune-cold": ("*", "black", 16), "autotune-warm": ("P", "dimgray", 10), "accelerate": ("v", "tab:red", 10),
-           "lightning-power": ("^", "tab:purple", 10), "lightning-binsearch": ("D", "tab:brown", 8)}
-
-
-def plot(ws: list[Workload], path: str) -> bool:
-    """Throughput against micro-batch per rung (the grid), with each method's answer marked. False without
-    matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("render: matplotlib is not installed; no plot (pip install matplotlib, then render again)",
-              file=sys.stderr)
-        return False
-    fig, axes = plt.subplots(1, len(ws), figsize=(6.4 * len(ws), 4.8), squeeze=False)
-    for ax, w in zip(axes[0], ws):
-        _plot_one(ax, w)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def _plot_one(ax: Any, w: Workload) -> None:
-    g = w.tune.get("grid")
-    if g:
-        lines: dict[str, list[tuple[int, float, str]]] = {}
-        for t in g["grid"]:
-            lines.setdefault(_rung_name(t["rung"]), []).append(
-                (t["micro_batch_size"], t["samples_per_second"] * w.per_sample, t["outcome"]))
-        for name, pts in lines.items():
-            ran = [(m, y) for m, y, o in pts if o != "oom"]
-            (line,) = ax.plot([m for m, _ in ran], [y for _, y in ran], "o-", label=name, alpha=0.8)
-            over = [(m, y) for m, y, o in pts if o == "over_budget"]
-            ax.plot([m for m, _ in over], [y for _, y in over], "o", mfc="white", color=line.get_color())
-            ooms = [m for m, _, o in pts if o == "oom"]
-            ax.plot(ooms, [0] * len(ooms), "x", color=line.get_color(), ms=9)
-    for method, (marker, color, size) in MARKERS.items():
-        t = w.tune.get(method)
-        if not t or not t.get("config"):
-            continue
-        micro = t["config"]["micro_batch_size"]
-        y = w.trial_rate(method, ("ok", "over_budget"))
-        outcome = w.trial_outcome(method)
-        note = {"ok": "", "over_budget": " (over margin)", "oom": " (trial OOM)"}.get(outcome, " (not verified)")
-        label = f"{SHORT[method]}: {t['config']['name']} @ {micro}{note}"
-        ax.plot([micro], [y or 0], marker, color=color, ms=size, label=label, mec="black", zorder=5,
-                mfc="white" if outcome == "over_budget" else color)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("micro-batch size")
-    ax.set_ylabel(f"{w.unit}, whole global step (TrialRunner)")
-    ax.set_title(f"{w.name}: {w.spec['title']}\n{w.spec['budget']} ceiling, global batch {w.spec['global_batch_size']}"
-                 f"{' (SMOKE, CPU)' if w.smoke else ''}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-
-
 # -- command line -------------------------------------------------------------------------------------
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -473,7 +422,9 @@ def main() -> int:
     if not ws:
         p.error("no bench_peers records in the files")
     plot_path = args.plot or os.path.join(os.path.dirname(os.path.abspath(args.results)), "peers.png")
-    drew = plot(ws, plot_path)
+    import plot  # matplotlib is needed only here
+
+    drew = plot.plot(ws, plot_path)
     rel = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(args.results))) if drew else None
     command = "python benchmarks/render.py " + " ".join(sys.argv[1:])
     write_section(args.results, section(ws, args.files, rel, command))

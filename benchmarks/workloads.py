@@ -352,14 +352,19 @@ def _loop(applied: Any, model: nn.Module, batch: Any, loss_fn: Any, placement: P
 
 
 # -- facts for the record -----------------------------------------------------------------------------
-def environment(device: str) -> dict[str, Any]:
-    """What ran it: device name, torch and peer versions, date (UTC), host."""
+def environment(device: str, *, name_device: bool = True) -> dict[str, Any]:
+    """What ran it: device name, torch and peer versions, date (UTC), host.
+
+    `name_device=False` leaves the name out (""): asking CUDA for it creates a context, hundreds of MiB
+    that a parent process would then hold on the GPU while its children measure.
+    """
     versions = {}
     for dist in ("transformers", "accelerate", "lightning", "torchvision", "timm"):
         try:
             versions[dist] = metadata.version(dist)  # no import: lightning alone takes seconds to import
         except metadata.PackageNotFoundError:
             pass
-    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu (simulated ceiling)"
+    name = "cpu (simulated ceiling)" if not device.startswith("cuda") else (
+        torch.cuda.get_device_name(0) if name_device else "")
     return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "versions": versions,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node()}
