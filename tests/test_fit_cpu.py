@@ -12,6 +12,7 @@ import autotune
 from autotune.devices import resolve_device
 from autotune.losses import resolve
 from autotune.optimizers import OptimizerSpec
+from autotune.controller import NOISE
 from autotune.plan import Rung
 from autotune.techniques import checkpointing, find_blocks
 from autotune.trial import TrialRunner, Workload
@@ -59,7 +60,15 @@ def _fit(model, batch, budget, **kw):
 def test_shrinking_budget_pushes_the_model_up_the_ladder(gpt, peaks):
     model, batch = gpt
     roomy = _fit(model, batch, peaks["bf16"] * 3)
-    assert roomy.rung == Rung() and roomy.micro_batch_size == 8 and roomy.accumulation_steps == 1
+    # Nothing forces a climb: plain bf16 wins, and the search grew it to the whole per-rank batch.
+    assert roomy.rung == Rung()
+    assert any(t.fits and t.rung == Rung() and t.micro_batch_size == 8 for t in roomy.trials)
+    # Which micro-batch wins is measured: on a CPU a tiny model's throughput is nearly flat, so the pick is
+    # the fastest, or one within noise of it with a lower peak (headroom first).
+    fastest = max((t for t in roomy.trials if t.fits), key=lambda t: t.samples_per_second)
+    assert roomy.samples_per_second >= fastest.samples_per_second * (1 - NOISE)
+    assert roomy.micro_batch_size == fastest.micro_batch_size or roomy.peak_memory_bytes < fastest.peak_bytes
+    assert roomy.micro_batch_size * roomy.accumulation_steps >= 8
 
     # bf16 at micro-batch 4 no longer fits, full checkpointing does
     tight = _fit(model, batch, peaks["full"] * 1.02 / 0.9, techniques=("bf16", "checkpointing"))
