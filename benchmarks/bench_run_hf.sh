@@ -9,7 +9,7 @@
 # The ceiling is applied inside the job by autotune's agent with torch.cuda.set_per_process_memory_fraction
 # (BUDGET / the card's memory), in every trial and in the real run; the comparison runs the same script
 # through the same agent with HF's own --auto_find_batch_size, under the same ceiling.
-# Everything lands in benchmarks/out/run_hf-<model>-<budget>-<time>/: command.txt, doctor.txt, plan.json
+# Everything lands in $OUTDIR, by default benchmarks/out/run_hf-<model>-<budget>-<time>/: command.txt, doctor.txt, plan.json
 # (autotune's plan), run.log (progress, trials, the real run), hf_auto.log, and summary.txt with the
 # figures for benchmarks/RESULTS.md.
 set -euo pipefail
@@ -25,12 +25,14 @@ COMPARE=${COMPARE:-1}
 read -r -a EXTRA <<< "${EXTRA:-}"  # more script flags, e.g. EXTRA="--vocab_size 512" for a quick smoke run
 
 python -c "import transformers, accelerate" 2>/dev/null || { echo "needs transformers and accelerate" >&2; exit 4; }
-out="benchmarks/out/run_hf-$MODEL-$BUDGET-$(date +%Y%m%dT%H%M%S)"
+# The console script when autotune is installed; the module from a checkout on PYTHONPATH otherwise.
+if command -v autotune >/dev/null 2>&1; then AUTOTUNE=(autotune); else AUTOTUNE=(python -m autotune); fi
+out=${OUTDIR:-"benchmarks/out/run_hf-$MODEL-$BUDGET-$(date +%Y%m%dT%H%M%S)"}
 mkdir -p "$out"
-autotune doctor > "$out/doctor.txt" 2>&1 || true
+"${AUTOTUNE[@]}" doctor > "$out/doctor.txt" 2>&1 || true
 script_args=(--model_size "$MODEL" --seq_len "$SEQ" --max_steps "$STEPS" --logging_steps 10 --disable_tqdm true
              --output_dir "$out/hf" "${EXTRA[@]}")
-cmd=(autotune run --global-batch-size "$GLOBAL" --budget "$BUDGET" --trial-steps "$TRIAL_STEPS" --cache off --json
+cmd=("${AUTOTUNE[@]}" run --global-batch-size "$GLOBAL" --budget "$BUDGET" --trial-steps "$TRIAL_STEPS" --cache off --json
      --map micro_batch=--per_device_train_batch_size --map accumulation=--gradient_accumulation_steps
      --map checkpointing=--gradient_checkpointing --map bf16=--bf16
      examples/train_hf_trainer.py "${script_args[@]}")
