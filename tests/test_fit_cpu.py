@@ -14,7 +14,7 @@ from autotune.losses import resolve
 from autotune.optimizers import OptimizerSpec
 from autotune.controller import NOISE
 from autotune.plan import Rung
-from autotune.techniques import checkpointing, find_blocks
+from autotune.techniques import apply_rung, checkpointing, find_blocks
 from autotune.trial import TrialRunner, Workload
 from gpt import GPT, GPTConfig, random_batch
 
@@ -169,6 +169,29 @@ def test_batchnorm_and_dropout_train_identically_with_and_without_checkpointing(
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # dropout masks replayed on recompute
     for a, b in zip(s1, s2):
         assert torch.equal(a, b)  # running stats and num_batches_tracked updated once, not twice
+
+
+def test_every_rung_trains_a_batchnorm_model():
+    # Regression (ResNet-152 on an H100): optimizer offload cast BatchNorm's weights to bf16 beside its
+    # FP32 running statistics, and backward refused the mix. Norm layers now keep FP32 device weights.
+    torch.manual_seed(0)
+    model = BNNet()
+    work = Workload(model=model, batch=torch.randn(8, 16), loss_fn=resolve(None),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=2**40,
+                    limit_bytes=2**40, per_rank=8, blocks=find_blocks(model), measured_steps=1)
+    runner = TrialRunner(work)
+    for rung in RUNGS.values():
+        trial = runner(rung, 4)
+        assert trial.fits, (rung.name, trial.note)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the offload undone
+
+    applied = apply_rung(model, RUNGS["optimizer"], work.spec, work.placement, work.blocks)
+    try:
+        norms = {id(p) for b in model.blocks for p in b.bn.parameters()}
+        for p in model.parameters():
+            assert p.dtype == (torch.float32 if id(p) in norms else torch.bfloat16)
+    finally:
+        applied.remove()
 
 
 def test_activation_offload_keeps_gradients_exact():

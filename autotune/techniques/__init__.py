@@ -25,7 +25,7 @@ from ..optimizers import OptimizerSpec
 from ..plan import Rung
 from . import checkpointing
 from .checkpointing import BlockGroup, find_blocks
-from .offload import HostOptimizer
+from .offload import HostOptimizer, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
 TECHNIQUES = ("bf16", "checkpointing", "offload")
@@ -127,7 +127,7 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
         if rung.offload == "optimizer":
             state = optimizer.state_dict() if optimizer is not None and optimizer.state else None
             dtype = torch.bfloat16 if rung.precision == "bf16" else torch.float16
-            opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state)
+            opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state, keep_fp32=norm_parameters(model))
             undo.append(opt.restore)
         else:
             opt = optimizer if optimizer is not None else spec.build(trainable)

@@ -15,7 +15,7 @@ them exactly as a GPU would.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -46,19 +46,34 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device, non_blocking=True)
 
 
+NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the model's normalization layers (BatchNorm, InstanceNorm, LayerNorm, GroupNorm,
+    RMSNorm): under optimizer offload they stay FP32 on the device."""
+    return [p for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)]
+
+
 class HostOptimizer:
     """Optimizer offload: FP32 masters and state on the host, 16-bit weights and gradients on the device.
 
     `step()` copies the device gradients into pinned FP32 host buffers, steps a CPU optimizer over the
     masters, and copies the updated masters back into the device weights (cast to 16 bits). `restore()`
     puts FP32 weights back on the device and drops the host copies.
+
+    Parameters in `keep_fp32` (normalization layers': see `norm_parameters`) keep FP32 device weights:
+    BatchNorm needs its weight in the dtype of its FP32 running statistics (cuDNN and the CPU kernel both
+    refuse a 16-bit weight beside them), and norm weights are a negligible share of the memory.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], spec: OptimizerSpec, dtype: torch.dtype,
-                 scaler: torch.amp.GradScaler | None = None, state: dict[str, Any] | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, state: dict[str, Any] | None = None,
+                 keep_fp32: Collection[nn.Parameter] = ()) -> None:
         self.params = list(params)
         self.dtype = dtype
         self.scaler = scaler
+        kept = {id(p) for p in keep_fp32}
         with host_memory():
             self.masters = [self._host_master(p) for p in self.params]
             self.optimizer = spec.build(self.masters, host=True)
@@ -66,7 +81,8 @@ class HostOptimizer:
                 self.optimizer.load_state_dict(state)
         with torch.no_grad():
             for p in self.params:
-                p.data = p.data.to(dtype)  # the device copy shrinks to 16 bits; its FP32 storage is freed
+                if id(p) not in kept:
+                    p.data = p.data.to(dtype)  # the device copy shrinks to 16 bits; its FP32 storage is freed
         self.param_groups = self.optimizer.param_groups
 
     @staticmethod
