@@ -137,8 +137,8 @@ def run(options: RunOptions, on_plan: Callable[[Plan], None] | None = None) -> R
             if options.maps:
                 return _zero_change(options, launcher, on_plan)
             return _cooperative(options, launcher)
-        except Interrupted as exc:
-            return RunResult(exit_code=128 + exc.signum,
+        except Interrupted as exc:  # the plan in force goes with it: `--json` still prints what was tuned
+            return RunResult(exit_code=128 + exc.signum, plan=launcher.plan,
                              message=f"interrupted by {signal.Signals(exc.signum).name}; the job was stopped")
         except TrialFailed as exc:
             return RunResult(exit_code=exc.exit_code, message=str(exc))
@@ -150,6 +150,7 @@ class Launcher:
 
     options: RunOptions
     forwarder: SignalForwarder
+    plan: Plan | None = None  # the plan in force: set before a zero-change run, reported by a cooperative job
 
     def command(self, args: list[str]) -> list[str]:
         opts = self.options
@@ -174,6 +175,7 @@ class Launcher:
                           name=os.path.basename(opts.script))
             exit_ = self.forwarder.run(child)
             verdict = classify(exit_, agent.read_results(result_file))
+        self.plan = verdict.plan or self.plan
         if self.forwarder.received is not None:
             raise Interrupted(self.forwarder.received)
         if not trial:
@@ -286,6 +288,7 @@ def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan],
     for number in range(opts.max_restarts + 1):
         args = tuner.arguments(plan)
         log.info("running: %s", shlex.join([opts.script, *args]))
+        launcher.plan = plan
         verdict = launcher.launch(args, {**env, RESTART_COUNT_ENV: str(number)})
         attempts.append(_attempt(number, verdict, plan))
         if verdict.kind != "oom":

@@ -167,6 +167,29 @@ def test_sigint_stops_the_job_and_exits_130(tmp_path: Path) -> None:
         stop_all(proc, [job])
 
 
+def test_sigterm_in_the_real_run_exits_143_and_still_prints_the_tuned_plan(tmp_path: Path) -> None:
+    # Regression: an interrupted run printed `null` under --json, losing the plan its trials had found.
+    proc = start_run(tmp_path, "--global-batch-size", "32", "--budget", "8MiB", "--trial-steps", "2", "--json",
+                     *ZERO_CHANGE_MAPS, str(SCRIPTS / "zero_change_oom.py"), str(tmp_path / "final"),
+                     "--max_steps", "100000")
+    try:
+        seen = []
+        for line in proc.stderr:  # trials first; the real run starts with "running: ..."
+            seen.append(line)
+            if "running:" in line:
+                break
+        assert any("running:" in line for line in seen), "".join(seen)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 143, "".join(seen) + stderr
+        plan = json.loads(stdout)
+        assert plan is not None and plan["micro_batch_size"] * plan["accumulation_steps"] == 32, stdout
+        assert "interrupted by SIGTERM" in stderr
+    finally:
+        stop_all(proc, [])
+
+
 # -- the command line ------------------------------------------------------------------------------------
 
 def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
