@@ -39,14 +39,38 @@ cmd=("${AUTOTUNE[@]}" run --global-batch-size "$GLOBAL" --budget "$BUDGET" --tri
 printf '%q ' "${cmd[@]}" > "$out/command.txt"
 echo >> "$out/command.txt"
 
+# A stop signal (a `timeout`, Ctrl-C) goes on to the running step, which stops its own process group, and the
+# summary of what ran is still written. Each step runs in the background: bash runs a trap only between
+# commands, and `wait` is the one it can interrupt.
+stopped=""
+child=""
+on_stop() { stopped=$1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null || true; }
+trap 'on_stop TERM' TERM
+trap 'on_stop INT' INT
+run_step() {
+  "$@" &
+  child=$!
+  local status=0
+  wait "$child" || status=$?
+  while kill -0 "$child" 2>/dev/null; do  # a signal ended `wait`, not the step: wait for it to stop
+    status=0; wait "$child" || status=$?
+  done
+  child=""
+  return "$status"
+}
+
 started=$(date +%s)
 set +e
-"${cmd[@]}" > "$out/plan.json" 2> >(tee "$out/run.log" >&2)
+# tee ignores the stop signals (a `timeout` signals the whole group): it must outlive the supervisor's last
+# words, or they go to a broken pipe and the supervisor exits 1 instead of 143. It ends when they close.
+run_step "${cmd[@]}" > "$out/plan.json" 2> >(trap '' TERM INT; exec tee "$out/run.log" >&2)
 rc=$?
 set -e
 seconds=$(( $(date +%s) - started ))
 
-if [ "$COMPARE" = 1 ]; then
+if [ -n "$stopped" ]; then
+  hf_rc="not run (stopped by SIG$stopped)"; hf_seconds=0
+elif [ "$COMPARE" = 1 ]; then
   # HF's own finder: starts at the global batch per device and halves it on OOM, with accumulation 1.
   python - "$BUDGET" > "$out/budget_bytes" <<'PY'
 import sys
@@ -57,7 +81,7 @@ PY
   set +e
   hf_started=$(date +%s)
   AUTOTUNE_AGENT_DEVICE=cuda AUTOTUNE_AGENT_BUDGET=$(cat "$out/budget_bytes") \
-    python -m autotune.bootstrap examples/train_hf_trainer.py "${script_args[@]}" --output_dir "$out/hf_auto" \
+    run_step python -m autotune.bootstrap examples/train_hf_trainer.py "${script_args[@]}" --output_dir "$out/hf_auto" \
     --auto_find_batch_size --per_device_train_batch_size "$GLOBAL" --bf16 >> "$out/hf_auto.log" 2>&1
   hf_rc=$?
   hf_seconds=$(( $(date +%s) - hf_started ))
@@ -91,7 +115,9 @@ log = open(f"{out}/run.log").read()
 for pattern in (r"trained \d+ steps in .* tokens/s", r"ended: .*"):
     for line in re.findall(pattern, log):
         print(f"real run: {line}")
-if hf_rc != "skipped":
+if hf_rc == "skipped" or hf_rc.startswith("not run"):
+    print(f"HF auto_find_batch_size: {hf_rc}")
+else:
     hf = open(f"{out}/hf_auto.log").read()
     print(f"HF auto_find_batch_size: exit {hf_rc}, {hf_seconds} s; "
           + "; ".join(re.findall(r"trained \d+ steps in .* tokens/s", hf) or ["no result"]))
