@@ -161,7 +161,7 @@ class MeasuredGPU:
 
 def test_a_prediction_that_fits_with_room_to_spare_is_refined_upward():
     # Regression from the H100: micro-batch 1 and 2 predicted 43 on bf16, which peaked at 6.1 of 10.8 GiB; the
-    # search stopped there, climbed, and chose optimizer offload at 128 (0.63x the grid's best, bf16 at 64).
+    # search stopped there, climbed, and chose optimizer offload at 128 (0.60x the grid's best in training).
     gpu = MeasuredGPU(12 * GiB, 256, W3_H100)
     result = _search(gpu, [BF16, SEL, FULL, OFFLOAD])
     best_possible = max(gpu.rate(rung, m) for rung in W3_H100 for m in range(1, 257)
