@@ -23,11 +23,11 @@ from .controller import Controller
 from .devices import Placement, default_budget, parse_bytes, resolve_device
 from .errors import InvalidSetting
 from .losses import resolve as resolve_loss
-from .optimizers import OptimizerSpec
+from .optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan
 from .settings import FitSettings
 from .snapshot import Snapshot
-from .techniques import find_blocks, ladder, parse_techniques
+from .techniques import drop_rungs_over, find_blocks, ladder, parse_techniques, resident_floor
 from .trial import TrialRunner, Workload
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,11 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     blocks = find_blocks(model)
     rungs, notes = ladder(allowed, placement, blocks)
     limit = int((1 - settings.margin) * budget)
+    if world == 1:  # sharded ranks hold only a share of the floor: there the trials decide
+        floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]
+        rungs, dropped = drop_rungs_over(rungs, floors, limit)
+    else:
+        dropped = []
     home = _device_of(model)
     snapshot = Snapshot.take(model, optimizer)
     try:
@@ -153,6 +158,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         controller = Controller(runner, per_rank=per_rank, limit_bytes=limit, max_micro=bound,
                                 max_trials=settings.max_trials, world_size=world,
                                 remeasure=lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps))
+        controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs)
     finally:
         if home != placement.torch_device:

@@ -2,7 +2,9 @@
 
 Per rung: measure two micro-batch sizes, predict from the memory slope the largest that keeps the peak
 under the limit, verify it with one trial, and refine only when the prediction missed: bisect after it
-went over, re-predict from the local slope when it fitted with room to spare. Across rungs:
+went over, re-predict from the local slope when it fitted with room to spare. No trial runs that the
+rung's time model says cannot beat the best measured so far by more than noise (a higher rung's first
+trial borrows the model of the rung below, scaled by the ratio measured at their shared size). Across rungs:
 climb while a higher rung can still beat the best measured so far, judged from the time model of the
 best rung (time per micro-step ~ a + b x m): a higher rung lets the micro-batch grow, but costs at
 least its recompute/copy overhead per sample, so it cannot beat `per_rank / (a + (1 + overhead) x b x
@@ -17,10 +19,11 @@ allowed one, and growth moves to the next allowed size when snapping would stand
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch
+from .batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch, split_sizes
 from .errors import NoFeasiblePlan
 from .plan import Rung, Trial
 
@@ -48,6 +51,7 @@ class SearchResult:
 @dataclass(kw_only=True)
 class _RungState:
     rung: Rung
+    below: _RungState | None = None  # the rung explored before this one, whose time model a first trial borrows
     trials: list[Trial] = field(default_factory=list)
 
     @property
@@ -112,7 +116,7 @@ class Controller:
         A higher rung saves memory, so it starts at the largest micro-batch the rung below fitted and
         probes next the smallest that did not fit there: the one question this rung has to answer.
         """
-        state = _RungState(rung=rung)
+        state = _RungState(rung=rung, below=previous)
         start = previous.largest_ok or 1 if previous is not None else 1
         first = self._run(state, min(start, self.cap))
         if not first.fits and first.micro_batch_size > 1:
@@ -125,6 +129,8 @@ class Controller:
         probe = self._snap(min(self.cap, probe))
         if probe <= first.micro_batch_size:  # no allowed size up to the probe (see `sizes`): the next one above
             probe = next(s for s in self.sizes or () if s > first.micro_batch_size)
+        if not self._worth_trying(state, self.cap):  # even the whole per-rank batch at once would not win
+            return state
         second = self._run(state, probe)
         if not second.fits:
             self._bisect(state)
@@ -133,7 +139,7 @@ class Controller:
             return state
         points = [(t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom"]
         guess = _balanced(predict_max_micro_batch(points, self.limit, self.cap), self.per_rank)
-        if guess > second.micro_batch_size and self._budget_left():
+        if guess > second.micro_batch_size and self._budget_left() and self._worth_trying(state, guess):
             self._run(state, guess)
             if state.smallest_bad is not None:
                 self._bisect(state)
@@ -157,6 +163,8 @@ class Controller:
             guess = self._snap(_balanced(predict_max_micro_batch(points, self.limit, self.cap), self.per_rank))
             if guess <= lo or ceil_div(self.per_rank, guess) == ceil_div(self.per_rank, lo):
                 return  # no larger micro-batch saves an accumulation step
+            if not self._worth_trying(state, guess):
+                return
             if not self._run(state, guess).fits:
                 self._bisect(state)
                 return
@@ -164,8 +172,11 @@ class Controller:
     def _bisect(self, state: _RungState) -> None:
         """Narrow the gap between the largest micro-batch that fits and the smallest that does not.
 
-        When the failure ran to the end (over the limit, not an OOM) its peak is a third point on the
-        line, and the line's answer is the next try; after an OOM only the midpoint is known to be safe.
+        When the failure ran to the end (over the limit, not an OOM) its peak and the largest fitting
+        one bracket the edge: the line between them says where the limit falls, and when it falls below
+        the next size up nothing in between is tried (on GPT-2 large, H100: 6 peaked at 21.1 GiB and 8 at
+        22.7 against a 21.6 limit, so 7 was a trial spent to learn it ran over). After an OOM only the
+        midpoint is known to be safe.
         """
         for _ in range(MAX_BISECT):
             lo, hi = state.largest_ok, state.smallest_bad
@@ -174,13 +185,78 @@ class Controller:
             mid = bisect_next(lo, hi)
             if mid is None:
                 return
-            points = [(t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom"]
-            if any(t.outcome == "over_budget" for t in state.trials) and len({m for m, _ in points}) >= 2:
-                mid = min(hi - 1, max(lo + 1, predict_max_micro_batch(points, self.limit, self.cap)))
+            edge = self._edge_between(state, lo, hi)
+            if edge is not None:
+                if edge <= lo:
+                    return
+                mid = min(hi - 1, edge)
             mid = self._snap(max(lo + 1, _balanced(mid, self.per_rank)))
             if mid <= lo or mid >= hi or ceil_div(self.per_rank, mid) == ceil_div(self.per_rank, lo):
                 return  # no micro-batch between them saves an accumulation step
+            if not self._worth_trying(state, mid):
+                return
             self._run(state, mid)
+
+    def _edge_between(self, state: _RungState, lo: int, hi: int) -> int | None:
+        """The largest micro-batch under the limit on the line through the peaks at `lo` (fitted) and `hi`
+        (ran over the limit); None when `hi` ran out of memory, so its peak is unknown."""
+        below = next(t for t in state.trials if t.micro_batch_size == lo)
+        above = next(t for t in state.trials if t.micro_batch_size == hi)
+        if above.outcome != "over_budget" or above.peak_bytes <= below.peak_bytes:
+            return None
+        slope = (above.peak_bytes - below.peak_bytes) / (hi - lo)
+        return lo + math.floor((self.limit - below.peak_bytes) / slope)
+
+    @staticmethod
+    def _time_line(state: _RungState) -> tuple[float, float] | None:
+        """(a, b) of the rung's micro-step time a + b x m (b >= 0), or None without enough to go on.
+
+        From two timed sizes, the rung's own line. From one, the line of the rung below scaled by the
+        ratio measured at the size both ran: a higher rung's first trial shares a micro-batch with the rung
+        below (activation offload was 17% slower than full checkpointing at micro-batch 6 on GPT-2 large),
+        and its extra cost (a copy, a recompute) grows with the batch as the work does.
+        """
+        def own(s: _RungState) -> list[tuple[int, float]]:
+            return [(t.micro_batch_size, t.step_seconds) for t in s.trials if t.step_seconds > 0]
+
+        timed = own(state)
+        if len({m for m, _ in timed}) >= 2:
+            a, b = fit_line(timed)
+            return a, max(b, 0.0)
+        below = own(state.below) if state.below is not None else []
+        if len(timed) != 1 or len({m for m, _ in below}) < 2:
+            return None
+        a, b = fit_line(below)
+        b = max(b, 0.0)
+        (m0, t0), = timed
+        ratio = t0 / max(a + b * m0, 1e-9)
+        return a * ratio, b * ratio
+
+    def _worth_trying(self, state: _RungState, micro: int) -> bool:
+        """Whether a trial at `micro` could beat the best measured so far by more than noise.
+
+        The rung's own time model (micro-step time ~ a + b x m, b >= 0, a short last micro-batch charged at
+        its own size) is anchored at the rung's largest fitting trial. A larger micro-batch only raises
+        the peak, and a plan within noise of the best is as good as the best: a trial predicted to gain
+        less than that cannot improve the plan. One timed size gives no model: then it is worth a try.
+        """
+        best = self._best()
+        anchor = max(state.ok, key=lambda t: t.micro_batch_size, default=None)
+        line = self._time_line(state)
+        if best is None or anchor is None or line is None:
+            return True
+        a, b = line
+        opt = min(t.optimizer_seconds for t in state.ok)
+
+        def seconds(m: int) -> float:  # one global step at micro-batch m, by the model
+            return sum(max(a + b * size, 1e-9) for size in split_sizes(self.per_rank, m)) + opt
+
+        predicted = anchor.samples_per_second * seconds(anchor.micro_batch_size) / seconds(micro)
+        if predicted > best.samples_per_second * (1 + NOISE):
+            return True
+        self.notes.append(f"{state.rung.name}: skipped micro-batch {micro}, predicted {predicted:,.1f} samples/s, "
+                          f"within noise of the {best.samples_per_second:,.1f} measured")
+        return False
 
     def _snap(self, micro: int) -> int:
         """The largest allowed micro-batch not above `micro` (any size when `sizes` was not given)."""
@@ -282,8 +358,9 @@ class Controller:
         tried = "; ".join(f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}" for t in self.trials)
         seen = (f"the smallest peak seen was {smallest.peak_bytes / 2**30:.2f} GiB ({smallest.rung.name} at "
                 f"micro-batch {smallest.micro_batch_size})" if smallest else "no trial got far enough to measure a peak")
+        skipped = "".join(f" {n}." for n in self.notes if "skipped" in n)
         return (f"no configuration fits under {self.limit / 2**30:.2f} GiB (memory_budget less margin) even at "
-                f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. Tried: {tried}. "
+                f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. Tried: {tried}.{skipped} "
                 "Raise memory_budget, allow more techniques (techniques=('bf16', 'checkpointing', 'offload')), "
                 "or shrink the model or the sequence.")
 

@@ -32,6 +32,13 @@ _UNITS = {
 }
 
 
+def format_bytes(n: int) -> str:
+    """"12 KiB" below a MiB, "512.0 MiB" below a GiB, "23.50 GiB" from there."""
+    if n < 2**20:
+        return f"{n / 2**10:,.0f} KiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int:
     """Bytes from an int or a string such as "24GiB", "16 GB", "512MiB" or "1.5g" (k/m/g/t are binary)."""
     if isinstance(value, bool):

@@ -66,6 +66,16 @@ class OptimizerSpec:
         return self.build_groups(groups)
 
 
+# State tensors the size of each parameter that an optimizer keeps, at least (SGD's momentum buffer exists
+# only with momentum, so it counts 0): a lower bound, for ruling out rungs that cannot fit at any batch size.
+_STATE_TENSORS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "RMSprop": 1}
+
+
+def state_tensors_per_parameter(spec: OptimizerSpec) -> int:
+    """Parameter-sized state tensors the optimizer surely keeps (0 for a factory or an unknown class)."""
+    return _STATE_TENSORS.get(spec.cls_name, 0)
+
+
 def _class_builder(klass: type, extra: dict[str, Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
     def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         return klass(groups, **extra)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from . import agent
 from .batching import per_rank_batch
-from .devices import parse_bytes
+from .devices import format_bytes, parse_bytes
 from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from .plan import Plan
 from .process import Child, SignalForwarder
@@ -336,13 +336,6 @@ def _tuner(opts: RunOptions, launcher: Launcher) -> ScriptTuner:
                           trial_steps=opts.trial_steps or DEFAULT_MEASURED_STEPS, env=env)
     return ScriptTuner(trials=trials, rungs=rungs, notes=notes, global_batch_size=global_batch,
                        budget_bytes=target.budget_bytes, margin=margin, device=target.kind, device_name=target.name)
-
-
-def format_bytes(n: int) -> str:
-    """"12 KiB" below a MiB, "512.0 MiB" below a GiB, "23.50 GiB" from there."""
-    if n < 2**20:
-        return f"{n / 2**10:,.0f} KiB"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 # -- endings --------------------------------------------------------------------------------------------

@@ -171,3 +171,53 @@ def test_a_prediction_that_fits_with_room_to_spare_is_refined_upward():
     assert result.best.micro_batch_size > 64  # past the grid's powers of two: 3 micro-steps instead of 4
     assert sum(t.outcome == "oom" for t in result.trials) <= 2  # a higher rung's growth probe may run out
     assert len(result.trials) <= 12
+
+
+# GPT-2 large, seq 1024, global batch 64, 24 GiB ceiling on an H100 (W1 of benchmarks/, the grid in
+# benchmarks/data/peers.jsonl line 6), in the same form as W3_H100.
+ACT = Rung(checkpointing="full", offload="activations")
+W1_H100 = {
+    BF16: ({1: (19.08, .0563, .0270), 2: (23.23, .0778, .0272)}, 4),
+    SEL: ({1: (17.44, .1248, .0273), 2: (20.11, .1086, .0271)}, 4),
+    FULL: ({1: (16.84, .1396, .0284), 2: (17.31, .1320, .0271), 4: (18.53, .1763, .0274), 8: (22.73, .3257, .0276)},
+           16),
+    ACT: ({1: (16.82, .1323, .0273), 2: (17.25, .1584, .0285), 4: (18.53, .2079, .0278), 8: (21.63, .3808, .0295),
+           16: (23.75, .7282, .0283)}, 32),
+    OFFLOAD: ({1: (5.03, .1758, .3352), 2: (5.86, .1757, .2922), 4: (7.43, .1933, .2943), 8: (11.17, .3166, .2843),
+               16: (17.19, .6087, .2787)}, 32),
+}
+
+
+def test_gpt2_large_on_an_h100_is_tuned_in_twelve_trials_within_noise_of_the_best():
+    gpu = MeasuredGPU(24 * GiB, 64, W1_H100)
+    result = Controller(gpu, per_rank=64, limit_bytes=int(0.9 * gpu.budget), remeasure=gpu).search(list(W1_H100))
+    best_possible = max(gpu.rate(rung, m) for rung in W1_H100 for m in range(1, 65)
+                        if not gpu.measure(rung, m)[3] and gpu.measure(rung, m)[0] <= 0.9 * gpu.budget)
+    assert gpu.rate(result.best.rung, result.best.micro_batch_size) >= 0.97 * best_possible
+    assert len(result.trials) <= 12
+    assert sum(t.outcome == "oom" for t in result.trials) == 0
+    # 6 peaked at 20.6 GiB and 8 at 22.7 against a 21.6 GiB limit: the line between them rules 7 out untried.
+    assert (FULL, 6) in gpu.calls and (FULL, 8) in gpu.calls and (FULL, 7) not in gpu.calls
+
+
+def test_a_rung_much_slower_than_the_one_below_stops_after_its_first_trial():
+    # Activation offload that costs 60% more per micro-step than full checkpointing: even the whole batch
+    # in one micro-step could not beat what full checkpointing already ran, so the rung gets one trial.
+    gpu = FakeGPU(24 * GiB, 64, {
+        FULL: (14 * GiB, 0.8 * GiB, 0.14, 0.040),
+        ACT: (14 * GiB, 0.5 * GiB, 0.14 * 1.6, 0.040 * 1.6),
+    })
+    result = _search(gpu, [FULL, ACT])
+    assert [m for rung, m in gpu.calls if rung == ACT] == [result.best.micro_batch_size]
+    assert result.best.rung == FULL
+    assert any("bf16+full ckpt+activations offload: skipped micro-batch 64" in n for n in result.notes)
+
+
+def test_a_higher_rung_that_can_win_is_still_explored():
+    # The same pair with a cheap copy (5% per micro-step): the larger micro-batches it allows win.
+    gpu = FakeGPU(24 * GiB, 64, {
+        FULL: (14 * GiB, 0.8 * GiB, 0.14, 0.040),
+        ACT: (14 * GiB, 0.2 * GiB, 0.14 * 1.05, 0.040 * 1.05),
+    })
+    result = _search(gpu, [FULL, ACT])
+    assert result.best.rung == ACT and result.best.micro_batch_size > 8

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..environment import Environment, inspect_environment
-from ..runner import format_bytes
+from ..devices import format_bytes
 
 
 @click.command()

@@ -12,6 +12,7 @@ import click
 from ..agent import configure_logging
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..plan import Plan, Trial
+from ..devices import format_bytes
 from ..runner import (
     DEFAULT_GRACE,
     DEFAULT_MAX_RESTARTS,
@@ -19,7 +20,6 @@ from ..runner import (
     Attempt,
     RunOptions,
     RunResult,
-    format_bytes,
 )
 from ..runner import run as run_script
 

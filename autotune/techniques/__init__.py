@@ -19,7 +19,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from ..devices import Placement
+from ..devices import Placement, format_bytes
 from ..errors import InvalidSetting
 from ..optimizers import OptimizerSpec
 from ..plan import Rung
@@ -30,7 +30,7 @@ from .precision import autocast_factory, choose_precision, make_scaler
 
 TECHNIQUES = ("bf16", "checkpointing", "offload")
 
-__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "ladder", "parse_techniques", "find_blocks", "BlockGroup"]
+__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "drop_rungs_over", "ladder", "resident_floor", "parse_techniques", "find_blocks", "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
@@ -68,6 +68,29 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
         else:
             notes.append("optimizer offload skipped: it keeps 16-bit weights on the device and fp32 was asked for")
     return rungs, notes
+
+
+def resident_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
+    """Bytes the rung keeps on the device before any activation exists: weights, gradients and optimizer
+    state on the lower rungs; 16-bit weights and gradients under optimizer offload. A lower bound."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if rung.offload == "optimizer":
+        return 2 * sum(p.numel() for p in params) + 2 * sum(p.numel() for p in trainable)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return weights + (1 + state_tensors) * sum(p.numel() * p.element_size() for p in trainable)
+
+
+def drop_rungs_over(rungs: list[Rung], floors: list[int], limit_bytes: int) -> tuple[list[Rung], list[str]]:
+    """Leave out the rungs whose resident floor alone is over the limit: no micro-batch can fit there, and
+    a trial would only run out of memory (GPT-2 XL's FP32 weights, gradients and AdamW state are 24 GB,
+    over a 16 GiB card). The top rung always stays, so a plan that cannot exist fails with its trial."""
+    over = [i for i, floor in enumerate(floors) if floor > limit_bytes and i < len(rungs) - 1]
+    if not over:
+        return list(rungs), []
+    note = (f"{', '.join(rungs[i].name for i in over)} skipped: weights, gradients and optimizer state alone "
+            f"need {format_bytes(min(floors[i] for i in over))} or more, over the {format_bytes(limit_bytes)} limit")
+    return [r for i, r in enumerate(rungs) if i not in over], [note]
 
 
 @dataclass(kw_only=True)
