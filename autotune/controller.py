@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch, split_sizes
+from .batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch
 from .errors import NoFeasiblePlan
 from .plan import Rung, Trial
 
@@ -235,8 +235,8 @@ class Controller:
     def _worth_trying(self, state: _RungState, micro: int) -> bool:
         """Whether a trial at `micro` could beat the best measured so far by more than noise.
 
-        The rung's own time model (micro-step time ~ a + b x m, b >= 0, a short last micro-batch charged at
-        its own size) is anchored at the rung's largest fitting trial. A larger micro-batch only raises
+        The rung's own time model (micro-step time ~ a + b x m, b >= 0, every micro-step charged as a full
+        one, as trials are scored) is anchored at the rung's largest fitting trial. A larger micro-batch only raises
         the peak, and a plan within noise of the best is as good as the best: a trial predicted to gain
         less than that cannot improve the plan. One timed size gives no model: then it is worth a try.
         """
@@ -249,7 +249,7 @@ class Controller:
         opt = min(t.optimizer_seconds for t in state.ok)
 
         def seconds(m: int) -> float:  # one global step at micro-batch m, by the model
-            return sum(max(a + b * size, 1e-9) for size in split_sizes(self.per_rank, m)) + opt
+            return global_step_seconds(max(a + b * m, 1e-9), opt, self.per_rank, m)
 
         predicted = anchor.samples_per_second * seconds(anchor.micro_batch_size) / seconds(micro)
         if predicted > best.samples_per_second * (1 + NOISE):
