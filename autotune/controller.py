@@ -82,11 +82,12 @@ class Controller:
         self.max_trials = max_trials
         self.world_size = world_size
         self.trials: list[Trial] = []
+        self.states: list[_RungState] = []
         self.notes: list[str] = []
 
     # -- top level -------------------------------------------------------------------------------------
     def search(self, rungs: Sequence[Rung]) -> SearchResult:
-        states: list[_RungState] = []
+        states = self.states
         previous: _RungState | None = None
         for rung in rungs:
             best = self._best()
@@ -99,8 +100,9 @@ class Controller:
             if len(self.trials) >= self.max_trials:
                 self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
                 break
-            state = self._explore(rung, previous)
+            state = _RungState(rung=rung, below=previous)
             states.append(state)
+            self._explore(state)
             if state.ok or previous is None:
                 previous = state
         best = self._best()
@@ -110,42 +112,69 @@ class Controller:
         return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes)
 
     # -- one rung --------------------------------------------------------------------------------------
-    def _explore(self, rung: Rung, previous: _RungState | None) -> _RungState:
+    def _explore(self, state: _RungState) -> None:
         """Two points, a prediction, a verification; bisection only after a miss.
 
         A higher rung saves memory, so it starts at the largest micro-batch the rung below fitted and
-        probes next the smallest that did not fit there: the one question this rung has to answer.
+        probes next the smallest that did not fit there: the one question this rung has to answer. A rung
+        whose per-sample memory is already known (see `_borrowed_slope`) skips the probe and predicts.
         """
-        state = _RungState(rung=rung, below=previous)
+        previous = state.below
         start = previous.largest_ok or 1 if previous is not None else 1
         first = self._run(state, min(start, self.cap))
         if not first.fits and first.micro_batch_size > 1:
             first = self._run(state, 1)
         if not first.fits or first.micro_batch_size >= self.cap:
-            return state
+            return
+        if not self._worth_trying(state, self.cap):  # even the whole per-rank batch at once would not win
+            return
+        slope = self._borrowed_slope(state)
+        if slope is not None:
+            reach = first.micro_batch_size + math.floor((self.limit - first.peak_bytes) / slope)
+            guess = self._snap(min(self.cap, _balanced(reach, self.per_rank)))
+            if guess > first.micro_batch_size:
+                self._verify(state, guess)
+            return
         probe = previous.smallest_bad if previous is not None else None
         if probe is None or probe <= first.micro_batch_size:
             probe = 2 * first.micro_batch_size
         probe = self._snap(min(self.cap, probe))
         if probe <= first.micro_batch_size:  # no allowed size up to the probe (see `sizes`): the next one above
             probe = next(s for s in self.sizes or () if s > first.micro_batch_size)
-        if not self._worth_trying(state, self.cap):  # even the whole per-rank batch at once would not win
-            return state
         second = self._run(state, probe)
         if not second.fits:
             self._bisect(state)
-            return state
+            return
         if second.micro_batch_size >= self.cap:
-            return state
+            return
         points = [(t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom"]
         guess = _balanced(predict_max_micro_batch(points, self.limit, self.cap), self.per_rank)
         if guess > second.micro_batch_size and self._budget_left() and self._worth_trying(state, guess):
-            self._run(state, guess)
-            if state.smallest_bad is not None:
-                self._bisect(state)
-            else:
-                self._grow(state)
-        return state
+            self._verify(state, guess)
+
+    def _verify(self, state: _RungState, guess: int) -> None:
+        """Run the predicted micro-batch; then narrow down if it did not fit, or grow if it left room."""
+        if self._run(state, guess).fits:
+            self._grow(state)
+        else:
+            self._bisect(state)
+
+    def _borrowed_slope(self, state: _RungState) -> float | None:
+        """Bytes per sample of a rung already measured that treats activations the same way, or None.
+
+        Optimizer offload moves weights and optimizer state, a fixed cost; what each sample adds is set by
+        checkpointing alone, so the rung below with the same checkpointing has measured it already (over a
+        wider range than a second point here would: on GPT-2 large, 2 to 8 samples).
+        """
+        if state.rung.offload != "optimizer":
+            return None
+        for other in self.states:
+            same = (other.rung.precision, other.rung.checkpointing) == (state.rung.precision, state.rung.checkpointing)
+            points = [(t.micro_batch_size, t.peak_bytes) for t in other.trials if t.outcome != "oom"]
+            if same and other.rung.offload == "none" and len({m for m, _ in points}) >= 2:
+                _, slope = fit_line(points)
+                return slope if slope > 0 else None
+        return None
 
     def _grow(self, state: _RungState) -> None:
         """The prediction fitted: a miss on the low side if the line now says more fits.

@@ -194,9 +194,12 @@ def test_gpt2_large_on_an_h100_is_tuned_within_noise_of_the_best_without_an_oom(
     best_possible = max(gpu.rate(rung, m) for rung in W1_H100 for m in range(1, 65)
                         if not gpu.measure(rung, m)[3] and gpu.measure(rung, m)[0] <= 0.9 * gpu.budget)
     assert gpu.rate(result.best.rung, result.best.micro_batch_size) >= 0.97 * best_possible
-    # 16 before trials that could not beat the best by more than noise were skipped; the target is 12.
-    assert len(result.trials) <= 15
+    # 16 before trials that could not beat the best by more than noise were skipped; here 12 and a runoff of
+    # 2, which the H100 run itself did not need (full checkpointing's 6 measured 12% behind, not within 8%).
+    assert len(result.trials) <= 14
     assert sum(t.outcome == "oom" for t in result.trials) == 0
+    # Optimizer offload borrows full checkpointing's bytes per sample: from 6 straight to the prediction.
+    assert [m for rung, m in gpu.calls if rung == OFFLOAD] == [6, 16, 16]  # the last is the runoff
     # 6 peaked at 20.6 GiB and 8 at 22.7 against a 21.6 GiB limit: the line between them rules 7 out untried.
     assert (FULL, 6) in gpu.calls and (FULL, 8) in gpu.calls and (FULL, 7) not in gpu.calls
 
