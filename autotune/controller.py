@@ -2,9 +2,8 @@
 
 Per rung: measure two micro-batch sizes, predict from the memory slope the largest that keeps the peak
 under the limit, verify it with one trial, and refine only when the prediction missed: bisect after it
-went over, re-predict from the local slope when it fitted with room to spare. No trial runs that the
-rung's time model says cannot beat the best measured so far by more than noise (a higher rung's first
-trial borrows the model of the rung below, scaled by the ratio measured at their shared size). Across rungs:
+went over, re-predict from the local slope when it fitted with room to spare; no refining trial runs
+that the rung's time model says cannot beat the best measured so far by more than noise. Across rungs:
 climb while a higher rung can still beat the best measured so far, judged from the time model of the
 best rung (time per micro-step ~ a + b x m): a higher rung lets the micro-batch grow, but costs at
 least its recompute/copy overhead per sample, so it cannot beat `per_rank / (a + (1 + overhead) x b x
@@ -51,7 +50,7 @@ class SearchResult:
 @dataclass(kw_only=True)
 class _RungState:
     rung: Rung
-    below: _RungState | None = None  # the rung explored before this one, whose time model a first trial borrows
+    below: _RungState | None = None  # the rung explored before this one: where this one starts
     trials: list[Trial] = field(default_factory=list)
 
     @property
@@ -126,8 +125,6 @@ class Controller:
             first = self._run(state, 1)
         if not first.fits or first.micro_batch_size >= self.cap:
             return
-        if not self._worth_trying(state, self.cap):  # even the whole per-rank batch at once would not win
-            return
         slope = self._borrowed_slope(state)
         if slope is not None:
             reach = first.micro_batch_size + math.floor((self.limit - first.peak_bytes) / slope)
@@ -149,7 +146,7 @@ class Controller:
             return
         points = [(t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom"]
         guess = _balanced(predict_max_micro_batch(points, self.limit, self.cap), self.per_rank)
-        if guess > second.micro_batch_size and self._budget_left() and self._worth_trying(state, guess):
+        if guess > second.micro_batch_size and self._budget_left():
             self._verify(state, guess)
 
     def _verify(self, state: _RungState, guess: int) -> None:
@@ -236,31 +233,6 @@ class Controller:
         slope = (above.peak_bytes - below.peak_bytes) / (hi - lo)
         return lo + math.floor((self.limit - below.peak_bytes) / slope)
 
-    @staticmethod
-    def _time_line(state: _RungState) -> tuple[float, float] | None:
-        """(a, b) of the rung's micro-step time a + b x m (b >= 0), or None without enough to go on.
-
-        From two timed sizes, the rung's own line. From one, the line of the rung below scaled by the
-        ratio measured at the size both ran: a higher rung's first trial shares a micro-batch with the rung
-        below (activation offload was 17% slower than full checkpointing at micro-batch 6 on GPT-2 large),
-        and its extra cost (a copy, a recompute) grows with the batch as the work does.
-        """
-        def own(s: _RungState) -> list[tuple[int, float]]:
-            return [(t.micro_batch_size, t.step_seconds) for t in s.trials if t.step_seconds > 0]
-
-        timed = own(state)
-        if len({m for m, _ in timed}) >= 2:
-            a, b = fit_line(timed)
-            return a, max(b, 0.0)
-        below = own(state.below) if state.below is not None else []
-        if len(timed) != 1 or len({m for m, _ in below}) < 2:
-            return None
-        a, b = fit_line(below)
-        b = max(b, 0.0)
-        (m0, t0), = timed
-        ratio = t0 / max(a + b * m0, 1e-9)
-        return a * ratio, b * ratio
-
     def _worth_trying(self, state: _RungState, micro: int) -> bool:
         """Whether a trial at `micro` could beat the best measured so far by more than noise.
 
@@ -268,13 +240,17 @@ class Controller:
         one, as trials are scored) is anchored at the rung's largest fitting trial. A larger micro-batch only raises
         the peak, and a plan within noise of the best is as good as the best: a trial predicted to gain
         less than that cannot improve the plan. One timed size gives no model: then it is worth a try.
+        Asked only between or just past measured sizes (bisection, growth): a line through two nearby
+        points extrapolated far is not a bound (on GPT-2 large, H100, such a line judged that optimizer
+        offload could not win even at micro-batch 64; at 16 it was the fastest plan).
         """
         best = self._best()
         anchor = max(state.ok, key=lambda t: t.micro_batch_size, default=None)
-        line = self._time_line(state)
-        if best is None or anchor is None or line is None:
+        timed = [(t.micro_batch_size, t.step_seconds) for t in state.trials if t.step_seconds > 0]
+        if best is None or anchor is None or len({m for m, _ in timed}) < 2:
             return True
-        a, b = line
+        a, b = fit_line(timed)
+        b = max(b, 0.0)
         opt = min(t.optimizer_seconds for t in state.ok)
 
         def seconds(m: int) -> float:  # one global step at micro-batch m, by the model

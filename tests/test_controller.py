@@ -202,19 +202,10 @@ def test_gpt2_large_on_an_h100_is_tuned_within_noise_of_the_best_without_an_oom(
     assert [m for rung, m in gpu.calls if rung == OFFLOAD] == [6, 16, 16]  # the last is the runoff
     # 6 peaked at 20.6 GiB and 8 at 22.7 against a 21.6 GiB limit: the line between them rules 7 out untried.
     assert (FULL, 6) in gpu.calls and (FULL, 8) in gpu.calls and (FULL, 7) not in gpu.calls
-
-
-def test_a_rung_much_slower_than_the_one_below_stops_after_its_first_trial():
-    # Activation offload that costs 60% more per micro-step than full checkpointing: even the whole batch
-    # in one micro-step could not beat what full checkpointing already ran, so the rung gets one trial.
-    gpu = FakeGPU(24 * GiB, 64, {
-        FULL: (14 * GiB, 0.8 * GiB, 0.14, 0.040),
-        ACT: (14 * GiB, 0.5 * GiB, 0.14 * 1.6, 0.040 * 1.6),
-    })
-    result = _search(gpu, [FULL, ACT])
-    assert [m for rung, m in gpu.calls if rung == ACT] == [result.best.micro_batch_size]
-    assert result.best.rung == FULL
-    assert any("bf16+full ckpt+activations offload: skipped micro-batch 64" in n for n in result.notes)
+    # Activation offload: 6 fits, 8 runs over; 7 would fit, but its time line says it cannot beat full
+    # checkpointing's best by more than noise, so it is not run.
+    assert (ACT, 6) in gpu.calls and (ACT, 7) not in gpu.calls
+    assert any("bf16+full ckpt+activations offload: skipped micro-batch 7" in n for n in result.notes)
 
 
 def test_a_higher_rung_that_can_win_is_still_explored():
