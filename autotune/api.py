@@ -140,11 +140,10 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     blocks = find_blocks(model)
     rungs, notes = ladder(allowed, placement, blocks)
     limit = int((1 - settings.margin) * budget)
+    dropped: list[str] = []
     if world == 1:  # sharded ranks hold only a share of the floor: there the trials decide
         floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]
         rungs, dropped = drop_rungs_over(rungs, floors, limit)
-    else:
-        dropped = []
     home = _device_of(model)
     snapshot = Snapshot.take(model, optimizer)
     try:

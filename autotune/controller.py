@@ -50,7 +50,6 @@ class SearchResult:
 @dataclass(kw_only=True)
 class _RungState:
     rung: Rung
-    below: _RungState | None = None  # the rung explored before this one: where this one starts
     trials: list[Trial] = field(default_factory=list)
 
     @property
@@ -99,9 +98,9 @@ class Controller:
             if len(self.trials) >= self.max_trials:
                 self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
                 break
-            state = _RungState(rung=rung, below=previous)
+            state = _RungState(rung=rung)
             states.append(state)
-            self._explore(state)
+            self._explore(state, previous)
             if state.ok or previous is None:
                 previous = state
         best = self._best()
@@ -111,14 +110,13 @@ class Controller:
         return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes)
 
     # -- one rung --------------------------------------------------------------------------------------
-    def _explore(self, state: _RungState) -> None:
+    def _explore(self, state: _RungState, previous: _RungState | None) -> None:
         """Two points, a prediction, a verification; bisection only after a miss.
 
         A higher rung saves memory, so it starts at the largest micro-batch the rung below fitted and
         probes next the smallest that did not fit there: the one question this rung has to answer. A rung
         whose per-sample memory is already known (see `_borrowed_slope`) skips the probe and predicts.
         """
-        previous = state.below
         start = previous.largest_ok or 1 if previous is not None else 1
         first = self._run(state, min(start, self.cap))
         if not first.fits and first.micro_batch_size > 1:
@@ -230,15 +228,14 @@ class Controller:
         above = next(t for t in state.trials if t.micro_batch_size == hi)
         if above.outcome != "over_budget" or above.peak_bytes <= below.peak_bytes:
             return None
-        slope = (above.peak_bytes - below.peak_bytes) / (hi - lo)
-        return lo + math.floor((self.limit - below.peak_bytes) / slope)
+        return predict_max_micro_batch([(lo, below.peak_bytes), (hi, above.peak_bytes)], self.limit, self.cap)
 
     def _worth_trying(self, state: _RungState, micro: int) -> bool:
         """Whether a trial at `micro` could beat the best measured so far by more than noise.
 
         The rung's own time model (micro-step time ~ a + b x m, b >= 0, every micro-step charged as a full
-        one, as trials are scored) is anchored at the rung's largest fitting trial. A larger micro-batch only raises
-        the peak, and a plan within noise of the best is as good as the best: a trial predicted to gain
+        one, as trials are scored) is anchored at the rung's largest fitting trial. A larger micro-batch only
+        raises the peak, and a plan within noise of the best is as good as the best: a trial predicted to gain
         less than that cannot improve the plan. One timed size gives no model: then it is worth a try.
         Asked only between or just past measured sizes (bisection, growth): a line through two nearby
         points extrapolated far is not a bound (on GPT-2 large, H100, such a line judged that optimizer
@@ -363,9 +360,10 @@ class Controller:
         tried = "; ".join(f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}" for t in self.trials)
         seen = (f"the smallest peak seen was {smallest.peak_bytes / 2**30:.2f} GiB ({smallest.rung.name} at "
                 f"micro-batch {smallest.micro_batch_size})" if smallest else "no trial got far enough to measure a peak")
-        skipped = "".join(f" {n}." for n in self.notes if "skipped" in n)
+        skipped = "".join(f" {n}." for n in self.notes)  # why rungs were left out, or the trial budget ran out
         return (f"no configuration fits under {self.limit / 2**30:.2f} GiB (memory_budget less margin) even at "
-                f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. Tried: {tried}.{skipped} "
+                f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. "
+                f"Tried: {tried}.{skipped} "
                 "Raise memory_budget, allow more techniques (techniques=('bf16', 'checkpointing', 'offload')), "
                 "or shrink the model or the sequence.")
 

@@ -39,6 +39,6 @@ def test_line_fit_and_bisection():
     assert bisect_next(4, 5) is None
 
 
-def test_global_step_time_charges_a_short_last_micro_batch_in_proportion():
+def test_global_step_time_charges_a_short_last_micro_batch_as_a_full_one():
     # 64 at micro 10: six full micro-steps, one of 4 samples, one optimizer step
     assert global_step_seconds(1.0, 0.5, 64, 10) == pytest.approx(7 + 0.5)  # the short last one costs a full one

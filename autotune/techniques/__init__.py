@@ -30,7 +30,8 @@ from .precision import autocast_factory, choose_precision, make_scaler
 
 TECHNIQUES = ("bf16", "checkpointing", "offload")
 
-__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "drop_rungs_over", "ladder", "resident_floor", "parse_techniques", "find_blocks", "BlockGroup"]
+__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "drop_rungs_over", "ladder", "resident_floor",
+           "parse_techniques", "find_blocks", "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
