@@ -14,21 +14,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import agent
-from . import batch as batches
-from . import cache as plan_cache
-from . import distributed
-from .batching import per_rank_batch, solve_accumulation
-from .controller import Controller
-from .devices import Placement, default_budget, parse_bytes, resolve_device
+from .supervisor import agent
+from .workload import batch as batches
+from .cache import store as plan_cache
+from .training import distributed
+from .workload.batching import per_rank_batch, solve_accumulation
+from .search.controller import Controller
+from .devices.placement import Placement, default_budget, parse_bytes, resolve_device
 from .errors import InvalidSetting
-from .losses import resolve as resolve_loss
-from .optimizers import OptimizerSpec, state_tensors_per_parameter
+from .workload.losses import resolve as resolve_loss
+from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan
 from .settings import FitSettings
-from .snapshot import Snapshot
+from .search.snapshot import Snapshot
 from .techniques import drop_rungs_over, find_blocks, ladder, parse_techniques, resident_floor
-from .trial import TrialRunner, Workload
+from .search.trial import TrialRunner, Workload
 
 log = logging.getLogger(__name__)
 

@@ -145,9 +145,9 @@ class Plan:
     def apply(self, model: Any, optimizer: Any = None, *, loss_fn: Any = None) -> Any:
         """Apply this plan to `model` (and `optimizer`) and return the training step callable.
 
-        See `autotune.step.TrainingStep`.
+        See `autotune.training.step.TrainingStep`.
         """
-        from .step import TrainingStep  # step imports plan: import here to keep the graph acyclic
+        from .training.step import TrainingStep  # step imports plan: import here to keep the graph acyclic
 
         return TrainingStep(self, model, optimizer, loss_fn=loss_fn)
 

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autotune  # noqa: E402
-from autotune.devices import parse_bytes  # noqa: E402
-from autotune.losses import resolve  # noqa: E402
+from autotune.devices.placement import parse_bytes  # noqa: E402
+from autotune.workload.losses import resolve  # noqa: E402
 from autotune.plan import Rung  # noqa: E402
 from workloads import GRID_MICRO, Spec, cap_memory, grid, trial_runner  # noqa: E402
 from workloads import build_gpt as build  # noqa: E402

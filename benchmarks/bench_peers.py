@@ -51,7 +51,7 @@ CHILD_SLACK = 20.0  # seconds a child is given, past its soft stop, to write its
 # -- records ------------------------------------------------------------------------------------------
 def config_of(rung: Rung, micro: int, global_batch: int) -> dict[str, Any]:
     """A configuration as recorded: the rung, the micro-batch, and the accumulation that keeps the global batch."""
-    from autotune.batching import solve_accumulation
+    from autotune.workload.batching import solve_accumulation
 
     micro = min(micro, global_batch)
     steps, last = solve_accumulation(global_batch, micro)

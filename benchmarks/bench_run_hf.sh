@@ -74,14 +74,14 @@ elif [ "$COMPARE" = 1 ]; then
   # HF's own finder: starts at the global batch per device and halves it on OOM, with accumulation 1.
   python - "$BUDGET" > "$out/budget_bytes" <<'PY'
 import sys
-from autotune.devices import parse_bytes
+from autotune.devices.placement import parse_bytes
 print(parse_bytes(sys.argv[1]))
 PY
-  echo "+ AUTOTUNE_AGENT_BUDGET=$(cat "$out/budget_bytes") python -m autotune.bootstrap examples/train_hf_trainer.py --auto_find_batch_size --per_device_train_batch_size $GLOBAL --bf16 ..." > "$out/hf_auto.log"
+  echo "+ AUTOTUNE_AGENT_BUDGET=$(cat "$out/budget_bytes") python -m autotune.supervisor.bootstrap examples/train_hf_trainer.py --auto_find_batch_size --per_device_train_batch_size $GLOBAL --bf16 ..." > "$out/hf_auto.log"
   set +e
   hf_started=$(date +%s)
   AUTOTUNE_AGENT_DEVICE=cuda AUTOTUNE_AGENT_BUDGET=$(cat "$out/budget_bytes") \
-    run_step python -m autotune.bootstrap examples/train_hf_trainer.py "${script_args[@]}" --output_dir "$out/hf_auto" \
+    run_step python -m autotune.supervisor.bootstrap examples/train_hf_trainer.py "${script_args[@]}" --output_dir "$out/hf_auto" \
     --auto_find_batch_size --per_device_train_batch_size "$GLOBAL" --bf16 >> "$out/hf_auto.log" 2>&1
   hf_rc=$?
   hf_seconds=$(( $(date +%s) - hf_started ))

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from workloads import Spec, emulated_ceiling
 
-from autotune import batch as batches
+from autotune.workload import batch as batches
 from autotune.errors import is_oom
 
 DATASET_LENGTH = 1 << 20  # longer than any batch a finder tries: Lightning stops growing at the dataset's length

@@ -38,16 +38,16 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
-from autotune import batch as batches  # noqa: E402
-from autotune.batching import split_sizes  # noqa: E402
-from autotune.ceiling import SimulatedCeiling  # noqa: E402
-from autotune.devices import Placement, now, parse_bytes, resolve_device  # noqa: E402
+from autotune.workload import batch as batches  # noqa: E402
+from autotune.workload.batching import split_sizes  # noqa: E402
+from autotune.devices.ceiling import SimulatedCeiling  # noqa: E402
+from autotune.devices.placement import Placement, now, parse_bytes, resolve_device  # noqa: E402
 from autotune.errors import DeviceError, is_oom  # noqa: E402
-from autotune.losses import default_loss  # noqa: E402
-from autotune.optimizers import OptimizerSpec  # noqa: E402
+from autotune.workload.losses import default_loss  # noqa: E402
+from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
 from autotune.plan import Rung, Trial  # noqa: E402
 from autotune.techniques import apply_rung, find_blocks, ladder, parse_techniques  # noqa: E402
-from autotune.trial import TrialRunner, Workload  # noqa: E402
+from autotune.search.trial import TrialRunner, Workload  # noqa: E402
 
 GRID_MICRO = (1, 2, 4, 8, 16, 32, 64)
 EXAMPLE_ROWS = 8  # rows in the example batch; trials repeat them cyclically up to any micro-batch

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.cache import key_parts, plan_key
-from autotune.devices import Placement
+from autotune.cache.store import key_parts, plan_key
+from autotune.devices.placement import Placement
 from autotune.plan import Plan, Rung, Trial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.batching import (bisect_next, fit_line, global_step_seconds, per_rank_batch,
+from autotune.workload.batching import (bisect_next, fit_line, global_step_seconds, per_rank_batch,
                                predict_max_micro_batch, solve_accumulation, split_sizes)
 from autotune.errors import InvalidSetting
 

@@ -29,8 +29,8 @@ import torch
 from cache_samples import TINY, fit, sample, tiny_workload
 from gpt import GPT, random_batch
 
-from autotune import cache as cache_module
-from autotune.cache import (
+from autotune.cache import store as cache_module
+from autotune.cache.store import (
     CacheError,
     CacheWarning,
     PlanCache,
@@ -41,8 +41,8 @@ from autotune.cache import (
     open_cache,
     plan_key,
 )
-from autotune.cache_rows import read_rows
-from autotune.devices import Placement
+from autotune.cache.rows import read_rows
+from autotune.devices.placement import Placement
 from autotune.errors import InvalidSetting
 from autotune.plan import Plan
 
@@ -67,7 +67,7 @@ def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
 
 
 def trial_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name.startswith(("autotune.controller", "autotune.trial"))]
+    return [r for r in caplog.records if r.name.startswith(("autotune.search.controller", "autotune.search.trial"))]
 
 
 # -- the key ---------------------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ import pytest
 from cache_samples import sample
 from click.testing import CliRunner
 
-from autotune import cache as cache_module
-from autotune.cache import PlanCache
-from autotune.cli import main
-from autotune.commands.cache import cache as cache_group
+from autotune.cache import store as cache_module
+from autotune.cache.store import PlanCache
+from autotune.cli.main import main
+from autotune.cli.cache import cache as cache_group
 
 
 @pytest.fixture(autouse=True)

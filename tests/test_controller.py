@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.batching import global_step_seconds, split_sizes
-from autotune.controller import Controller
+from autotune.workload.batching import global_step_seconds, split_sizes
+from autotune.search.controller import Controller
 from autotune.errors import NoFeasiblePlan
 from autotune.plan import Rung, Trial
 

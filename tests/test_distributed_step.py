@@ -52,7 +52,7 @@ def _reference(model, shares, loss_fn=None):
 
 
 def _train(plan, model, batch, loss_fn=None, sharded=False):
-    from autotune.step import TrainingStep
+    from autotune.training.step import TrainingStep
     from autotune.techniques.sharding import shard
     from test_step import sgd
 

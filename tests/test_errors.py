@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autotune.errors import is_device_poisoned, is_host_oom_kill, is_oom, is_oom_text
-from autotune.ceiling import SimulatedCeiling
+from autotune.devices.ceiling import SimulatedCeiling
 
 
 def _raised(fn) -> BaseException:

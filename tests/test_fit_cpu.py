@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.devices import resolve_device
-from autotune.losses import resolve
-from autotune.optimizers import OptimizerSpec
-from autotune.controller import NOISE
+from autotune.devices.placement import resolve_device
+from autotune.workload.losses import resolve
+from autotune.workload.optimizers import OptimizerSpec
+from autotune.search.controller import NOISE
 from autotune.plan import Rung
 from autotune.techniques import apply_rung, checkpointing, find_blocks, resident_floor
-from autotune.trial import TrialRunner, Workload
+from autotune.search.trial import TrialRunner, Workload
 from gpt import GPT, GPTConfig, random_batch
 
 CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
@@ -269,7 +269,7 @@ def test_a_bug_in_the_users_model_propagates_untouched():
 
 
 def test_budget_strings_parse():
-    from autotune.devices import parse_bytes
+    from autotune.devices.placement import parse_bytes
 
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("16 GB") == 16 * 10**9

@@ -21,14 +21,14 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from autotune import runner
-from autotune.cli import main
-from autotune.controller import Controller
+from autotune.supervisor import runner
+from autotune.cli.main import main
+from autotune.search.controller import Controller
 from autotune.errors import InvalidSetting
 from autotune.plan import Rung, Trial
-from autotune.process import ChildExit
-from autotune.verdict import classify
-from autotune.zero_change import FlagMap
+from autotune.supervisor.process import ChildExit
+from autotune.supervisor.verdict import classify
+from autotune.supervisor.zero_change import FlagMap
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -227,7 +227,7 @@ def test_arguments_after_the_script_go_to_the_script_untouched(monkeypatch: pyte
         seen["options"] = options
         return runner.RunResult(exit_code=0)
 
-    monkeypatch.setattr("autotune.commands.run.run_script", fake_run)
+    monkeypatch.setattr("autotune.cli.run.run_script", fake_run)
     result = CliRunner().invoke(main, ["run", "--max-restarts", "1", "tests/scripts/exit7.py", "--budget", "x",
                                        "-v", "--json"])
     assert result.exit_code == 0, result.output

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.batching import solve_accumulation
-from autotune.cache import PlanCache
+from autotune.workload.batching import solve_accumulation
+from autotune.cache.store import PlanCache
 from autotune.errors import NoFeasiblePlan
 from autotune.plan import Plan
-from autotune.step import TrainingStep
+from autotune.training.step import TrainingStep
 
 TOL = 1e-10
 HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit

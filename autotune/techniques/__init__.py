@@ -19,9 +19,9 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from ..devices import Placement, format_bytes
+from ..devices.placement import Placement, format_bytes
 from ..errors import InvalidSetting
-from ..optimizers import OptimizerSpec
+from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung
 from . import checkpointing
 from .checkpointing import BlockGroup, find_blocks

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..devices import Placement
+from ..devices.placement import Placement
 from .offload import to_device, to_host
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ceiling import host_memory
-from ..optimizers import OptimizerSpec
+from ..devices.ceiling import host_memory
+from ..workload.optimizers import OptimizerSpec
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

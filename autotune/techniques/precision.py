@@ -12,7 +12,7 @@ from typing import ContextManager
 
 import torch
 
-from ..devices import Placement, bf16_supported
+from ..devices.placement import Placement, bf16_supported
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,0 +1,348 @@
+"""The plan cache's SQLite file: creating, claiming and migrating it, the statements, and what its errors mean.
+
+Concurrency (PEERS.md lesson 11): WAL journal, a busy timeout, and every write is one statement (an
+upsert) or one `BEGIN IMMEDIATE` transaction, which takes the write lock up front; never a deferred
+read-modify-write, which fails with "database is locked" under concurrent writers. `PRAGMA user_version`
+holds the schema version and `MIGRATIONS` bring an older file forward; `PRAGMA application_id` marks
+the file as ours, so a database that belongs to something else is never written to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import random
+import sqlite3
+import stat
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import psutil
+from sqlite_utils import Database
+
+from .rows import CacheEntry, Failure, PlanRow
+from ..plan import Plan
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x41545043  # "ATPC" in the SQLite header: this file is an autotune plan cache
+CACHE_ENV = "AUTOTUNE_CACHE"
+TEAM_DIR_ENV = "AUTOTUNE_TEAM_DIR"
+# SQLite's locking is unreliable on these ("WAL does not work over a network filesystem"); fuse covers
+# sshfs, s3fs, gcsfuse and friends.
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "lustre", "gpfs", "fuse", "ceph",
+                       "glusterfs", "beegfs", "afs")
+
+
+class Unusable(Exception):
+    """A database autotune will not use, for a reason that is not a SQLite error."""
+
+    def __init__(self, problem: str, detail: str) -> None:
+        super().__init__(detail)
+        self.problem, self.detail = problem, detail
+
+
+# -- opening, creating and migrating ---------------------------------------------------------------------------
+
+def open_database(path: Path, timeout: float) -> Database:
+    """Open the cache file, creating (0700 directory, 0600 file), claiming and migrating it as needed.
+
+    Raises:
+        Unusable: the file is on a network file system, belongs to something else, or is newer than us.
+        sqlite3.Error, OSError: the file cannot be opened or read (see `classify`).
+    """
+    fstype = filesystem_type(path)
+    if is_network_filesystem(fstype):
+        raise Unusable("network", f"it is on {fstype}")
+    _create_private(path)
+    conn = sqlite3.connect(str(path), timeout=timeout, check_same_thread=False)  # PlanCache's lock serialises
+    try:
+        db = Database(conn, execute_plugins=False)
+        version = _check_header(db)
+        _enable_wal(db, timeout)
+        # In WAL mode NORMAL syncs at checkpoints, not at every commit: the file stays consistent, a power cut
+        # may lose the last plans written, and the write lock is held for microseconds, not an fsync.
+        db.execute("PRAGMA synchronous = NORMAL")
+        if version < SCHEMA_VERSION:
+            _migrate(db)
+        return db
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _create_private(path: Path) -> None:
+    """Create the directory (0700) and the file (0600) when missing; SQLite gives -wal/-shm the file's mode."""
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)  # only a directory we made: an existing one keeps its owner's choice
+    if not path.exists():
+        with contextlib.suppress(FileExistsError):  # another process created it first
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def _enable_wal(db: Database, timeout: float) -> None:
+    """Switch a new file to WAL, retrying: SQLite answers "locked" at once here, without its busy handler,
+    while another process opening the same new file holds a lock (seen with 16 processes opening at once)."""
+    deadline = time.monotonic() + timeout
+    while db.journal_mode != "wal":
+        try:
+            db.enable_wal()
+        except sqlite3.OperationalError as exc:
+            if classify(exc) != "locked" or time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.005, 0.05))  # jitter, so the openers do not retry in step
+
+
+def _check_header(db: Database) -> int:
+    """The file's schema version, once its header says it is ours (or an empty file, ours to claim).
+
+    Raises:
+        Unusable: the file belongs to something else, or to a newer autotune.
+    """
+    # One statement reads one snapshot: two reads could see the header before, and the tables after,
+    # another process's first migration.
+    app_id, version, tables = db.execute(
+        "SELECT (SELECT application_id FROM pragma_application_id()), (SELECT user_version FROM "
+        "pragma_user_version()), (SELECT count(*) FROM sqlite_master WHERE type = 'table')").fetchone()
+    if app_id != APPLICATION_ID and (app_id or tables):
+        names = ", ".join(db.table_names()[:5])
+        raise Unusable("foreign", f"it holds tables {names}" if names else f"its application_id is {app_id:#x}")
+    if version > SCHEMA_VERSION:
+        raise Unusable("newer", f"its schema version is {version}, this autotune reads up to {SCHEMA_VERSION}")
+    return version
+
+
+def _migrate(db: Database) -> None:
+    with immediate(db):
+        version = _check_header(db)  # again, under the write lock: another process may have migrated meanwhile
+        for step in range(version, SCHEMA_VERSION):
+            MIGRATIONS[step](db)
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+
+
+def _create_v1(db: Database) -> None:
+    db["plans"].create({"key": str, "parts": str, "plan": str, "origin": str, "created": float, "updated": float},
+                       pk="key", not_null=["parts", "plan"])
+    db["failures"].create({"id": int, "key": str, "micro_batch_size": int, "shapes": str, "note": str,
+                           "time": float}, pk="id", not_null=["key", "micro_batch_size"])
+    # The same failure imported twice (or from two team files) is stored once.
+    db["failures"].create_index(["key", "micro_batch_size", "time"], unique=True)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_create_v1]  # MIGRATIONS[v] upgrades schema v to v + 1
+
+
+@contextlib.contextmanager
+def immediate(db: Database) -> Iterator[Database]:
+    """A write transaction that takes the write lock up front, waiting up to the busy timeout for it."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+        db.execute("COMMIT")
+    except BaseException:
+        if db.conn.in_transaction:
+            db.conn.execute("ROLLBACK")
+        raise
+
+
+# -- statements -------------------------------------------------------------------------------------------------
+
+_UPSERT_PLAN = """
+INSERT INTO plans (key, parts, plan, origin, created, updated)
+VALUES (:key, :parts, :plan, :origin, :now, :updated)
+ON CONFLICT(key) DO UPDATE SET parts = excluded.parts, plan = excluded.plan, origin = excluded.origin,
+    updated = excluded.updated
+WHERE excluded.updated >= plans.updated
+"""
+_INSERT_FAILURE = """
+INSERT OR IGNORE INTO failures (key, micro_batch_size, shapes, note, time)
+VALUES (:key, :micro_batch_size, :shapes, :note, :time)
+"""
+
+
+def upsert(db: Database, row: PlanRow, origin: str) -> None:
+    """Insert or replace a plan in one statement; an older row never overwrites a newer one (`updated`)."""
+    db.execute(_UPSERT_PLAN, {"key": row.key, "parts": json.dumps(row.parts, sort_keys=True),
+                              "plan": json.dumps(row.plan.to_dict()), "origin": origin,
+                              "now": max(time.time(), row.updated), "updated": row.updated})
+
+
+def replace_plan(db: Database, key: str, plan: Plan) -> int:
+    """Swap the plan under `key`, keeping its parts; returns 0 when no plan was there."""
+    cursor = db.execute("UPDATE plans SET plan = ?, origin = 'replaced', updated = ? WHERE key = ?",
+                        [json.dumps(plan.to_dict()), time.time(), key])
+    return cursor.rowcount
+
+
+def insert_failures(db: Database, key: str, failures: Iterable[Failure]) -> None:
+    for f in failures:
+        db.execute(_INSERT_FAILURE, {"key": key, "micro_batch_size": f.micro_batch_size, "note": f.note,
+                                     "shapes": None if f.shapes is None else json.dumps(f.shapes), "time": f.time})
+
+
+def import_rows(db: Database, rows: Iterable[PlanRow], origin: str) -> bool:
+    """Store validated rows and their failures in one transaction; True once committed."""
+    with immediate(db):
+        for row in rows:
+            upsert(db, row, origin)
+            insert_failures(db, row.key, row.failures)
+    return True
+
+
+def delete(db: Database, key: str) -> bool:
+    with immediate(db):
+        gone = db.execute("DELETE FROM plans WHERE key = ?", [key]).rowcount
+        db.execute("DELETE FROM failures WHERE key = ?", [key])
+    return gone > 0
+
+
+def clear(db: Database) -> int:
+    with immediate(db):
+        gone = db.execute("DELETE FROM plans").rowcount
+        db.execute("DELETE FROM failures")
+    return gone
+
+
+def local_plan(db: Database, key: str) -> tuple[Plan | None, int | None]:
+    """The stored plan (None if absent or unreadable) and the smallest failing micro-batch, in one read."""
+    plan_json, failing = db.execute(
+        "SELECT (SELECT plan FROM plans WHERE key = :key), "
+        "(SELECT MIN(micro_batch_size) FROM failures WHERE key = :key)", {"key": key}).fetchone()
+    return (load_plan(plan_json, key) if plan_json else None), failing
+
+
+def smallest_failure(db: Database, key: str) -> int | None:
+    return db.execute("SELECT MIN(micro_batch_size) FROM failures WHERE key = ?", [key]).fetchone()[0]
+
+
+def entries(db: Database, prefix: str) -> list[CacheEntry]:
+    """Plans whose key starts with `prefix`, newest first, each with its failures."""
+    where, params = "WHERE substr(key, 1, length(:prefix)) = :prefix", {"prefix": prefix}
+    failures: dict[str, list[Failure]] = {}
+    for key, micro, shapes, note, when in db.execute(
+            f"SELECT key, micro_batch_size, shapes, note, time FROM failures {where} ORDER BY time", params):
+        with contextlib.suppress(ValueError, TypeError):  # a hand-edited row is skipped, never trusted
+            failures.setdefault(key, []).append(Failure(micro_batch_size=micro, note=note or "", time=when or 0.0,
+                                                        shapes=json.loads(shapes) if shapes else None))
+    rows = db.execute(f"SELECT key, parts, plan, origin, created, updated FROM plans {where} ORDER BY updated DESC",
+                      params).fetchall()
+    return [CacheEntry(key=key, parts=_load_json(parts), plan=load_plan(plan, key),
+                       failures=tuple(failures.get(key, ())), created=created or 0.0, updated=updated or 0.0,
+                       origin=origin or "") for key, parts, plan, origin, created, updated in rows]
+
+
+def load_plan(text: str | None, key: str) -> Plan | None:
+    """A stored plan, validated by `Plan.from_dict`; None (a miss) when it no longer validates."""
+    try:
+        return Plan.from_dict(json.loads(text or ""))
+    except (ValueError, TypeError) as exc:  # another format, or hand-edited: never trusted
+        log.debug("plan cache: ignoring unreadable plan %s: %s", key[:12], exc)
+        return None
+
+
+def _load_json(text: str | None) -> dict:
+    with contextlib.suppress(ValueError, TypeError):
+        value = json.loads(text or "")
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+# -- trouble ---------------------------------------------------------------------------------------------------
+
+def classify(exc: BaseException) -> str:
+    """locked | corrupt | full | readonly | io, from a SQLite error's code (or message) or an OSError's errno."""
+    if isinstance(exc, OSError):
+        return {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "readonly", errno.EACCES: "readonly",
+                errno.EPERM: "readonly"}.get(exc.errno or 0, "io")
+    name, text = getattr(exc, "sqlite_errorname", "") or "", str(exc).lower()  # errorname: Python 3.11+
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+        return "locked"
+    if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")) or "not a database" in text or "malformed" in text:
+        return "corrupt"
+    if name == "SQLITE_FULL" or "is full" in text:
+        return "full"
+    if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")) or "readonly" in text \
+            or "unable to open" in text:
+        return "readonly"
+    return "io"
+
+
+_FIXES = {
+    "locked": "another process held it past the {timeout:g} s busy timeout. If this repeats, find the holder "
+              "(`fuser {path}`) or set {env} to another file",
+    "corrupt": "the file is damaged",
+    "full": "the disk (or the database's page limit) is full. Free space, or drop old plans with "
+            "`autotune cache clear`",
+    "readonly": "it cannot be written here. Set {env} to a writable path, or pass cache=False; to share plans "
+                "read-only, use {team} instead",
+    "network": "SQLite's locking is unreliable on a network file system, so autotune will not use it there. "
+               "Set {env} to a local disk path and share plans with `autotune cache export` / `import` or {team}",
+    "newer": "it was written by a newer autotune. Upgrade autotune, or set {env} to another file",
+    "foreign": "it is a SQLite database but not an autotune plan cache, so autotune leaves it alone. Set {env} "
+               "to another file",
+    "io": "the database failed. Run `autotune doctor`, or set {env} to another file",
+}
+
+
+def message(problem: str, path: Path, detail: str, timeout: float) -> str:
+    """What went wrong with the cache at `path`, and the fix."""
+    fix = _FIXES[problem].format(timeout=timeout, path=path, env=CACHE_ENV, team=TEAM_DIR_ENV)
+    return f"plan cache {path} ({detail}): {fix}."
+
+
+def move_aside(path: Path) -> Path | None:
+    """Rename our corrupt file (and its -wal / -shm) to `<name>.corrupt-<time>`; None if it is not ours."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        target, n = path.with_name(f"{path.name}.corrupt-{stamp}"), 1
+        while target.exists():  # two corruptions within a second keep both files
+            target, n = path.with_name(f"{path.name}.corrupt-{stamp}-{n}"), n + 1
+        os.rename(path, target)
+        for suffix in ("-wal", "-shm"):  # a stale WAL would be replayed into the new file
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{path}{suffix}", f"{target}{suffix}")
+        return target
+    except OSError as exc:
+        log.debug("plan cache: could not move %s aside: %s", path, exc)
+        return None
+
+
+def filesystem_type(path: str | os.PathLike[str], mounts: Iterable[tuple[str, str]] | None = None) -> str:
+    """The type of the file system holding `path` ("" when unknown): that of the deepest mount point above it.
+
+    Args:
+        path: a file or directory; it need not exist (its nearest existing ancestor is used).
+        mounts: (mount point, type) pairs; default the system's, from psutil.
+    """
+    if mounts is None:
+        try:
+            mounts = [(p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=True)]
+        except (OSError, RuntimeError):
+            return ""
+    target = Path(os.path.abspath(path))
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    resolved = os.path.realpath(target)
+    best, fstype = -1, ""
+    for mountpoint, kind in mounts:
+        inside = mountpoint == "/" or resolved == mountpoint or resolved.startswith(mountpoint.rstrip("/") + "/")
+        if inside and len(mountpoint) > best:
+            best, fstype = len(mountpoint), kind
+    return fstype
+
+
+def is_network_filesystem(fstype: str) -> bool:
+    """True for nfs, cifs/smb, lustre, gpfs, fuse (any flavour) and the other network file systems above."""
+    kind = fstype.lower()
+    return kind.startswith("fuse") or kind.split(".")[0] in NETWORK_FILESYSTEMS

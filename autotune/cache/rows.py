@@ -1,0 +1,286 @@
+"""Plan rows as JSON lines: what `autotune cache export` writes, and what `import` and a team directory read.
+
+A row holds a plan, the key parts it was tuned for, and the OOMs seen against it in real training.
+Every row read from a file is validated before it is used: known fields only, types and ranges
+(`Plan.from_dict`, `check_parts`), the plan consistent with its parts, and the key recomputed from the
+parts. JSON is parsed, never executed; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .key import check_parts, plan_key
+from ..plan import Plan
+
+EXPORT_SCHEMA = 1
+ROW_FIELDS = ("schema", "key", "parts", "plan", "failures", "updated")
+FAILURE_FIELDS = ("micro_batch_size", "shapes", "note", "time")
+MAX_LINE_CHARS = 4 * 2**20  # a plan with a few dozen trials is a few KiB; a larger line is not ours
+TEAM_FILE_GLOB = "*.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failure:
+    """An out-of-memory error seen in real training against a cached plan."""
+
+    micro_batch_size: int  # the micro-batch that ran out of memory
+    shapes: dict[str, Any] | None = None  # the failing batch's shapes, e.g. {"input_ids": [8, 4096]}
+    note: str = ""
+    time: float = 0.0  # unix seconds
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
+                or self.micro_batch_size < 1:
+            raise ValueError(f"failure micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+        if self.shapes is not None and not isinstance(self.shapes, dict):
+            raise ValueError(f"failure shapes must be an object or null, got {type(self.shapes).__name__}")
+        if not isinstance(self.note, str):
+            raise ValueError(f"failure note must be a string, got {type(self.note).__name__}")
+        _check_time("failure time", self.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Failure:
+        """Rebuild a failure; unknown fields and bad values raise `ValueError`."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a failure must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(FAILURE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown failure field(s): {', '.join(unknown)}")
+        if "micro_batch_size" not in d:
+            raise ValueError("a failure needs micro_batch_size")
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRow:
+    """One exported plan: its key, the key's parts, the plan, and the failures seen against it."""
+
+    key: str
+    parts: dict[str, Any]
+    plan: Plan
+    failures: tuple[Failure, ...] = ()
+    updated: float = 0.0  # unix seconds when the plan was tuned or last replaced
+
+    def to_json(self) -> str:
+        """One line of JSON (no newline), tagged with the export schema version."""
+        return json.dumps({"schema": EXPORT_SCHEMA, "key": self.key, "parts": self.parts,
+                           "plan": self.plan.to_dict(), "failures": [f.to_dict() for f in self.failures],
+                           "updated": self.updated}, sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> PlanRow:
+        """Parse and validate one exported line.
+
+        Raises:
+            ValueError: the reason the row is rejected (first problem found).
+        """
+        if len(line) > MAX_LINE_CHARS:
+            raise ValueError(f"line is {len(line):,} characters, over the {MAX_LINE_CHARS:,} a plan row may have")
+        try:
+            d = json.loads(line, parse_constant=_reject_constant)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> PlanRow:
+        """Validate a decoded row; see `from_json`."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a row must be an object, got {type(d).__name__}")
+        unknown, missing = sorted(set(d) - set(ROW_FIELDS)), sorted(set(ROW_FIELDS) - set(d))
+        if unknown or missing:
+            raise ValueError(f"unknown field(s): {', '.join(unknown)}" if unknown
+                             else f"missing field(s): {', '.join(missing)}")
+        if d["schema"] != EXPORT_SCHEMA:
+            raise ValueError(f"export schema {d['schema']!r} is not {EXPORT_SCHEMA}; export it again with this "
+                             "autotune, or upgrade autotune")
+        check_parts(d["parts"])
+        expected = plan_key(d["parts"])
+        if d["key"] != expected:
+            raise ValueError(f"key {str(d['key'])[:16]!r}... does not match its parts (they hash to "
+                             f"{expected[:16]}...): the row was edited or damaged")
+        plan = _plan_from(d["plan"])
+        check_plan_matches(plan, d["key"], d["parts"])
+        if not isinstance(d["failures"], list):
+            raise ValueError("failures must be a list")
+        failures = tuple(Failure.from_dict(f) for f in d["failures"])
+        _check_time("updated", d["updated"])
+        return cls(key=d["key"], parts=d["parts"], plan=plan, failures=failures, updated=float(d["updated"]))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheEntry:
+    """A cached plan as `PlanCache.entries` and the CLI see it."""
+
+    key: str
+    parts: dict[str, Any]
+    plan: Plan | None  # None when the stored plan no longer validates (written by another format)
+    failures: tuple[Failure, ...] = ()
+    created: float = 0.0  # unix seconds the key first entered this cache
+    updated: float = 0.0  # unix seconds the plan was tuned or last replaced
+    origin: str = ""  # "tuned", "replaced", "import:<file>" or "team:<dir>"
+
+    @property
+    def smallest_failure(self) -> int | None:
+        return min((f.micro_batch_size for f in self.failures), default=None)
+
+    @property
+    def status(self) -> str:
+        """ "safe", "unsafe" (an OOM was seen at or below its micro-batch) or "invalid"."""
+        if self.plan is None:
+            return "invalid"
+        failing = self.smallest_failure
+        return "unsafe" if failing is not None and self.plan.micro_batch_size >= failing else "safe"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "status": self.status, "origin": self.origin, "created": self.created,
+                "updated": self.updated, "parts": self.parts, "plan": self.plan.to_dict() if self.plan else None,
+                "failures": [f.to_dict() for f in self.failures]}
+
+    def to_row(self) -> PlanRow | None:
+        """This entry as an export row, if it passes the validation an import applies."""
+        if self.plan is None:
+            return None
+        row = PlanRow(key=self.key, parts=self.parts, plan=self.plan, failures=self.failures, updated=self.updated)
+        return PlanRow.from_json(row.to_json())
+
+    @classmethod
+    def from_row(cls, row: PlanRow, origin: str) -> CacheEntry:
+        return cls(key=row.key, parts=row.parts, plan=row.plan, failures=row.failures, created=row.updated,
+                   updated=row.updated, origin=origin)
+
+
+def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
+    """A plan must answer the question its parts ask: same batch sizes, budget, margin, device, techniques.
+
+    Raises:
+        ValueError: naming the first disagreement.
+    """
+    pairs = [("key", plan.key, key), ("global_batch_size", plan.global_batch_size, parts["global_batch_size"]),
+             ("world_size", plan.world_size, parts["world_size"]),
+             ("memory_budget_bytes", plan.memory_budget_bytes, parts["budget_bytes"]),
+             ("margin", plan.margin, parts["margin"]), ("device", plan.device, parts["device"]["kind"])]
+    for name, have, want in pairs:
+        if have != want:
+            raise ValueError(f"plan.{name} is {have!r} but the key parts say {want!r}")
+    allowed = set(parts["techniques"])
+    if plan.checkpointing != "none" and "checkpointing" not in allowed:
+        raise ValueError("plan uses checkpointing, which its key parts do not allow")
+    if plan.offload != "none" and "offload" not in allowed:
+        raise ValueError("plan uses offload, which its key parts do not allow")
+    cap = parts["max_micro_batch"]
+    if cap is not None and plan.micro_batch_size > cap:
+        raise ValueError(f"plan.micro_batch_size {plan.micro_batch_size} is over the key's max_micro_batch {cap}")
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[int, PlanRow | None, str]]:
+    """Yield (line number, row or None, reason it was rejected) for each non-blank line of `path`.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, PlanRow.from_json(line), ""
+            except ValueError as exc:
+                yield number, None, str(exc)
+
+
+def write_rows(path: str | Path, rows: Iterable[PlanRow]) -> int:
+    """Write rows as JSON lines, atomically (a reader never sees half a file); returns how many."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")  # same file system: atomic rename
+    count = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(row.to_json() + "\n")
+                count += 1
+        os.chmod(tmp, 0o644)  # mkstemp made it 0600; an export is meant to be shared, unlike the database
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return count
+
+
+class TeamDir:
+    """Plan rows from a read-only directory of exports (`$AUTOTUNE_TEAM_DIR/*.jsonl`), loaded on first use.
+
+    Several rows for one key merge: the newest plan wins, and every failure seen by anyone is kept.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self.problems: list[str] = []  # one line per unreadable file or file with rejected rows
+        self._rows: dict[str, PlanRow] | None = None
+
+    def lookup(self, key: str) -> PlanRow | None:
+        """The team's row for `key`, or None."""
+        return self.rows().get(key)
+
+    def rows(self) -> dict[str, PlanRow]:
+        """Every valid row, by key."""
+        if self._rows is None:
+            self._rows = self._load()
+        return self._rows
+
+    def _load(self) -> dict[str, PlanRow]:
+        merged: dict[str, PlanRow] = {}
+        if not self.path.is_dir():
+            self.problems.append(f"team directory {self.path} ($AUTOTUNE_TEAM_DIR) is not a readable directory")
+            return merged
+        for file in sorted(self.path.glob(TEAM_FILE_GLOB)):
+            try:
+                results = list(read_rows(file))
+            except OSError as exc:
+                self.problems.append(f"cannot read team file {file}: {exc.strerror}")
+                continue
+            rejected = [(n, why) for n, row, why in results if row is None]
+            if rejected:
+                n, why = rejected[0]
+                self.problems.append(f"{len(rejected)} row(s) of team file {file} rejected (line {n}: {why}); "
+                                     f"see all with `autotune cache import {file}`")
+            for _, row, _ in results:
+                if row is not None:
+                    merged[row.key] = _merge(merged.get(row.key), row)
+        return merged
+
+
+def _merge(old: PlanRow | None, new: PlanRow) -> PlanRow:
+    if old is None:
+        return new
+    newest = new if new.updated >= old.updated else old
+    seen = {(f.micro_batch_size, f.time, f.note): f for f in old.failures + new.failures}  # de-duplicated
+    failures = tuple(seen.values())
+    return dataclasses.replace(newest, failures=failures)
+
+
+def _plan_from(d: Any) -> Plan:
+    try:
+        return Plan.from_dict(d)
+    except (TypeError, ValueError) as exc:  # TypeError: a required field is missing
+        raise ValueError(f"plan: {exc}") from None
+
+
+def _check_time(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a plan row may hold")

@@ -1,0 +1,302 @@
+"""`autotune cache ...`: list, show, export, import, delete and clear cached plans, and say where they live.
+
+Each command parses its options, makes one `PlanCache` call, and maps the cache's errors to click
+exceptions that name the fix. The cache is opened with `strict=True`: here a broken database is an error
+to report (exit code 4, an environment error), not something to carry on without as training does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from ..cache.store import CacheEntry, CacheError, PlanCache, default_path
+from ..plan import Plan
+
+T = TypeVar("T")
+
+
+class CacheUnusable(click.ClickException):
+    """The plan cache cannot be used; exit code 4 is autotune's environment error (DESIGN.md section 3)."""
+
+    exit_code = 4
+
+
+@click.group()
+@click.option("--cache", "cache_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The plan cache file (default: $AUTOTUNE_CACHE, else ~/.cache/autotune/plans.db).")
+@click.pass_context
+def cache(ctx: click.Context, cache_path: Path | None) -> None:
+    """Inspect and share cached plans: what autotune tuned before, and for what.
+
+    \b
+    Examples:
+      autotune cache list                          plans cached for this user
+      autotune cache export team/plans.jsonl       share them; teammates run `autotune cache import`
+      autotune cache show 3f2a9c                   one plan in full (a key prefix is enough)
+    """
+    ctx.obj = cache_path
+
+
+@cache.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the plans as a JSON list.")
+@click.option("--team", is_flag=True, help="Also list the plans in $AUTOTUNE_TEAM_DIR.")
+@click.pass_obj
+def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
+    """List cached plans: model, GPU, budget, plan, tokens/s, age and status.
+
+    \b
+    Examples:
+      autotune cache list
+      autotune cache list --json | jq '.[].plan.micro_batch_size'
+    """
+    store = _open(cache_path)
+    found = _call(lambda: store.entries(team=team))
+    if as_json:
+        click.echo(json.dumps([e.to_dict() for e in found], indent=2))
+    elif not found:
+        click.echo(f"no cached plans in {store.path}")
+    else:
+        headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "TOKENS/S", "AGE", "STATUS"]
+        click.echo(_table(headers, [_list_row(e) for e in found]))
+
+
+@cache.command()
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan, its key parts and failures as JSON.")
+@click.pass_obj
+def show(cache_path: Path | None, key: str, as_json: bool) -> None:
+    """Show one cached plan in full: what it was tuned for, the plan, why, its trials and failures.
+
+    KEY may be the first few characters of the key, as `autotune cache list` prints it.
+
+    \b
+    Example:
+      autotune cache show 3f2a9c
+    """
+    entry = _one(_open(cache_path), key, team=True)
+    click.echo(json.dumps(entry.to_dict(), indent=2) if as_json else _describe(entry))
+
+
+@cache.command("export")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.pass_obj
+def export_(cache_path: Path | None, file: Path) -> None:
+    """Write every cached plan, with its key parts and failures, to FILE as JSON lines.
+
+    \b
+    Example:
+      autotune cache export /shared/team/plans-$(whoami).jsonl
+    """
+    store = _open(cache_path)
+    try:
+        count = _call(lambda: store.export(file))
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {file}: {exc.strerror}; choose a writable path") from exc
+    click.echo(f"exported {count} plan(s) to {file}; teammates can `autotune cache import {file}`, "
+               "or keep it in the directory $AUTOTUNE_TEAM_DIR names")
+
+
+@cache.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.pass_obj
+def import_(cache_path: Path | None, file: Path) -> None:
+    """Validate every row of an export FILE and store the valid ones; rejected rows are listed with the reason.
+
+    A plan already cached here and newer than the imported one is kept.
+
+    \b
+    Example:
+      autotune cache import /shared/team/plans-alice.jsonl
+    """
+    store = _open(cache_path)
+    try:
+        report = _call(lambda: store.import_(file))
+    except OSError as exc:
+        raise click.ClickException(f"cannot read {file}: {exc.strerror}; check the path and its permissions") from exc
+    for line, why in report.rejected:
+        click.echo(f"rejected line {line}: {why}", err=True)
+    click.echo(f"imported {len(report.accepted)} plan(s) from {file} into {store.path}")
+    if report.rejected:
+        raise click.ClickException(f"{len(report.rejected)} row(s) of {file} were rejected (listed above) and the "
+                                   "valid rows imported; ask for a fresh `autotune cache export` to replace the file")
+
+
+@cache.command()
+@click.argument("key")
+@click.pass_obj
+def delete(cache_path: Path | None, key: str) -> None:
+    """Forget one cached plan (and the failures recorded against it); KEY may be a prefix.
+
+    \b
+    Example:
+      autotune cache delete 3f2a9c
+    """
+    store = _open(cache_path)
+    entry = _one(store, key, team=False)
+    _call(lambda: store.delete(entry.key))
+    click.echo(f"deleted {entry.key[:12]} ({_model(entry.parts)} on {_gpu(entry.parts)})")
+
+
+@cache.command()
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_obj
+def clear(cache_path: Path | None, yes: bool) -> None:
+    """Forget every cached plan and failure (asks first, unless --yes).
+
+    \b
+    Example:
+      autotune cache clear --yes
+    """
+    store = _open(cache_path)
+    count = len(_call(store.entries))
+    if count == 0:
+        click.echo(f"no cached plans in {store.path}; nothing to clear")
+        return
+    if not yes:
+        click.confirm(f"Delete all {count} cached plan(s) in {store.path}?", abort=True)
+    _call(store.clear)
+    click.echo(f"deleted {count} plan(s) from {store.path}")
+
+
+@cache.command()
+@click.pass_obj
+def path(cache_path: Path | None) -> None:
+    """Print where the plan cache lives: --cache, else $AUTOTUNE_CACHE, else the user cache directory.
+
+    \b
+    Example:
+      ls -l "$(autotune cache path)"
+    """
+    click.echo(str(cache_path or default_path()))
+
+
+# -- one library call each, with the cache's errors mapped -----------------------------------------------------
+
+def _open(cache_path: Path | None) -> PlanCache:
+    return _call(lambda: PlanCache(cache_path, strict=True))
+
+
+def _call(action: Callable[[], T]) -> T:
+    try:
+        return action()
+    except CacheError as exc:
+        raise CacheUnusable(str(exc)) from exc
+
+
+def _one(store: PlanCache, key: str, *, team: bool) -> CacheEntry:
+    matches = _call(lambda: store.entries(key, team=team))
+    if not matches:
+        raise click.ClickException(f"no cached plan has a key starting with {key!r}; run `autotune cache list` "
+                                   "to see the keys")
+    if len(matches) > 1:
+        keys = ", ".join(e.key[:12] for e in matches[:5])
+        raise click.ClickException(f"{len(matches)} plans have keys starting with {key!r} ({keys}...); give more "
+                                   "of the key")
+    return matches[0]
+
+
+# -- formatting -------------------------------------------------------------------------------------------------
+
+def _list_row(entry: CacheEntry) -> list[str]:
+    plan = entry.plan
+    return [entry.key[:12], _model(entry.parts), _gpu(entry.parts), _bytes(entry.parts.get("budget_bytes", 0)),
+            _plan_cell(plan) if plan else "-", _rate(plan) if plan else "-", _age(entry.updated), _status(entry)]
+
+
+def _describe(entry: CacheEntry) -> str:
+    lines = [f"key       {entry.key}", f"status    {_status(entry)}",
+             f"origin    {entry.origin}, updated {_age(entry.updated)} ago", *_describe_parts(entry.parts)]
+    if entry.plan is None:
+        lines.append("plan      unreadable (written by another plan format); re-tune with retune=True")
+    else:
+        lines += _describe_plan(entry.plan)
+    if entry.failures:
+        lines += ["", "OOMs seen in real training:"]
+        lines += [f"  micro-batch {f.micro_batch_size}, {_age(f.time)} ago"
+                  + (f", shapes {json.dumps(f.shapes)}" if f.shapes else "") + (f": {f.note}" if f.note else "")
+                  for f in entry.failures]
+    return "\n".join(lines)
+
+
+def _describe_parts(parts: dict[str, Any]) -> list[str]:
+    """What the plan was tuned for: the key's parts, one line per topic."""
+    batch = "; ".join(f"{p or 'batch'} {tuple(shape)} {dtype}" for p, shape, dtype in parts.get("batch", []))
+    runtime, device = parts.get("runtime", {}), parts.get("device", {})
+    return [
+        f"model     {_model(parts)} parameters, structure {parts.get('model', {}).get('digest', '')[:12]}",
+        (f"batch     {batch} per sample; global batch {parts.get('global_batch_size')} over "
+         f"{parts.get('world_size')} rank(s)"),
+        f"device    {_gpu(parts)}, {_bytes(device.get('total_bytes', 0))}",
+        (f"budget    {_bytes(parts.get('budget_bytes', 0))}, margin {parts.get('margin', 0):.0%}; allowed: "
+         f"{', '.join(parts.get('techniques', []))}"),
+        (f"runtime   torch {runtime.get('torch')}, CUDA {runtime.get('cuda') or 'none'}; optimizer "
+         f"{parts.get('optimizer', {}).get('class')}; loss {parts.get('loss')}"),
+    ]
+
+
+def _describe_plan(plan: Plan) -> list[str]:
+    trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, _bytes(t.peak_bytes),
+               f"{t.samples_per_second:,.1f}" if t.fits else t.note] for t in plan.trials]
+    return [f"plan      {plan.summary()}", f"why       {plan.reason}", "", "trials:",
+            _indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S"], trials))]
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [headers, *rows])
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _model(parts: dict[str, Any]) -> str:
+    model = parts.get("model", {})
+    return f"{model.get('class', '?')} ({_count(model.get('parameters', 0))})"
+
+
+def _gpu(parts: dict[str, Any]) -> str:
+    world = parts.get("world_size", 1)
+    name = parts.get("device", {}).get("name", "?")
+    return f"{world}x {name}" if world != 1 else name
+
+
+def _plan_cell(plan: Plan) -> str:
+    return f"{plan.rung.name}, {plan.micro_batch_size}x{plan.accumulation_steps}"
+
+
+def _rate(plan: Plan) -> str:
+    if plan.tokens_per_second:
+        return _count(plan.tokens_per_second)
+    return f"{plan.samples_per_second:,.1f} samples/s"
+
+
+def _status(entry: CacheEntry) -> str:
+    if entry.status == "unsafe":
+        return f"unsafe: OOM at micro-batch {entry.smallest_failure}"
+    return entry.status
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _age(when: float) -> str:
+    seconds = max(0.0, time.time() - when)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"

@@ -1,0 +1,146 @@
+"""`autotune run [OPTIONS] SCRIPT [SCRIPT_ARGS]...`: wrap an existing training script (see `autotune.supervisor.runner`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+import click
+
+from ..supervisor.agent import configure_logging
+from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
+from ..plan import Plan, Trial
+from ..devices.placement import format_bytes
+from ..supervisor.runner import (
+    DEFAULT_GRACE,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_TRIAL_TIMEOUT,
+    Attempt,
+    RunOptions,
+    RunResult,
+)
+from ..supervisor.runner import run as run_script
+
+EXAMPLES = """\b
+Examples:
+  # cooperative: the script calls autotune.fit(model, batch)
+  autotune run --global-batch-size 64 --budget 24GiB train.py --epochs 3
+  # zero-change: the script takes its batch size and accumulation as flags
+  autotune run --global-batch-size 64 \\
+      --map micro_batch=--per_device_train_batch_size \\
+      --map accumulation=--gradient_accumulation_steps \\
+      --map checkpointing=--gradient_checkpointing --map bf16=--bf16 \\
+      train_hf.py --output_dir out
+  # two GPUs through torch.distributed.run; print the plan as JSON
+  autotune run --nproc-per-node 2 --json train.py
+"""
+
+
+@click.command(context_settings={"allow_interspersed_args": False}, epilog=EXAMPLES)
+@click.option("--global-batch-size", type=click.IntRange(min=1), help="Samples per optimizer step over all ranks.")
+@click.option("--budget", metavar="SIZE", help="Memory budget per GPU, e.g. 24GiB (default: free memory; "
+              "on the CPU the simulated ceiling).")
+@click.option("--cache", metavar="PATH", help="Plan cache file, or 'off' (default: $AUTOTUNE_CACHE, else the user "
+              "cache).")
+@click.option("--margin", type=float, help="Fraction of the budget kept free (default 0.1).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=DEFAULT_MAX_RESTARTS, show_default=True,
+              help="Restarts after an out-of-memory death before giving up (exit 3).")
+@click.option("--trial-steps", type=click.IntRange(min=1), help="Measured optimizer steps per trial, after one "
+              "warm-up step (default 3).")
+@click.option("--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TRIAL_TIMEOUT,
+              show_default=True, help="Seconds a zero-change trial may take before it is stopped (exit 124).")
+@click.option("--grace-period", type=click.FloatRange(min=0), default=DEFAULT_GRACE, show_default=True,
+              help="Seconds between forwarding SIGINT/SIGTERM to the job and killing it.")
+@click.option("--tune-only", is_flag=True, help="Stop once the plan is chosen; do not train.")
+@click.option("--json", "json_output", is_flag=True, help="Print the plan as JSON on stdout (the job's own "
+              "stdout goes to stderr).")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), help="Launch through torch.distributed.run with "
+              "this many processes.")
+@click.option("--map", "maps", multiple=True, metavar="KNOB=FLAG", help="Zero-change mode: the script flag "
+              "carrying a knob: micro_batch, accumulation, checkpointing or bf16. Repeatable.")
+@click.option("--device", help="'cuda' or 'cpu' (default: cuda when a GPU is visible, else the CPU under a "
+              "simulated ceiling).")
+@click.option("-v", "--verbose", count=True, help="More detail (-v also shows the trials' own output).")
+@click.option("-q", "--quiet", count=True, help="Less detail: no progress lines.")
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, json_output: bool,
+        **options: object) -> None:
+    """Wrap an existing training script: tune, launch, watch, and restart it after an out-of-memory death.
+
+    Everything after SCRIPT goes to the script untouched. A script that calls autotune.fit gets the
+    options as AUTOTUNE_* environment variables (cooperative mode); a script that knows nothing of
+    autotune is tuned through its own flags with --map (zero-change mode). Exit codes: 0 success, the
+    script's own code when it fails for a reason other than memory, 2 usage error, 3 nothing fits or
+    restarts spent, 4 no usable GPU, 124 a trial timed out, 130/143 interrupted.
+    """
+    _configure_logging(verbose, quiet)
+    try:
+        # The remaining options are named as RunOptions' fields.
+        opts = RunOptions(script=script, script_args=script_args, json_output=json_output, verbose=verbose > 0,
+                          **options)  # type: ignore[arg-type]
+        result = run_script(opts, on_plan=None if json_output else _show_plan)
+    except InvalidSetting as exc:
+        raise click.UsageError(str(exc)) from exc
+    except NoFeasiblePlan as exc:
+        if not json_output:
+            click.echo(format_trials(exc.trials), err=True)
+        _fail(str(exc), 3)
+    except DeviceError as exc:
+        _fail(str(exc), 4)
+    _report(result, json_output, cooperative=not opts.maps)
+    sys.exit(result.exit_code)
+
+
+def _configure_logging(verbose: int, quiet: int) -> None:
+    """Progress lines on stderr: INFO by default, DEBUG with -v, WARNING with -q, ERROR with -qq."""
+    configure_logging(logging.DEBUG if verbose else (logging.INFO, logging.WARNING, logging.ERROR)[min(quiet, 2)])
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"autotune: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _show_plan(plan: Plan) -> None:
+    click.echo(format_trials(plan.trials), err=True)
+    click.echo(format_plan(plan), err=True)
+
+
+def _report(result: RunResult, json_output: bool, *, cooperative: bool) -> None:
+    if json_output:
+        click.echo(json.dumps(result.plan.to_dict() if result.plan else None, indent=2))
+    elif cooperative and result.plan is not None:
+        _show_plan(result.plan)  # zero-change plans were shown before the real run
+    if len(result.attempts) > 1 and not json_output:
+        click.echo(format_attempts(result.attempts), err=True)
+    if result.message:
+        click.echo(f"autotune: {result.message}", err=True)
+
+
+# -- tables ---------------------------------------------------------------------------------------------
+
+def format_trials(trials: Sequence[Trial]) -> str:
+    """What was tried: one row per trial."""
+    rows = [f"{'#':>3}  {'rung':<26} {'micro':>5}  {'outcome':<11} {'peak':>10} {'samples/s':>10}  note"]
+    for i, t in enumerate(trials, 1):
+        rate = f"{t.samples_per_second:,.1f}" if t.outcome != "oom" else "-"
+        rows.append(f"{i:>3}  {t.rung.name:<26} {t.micro_batch_size:>5}  {t.outcome:<11} "
+                    f"{format_bytes(t.peak_bytes) if t.peak_bytes else '-':>10} {rate:>10}  {t.note[:70]}")
+    return "\n".join(rows)
+
+
+def format_plan(plan: Plan) -> str:
+    """The chosen plan and why, in two lines."""
+    return f"plan ({plan.source}): {plan.summary()}\nwhy: {plan.reason}"
+
+
+def format_attempts(attempts: Sequence[Attempt]) -> str:
+    rows = [f"{'attempt':>7}  {'micro':>5}  {'outcome':<11} {'exit':>4} {'seconds':>8} {'GPU peak':>10}  note"]
+    for a in attempts:
+        peak = format_bytes(a.peak_gpu_bytes) if a.peak_gpu_bytes else "-"
+        rows.append(f"{a.number + 1:>7}  {a.micro_batch_size or '?':>5}  {a.outcome:<11} {a.exit_code:>4} "
+                    f"{a.seconds:>8.1f} {peak:>10}  {a.note[:70]}")
+    return "\n".join(rows)

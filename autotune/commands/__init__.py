@@ -1,1 +1,0 @@
-"""One module per `autotune` subcommand; `autotune.cli` assembles them."""

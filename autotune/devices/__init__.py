@@ -1,0 +1,5 @@
+"""The device underneath: where training runs and how much memory it may use.
+
+`placement` (device facts, budgets, memory readings, units) · `nvml` (what the driver reports, outside
+the allocator) · `ceiling` (the simulated device on the CPU: a byte-counting memory limit).
+"""

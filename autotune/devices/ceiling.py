@@ -1,0 +1,160 @@
+"""The simulated memory ceiling: the real search on a CPU, under a real byte budget.
+
+`SimulatedCeiling` is a `TorchDispatchMode` that sees every tensor an operator creates, counts the bytes
+of each distinct live storage (parameters, gradients, optimizer state and activations alike), frees them
+when the storage dies (a weakref finalizer on the storage itself, so tensors held only by autograd still
+count), and raises `torch.OutOfMemoryError` when the count passes the budget. Checkpointing, offload,
+smaller micro-batches and BF16 lower the count for real, which is what lets CI walk the whole ladder.
+
+Memory that an offload rung moves "to the host" is allocated inside `host_memory()`, which the ceiling
+does not count: on the simulated device host and device are the same RAM, so the distinction is kept
+by bookkeeping, exactly where a real GPU would keep it by address space.
+
+This module stands beside `placement.py` rather than in it because it is a mechanism
+of its own, with its own tests, and `placement.py` stays about facts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_state = threading.local()
+
+
+def active_ceiling() -> SimulatedCeiling | None:
+    """The ceiling in force on this thread, if any."""
+    return getattr(_state, "ceiling", None)
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Allocations inside are host memory: not counted by an active simulated ceiling.
+
+    On a real GPU this is a no-op: host tensors live on the CPU device and CUDA never sees them.
+    """
+    ceiling = active_ceiling()
+    if ceiling is None:
+        yield
+        return
+    ceiling._host_depth += 1
+    try:
+        yield
+    finally:
+        ceiling._host_depth -= 1
+
+
+class SimulatedCeiling(TorchDispatchMode):
+    """Counts live CPU storage bytes and raises `torch.OutOfMemoryError` above `limit_bytes`.
+
+    Use as a context manager; `track()` the tensors that existed before it was entered (parameters,
+    buffers, optimizer state, the batch) so that they count too.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__()
+        self.limit_bytes = int(limit_bytes)
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[int, weakref.finalize]] = {}
+        self._host_depth = 0
+        self._outer: SimulatedCeiling | None = None
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    def track(self, obj: Any) -> None:
+        """Count every CPU tensor in `obj` (a tensor, module, optimizer, or nested containers of them)."""
+        for t in _tensors_of(obj):
+            self._count(t)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+    def _count(self, t: torch.Tensor) -> None:
+        if self._host_depth or t.device.type != "cpu" or t.is_sparse or t.is_nested:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. functional wrappers)
+            return
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        seen = self._live.get(key)
+        if seen is not None:
+            if seen[0] != nbytes:  # resized in place (out= ops, resize_)
+                self.current_bytes += nbytes - seen[0]
+                self._live[key] = (nbytes, seen[1])
+            return
+        finalizer = weakref.finalize(storage, self._release, key)
+        finalizer.atexit = False
+        self._live[key] = (nbytes, finalizer)
+        self.current_bytes += nbytes
+
+    def _release(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current_bytes -= entry[0]
+
+    def _check(self) -> None:
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+        if self.current_bytes > self.limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"simulated ceiling: {self.current_bytes / 2**20:.1f} MiB live, over the "
+                f"{self.limit_bytes / 2**20:.1f} MiB budget (autotune's CPU stand-in for CUDA out of memory)")
+
+    # -- the dispatch hook ---------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        if not self._host_depth:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._count(t)
+            self._check()
+        return out
+
+    # -- context -------------------------------------------------------------------------------------
+    def __enter__(self) -> SimulatedCeiling:
+        self._outer = active_ceiling()
+        _state.ceiling = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _state.ceiling = self._outer
+            self._outer = None
+
+    def close(self) -> None:
+        """Detach every finalizer so storages that outlive the ceiling do not keep it alive."""
+        for _, finalizer in self._live.values():
+            finalizer.detach()
+        self._live.clear()
+        self.current_bytes = 0
+
+
+def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield from _tensors_of(p)
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from _tensors_of(list(state.values()))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_of(v)

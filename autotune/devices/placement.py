@@ -1,0 +1,239 @@
+"""Device facts: which device, how much memory this process may use, and how to read its peak.
+
+`Placement` says where training runs. On CUDA, memory is read from the caching allocator (reserved,
+allocated, retries) plus what the allocator does not see (the CUDA context, cuBLAS workspaces) as
+pynvml reports it. On the CPU, the same questions are answered by the simulated ceiling (`ceiling.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from .ceiling import SimulatedCeiling
+from ..errors import DeviceError, InvalidSetting
+
+log = logging.getLogger(__name__)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+
+
+def format_bytes(n: int) -> str:
+    """"12 KiB" below a MiB, "512.0 MiB" below a GiB, "23.50 GiB" from there."""
+    if n < 2**20:
+        return f"{n / 2**10:,.0f} KiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int:
+    """Bytes from an int or a string such as "24GiB", "16 GB", "512MiB" or "1.5g" (k/m/g/t are binary)."""
+    if isinstance(value, bool):
+        raise InvalidSetting(f"{setting} must be bytes or a string like '24GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise InvalidSetting(f"{setting} must be positive, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS:
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if number >= 1:
+                return int(number)
+    raise InvalidSetting(
+        f"{setting}={value!r} is not a size autotune understands; write bytes as an integer or a number "
+        "with a unit, e.g. '24GiB', '16GB', '512MiB' or 25769803776.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Where trials and training run."""
+
+    kind: str  # "cuda" | "cpu"
+    index: int = 0
+    name: str = ""  # "NVIDIA H200" or "cpu (simulated ceiling)"
+    total_bytes: int = 0
+
+    @property
+    def simulated(self) -> bool:
+        return self.kind == "cpu"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.index) if self.kind == "cuda" else torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> Placement:
+    """`None` means CUDA when available, else the CPU under a simulated ceiling."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidSetting(f"device={device!r} is not a device; pass 'cuda', 'cuda:1' or 'cpu'") from exc
+    if dev.type == "cpu":
+        return Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=psutil.virtual_memory().total)
+    if dev.type != "cuda":
+        raise InvalidSetting(f"device={device!r}: autotune runs on 'cuda' devices, or 'cpu' to simulate one")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device={device!r} but torch sees no CUDA GPU (torch {torch.__version__}, "
+                          f"CUDA build {torch.version.cuda}); pass device='cpu' to run under a simulated ceiling")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise InvalidSetting(f"device={device!r} but only {torch.cuda.device_count()} GPU(s) are visible")
+    props = torch.cuda.get_device_properties(index)
+    return Placement(kind="cuda", index=index, name=props.name, total_bytes=props.total_memory)
+
+
+def default_budget(placement: Placement) -> tuple[int, str]:
+    """Bytes this process may use on `placement`, and where the figure came from."""
+    if placement.simulated:
+        available = psutil.virtual_memory().available
+        return available, "host memory available (no memory_budget given for the CPU)"
+    fraction = _memory_fraction(placement.index)
+    free, total = torch.cuda.mem_get_info(placement.index)
+    # What this process already holds in its cache counts as available to it.
+    free += torch.cuda.memory_reserved(placement.index) - torch.cuda.memory_allocated(placement.index)
+    if fraction < 1.0:
+        return int(min(free, fraction * total)), f"per-process memory fraction {fraction:g} of {placement.name}"
+    return int(free), f"free memory on {placement.name}"
+
+
+def _memory_fraction(index: int) -> float:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return 1.0
+    try:
+        return float(getter(index))
+    except (RuntimeError, TypeError):
+        return 1.0
+
+
+def bf16_supported(placement: Placement) -> bool:
+    if placement.simulated:
+        return True
+    return torch.cuda.is_bf16_supported()
+
+
+# -- measuring a trial's memory ---------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class MemoryReading:
+    peak_bytes: int  # what counts against the budget
+    allocated_peak_bytes: int
+    alloc_retries: int
+
+
+class MemoryMeter:
+    """Measures one trial's peak: the simulated ceiling on the CPU, the caching allocator on CUDA."""
+
+    def __init__(self, placement: Placement, budget_bytes: int) -> None:
+        self.placement = placement
+        self.budget_bytes = budget_bytes
+        self.ceiling: SimulatedCeiling | None = None
+        self._retries0 = 0
+        self._outside_allocator = 0
+        self._sim_peak = 0
+
+    @contextlib.contextmanager
+    def watching(self, *existing: object) -> Iterator[MemoryMeter]:
+        """Count from here; `existing` are objects already in device memory (model, optimizer, batch)."""
+        if self.placement.simulated:
+            self.ceiling = SimulatedCeiling(self.budget_bytes)
+            with self.ceiling:
+                self.ceiling.track(list(existing))
+                try:
+                    yield self
+                finally:
+                    self._sim_peak = self.ceiling.peak_bytes
+                    self.ceiling.close()  # detach finalizers: storages outliving the trial must not pin it
+            return
+        idx = self.placement.index
+        torch.cuda.synchronize(idx)
+        torch.cuda.reset_peak_memory_stats(idx)
+        self._retries0 = torch.cuda.memory_stats(idx).get("num_alloc_retries", 0)
+        self._outside_allocator = outside_allocator_bytes(idx)
+        yield self
+
+    def reset_peak(self) -> None:
+        if self.ceiling is not None:
+            self.ceiling.reset_peak()
+        else:
+            torch.cuda.reset_peak_memory_stats(self.placement.index)
+
+    def read(self) -> MemoryReading:
+        if self.ceiling is not None:
+            peak = max(self._sim_peak, self.ceiling.peak_bytes)
+            return MemoryReading(peak_bytes=peak, allocated_peak_bytes=peak, alloc_retries=0)
+        idx = self.placement.index
+        stats = torch.cuda.memory_stats(idx)
+        return MemoryReading(
+            peak_bytes=torch.cuda.max_memory_reserved(idx) + self._outside_allocator,
+            allocated_peak_bytes=torch.cuda.max_memory_allocated(idx),
+            alloc_retries=stats.get("num_alloc_retries", 0) - self._retries0,
+        )
+
+
+def outside_allocator_bytes(index: int) -> int:
+    """Device memory this process holds that PyTorch's allocator does not count (context, libraries).
+
+    Read from pynvml's per-process figure minus torch's reserved bytes; 0 when pynvml cannot say
+    (no driver access, or a container that hides process lists).
+    """
+    used = process_gpu_bytes(index, os.getpid())
+    if used is None:
+        return 0
+    # A budget set with set_per_process_memory_fraction covers the allocator only; the context lies
+    # outside it, so counting it against the budget errs on the side of headroom.
+    return max(0, used - torch.cuda.memory_reserved(index))
+
+
+def process_gpu_bytes(index: int, pid: int) -> int | None:
+    """Bytes of GPU `index` used by process `pid`, per pynvml, or None when unknown."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(index))
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == pid and proc.usedGpuMemory is not None:
+                    return int(proc.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - pynvml raises its own NVMLError family and OSError
+        log.debug("pynvml could not report process memory: %s", exc)
+    return None
+
+
+def _nvml_index(index: int) -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index < len(ids) and ids[index].isdigit():
+            return int(ids[index])
+    return index
+
+
+def synchronize(placement: Placement) -> None:
+    if not placement.simulated:
+        torch.cuda.synchronize(placement.index)
+
+
+def now(placement: Placement) -> float:
+    """A wall-clock reading after the device has finished queued work."""
+    synchronize(placement)
+    return time.perf_counter()

@@ -1,0 +1,374 @@
+"""The decision graph: which trial to run next, and which measured configuration wins.
+
+Per rung: measure two micro-batch sizes, predict from the memory slope the largest that keeps the peak
+under the limit, verify it with one trial, and refine only when the prediction missed: bisect after it
+went over, re-predict from the local slope when it fitted with room to spare; no refining trial runs
+that the rung's time model says cannot beat the best measured so far by more than noise. Across rungs:
+climb while a higher rung can still beat the best measured so far, judged from the time model of the
+best rung (time per micro-step ~ a + b x m): a higher rung lets the micro-batch grow, but costs at
+least its recompute/copy overhead per sample, so it cannot beat `per_rank / (a + (1 + overhead) x b x
+per_rank + optimizer)`. The winner is the fastest whole global step; within noise, the one with more
+headroom. The controller takes the trial runner as an argument, so tests drive it with scripted fakes.
+
+`sizes` restricts the micro-batches tried (zero-change trials of `autotune run` need divisors of the
+per-rank batch, since the script does its own batching): every size asked for is snapped down to an
+allowed one, and growth moves to the next allowed size when snapping would stand still.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..workload.batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch
+from ..errors import NoFeasiblePlan
+from ..plan import Rung, Trial
+
+log = logging.getLogger(__name__)
+
+Runner = Callable[[Rung, int], Trial]
+
+# Least extra time per sample a rung adds over plain BF16 (optimistic on purpose: a rung is skipped only
+# when even this cannot win). Full recompute is about one more forward (~+33% of a step); PEERS.md
+# lesson 6 measured 10-21% tokens/s lost.
+MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10}
+NOISE = 0.03  # step-time medians closer than this are a tie
+RUNOFF = 0.08  # rungs whose best is this close to the leader get re-measured with a longer run
+MAX_BISECT = 2  # bisection (or growth) steps per rung after a missed prediction
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    best: Trial
+    trials: list[Trial]
+    reason: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class _RungState:
+    rung: Rung
+    trials: list[Trial] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[Trial]:
+        return [t for t in self.trials if t.fits]
+
+    @property
+    def smallest_bad(self) -> int | None:
+        bad = [t.micro_batch_size for t in self.trials if not t.fits]
+        return min(bad) if bad else None
+
+    @property
+    def largest_ok(self) -> int | None:
+        ok = [t.micro_batch_size for t in self.ok]
+        return max(ok) if ok else None
+
+
+class Controller:
+    def __init__(self, runner: Runner, *, per_rank: int, limit_bytes: int, max_micro: int | None = None,
+                 max_trials: int = 24, world_size: int = 1, sizes: Sequence[int] | None = None,
+                 remeasure: Runner | None = None) -> None:
+        self.runner = runner
+        self.remeasure = remeasure  # a longer-running runner for the final runoff; None skips it
+        self.per_rank = per_rank
+        self.limit = limit_bytes
+        self.sizes = sorted({s for s in sizes if 1 <= s <= per_rank} | {1}) if sizes else None
+        self.cap = self._snap(max(1, min(per_rank, max_micro or per_rank)))
+        self.max_trials = max_trials
+        self.world_size = world_size
+        self.trials: list[Trial] = []
+        self.states: list[_RungState] = []
+        self.notes: list[str] = []
+
+    # -- top level -------------------------------------------------------------------------------------
+    def search(self, rungs: Sequence[Rung]) -> SearchResult:
+        states = self.states
+        previous: _RungState | None = None
+        for rung in rungs:
+            best = self._best()
+            if best is not None:
+                bound = self._upper_bound(rung, states)
+                if bound is not None and bound <= best.samples_per_second * (1 + NOISE):
+                    self.notes.append(f"stopped before {rung.name}: at best {bound:,.1f} samples/s, "
+                                      f"not above the {best.samples_per_second:,.1f} already measured")
+                    break
+            if len(self.trials) >= self.max_trials:
+                self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
+                break
+            state = _RungState(rung=rung)
+            states.append(state)
+            self._explore(state, previous)
+            if state.ok or previous is None:
+                previous = state
+        best = self._best()
+        if best is None:
+            raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
+        best = self._runoff(best)
+        return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes)
+
+    # -- one rung --------------------------------------------------------------------------------------
+    def _explore(self, state: _RungState, previous: _RungState | None) -> None:
+        """Two points, a prediction, a verification; bisection only after a miss.
+
+        A higher rung saves memory, so it starts at the largest micro-batch the rung below fitted and
+        probes next the smallest that did not fit there: the one question this rung has to answer. A rung
+        whose per-sample memory is already known (see `_borrowed_slope`) skips the probe and predicts.
+        """
+        start = previous.largest_ok or 1 if previous is not None else 1
+        first = self._run(state, min(start, self.cap))
+        if not first.fits and first.micro_batch_size > 1:
+            first = self._run(state, 1)
+        if not first.fits or first.micro_batch_size >= self.cap:
+            return
+        slope = self._borrowed_slope(state)
+        if slope is not None:
+            reach = first.micro_batch_size + math.floor((self.limit - first.peak_bytes) / slope)
+            guess = self._snap(min(self.cap, _balanced(reach, self.per_rank)))
+            if guess > first.micro_batch_size:
+                self._verify(state, guess)
+            return
+        probe = previous.smallest_bad if previous is not None else None
+        if probe is None or probe <= first.micro_batch_size:
+            probe = 2 * first.micro_batch_size
+        probe = self._snap(min(self.cap, probe))
+        if probe <= first.micro_batch_size:  # no allowed size up to the probe (see `sizes`): the next one above
+            probe = next(s for s in self.sizes or () if s > first.micro_batch_size)
+        second = self._run(state, probe)
+        if not second.fits:
+            self._bisect(state)
+            return
+        if second.micro_batch_size >= self.cap:
+            return
+        points = [(t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom"]
+        guess = _balanced(predict_max_micro_batch(points, self.limit, self.cap), self.per_rank)
+        if guess > second.micro_batch_size and self._budget_left():
+            self._verify(state, guess)
+
+    def _verify(self, state: _RungState, guess: int) -> None:
+        """Run the predicted micro-batch; then narrow down if it did not fit, or grow if it left room."""
+        if self._run(state, guess).fits:
+            self._grow(state)
+        else:
+            self._bisect(state)
+
+    def _borrowed_slope(self, state: _RungState) -> float | None:
+        """Bytes per sample of a rung already measured that treats activations the same way, or None.
+
+        Optimizer offload moves weights and optimizer state, a fixed cost; what each sample adds is set by
+        checkpointing alone, so the rung below with the same checkpointing has measured it already (over a
+        wider range than a second point here would: on GPT-2 large, 2 to 8 samples).
+        """
+        if state.rung.offload != "optimizer":
+            return None
+        for other in self.states:
+            same = (other.rung.precision, other.rung.checkpointing) == (state.rung.precision, state.rung.checkpointing)
+            points = [(t.micro_batch_size, t.peak_bytes) for t in other.trials if t.outcome != "oom"]
+            if same and other.rung.offload == "none" and len({m for m, _ in points}) >= 2:
+                _, slope = fit_line(points)
+                return slope if slope > 0 else None
+        return None
+
+    def _grow(self, state: _RungState) -> None:
+        """The prediction fitted: a miss on the low side if the line now says more fits.
+
+        Peaks at small micro-batches are mostly fixed costs (cuDNN workspaces, allocator rounding), so the
+        first two points can make the slope far too steep: on ResNet-152 (H100) micro-batch 1 and 2 predicted
+        43, which peaked at 6.1 of 10.8 GiB, while 64 fitted and ran 1.5x faster. Re-predict from the two
+        largest points, the local slope near the edge, while that saves accumulation steps.
+        """
+        for _ in range(MAX_BISECT):
+            lo = state.largest_ok
+            if lo is None or lo >= self.cap or not self._budget_left():
+                return
+            points = sorted((t.micro_batch_size, t.peak_bytes) for t in state.trials if t.outcome != "oom")[-2:]
+            guess = self._snap(_balanced(predict_max_micro_batch(points, self.limit, self.cap), self.per_rank))
+            if guess <= lo or ceil_div(self.per_rank, guess) == ceil_div(self.per_rank, lo):
+                return  # no larger micro-batch saves an accumulation step
+            if not self._worth_trying(state, guess):
+                return
+            if not self._run(state, guess).fits:
+                self._bisect(state)
+                return
+
+    def _bisect(self, state: _RungState) -> None:
+        """Narrow the gap between the largest micro-batch that fits and the smallest that does not.
+
+        When the failure ran to the end (over the limit, not an OOM) its peak and the largest fitting
+        one bracket the edge: the line between them says where the limit falls, and when it falls below
+        the next size up nothing in between is tried (on GPT-2 large, H100: 6 peaked at 21.1 GiB and 8 at
+        22.7 against a 21.6 limit, so 7 was a trial spent to learn it ran over). After an OOM only the
+        midpoint is known to be safe.
+        """
+        for _ in range(MAX_BISECT):
+            lo, hi = state.largest_ok, state.smallest_bad
+            if lo is None or hi is None or not self._budget_left():
+                return
+            mid = bisect_next(lo, hi)
+            if mid is None:
+                return
+            edge = self._edge_between(state, lo, hi)
+            if edge is not None:
+                if edge <= lo:
+                    return
+                mid = min(hi - 1, edge)
+            mid = self._snap(max(lo + 1, _balanced(mid, self.per_rank)))
+            if mid <= lo or mid >= hi or ceil_div(self.per_rank, mid) == ceil_div(self.per_rank, lo):
+                return  # no micro-batch between them saves an accumulation step
+            if not self._worth_trying(state, mid):
+                return
+            self._run(state, mid)
+
+    def _edge_between(self, state: _RungState, lo: int, hi: int) -> int | None:
+        """The largest micro-batch under the limit on the line through the peaks at `lo` (fitted) and `hi`
+        (ran over the limit); None when `hi` ran out of memory, so its peak is unknown."""
+        below = next(t for t in state.trials if t.micro_batch_size == lo)
+        above = next(t for t in state.trials if t.micro_batch_size == hi)
+        if above.outcome != "over_budget" or above.peak_bytes <= below.peak_bytes:
+            return None
+        return predict_max_micro_batch([(lo, below.peak_bytes), (hi, above.peak_bytes)], self.limit, self.cap)
+
+    def _worth_trying(self, state: _RungState, micro: int) -> bool:
+        """Whether a trial at `micro` could beat the best measured so far by more than noise.
+
+        The rung's own time model (micro-step time ~ a + b x m, b >= 0, every micro-step charged as a full
+        one, as trials are scored) is anchored at the rung's largest fitting trial. A larger micro-batch only
+        raises the peak, and a plan within noise of the best is as good as the best: a trial predicted to gain
+        less than that cannot improve the plan. One timed size gives no model: then it is worth a try.
+        Asked only between or just past measured sizes (bisection, growth): a line through two nearby
+        points extrapolated far is not a bound (on GPT-2 large, H100, such a line judged that optimizer
+        offload could not win even at micro-batch 64; at 16 it was the fastest plan).
+        """
+        best = self._best()
+        anchor = max(state.ok, key=lambda t: t.micro_batch_size, default=None)
+        timed = [(t.micro_batch_size, t.step_seconds) for t in state.trials if t.step_seconds > 0]
+        if best is None or anchor is None or len({m for m, _ in timed}) < 2:
+            return True
+        a, b = fit_line(timed)
+        b = max(b, 0.0)
+        opt = min(t.optimizer_seconds for t in state.ok)
+
+        def seconds(m: int) -> float:  # one global step at micro-batch m, by the model
+            return global_step_seconds(max(a + b * m, 1e-9), opt, self.per_rank, m)
+
+        predicted = anchor.samples_per_second * seconds(anchor.micro_batch_size) / seconds(micro)
+        if predicted > best.samples_per_second * (1 + NOISE):
+            return True
+        self.notes.append(f"{state.rung.name}: skipped micro-batch {micro}, predicted {predicted:,.1f} samples/s, "
+                          f"within noise of the {best.samples_per_second:,.1f} measured")
+        return False
+
+    def _snap(self, micro: int) -> int:
+        """The largest allowed micro-batch not above `micro` (any size when `sizes` was not given)."""
+        if self.sizes is None:
+            return micro
+        return max(s for s in self.sizes if s <= max(1, micro))
+
+    def _run(self, state: _RungState, micro: int) -> Trial:
+        micro = self._snap(micro)
+        for t in state.trials:
+            if t.micro_batch_size == micro:
+                return t
+        trial = self.runner(state.rung, micro)
+        log.info("trial %-32s micro-batch %4d: %-11s peak %7.2f GiB  %s", state.rung.name, micro, trial.outcome,
+                 trial.peak_bytes / 2**30,
+                 f"{trial.samples_per_second:,.1f} samples/s" if trial.fits else trial.note)
+        state.trials.append(trial)
+        self.trials.append(trial)
+        return trial
+
+    def _budget_left(self) -> bool:
+        return len(self.trials) < self.max_trials
+
+    # -- choosing --------------------------------------------------------------------------------------
+    def _best(self) -> Trial | None:
+        ok = [t for t in self.trials if t.fits]
+        if not ok:
+            return None
+        fastest = max(t.samples_per_second for t in ok)
+        # Within noise of the fastest, prefer headroom: the lowest peak (PEERS.md lesson 5).
+        close = [t for t in ok if t.samples_per_second >= fastest * (1 - NOISE)]
+        return min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
+
+    def _runoff(self, best: Trial) -> Trial:
+        """Re-measure the leaders with longer runs when they are close: near the memory edge single
+        trials are erratic (allocator retries, launch jitter), and the pick must not hinge on one."""
+        if self.remeasure is None:
+            return best
+        ok = [t for t in self.trials if t.fits]
+        rivals = sorted((t for t in ok if t.rung != best.rung and t.samples_per_second >= best.samples_per_second
+                         * (1 - RUNOFF)), key=lambda t: -t.samples_per_second)
+        if not rivals:
+            return best
+        finalists = [self.remeasure(t.rung, t.micro_batch_size) for t in (best, rivals[0])]
+        for t in finalists:
+            log.info("runoff %-31s micro-batch %4d: %-11s %s samples/s", t.rung.name, t.micro_batch_size,
+                     t.outcome, f"{t.samples_per_second:,.1f}")
+        self.trials.extend(finalists)
+        fitting = [t for t in finalists if t.fits]
+        if not fitting:
+            return best
+        fastest = max(t.samples_per_second for t in fitting)
+        close = [t for t in fitting if t.samples_per_second >= fastest * (1 - NOISE)]
+        winner = min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
+        self.notes.append(f"runoff between {finalists[0].rung.name} @ {finalists[0].micro_batch_size} and "
+                          f"{finalists[1].rung.name} @ {finalists[1].micro_batch_size}")
+        return winner
+
+    def _upper_bound(self, rung: Rung, states: list[_RungState]) -> float | None:
+        """Optimistic samples/s for `rung`, from the time model of the rung holding the best trial."""
+        best = self._best()
+        if best is None:
+            return None
+        state = next((s for s in states if s.rung == best.rung), None)
+        if state is None or len({t.micro_batch_size for t in state.ok}) < 2:
+            return None  # one point gives no time model: the higher rung may still win
+        _, b = fit_line([(t.micro_batch_size, t.step_seconds) for t in state.ok])
+        # The line's slope, anchored at the largest measured micro-batch: beyond it each extra sample
+        # costs at least b (b >= 0), and at it the time is what was measured, not what the fit says.
+        top = max(state.ok, key=lambda t: t.micro_batch_size)
+        opt = min(t.optimizer_seconds for t in state.ok)
+        extra = MIN_OVERHEAD[rung.offload if rung.offload != "none" else rung.checkpointing]
+        base_extra = MIN_OVERHEAD[best.rung.offload if best.rung.offload != "none" else best.rung.checkpointing]
+        micro_seconds = (top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size)) * (1 + extra) / (1 + base_extra)
+        per_step = global_step_seconds(micro_seconds, opt, self.per_rank, self.cap)
+        return self.per_rank * self.world_size / per_step
+
+    def _reason(self, best: Trial) -> str:
+        plain = [t for t in self.trials if t.fits and t.rung.checkpointing == "none" and t.rung.offload == "none"]
+        head = f"{best.rung.name} at micro-batch {best.micro_batch_size}"
+        fitting = len({(t.rung, t.micro_batch_size) for t in self.trials if t.fits})
+        if best.rung.checkpointing == "none" and best.rung.offload == "none":
+            others = [t for t in self.trials if t.fits and t.rung != best.rung]
+            if others:
+                runner_up = max(others, key=lambda t: t.samples_per_second)
+                return (f"{head}: the fastest of {fitting} configurations that fit, "
+                        f"{best.samples_per_second / runner_up.samples_per_second:.2f}x the best with "
+                        f"{runner_up.rung.name}")
+            return f"{head}: the fastest of {fitting} configurations that fit"
+        if plain:
+            top = max(plain, key=lambda t: t.samples_per_second)
+            return (f"{head}: {best.samples_per_second / top.samples_per_second:.2f}x the fastest plan without "
+                    f"checkpointing or offload (micro-batch {top.micro_batch_size})")
+        return f"{head}: nothing lighter fits under the limit ({self.limit / 2**30:.2f} GiB)"
+
+    def _nothing_fits(self, rungs: Sequence[Rung]) -> str:
+        ran = [t for t in self.trials if t.peak_bytes]
+        smallest = min(ran, key=lambda t: t.peak_bytes) if ran else None
+        tried = "; ".join(f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}" for t in self.trials)
+        seen = (f"the smallest peak seen was {smallest.peak_bytes / 2**30:.2f} GiB ({smallest.rung.name} at "
+                f"micro-batch {smallest.micro_batch_size})" if smallest else "no trial got far enough to measure a peak")
+        skipped = "".join(f" {n}." for n in self.notes)  # why rungs were left out, or the trial budget ran out
+        return (f"no configuration fits under {self.limit / 2**30:.2f} GiB (memory_budget less margin) even at "
+                f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. "
+                f"Tried: {tried}.{skipped} "
+                "Raise memory_budget, allow more techniques (techniques=('bf16', 'checkpointing', 'offload')), "
+                "or shrink the model or the sequence.")
+
+
+def _balanced(micro: int, per_rank: int) -> int:
+    """The smallest micro-batch needing as few accumulation steps as `micro`: same speed, more headroom."""
+    steps = ceil_div(per_rank, max(1, micro))
+    return ceil_div(per_rank, steps)

@@ -1,0 +1,159 @@
+"""One trial: put a rung on the model, run a few real optimizer steps at one micro-batch size, measure, and
+clean up whatever happened.
+
+DESIGN.md section 5, in order: apply the rung; run `warmup` + `measured` full optimizer steps (the
+optimizer state appears at the first step, so the peak and the timings come from the later ones); time
+forward+backward and the optimizer step separately with the device synchronised; read the peak. On an
+OOM, the handler only records it: clean-up happens after the `except` block has been left (a held
+exception keeps the failed step's tensors alive, pytorch #27600), and the step's locals live in a frame
+of their own that dies with the traceback.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..workload import batch as batches
+from ..workload.batching import global_step_seconds
+from ..devices.placement import MemoryMeter, Placement, now
+from ..errors import DeviceError, is_device_poisoned, is_oom
+from ..workload.losses import LossFn, split_loss
+from ..workload.optimizers import OptimizerSpec
+from ..plan import Rung, Trial
+from ..techniques import AppliedRung, BlockGroup, apply_rung
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    """Everything a trial needs that does not change between trials."""
+
+    model: nn.Module
+    batch: Any  # the example batch, already on the device
+    loss_fn: LossFn
+    spec: OptimizerSpec
+    placement: Placement
+    budget_bytes: int
+    limit_bytes: int  # (1 - margin) x budget: a plan's peak must stay below this
+    per_rank: int
+    world_size: int = 1
+    blocks: BlockGroup | None = None
+    warmup_steps: int = 1
+    measured_steps: int = 3
+
+
+def agree_local(trial: Trial) -> Trial:
+    """Single process: nothing to agree with. Under torch.distributed: `distributed.agree_trial`."""
+    return trial
+
+
+class TrialRunner:
+    """Callable `(rung, micro_batch_size) -> Trial`; what the controller calls for every measurement."""
+
+    def __init__(self, work: Workload, agree: Callable[[Trial], Trial] = agree_local) -> None:
+        self.work = work
+        self.agree = agree
+
+    def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None) -> Trial:
+        work = self.work
+        started = time.perf_counter()
+        micro_batch = batches.resize(work.batch, micro)
+        meter = MemoryMeter(work.placement, work.budget_bytes)
+        applied: AppliedRung | None = None
+        timings: tuple[float, float] | None = None
+        failure = ""
+        try:
+            try:
+                with meter.watching(work.model, micro_batch):
+                    applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks)
+                    timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps)
+            except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
+                if is_device_poisoned(exc):
+                    raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
+                                      "The CUDA context is unusable; restart the process.") from exc
+                if not is_oom(exc):
+                    raise
+                failure = _first_line(exc)
+            # Out of the except block: the exception no longer pins the failed step's tensors. Read the
+            # peak now, before clean-up resets the allocator's statistics.
+            reading = meter.read()
+        finally:
+            _clean_up(work, applied)
+        del micro_batch
+        trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
+                            time.perf_counter() - started)
+        return self.agree(trial)
+
+
+def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float]:
+    """Median (forward+backward seconds, optimizer seconds) over the measured steps."""
+    work.model.train()
+    step_times: list[float] = []
+    opt_times: list[float] = []
+    for i in range(work.warmup_steps + measured):
+        t0 = now(work.placement)
+        with applied.autocast():
+            loss, count = split_loss(work.loss_fn(work.model, micro_batch))
+            if count is not None:
+                loss = loss / count
+        applied.backward(loss)
+        del loss, count
+        t1 = now(work.placement)
+        applied.optimizer_step()
+        applied.zero_grad()
+        t2 = now(work.placement)
+        if i >= work.warmup_steps:
+            step_times.append(t1 - t0)
+            opt_times.append(t2 - t1)
+    return statistics.median(step_times), statistics.median(opt_times)
+
+
+def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
+    """Undo the rung and give every byte of the trial back before the next one measures its peak.
+
+    The trial's optimizer (and its state: 8 bytes a parameter for AdamW) must be dropped before
+    `empty_cache()`: freed later, its blocks would stay cached and count in the next trial's reserved peak.
+    """
+    if applied is not None:
+        applied.remove()
+        applied.optimizer = None
+        applied.scaler = None
+    for p in work.model.parameters():
+        p.grad = None
+    gc.collect()
+    if not work.placement.simulated:
+        torch.cuda.synchronize(work.placement.index)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(work.placement.index)
+
+
+def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
+                timings: tuple[float, float] | None, failure: str, seconds: float) -> Trial:
+    if timings is None:
+        note = failure
+        return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=peak, seconds=seconds,
+                     alloc_retries=retries, note=note[:200])
+    step_s, opt_s = timings
+    per_step = global_step_seconds(step_s, opt_s, work.per_rank, micro)
+    rate = work.per_rank * work.world_size / per_step if per_step > 0 else 0.0
+    outcome = "ok" if peak <= work.limit_bytes else "over_budget"
+    note = "" if outcome == "ok" else (f"peak {peak / 2**30:.2f} GiB is above the {work.limit_bytes / 2**30:.2f} "
+                                       "GiB limit (budget less margin)")
+    return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, seconds=seconds,
+                 step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
+                 alloc_retries=retries, note=note)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,307 @@
+"""The in-process side of `autotune run`: what runs inside the job, and the result file it leaves.
+
+`autotune run` starts every job as `python -m autotune.supervisor.bootstrap SCRIPT ARGS...`, which calls `main`
+here: it runs the script with `runpy` as `__main__`, and on the way out (normal end, exception,
+`sys.exit`) records in the result file ($AUTOTUNE_RESULT_FILE) how it ended, classified with `is_oom`
+while the exception object still exists. `fit` adds the plan in force with `report_plan`.
+
+For a zero-change trial ($AUTOTUNE_AGENT_STEPS set) the agent also counts optimizer steps with a
+global optimizer step hook, times them from the second step on (the first builds the optimizer state,
+PEERS.md lesson 3), reads the peak memory, writes the measurements and exits after that many steps.
+With $AUTOTUNE_AGENT_BUDGET it applies a memory ceiling first: on CUDA through
+`torch.cuda.set_per_process_memory_fraction`, on the CPU through the simulated ceiling.
+
+Under torchrun every rank writes its own file (`<path>.rank<N>` for ranks above 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import runpy
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from ..plan import Plan
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE_ENV = "AUTOTUNE_RESULT_FILE"
+STEPS_ENV = "AUTOTUNE_AGENT_STEPS"  # zero-change trial: stop after this many optimizer steps
+BUDGET_ENV = "AUTOTUNE_AGENT_BUDGET"  # bytes: apply a memory ceiling to the whole script
+DEVICE_ENV = "AUTOTUNE_AGENT_DEVICE"  # "cuda" or "cpu": which kind of ceiling, and what to measure
+TUNE_ONLY_ENV = "AUTOTUNE_TUNE_ONLY"  # "1": exit as soon as fit reports its plan
+LOG_LEVEL_ENV = "AUTOTUNE_LOG_LEVEL"  # the supervisor's verbosity, for autotune's logger in the job
+
+TRACEBACK_CHARS = 4000
+
+
+# -- the result file ----------------------------------------------------------------------------------
+
+def result_path() -> str | None:
+    """This process's result file: $AUTOTUNE_RESULT_FILE for rank 0, with `.rank<N>` for the others."""
+    base = os.environ.get(RESULT_FILE_ENV)
+    if not base:
+        return None
+    rank = int(os.environ.get("RANK", "0") or 0)
+    return base if rank == 0 else f"{base}.rank{rank}"
+
+
+def update_result(**fields: Any) -> None:
+    """Merge `fields` into this process's result file, atomically (write a temporary file, then rename)."""
+    path = result_path()
+    if path is None:
+        return
+    record = _read(path) or {}
+    record.update(fields)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".result-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError as exc:  # the supervisor is gone, or its directory: never mask the job's own outcome
+        log.warning("could not write the result file %s: %s", path, exc)
+
+
+def read_results(base: str) -> list[dict[str, Any]]:
+    """Every rank's record for result file `base` (the supervisor's side); rank 0 first."""
+    paths = [base, *sorted(glob.glob(glob.escape(base) + ".rank*"))]
+    return [r for r in (_read(p) for p in paths) if r is not None]
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable result file %s: %s", path, exc)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def report_plan(plan: Plan) -> None:
+    """Record `plan` as the plan in force, so `autotune run` knows what failed if the job runs out of memory.
+
+    Under `autotune run --tune-only` the job ends here, successfully, once the plan is recorded.
+    """
+    if result_path() is None:
+        return
+    update_result(plan=plan.to_dict())
+    if os.environ.get(TUNE_ONLY_ENV) == "1":
+        log.info("autotune run --tune-only: plan recorded, stopping the script")
+        _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once, without the script's own teardown (checkpoint saving, worker shutdown)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+# -- how the script ended -----------------------------------------------------------------------------
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    """The record of a failure: OOM or not (anywhere in the exception chain), its first line, the traceback tail."""
+    from ..errors import is_oom
+
+    chain = _chain(exc)
+    oom = next((e for e in chain if is_oom(e)), None)
+    shown = oom or exc
+    lines = str(shown).strip().splitlines()
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {"outcome": "oom" if oom is not None else "error",
+            "error": f"{type(shown).__name__}: {lines[0] if lines else ''}"[:500],
+            "traceback": text[-TRACEBACK_CHARS:]}
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return seen
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+# -- zero-change trials: counting and timing optimizer steps ------------------------------------------
+
+class PeakMeter:
+    """The job's peak memory: the simulated ceiling's count on the CPU, the caching allocator's on CUDA."""
+
+    def __init__(self, ceiling: Any = None) -> None:
+        self.ceiling = ceiling
+        self._retries0 = 0
+
+    def reset(self) -> None:
+        import torch
+
+        if self.ceiling is not None:
+            self.ceiling.reset_peak()
+        elif torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+            self._retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+    def read(self) -> tuple[int, int]:
+        """(peak bytes, allocator retries since `reset`)."""
+        import torch
+
+        if self.ceiling is not None:
+            return self.ceiling.peak_bytes, 0
+        if not torch.cuda.is_initialized():
+            return 0, 0
+        from ..devices.placement import outside_allocator_bytes
+
+        index = torch.cuda.current_device()
+        retries = torch.cuda.memory_stats(index).get("num_alloc_retries", 0) - self._retries0
+        # Reserved, plus what the allocator does not see (context, workspaces): DESIGN.md section 5.
+        return torch.cuda.max_memory_reserved(index) + outside_allocator_bytes(index), retries
+
+
+class StepWatch:
+    """Counts optimizer steps with global hooks, times them, and ends the process after `stop_after`.
+
+    A step's compute time is from the end of the previous `optimizer.step()` to the start of this one
+    (data, forward, backward); its optimizer time is the `step()` itself. The first step is not measured.
+    """
+
+    def __init__(self, stop_after: int, meter: PeakMeter) -> None:
+        self.stop_after = stop_after
+        self.meter = meter
+        self.count = 0
+        self.step_seconds: list[float] = []
+        self.optimizer_seconds: list[float] = []
+        self._pre = 0.0
+        self._post = 0.0
+
+    def install(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(self._before_step)
+        register_optimizer_step_post_hook(self._after_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._pre = _synchronized_now()
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        now = _synchronized_now()
+        if self.count >= 1:
+            self.step_seconds.append(self._pre - self._post)
+            self.optimizer_seconds.append(now - self._pre)
+        self.count += 1
+        self._post = now
+        if self.count == 1:
+            self.meter.reset()  # peak from the second step on: optimizer state exists from here
+        if self.count >= self.stop_after:
+            self.finish()
+
+    def finish(self) -> None:
+        peak, retries = self.meter.read()
+        update_result(outcome="ok", exit_code=0, steps=self.count,
+                      trial={"steps": self.count, "step_seconds": self.step_seconds,
+                             "optimizer_seconds": self.optimizer_seconds, "peak_bytes": peak,
+                             "alloc_retries": retries})
+        _exit_now(0)
+
+
+def _synchronized_now() -> float:
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def memory_ceiling(device: str, budget: int | None) -> Iterator[Any]:
+    """Apply `budget` bytes as the job's memory ceiling; yields the simulated ceiling on the CPU, else None."""
+    if budget is None:
+        yield None
+        return
+    if device == "cpu":
+        from ..devices.ceiling import SimulatedCeiling
+
+        ceiling = SimulatedCeiling(budget)
+        with ceiling:
+            yield ceiling
+        return
+    import torch
+
+    index = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    index = index if index < torch.cuda.device_count() else 0
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+    log.info("memory ceiling %.2f GiB of %.2f GiB on cuda:%d", budget / 2**30, total / 2**30, index)
+    yield None
+
+
+# -- the entry point ----------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> None:
+    """Run `argv[0]` as `__main__` with `argv[1:]` as its arguments, recording how it ends."""
+    if not argv:
+        raise SystemExit("usage: python -m autotune.supervisor.bootstrap SCRIPT [ARGS...]")
+    if os.environ.get(LOG_LEVEL_ENV):
+        configure_logging(os.environ[LOG_LEVEL_ENV])
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
+    budget = int(os.environ[BUDGET_ENV]) if os.environ.get(BUDGET_ENV) else None
+    steps = int(os.environ.get(STEPS_ENV) or 0)
+    watch = None
+    try:
+        with memory_ceiling(os.environ.get(DEVICE_ENV, "cuda"), budget) as ceiling:
+            if steps:
+                watch = StepWatch(steps, PeakMeter(ceiling))
+                watch.install()
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        update_result(outcome="ok" if code == 0 else "error", exit_code=code, steps=_count(watch))
+        raise
+    except KeyboardInterrupt:
+        update_result(outcome="interrupted", exit_code=130, steps=_count(watch))
+        raise
+    except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised untouched
+        update_result(exit_code=1, steps=_count(watch), **describe_exception(exc))
+        raise
+    update_result(outcome="ok", exit_code=0, steps=_count(watch))
+
+
+def _count(watch: StepWatch | None) -> int | None:
+    return watch.count if watch is not None else None
+
+
+def configure_logging(level: int | str) -> None:
+    """Send autotune's own logger (never the root logger) to stderr at `level`, as "autotune: ..." lines.
+
+    Used by the CLI and, at the CLI's verbosity, inside the jobs it starts.
+    """
+    logger = logging.getLogger("autotune")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Prefixed())
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # a script that configures the root logger would print each line twice
+
+
+class _Prefixed(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if text.startswith("autotune") else f"autotune: {text}"

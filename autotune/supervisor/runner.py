@@ -1,0 +1,361 @@
+"""The `autotune run` supervisor: launch a training script, watch it, and restart it after an OOM.
+
+Two modes (DESIGN.md section 3):
+
+- Cooperative: the script calls `autotune.fit`; the run's options reach it as `AUTOTUNE_*` environment
+  variables. When the job dies of an OOM, the failure is recorded in the plan cache against the plan in
+  force, and the script is restarted with `AUTOTUNE_MAX_MICRO_BATCH` below the failed micro-batch (so a
+  smaller plan comes back even with the cache off) and `AUTOTUNE_RESTART_COUNT` set.
+- Zero-change (`--map` given): the script is tuned through its own flags (`zero_change.py`), then run
+  with the winning flags; after an OOM it is re-tuned under a lower cap and restarted.
+
+Every job runs in a process group of its own (`process.py`); SIGINT and SIGTERM are forwarded to it.
+`run` returns a `RunResult` whose `exit_code` follows DESIGN.md: 0 success, the script's own code for a
+failure that is not about memory (never retried), 3 when nothing fits or the restarts are spent,
+128 + signal when interrupted, and 124 when a zero-change trial outlived --trial-timeout. Settings
+errors raise `InvalidSetting` (exit 2), a missing GPU `DeviceError` (exit 4), for the CLI to map.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shlex
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import agent
+from ..workload.batching import per_rank_batch
+from ..devices.placement import format_bytes, parse_bytes
+from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
+from ..plan import Plan
+from .process import Child, SignalForwarder
+from ..settings import DEFAULT_MARGIN, DEFAULT_MEASURED_STEPS, ENV, FitSettings
+from ..techniques import parse_techniques
+from .verdict import Verdict, classify
+from .zero_change import FlagMap, ScriptTrials, ScriptTuner, TrialFailed, resolve_target, script_rungs
+
+log = logging.getLogger(__name__)
+
+RESTART_COUNT_ENV = "AUTOTUNE_RESTART_COUNT"
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_TRIAL_TIMEOUT = 600.0
+DEFAULT_GRACE = 10.0
+EXIT_NO_FIT = 3
+_OFF = ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOptions:
+    """What `autotune run` was asked to do; validates itself (raising `InvalidSetting`, exit 2)."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    global_batch_size: int | None = None
+    budget: str | None = None
+    cache: str | None = None  # a path, or "off"; default $AUTOTUNE_CACHE, else the user cache
+    margin: float | None = None
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    trial_steps: int | None = None  # measured optimizer steps per trial, after one warm-up step
+    trial_timeout: float = DEFAULT_TRIAL_TIMEOUT
+    tune_only: bool = False
+    json_output: bool = False  # our stdout carries the plan alone; the job's stdout goes to stderr
+    nproc_per_node: int | None = None  # launch through torch.distributed.run with this many ranks
+    maps: tuple[str, ...] = ()
+    device: str | None = None
+    grace_period: float = DEFAULT_GRACE  # seconds between a polite signal and SIGKILL
+    verbose: bool = False  # show zero-change trials' own output
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(self.script):
+            raise InvalidSetting(f"SCRIPT {self.script!r} is not a file; pass the path of a Python training script")
+        if self.max_restarts < 0:
+            raise InvalidSetting(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.trial_timeout <= 0 or self.grace_period < 0:
+            raise InvalidSetting("--trial-timeout must be positive and --grace-period not negative")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise InvalidSetting(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.budget is not None:
+            parse_bytes(self.budget, "--budget")
+        # The same checks fit applies, so a bad value fails here and not inside the job.
+        FitSettings(global_batch_size=self.global_batch_size, margin=DEFAULT_MARGIN if self.margin is None
+                    else self.margin, measured_steps=self.trial_steps or DEFAULT_MEASURED_STEPS)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node or 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Attempt:
+    """One launch of the real run."""
+
+    number: int  # 0 for the first launch, then the restart count
+    micro_batch_size: int | None  # of the plan in force, when known
+    outcome: str  # a verdict kind: ok, oom, error, interrupted
+    exit_code: int
+    seconds: float
+    peak_gpu_bytes: int | None  # largest process of the job, per NVML
+    note: str = ""
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    exit_code: int
+    plan: Plan | None = None  # the plan in force at the end
+    attempts: list[Attempt] = field(default_factory=list)
+    message: str = ""  # why the run ended, when it did not succeed
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
+def run(options: RunOptions, on_plan: Callable[[Plan], None] | None = None) -> RunResult:
+    """Supervise `options.script` until it succeeds, fails for good, or is interrupted.
+
+    Args:
+        options: what to run and how.
+        on_plan: called with a zero-change plan as soon as it is tuned (before the real run starts).
+
+    Returns:
+        The `RunResult`; its `exit_code` is what `autotune run` exits with.
+
+    Raises:
+        InvalidSetting: a setting is wrong. NoFeasiblePlan: nothing fits. DeviceError: no usable GPU.
+    """
+    forwarder = SignalForwarder()
+    with forwarder.installed():
+        launcher = Launcher(options=options, forwarder=forwarder)
+        try:
+            if options.maps:
+                return _zero_change(options, launcher, on_plan)
+            return _cooperative(options, launcher)
+        except Interrupted as exc:  # the plan in force goes with it: `--json` still prints what was tuned
+            return RunResult(exit_code=128 + exc.signum, plan=launcher.plan,
+                             message=f"interrupted by {signal.Signals(exc.signum).name}; the job was stopped")
+        except TrialFailed as exc:
+            return RunResult(exit_code=exc.exit_code, message=str(exc))
+
+
+@dataclass(kw_only=True)
+class Launcher:
+    """Starts the script through the agent (and torchrun when asked), one job at a time."""
+
+    options: RunOptions
+    forwarder: SignalForwarder
+    plan: Plan | None = None  # the plan in force: set before a zero-change run, reported by a cooperative job
+
+    def command(self, args: list[str]) -> list[str]:
+        opts = self.options
+        entry = ["-m", "autotune.supervisor.bootstrap", opts.script, *args]
+        if opts.nproc_per_node is None:
+            return [sys.executable, *entry]
+        if importlib.util.find_spec("torch.distributed.run") is None:
+            raise DeviceError("--nproc-per-node needs torch.distributed.run, which this torch build lacks")
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={opts.nproc_per_node}", *entry]
+
+    def launch(self, args: list[str], env: dict[str, str], *, trial: bool = False) -> Verdict:
+        """Run the job once and classify how it ended; raises `Interrupted` if we were signalled."""
+        opts = self.options
+        if self.forwarder.received is not None:  # signalled between two jobs: start no other
+            raise Interrupted(self.forwarder.received)
+        with tempfile.TemporaryDirectory(prefix="autotune-run-") as tmp:
+            result_file = os.path.join(tmp, "result.json")
+            child = Child(self.command(args), env=self._environment(env, result_file),
+                          echo=not trial or opts.verbose, capture_stdout=trial, stdout_to_stderr=opts.json_output,
+                          timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
+                          name=os.path.basename(opts.script))
+            exit_ = self.forwarder.run(child)
+            verdict = classify(exit_, agent.read_results(result_file))
+        self.plan = verdict.plan or self.plan
+        if self.forwarder.received is not None:
+            raise Interrupted(self.forwarder.received)
+        if not trial:
+            _log_end(os.path.basename(opts.script), verdict)
+        elif verdict.kind == "error" and not opts.verbose:
+            _show_tail(exit_.output_tail)  # the trial's output was captured: show how it failed
+        return verdict
+
+    def _environment(self, extra: dict[str, str], result_file: str) -> dict[str, str]:
+        env = {**os.environ, **extra, agent.RESULT_FILE_ENV: result_file,
+               agent.LOG_LEVEL_ENV: logging.getLevelName(logging.getLogger("autotune").getEffectiveLevel())}
+        # The job imports autotune.supervisor.bootstrap from the same place we were imported from, even when
+        # autotune is a source checkout that is not installed; appended, so it shadows nothing.
+        home = os.path.dirname(os.path.dirname(os.path.abspath(agent.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), home) if p)
+        return env
+
+
+def _log_end(name: str, verdict: Verdict) -> None:
+    how = verdict.kind if verdict.kind != "error" else f"exit code {verdict.exit_code}"
+    peak = verdict.exit.peak_gpu_bytes
+    log.info("%s ended: %s after %.1f s%s", name, how, verdict.exit.seconds,
+             f"; GPU peak {format_bytes(peak)} (NVML, largest process)" if peak else "")
+
+
+def _show_tail(text: str, lines: int = 40) -> None:
+    tail = text.rstrip().splitlines()[-lines:]
+    if tail:
+        sys.stderr.write("\n".join(tail) + "\n")
+
+
+# -- cooperative mode -----------------------------------------------------------------------------------
+
+def _cooperative_env(opts: RunOptions) -> dict[str, str]:
+    """The run's options as the `AUTOTUNE_*` variables `fit` reads; options not given are left out."""
+    given = {"global_batch_size": opts.global_batch_size, "memory_budget": opts.budget, "margin": opts.margin,
+             "device": opts.device, "cache": opts.cache, "measured_steps": opts.trial_steps}
+    env = {ENV[name]: str(value) for name, value in given.items() if value is not None}
+    if opts.tune_only:
+        env[agent.TUNE_ONLY_ENV] = "1"
+    return env
+
+
+def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
+    base = _cooperative_env(opts)
+    attempts: list[Attempt] = []
+    cap: int | None = None
+    plan: Plan | None = None
+    for number in range(opts.max_restarts + 1):
+        env = {**base, RESTART_COUNT_ENV: str(number)}
+        if cap is not None:
+            # Retune: a plan cached before the failure must not come back; the cap keeps the next one
+            # smaller even when the cache is off or could not record the failure.
+            env.update({ENV["max_micro_batch"]: str(cap), ENV["retune"]: "1"})
+        verdict = launcher.launch(list(opts.script_args), env)
+        plan = verdict.plan or plan
+        attempts.append(_attempt(number, verdict, verdict.plan))
+        if verdict.kind != "oom":
+            return _finish(verdict, plan, attempts)
+        failed = verdict.plan
+        if failed is None:
+            return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
+                f"the script ran out of memory ({verdict.note}) before autotune.fit reported a plan, so autotune "
+                "cannot choose a smaller one. If the script takes its batch size as flags, run it in zero-change "
+                "mode: --map micro_batch=FLAG --map accumulation=FLAG."))
+        _record_failure(opts, failed, verdict.note, number)
+        cap = failed.micro_batch_size - 1
+        if cap < 1:
+            return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
+                f"the real run ran out of memory at micro-batch 1 ({failed.rung.name}): nothing smaller to try. "
+                "Raise --budget, allow more techniques (AUTOTUNE_TECHNIQUES), or shrink the model or sequence."))
+        if number < opts.max_restarts:
+            log.warning("attempt %d ran out of memory at micro-batch %d (%s); restarting (%d of %d) with "
+                        "micro-batch at most %d", number + 1, failed.micro_batch_size, verdict.note, number + 1,
+                        opts.max_restarts, cap)
+    return _spent(opts, plan, attempts)
+
+
+def _record_failure(opts: RunOptions, plan: Plan, note: str, number: int) -> None:
+    """Mark `plan` unsafe in the cache so the next `fit` returns a smaller one; never fails the run."""
+    if not plan.key:
+        return
+    setting = opts.cache if opts.cache is not None else os.environ.get(ENV["cache"])
+    if setting is not None and setting.lower() in _OFF:
+        return
+    try:
+        from ..cache import store as plan_cache
+
+        store = plan_cache.open_cache(setting)
+        if store is None:
+            return
+        store.mark_unsafe(plan.key, micro_batch_size=plan.micro_batch_size,
+                          note=f"OOM in the real run (autotune run, attempt {number + 1}): {note}"[:500])
+        log.info("recorded the OOM against plan %s in the cache", plan.key[:12])
+    except Exception as exc:  # noqa: BLE001 - the cache never fails a run (DESIGN.md section 5)
+        log.warning("could not record the OOM in the plan cache (%s); the restart caps the micro-batch anyway", exc)
+
+
+# -- zero-change mode -----------------------------------------------------------------------------------
+
+def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan], None] | None) -> RunResult:
+    tuner = _tuner(opts, launcher)
+    plan = tuner.tune()
+    if on_plan is not None:
+        on_plan(plan)
+    if opts.tune_only:
+        return RunResult(exit_code=0, plan=plan)
+    env = {k: v for k, v in tuner.trials.env.items() if k != agent.STEPS_ENV}
+    attempts: list[Attempt] = []
+    for number in range(opts.max_restarts + 1):
+        args = tuner.arguments(plan)
+        log.info("running: %s", shlex.join([opts.script, *args]))
+        launcher.plan = plan
+        verdict = launcher.launch(args, {**env, RESTART_COUNT_ENV: str(number)})
+        attempts.append(_attempt(number, verdict, plan))
+        if verdict.kind != "oom":
+            return _finish(verdict, plan, attempts)
+        if plan.micro_batch_size == 1:
+            return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
+                f"the real run ran out of memory at micro-batch 1 ({verdict.note}): nothing smaller to try"))
+        if number == opts.max_restarts:
+            break
+        try:
+            smaller = tuner.tune(max_micro=plan.micro_batch_size - 1)
+        except NoFeasiblePlan as exc:
+            return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=str(exc))
+        log.warning("the real run ran out of memory at micro-batch %d (%s); restarting (%d of %d) with %s",
+                    plan.micro_batch_size, verdict.note, number + 1, opts.max_restarts, smaller.summary())
+        plan = smaller
+    return _spent(opts, plan, attempts)
+
+
+def _tuner(opts: RunOptions, launcher: Launcher) -> ScriptTuner:
+    flags = FlagMap.parse(opts.maps)
+    world = opts.world_size
+    global_batch = opts.global_batch_size or flags.global_batch(opts.script_args, world)
+    if global_batch is None:
+        raise InvalidSetting(
+            f"zero-change mode needs the global batch: pass --global-batch-size, or give the script its own "
+            f"{flags.micro_batch} and {flags.accumulation} (their product x ranks is the global batch)")
+    per_rank = per_rank_batch(global_batch, world)
+    target = resolve_target(opts.device, opts.budget)
+    margin = DEFAULT_MARGIN if opts.margin is None else opts.margin
+    allowed = parse_techniques(os.environ.get(ENV["techniques"]) or None)
+    rungs, notes = script_rungs(flags, allowed, target.bf16_off)
+    env = {agent.DEVICE_ENV: target.kind}
+    if target.apply_budget:
+        env[agent.BUDGET_ENV] = str(target.budget_bytes)
+    if target.kind == "cpu":
+        log.info("no GPU in use: trials run on the CPU under a simulated memory ceiling of %s%s",
+                 format_bytes(target.budget_bytes), "" if opts.budget else " (the host memory available; pass "
+                 "--budget to simulate a GPU's)")
+    log.info("zero-change tuning of %s: global batch %d over %d rank(s), micro-batches dividing %d, budget %s",
+             os.path.basename(opts.script), global_batch, world, per_rank, format_bytes(target.budget_bytes))
+    trials = ScriptTrials(launch=lambda args, extra: launcher.launch(args, extra, trial=True), flags=flags,
+                          script_args=opts.script_args, per_rank=per_rank, world_size=world,
+                          limit_bytes=int((1 - margin) * target.budget_bytes),
+                          trial_steps=opts.trial_steps or DEFAULT_MEASURED_STEPS, env=env)
+    return ScriptTuner(trials=trials, rungs=rungs, notes=notes, global_batch_size=global_batch,
+                       budget_bytes=target.budget_bytes, margin=margin, device=target.kind, device_name=target.name)
+
+
+# -- endings --------------------------------------------------------------------------------------------
+
+def _attempt(number: int, verdict: Verdict, plan: Plan | None) -> Attempt:
+    return Attempt(number=number, micro_batch_size=plan.micro_batch_size if plan else None, outcome=verdict.kind,
+                   exit_code=verdict.exit_code, seconds=verdict.exit.seconds,
+                   peak_gpu_bytes=verdict.exit.peak_gpu_bytes, note=verdict.note)
+
+
+def _finish(verdict: Verdict, plan: Plan | None, attempts: list[Attempt]) -> RunResult:
+    """The run ends with this job's own outcome: success, or a failure that is not about memory."""
+    message = "" if verdict.kind == "ok" else (
+        f"the script failed ({verdict.note}); not an out-of-memory error, so it is not retried")
+    return RunResult(exit_code=verdict.exit_code, plan=plan, attempts=attempts, message=message)
+
+
+def _spent(opts: RunOptions, plan: Plan | None, attempts: list[Attempt]) -> RunResult:
+    history = "; ".join(f"attempt {a.number + 1}: micro-batch {a.micro_batch_size or '?'} {a.outcome}"
+                        for a in attempts)
+    return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
+        f"still out of memory after {opts.max_restarts} restart(s) ({history}); raise --max-restarts or "
+        "--budget, or lower the load"))

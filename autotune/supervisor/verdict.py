@@ -1,0 +1,89 @@
+"""Why a job ended: ok, out of memory, another failure, timed out, or interrupted.
+
+The agent's record (written while the exception object still existed, classified with `is_oom`) is
+trusted first; the job's output is read with `is_oom_text` only where no record says otherwise (the
+job died before the agent could write, or a launcher such as torchrun failed around it); a SIGKILL that
+left no record is a host-memory suspect (the kernel's OOM killer). Anything else is not an OOM and is
+never retried as one (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import is_host_oom_kill, is_oom_text
+from ..plan import Plan
+from .process import ChildExit
+
+log = logging.getLogger(__name__)
+
+KINDS = ("ok", "oom", "error", "timeout", "interrupted")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verdict:
+    kind: str  # one of KINDS
+    note: str  # one line: the error, or what happened
+    exit_code: int  # what `autotune run` exits with if this ends the run
+    exit: ChildExit
+    records: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan `fit` reported in this job (rank 0's), if any."""
+        for record in self.records:
+            if isinstance(record.get("plan"), dict):
+                try:
+                    return Plan.from_dict(record["plan"])
+                except (ValueError, TypeError) as exc:
+                    log.warning("ignoring an invalid plan in the job's result file: %s", exc)
+        return None
+
+
+def classify(exit_: ChildExit, records: list[dict[str, Any]]) -> Verdict:
+    """Decide why the job ended from its exit, its result records (one per rank) and its output tail."""
+    records_t = tuple(records)
+
+    def verdict(kind: str, note: str, code: int) -> Verdict:
+        return Verdict(kind=kind, note=note, exit_code=code, exit=exit_, records=records_t)
+
+    if exit_.signal_received is not None:
+        name = signal.Signals(exit_.signal_received).name
+        return verdict("interrupted", f"interrupted by {name}", 128 + exit_.signal_received)
+    if exit_.timed_out:
+        return verdict("timeout", f"still running after {exit_.seconds:.0f} s, stopped", 124)
+    if exit_.returncode == 0:
+        return verdict("ok", "", 0)
+    code = shell_code(exit_.returncode)
+    ooms = [r for r in records if r.get("outcome") == "oom"]
+    if ooms:
+        return verdict("oom", str(ooms[0].get("error", "out of memory")), code)
+    # An exception the agent saw and judged not to be an OOM outranks any OOM text in the output
+    # (a script may log a recovered OOM long before failing for another reason).
+    judged = [r for r in records if r.get("outcome") == "error" and r.get("error")]
+    if judged:
+        return verdict("error", str(judged[0]["error"]), code)
+    line = _oom_line(exit_.output_tail)
+    if line is not None:
+        return verdict("oom", line, code)
+    if is_host_oom_kill(exit_.returncode, wrote_result=any("outcome" in r for r in records)):
+        return verdict("oom", "killed by SIGKILL without leaving a result: host memory suspected "
+                              "(the kernel's OOM killer)", code)
+    return verdict("error", f"exited with code {code}", code)
+
+
+def shell_code(returncode: int) -> int:
+    """A child's return code as a shell reports it: killed by signal N is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _oom_line(text: str) -> str | None:
+    if not is_oom_text(text):
+        return None
+    for line in reversed(text.splitlines()):
+        if is_oom_text(line):
+            return line.strip()[:300]
+    return "out of memory (per the job's output)"

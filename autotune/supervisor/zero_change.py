@@ -1,0 +1,288 @@
+"""Zero-change mode of `autotune run`: tune a script that knows nothing of autotune through its own flags.
+
+`--map micro_batch=--per_device_train_batch_size --map accumulation=--gradient_accumulation_steps`
+(optionally `checkpointing=FLAG`, `bf16=FLAG`) says which of the script's flags carry the plan's knobs.
+Each trial runs the script in a fresh process through the agent (`agent.py`), with accumulation 1, for
+one warm-up and `trial_steps` measured optimizer steps; the controller's predict / verify / bisect /
+score-by-throughput search decides which trial comes next, restricted to micro-batches that divide the
+per-rank batch (the script batches its own data, so only an exact split keeps the global batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from ..devices import nvml
+from .agent import STEPS_ENV
+from ..workload.batching import global_step_seconds
+from ..search.controller import Controller
+from ..devices.placement import parse_bytes
+from ..errors import DeviceError, InvalidSetting
+from ..plan import Plan, Rung, Trial
+from .process import ChildExit
+from .verdict import Verdict
+
+log = logging.getLogger(__name__)
+
+MAP_KEYS = ("micro_batch", "accumulation", "checkpointing", "bf16")
+_BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off"}  # an optional value after a switch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlagMap:
+    """Which of the script's flags carry each plan knob."""
+
+    micro_batch: str
+    accumulation: str
+    checkpointing: str | None = None  # a switch: present means on
+    bf16: str | None = None  # a switch: present means on
+
+    @classmethod
+    def parse(cls, entries: Sequence[str]) -> FlagMap:
+        """From `--map` values such as "micro_batch=--per_device_train_batch_size"."""
+        found: dict[str, str] = {}
+        for entry in entries:
+            key, sep, flag = entry.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in MAP_KEYS or not flag.startswith("-"):
+                raise InvalidSetting(
+                    f"--map {entry!r}: write KNOB=FLAG with KNOB one of {', '.join(MAP_KEYS)} and FLAG the script's "
+                    "own flag, e.g. --map micro_batch=--per_device_train_batch_size")
+            if key in found:
+                raise InvalidSetting(f"--map {key} is given twice ({found[key]} and {flag}); give it once")
+            found[key] = flag
+        missing = [k for k in ("micro_batch", "accumulation") if k not in found]
+        if missing:
+            raise InvalidSetting(
+                f"zero-change mode needs --map {missing[0]}=FLAG (both micro_batch and accumulation): e.g. "
+                "--map micro_batch=--per_device_train_batch_size --map accumulation=--gradient_accumulation_steps")
+        return cls(**found)
+
+    def apply(self, args: Sequence[str], *, micro: int, accumulation: int, rung: Rung) -> list[str]:
+        """The script's arguments with every mapped flag replaced by the plan's value."""
+        out = _without(args, self.micro_batch, takes_value=True)
+        out = _without(out, self.accumulation, takes_value=True)
+        out += [self.micro_batch, str(micro), self.accumulation, str(accumulation)]
+        for flag, on in ((self.checkpointing, rung.checkpointing != "none"), (self.bf16, rung.precision == "bf16")):
+            if flag is not None:
+                out = _without(out, flag, takes_value=False) + ([flag] if on else [])
+        return out
+
+    def global_batch(self, args: Sequence[str], world_size: int) -> int | None:
+        """micro x accumulation x world size from the script's own arguments, when both are given."""
+        micro = _value_of(args, self.micro_batch)
+        accumulation = _value_of(args, self.accumulation)
+        if micro is None or accumulation is None:
+            return None
+        return micro * accumulation * world_size
+
+
+def _without(args: Sequence[str], flag: str, *, takes_value: bool) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg == flag:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            skip = takes_value or (nxt is not None and nxt.lower() in _BOOL_WORDS)
+            continue
+        if arg.startswith(flag + "="):
+            continue
+        out.append(arg)
+    return out
+
+
+def _value_of(args: Sequence[str], flag: str) -> int | None:
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        raise InvalidSetting(f"the script's {flag} is {value!r}, not an integer") from None
+
+
+def script_rungs(flags: FlagMap, allowed: frozenset[str], bf16_off: str = "") -> tuple[list[Rung], list[str]]:
+    """The rungs a script's flags can express, cheapest first, and notes on what was left out.
+
+    Without a mapped bf16 flag the script keeps its own precision; the plan says "fp32" for it.
+    `bf16_off` is why the device should not use bf16, if it should not.
+    """
+    notes: list[str] = []
+    precision = "fp32"
+    if flags.bf16 is None:
+        notes.append("precision is the script's own (no --map bf16=FLAG)")
+    elif "bf16" not in allowed:
+        notes.append("bf16 not among the allowed techniques")
+    elif bf16_off:
+        notes.append(f"bf16 left off: {bf16_off}")
+    else:
+        precision = "bf16"
+    rungs = [Rung(precision=precision)]
+    if flags.checkpointing is not None and "checkpointing" in allowed:
+        rungs.append(Rung(precision=precision, checkpointing="full"))
+    elif flags.checkpointing is None:
+        notes.append("no checkpointing rung (no --map checkpointing=FLAG)")
+    return rungs, notes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Target:
+    """Where the script will run, as far as the supervisor can tell without creating a CUDA context."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    budget_bytes: int
+    apply_budget: bool  # give the agent a ceiling: always on the CPU (it is how peaks are measured there)
+    bf16_off: str = ""  # why bf16 should stay off here, if it should
+
+
+def resolve_target(device: str | None, budget: str | None) -> Target:
+    """The device the script will use, its budget, and bf16 support (DeviceError when a GPU is missing)."""
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    given = parse_bytes(budget, "--budget") if budget is not None else None
+    if kind == "cpu":
+        # The simulated ceiling stands in for a GPU's memory, not its speed; bf16 autocast is several
+        # times slower than fp32 on most CPUs, so measuring it there would only mislead.
+        return Target(kind="cpu", name="cpu (simulated ceiling)", apply_budget=True,
+                      budget_bytes=given or psutil.virtual_memory().available,
+                      bf16_off="slow on the CPU (the simulated ceiling models memory, not speed)")
+    if not kind.startswith("cuda"):
+        raise InvalidSetting(f"--device {device!r}: pass 'cuda' or 'cpu'")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"--device {kind} but torch sees no CUDA GPU (torch {torch.__version__}, CUDA build "
+                          f"{torch.version.cuda}); run `autotune doctor`, or pass --device cpu to simulate one")
+    index = torch.device(kind).index or 0
+    gpu = nvml.visible_gpu(index)
+    if gpu is not None:
+        name, free, bf16 = gpu.name, gpu.free_bytes, gpu.bf16
+    else:  # NVML could not say: ask CUDA (this costs a context in the supervisor)
+        name, free = torch.cuda.get_device_name(index), torch.cuda.mem_get_info(index)[0]
+        bf16 = torch.cuda.get_device_capability(index) >= (8, 0)
+    return Target(kind="cuda", name=name, budget_bytes=given or free, apply_budget=given is not None,
+                  bf16_off="" if bf16 else f"{name} has no bf16 support")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class TrialFailed(Exception):
+    """A trial ended in a way that is not a memory verdict; carries what the supervisor needs to report."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# Runs the script once with these arguments and extra environment variables, and says how it ended.
+Launch = Callable[[list[str], dict[str, str]], Verdict]
+
+
+@dataclass(kw_only=True)
+class ScriptTrials:
+    """The controller's trial runner for a script: `(rung, micro) -> Trial`, each in a fresh process.
+
+    Trials are remembered, so a re-tune after a real-run OOM (with a lower micro-batch cap) reuses them.
+    """
+
+    launch: Launch
+    flags: FlagMap
+    script_args: Sequence[str]
+    per_rank: int
+    world_size: int
+    limit_bytes: int
+    trial_steps: int
+    env: dict[str, str] = field(default_factory=dict)
+    _memo: dict[tuple[Rung, int], Trial] = field(default_factory=dict)
+
+    def __call__(self, rung: Rung, micro: int) -> Trial:
+        key = (rung, micro)
+        if key not in self._memo:
+            self._memo[key] = self._run(rung, micro)
+        return self._memo[key]
+
+    def _run(self, rung: Rung, micro: int) -> Trial:
+        args = self.flags.apply(self.script_args, micro=micro, accumulation=1, rung=rung)
+        log.info("trial %d: %s at micro-batch %d (%d optimizer steps)...", len(self._memo) + 1, rung.name, micro,
+                 1 + self.trial_steps)
+        log.debug("trial command: %s", shlex.join(args))
+        ended = self.launch(args, {**self.env, STEPS_ENV: str(1 + self.trial_steps)})
+        if ended.kind == "oom":
+            return Trial(rung=rung, micro_batch_size=micro, outcome="oom", seconds=ended.exit.seconds,
+                         note=ended.note[:200])
+        if ended.kind != "ok":
+            hint = (f"; raise --trial-timeout if the script needs longer to start and make {1 + self.trial_steps} "
+                    "optimizer steps" if ended.kind == "timeout" else "")
+            raise TrialFailed(f"trial {len(self._memo) + 1} ({rung.name} at micro-batch {micro}): {ended.note}{hint}",
+                              ended.exit_code)
+        measured = [r["trial"] for r in ended.records if isinstance(r.get("trial"), dict)]
+        if not measured:
+            steps = max((r.get("steps") or 0 for r in ended.records), default=0)
+            raise InvalidSetting(
+                f"the script finished after {steps} optimizer step(s) at micro-batch {micro}; a trial needs "
+                f"{1 + self.trial_steps}. Give it more data or steps, or lower --trial-steps (at least 1).")
+        return self._trial(rung, micro, measured, ended.exit)
+
+    def _trial(self, rung: Rung, micro: int, measured: list[dict[str, Any]], exit_: ChildExit) -> Trial:
+        # Ranks step in lockstep; the slowest and the fullest rank decide.
+        step_s = max(statistics.median(m["step_seconds"]) for m in measured)
+        opt_s = max(statistics.median(m["optimizer_seconds"]) for m in measured)
+        peak = max([int(m["peak_bytes"]) for m in measured] + [exit_.peak_gpu_bytes or 0])
+        per_step = global_step_seconds(step_s, opt_s, self.per_rank, micro)
+        rate = self.per_rank * self.world_size / per_step if per_step > 0 else 0.0
+        fits = peak <= self.limit_bytes
+        note = "" if fits else (f"peak {peak / 2**20:,.1f} MiB is above the {self.limit_bytes / 2**20:,.1f} MiB "
+                                "limit (budget less margin)")
+        return Trial(rung=rung, micro_batch_size=micro, outcome="ok" if fits else "over_budget", peak_bytes=peak,
+                     seconds=exit_.seconds, step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
+                     alloc_retries=max(int(m.get("alloc_retries", 0)) for m in measured), note=note)
+
+
+@dataclass(kw_only=True)
+class ScriptTuner:
+    """Searches the script's flag space and turns the winner into a `Plan`."""
+
+    trials: ScriptTrials
+    rungs: list[Rung]
+    notes: list[str]
+    global_batch_size: int
+    budget_bytes: int
+    margin: float
+    device: str  # "cuda" | "cpu"
+    device_name: str
+
+    def tune(self, max_micro: int | None = None) -> Plan:
+        """The best plan with micro-batch at most `max_micro`; raises `NoFeasiblePlan` when nothing fits."""
+        t = self.trials
+        controller = Controller(t, per_rank=t.per_rank, limit_bytes=t.limit_bytes, max_micro=max_micro,
+                                world_size=t.world_size, sizes=divisors(t.per_rank))
+        result = controller.search(self.rungs)
+        best = result.best
+        notes = [*self.notes, *result.notes]
+        return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload="none",
+                    micro_batch_size=best.micro_batch_size, accumulation_steps=t.per_rank // best.micro_batch_size,
+                    world_size=t.world_size, global_batch_size=self.global_batch_size,
+                    last_micro_batch_size=best.micro_batch_size, peak_memory_bytes=best.peak_bytes,
+                    memory_budget_bytes=self.budget_bytes, margin=self.margin,
+                    samples_per_second=best.samples_per_second, device=self.device, device_name=self.device_name,
+                    source="tuned", reason=result.reason + "".join(f"; {n}" for n in notes[:2]),
+                    trials=tuple(result.trials))
+
+    def arguments(self, plan: Plan) -> list[str]:
+        """The script's arguments for the real run with `plan`."""
+        return self.trials.flags.apply(self.trials.script_args, micro=plan.micro_batch_size,
+                                       accumulation=plan.accumulation_steps, rung=plan.rung)

@@ -1,0 +1,140 @@
+"""torch.distributed facts and the collectives autotune needs: agreeing on a trial, and on an OOM.
+
+Under torchrun every rank runs the same trial; before anyone moves on, the ranks all-reduce the OOM
+flag with MAX, so a rank that ran out of memory and ranks that did not take the same branch and no
+rank is left waiting in a collective (PEERS.md lesson 10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..workload.accumulation import LossWeights
+from ..plan import Trial
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def is_writer() -> bool:
+    """Only rank 0 writes shared state (the cache, result files)."""
+    return rank() == 0
+
+
+_OUTCOME_CODE = {"ok": 0, "over_budget": 1, "oom": 2}
+
+
+def agree_trial(trial: Trial) -> Trial:
+    """The same trial on every rank: the worst outcome, the highest peak, the slowest step.
+
+    The controller's next decision depends on the trial alone, so identical trials keep every rank on
+    the same path with no further talk. MAX over ranks is right for each figure: the plan must fit on
+    the fullest GPU, and a data-parallel step is as slow as its slowest rank.
+    """
+    if not active():
+        return trial
+    # One MAX all-reduce; the rate goes in negated, so MAX gives the slowest rank's rate.
+    figures = [float(_OUTCOME_CODE[trial.outcome]), float(trial.peak_bytes), trial.step_seconds,
+               trial.optimizer_seconds, float(trial.alloc_retries), -trial.samples_per_second, trial.seconds]
+    agreed = torch.tensor(figures, dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    code, peak, step_s, opt_s, retries, neg_rate, seconds = agreed.tolist()
+    outcome = next(k for k, v in _OUTCOME_CODE.items() if v == int(code))
+    ran = outcome != "oom"
+    note = trial.note
+    if outcome != trial.outcome:
+        note = "another rank ran out of memory" if not ran else "another rank's peak was over the limit"
+    return dataclasses.replace(trial, outcome=outcome, peak_bytes=int(peak), step_seconds=step_s if ran else 0.0,
+                               optimizer_seconds=opt_s if ran else 0.0, alloc_retries=int(retries),
+                               samples_per_second=-neg_rate if ran else 0.0, seconds=seconds, note=note)
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def smallest(value: int) -> int:
+    """The smallest `value` over all ranks (a memory budget: the plan must fit on the tightest GPU)."""
+    if not active():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def agree_oom(oom: bool) -> bool:
+    """True on every rank when any rank ran out of memory."""
+    if not active():
+        return oom
+    flag = torch.tensor([1 if oom else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def reduce_gradients(model: torch.nn.Module, weights: LossWeights) -> torch.Tensor:
+    """Data parallel, model replicated: sum every rank's share of the gradient; the global mean loss.
+
+    Called once per optimizer step, after every rank has agreed that none ran out of memory: the
+    collectives run only then, so an OOM mid-step never leaves a rank inside one (DDP's hooks would
+    start the all-reduce in the last backward, where a rank that failed earlier never arrives). Each
+    rank weighted its micro-batches by its own sample (or token) count; one all-reduce of the counts
+    gives each rank the factor that makes its gradient its share of the global batch, and a SUM
+    all-reduce of the rescaled gradients (in place, no extra buffers) gives the full-batch gradient,
+    also when ranks hold different numbers of samples.
+    """
+    totals = weights.totals(_collective_device())  # (samples, tokens, loss total) of this rank
+    dist.all_reduce(totals)
+    factor = weights.share(totals)
+    pending = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:  # a branch this rank did not take: the others still send theirs
+            p.grad = torch.zeros_like(p)
+        p.grad.mul_(factor)
+        pending.append(dist.all_reduce(p.grad, async_op=True))  # NCCL and gloo overlap these
+    for work in pending:
+        work.wait()
+    return weights.global_mean_loss(totals)
+
+
+def total_and_range(samples: int, steps: int) -> tuple[float, int, int]:
+    """(samples summed over ranks, fewest micro-steps of any rank, most micro-steps of any rank)."""
+    if not active():
+        return float(samples), steps, steps
+    t = torch.tensor([float(samples), -float(steps), float(steps)], dtype=torch.float64, device=_collective_device())
+    total = t[:1].clone()
+    dist.all_reduce(total)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(total.item()), int(-t[1].item()), int(t[2].item())
+
+
+def finish_sharded(model: torch.nn.Module, weights: LossWeights) -> torch.Tensor:
+    """FSDP2: the gradients are already reduced (averaged over ranks); token losses still need the global count.
+
+    Every rank weighed its micro-batches by the same divisor (`TrainingStep._loss_weights`), so one factor,
+    the same on every shard, makes the averaged sums the full-batch gradient: world / global tokens.
+    """
+    totals = weights.totals(_collective_device())
+    dist.all_reduce(totals)
+    if weights.by_tokens:
+        factor = world_size() / max(float(totals[1]), 1.0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+    return weights.global_mean_loss(totals)

@@ -1,0 +1,465 @@
+"""`plan.apply()`: the training step, with exact gradient accumulation and recovery from OOM mid-training.
+
+    step = plan.apply(model, optimizer)
+    loss = step(batch)      # one optimizer step over this rank's share of a global batch
+    step.plan               # the plan in force (a smaller micro-batch, or a higher rung, after a recovery)
+
+One call splits the batch into micro-batches, runs forward and backward under the plan's rung, weights
+each micro-batch's loss by its share of the samples (or of the tokens, when `loss_fn` returns
+`(loss_sum, count)`), steps the optimizer once and frees the gradients. The update equals a single
+full-batch step, also when the last micro-batch is smaller.
+
+When a micro-step runs out of memory (a longer sequence than the trials saw, a neighbour on the GPU), the
+partial gradients are dropped, memory is cleaned after the `except` block has been left, and the same
+batch is re-run with half the micro-batch and twice the accumulation: no sample lost or counted twice,
+optimizer and GradScaler untouched. At micro-batch 1 the step moves up a rung (checkpointing, then
+offload); past the top it raises `NoFeasiblePlan`. Each recovery marks the old plan unsafe in the plan
+cache and stores the new one. On the simulated CPU device the step enforces the same ceiling the trials
+did (`SimulatedCeiling` over the plan's budget), so all of this runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..workload import batch as batches
+from . import distributed
+from ..workload.accumulation import LossWeights
+from ..workload.batching import solve_accumulation, split_sizes
+from ..devices.ceiling import SimulatedCeiling
+from ..devices.placement import Placement, resolve_device
+from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom
+from ..workload.losses import LossFn, resolve, split_loss
+from .offload_link import OffloadLink
+from ..workload.optimizers import OptimizerSpec
+from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
+from ..settings import FitSettings
+from ..techniques import AppliedRung, apply_rung, find_blocks, ladder, parse_techniques
+from ..techniques.offload import HostOptimizer
+from ..techniques.sharding import is_sharded
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recovery:
+    """One OOM met in training, and what the step did about it."""
+
+    step: int  # index of the optimizer step (calls to `step(batch)`) it happened in, from 0
+    failed: str  # the configuration that ran out of memory, e.g. "bf16 at micro-batch 8"
+    micro_step: int  # which micro-batch of the batch (from 0) ran out of memory; -1 when another rank did
+    now: str  # the configuration the batch is re-run with
+    shapes: dict[str, list[int]]  # each tensor's shape in the micro-batch that failed, e.g. {"[0]": [8, 4096]}
+    seconds: float  # wall time of the failed attempt and its clean-up: the time lost
+    note: str  # the error's first line
+
+
+class TrainingStep:
+    """A model and optimizer trained under a `Plan`; call it with a batch to take one optimizer step.
+
+    Args:
+        plan: the plan to train with (from `autotune.fit`, or built directly).
+        model: the model the plan was made for, on the plan's device.
+        optimizer: the optimizer to step; None builds AdamW. Under optimizer offload its state moves
+            into a `HostOptimizer` (see `optimizer` below).
+        loss_fn: `(model, batch) -> loss` (a mean over the batch's samples) or `-> (loss_sum, count)`
+            for losses averaged over tokens with padding; default `model(...).loss` or a scalar output.
+        techniques: rungs recovery may climb to, a subset of ("bf16", "checkpointing", "offload");
+            default $AUTOTUNE_TECHNIQUES, else all. The plan's precision is never changed.
+        grow_after: after this many clean optimizer steps at a micro-batch smaller than the plan
+            started with, try doubling it back (an OOM halves it again and doubles the wait); None
+            (the default) never grows.
+
+    Under optimizer offload the user's `optimizer` is kept consistent rather than silently stale: its
+    device state is moved to the host (and emptied on the device, which is the memory the rung saves);
+    hyperparameters set on it, such as an LR scheduler's `lr`, are copied to the host optimizer before
+    every step; `optimizer.state_dict()` returns the live host state and `load_state_dict()` loads into
+    it, so checkpoints stay right; calling `optimizer.step()` directly raises; `close()` puts the state
+    back into it. `step.optimizer` is the optimizer actually stepped.
+    """
+
+    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Any = None,
+                 loss_fn: LossFn | None = None, *, techniques: Any = None, grow_after: int | None = None) -> None:
+        if not isinstance(plan, Plan):
+            raise InvalidSetting(f"plan must be an autotune.Plan, got {type(plan).__name__}")
+        if not isinstance(model, nn.Module):
+            raise InvalidSetting(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if grow_after is not None and (not isinstance(grow_after, int) or grow_after < 1):
+            raise InvalidSetting(f"grow_after must be a positive number of steps or None, got {grow_after!r}")
+        self.plan = plan
+        self.model = model
+        self.loss_fn = resolve(loss_fn)
+        self.placement = _placement(plan, model)
+        self.spec = OptimizerSpec.from_user(optimizer, model)
+        self.blocks = find_blocks(model)
+        self._sharded = distributed.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
+        self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks)
+        self.grow_after = grow_after
+        self.recoveries: list[Recovery] = []
+        self.last_peak_bytes: int | None = None  # simulated device only: the last step's peak
+        self.steps_taken = 0
+        # The device optimizer whose state carries across rungs: the user's, or the one the first
+        # rung builds when none was given. None only when a rung built a HostOptimizer from scratch.
+        self._device_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self._link: OffloadLink | None = None
+        self._grow_cap = plan.micro_batch_size  # growing back never goes past what the tuning chose
+        self._grow_wait = grow_after or 0
+        self._clean_steps = 0
+        self._probing = False
+        self._warned_size = False
+        self._micro_step = -1  # the micro-batch running now, for the record of a recovery
+        self._applied = self._apply(plan.rung)
+
+    # -- the public surface ----------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer stepped: the user's, the default AdamW, or a `HostOptimizer` under optimizer offload."""
+        return self._applied.optimizer
+
+    def __call__(self, batch: Any) -> float:
+        """One optimizer step over `batch` (this rank's share of a global batch); returns the mean loss.
+
+        Raises:
+            NoFeasiblePlan: the batch does not fit even at micro-batch 1 on the top rung allowed.
+            DeviceError: a CUDA error that is not an OOM; restart the process.
+        """
+        if self._applied is None:
+            raise InvalidSetting("this TrainingStep was closed; call plan.apply(model, optimizer) again")
+        batch = batches.to_device(batch, self.placement.torch_device)
+        n = batches.batch_size(batch, "step(batch)")
+        self._check_size(n)
+        self._maybe_grow()
+        failed: list[Trial] = []
+        while True:
+            started = time.perf_counter()
+            loss, failure = self._attempt(batch, n)
+            if not failure:
+                break
+            self._clean_up()  # out here, not in an except block: nothing pins the failed step's tensors
+            self._recover(batch, failure, failed, started)
+        self.steps_taken += 1
+        self._clean_steps = 0 if failed else self._clean_steps + 1
+        if self._clean_steps >= self._grow_wait:
+            self._probing = False  # a grown micro-batch that held for a whole wait has proven itself
+        return loss
+
+    def close(self) -> None:
+        """Undo the plan's techniques on the model and hand the optimizer state back to the user's optimizer."""
+        if self._applied is not None:
+            self._teardown()
+            self._applied = None  # type: ignore[assignment]
+
+    def __enter__(self) -> TrainingStep:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- one attempt at a global step -----------------------------------------------------------------
+    def _attempt(self, batch: Any, n: int) -> tuple[float, str]:
+        """Run the whole batch and step: (mean loss, "") on success, else (nan, the OOM's first line)."""
+        self._micro_step = -1
+        with self._memory_guard(batch):
+            weights, failure = self._guarded_accumulate(batch, n)
+            # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
+            # torch.distributed no collective runs before this point, so a rank that failed early and
+            # ranks that ran every micro-batch meet here, and all of them re-run the batch.
+            if distributed.agree_oom(bool(failure)):
+                return float("nan"), failure or "another rank ran out of memory"
+            loss = self._finish(weights)
+            self._optimizer_step()
+        self._drop_gradients()  # set_to_none: see _drop_gradients
+        return float(loss), ""
+
+    def _guarded_accumulate(self, batch: Any, n: int) -> tuple[LossWeights | None, str]:
+        # The micro-steps' tensors live in _accumulate's frame; returning from here releases the
+        # exception, its traceback, and with them that frame (pytorch #27600).
+        try:
+            return self._accumulate(batch, n), ""
+        except Exception as exc:  # noqa: BLE001 - classified here; anything not an OOM propagates untouched
+            if is_device_poisoned(exc):
+                raise DeviceError(f"CUDA error in a training step ({self._config()}): {exc}. The CUDA context "
+                                  "is unusable; restart the process.") from exc
+            if not is_oom(exc):
+                raise
+            return None, _first_line(exc)
+
+    def _accumulate(self, batch: Any, n: int) -> LossWeights:
+        """Forward and backward over every micro-batch; the weights, which `_finish` turns into the loss."""
+        applied = self._applied
+        sizes = split_sizes(n, self.plan.micro_batch_size)
+        weights = self._loss_weights(n, len(sizes))
+        start = 0
+        for index, size in enumerate(sizes):
+            self._micro_step = index
+            micro = batches.take(batch, start, start + size)
+            start += size
+            with applied.autocast():
+                loss, count = split_loss(self.loss_fn(self.model, micro))
+            applied.backward(weights.weigh(loss, count, size))
+            del loss, count, micro  # free the graph's last references before the next forward
+        self._micro_step = -1  # all ran: an OOM reported now came from another rank
+        return weights
+
+    def _finish(self, weights: LossWeights) -> torch.Tensor:
+        """Make the accumulated gradients the whole global batch's; the mean loss over it, detached.
+
+        One process: the token-count correction. Under torch.distributed (the model replicated): every
+        rank's share rescaled and summed over ranks (`distributed.reduce_gradients`), so the update equals
+        one full-batch step on one process and every rank returns the same loss.
+        """
+        if self._sharded:
+            return distributed.finish_sharded(self.model, weights)
+        if distributed.active():
+            return distributed.reduce_gradients(self.model, weights)
+        weights.correct(self.model)
+        return weights.mean_loss()
+
+    def _loss_weights(self, n: int, steps: int) -> LossWeights:
+        if not self._sharded:
+            return LossWeights(n, steps)
+        # FSDP averages the gradients over ranks inside backward, so every rank must weigh alike: n_i over
+        # (global samples / world) for mean losses, plain sums for token losses (finish_sharded divides by
+        # the global count). The sum runs before any micro-batch, where every rank arrives.
+        world = distributed.world_size()
+        total, fewest, most = distributed.total_and_range(n, steps)
+        if fewest != most:  # FSDP's collectives run in every micro-step: unequal counts would leave one waiting
+            raise InvalidSetting(f"under FSDP every rank must run the same number of micro-batches, but they range "
+                                 f"from {fewest} to {most} at micro-batch {self.plan.micro_batch_size}; give every "
+                                 f"rank the same number of samples (global batch / world size)")
+        return LossWeights(n, steps, divisor=total / world, estimate=1.0)
+
+    def _optimizer_step(self) -> None:
+        if self._link is not None:
+            self._link.sync_hyperparameters()
+        try:
+            self._applied.optimizer_step()
+        except Exception as exc:
+            if is_oom(exc):
+                # Not retried: the micro-batch does not change the optimizer's memory, and a step that died
+                # half-way may have updated some parameters already. Record it so the next fit is safer.
+                log.error("autotune: out of memory inside optimizer.step() (%s); this is not recoverable "
+                          "in-process", self._config())
+                _tell_cache(self.plan, None, {}, f"OOM in optimizer.step(): {_first_line(exc)}")
+            raise
+
+    def _drop_gradients(self) -> None:
+        # set_to_none=True, unlike the trials' AppliedRung.zero_grad: the trials keep the buffers to measure
+        # the worst case (gradients live through the next forward); here freeing them lowers the peak of
+        # the next first forward, never raises it, and makes an OOM's clean-up actually return the memory.
+        for p in self.model.parameters():
+            p.grad = None
+
+    @contextlib.contextmanager
+    def _memory_guard(self, batch: Any) -> Iterator[None]:
+        """On the simulated device, the trials' ceiling over the plan's budget; on CUDA, the GPU itself."""
+        if not self.placement.simulated:
+            yield
+            return
+        ceiling = SimulatedCeiling(self.plan.memory_budget_bytes)
+        with ceiling:
+            opt = self._applied.optimizer
+            ceiling.track([self.model, batch, opt if isinstance(opt, torch.optim.Optimizer) else []])
+            try:
+                yield
+            finally:
+                self.last_peak_bytes = ceiling.peak_bytes
+                ceiling.close()  # detach finalizers: storages that outlive the step must not pin the ceiling
+
+    def _clean_up(self) -> None:
+        self._drop_gradients()
+        gc.collect()
+        if not self.placement.simulated:
+            torch.cuda.synchronize(self.placement.index)
+            torch.cuda.empty_cache()
+
+    # -- recovery ------------------------------------------------------------------------------------
+    def _recover(self, batch: Any, failure: str, failed: list[Trial], started: float) -> None:
+        """Choose the next configuration after an OOM, or raise NoFeasiblePlan past the top."""
+        old = self.plan
+        shapes = _micro_batch_shapes(batch, old.micro_batch_size)
+        failed.append(Trial(rung=old.rung, micro_batch_size=old.micro_batch_size, outcome="oom",
+                            note=failure[:200]))
+        if self._probing:
+            self._grow_wait *= 2  # growing back failed before it held a whole wait: wait twice as long next time
+            self._probing = False
+        if old.micro_batch_size > 1:
+            micro = old.micro_batch_size // 2
+            new = _with(old, old.rung, micro, f"recovered from an OOM in training at micro-batch "
+                                              f"{old.micro_batch_size}: halved to {micro}")
+        else:
+            rung = self._next_rung(old.rung)
+            if rung is None:
+                _tell_cache(old, None, shapes, failure)
+                raise NoFeasiblePlan(_exhausted(failed, shapes, old), trials=tuple(failed))
+            self._switch_rung(rung)
+            new = _with(old, rung, 1, f"recovered from an OOM in training at micro-batch 1 on "
+                                      f"{old.rung.name}: moved up to {rung.name}")
+        self.plan = new
+        _tell_cache(old, new, shapes, failure)
+        self.recoveries.append(Recovery(step=self.steps_taken, failed=_describe(old), micro_step=self._micro_step,
+                                        now=_describe(new), shapes=shapes, note=failure,
+                                        seconds=time.perf_counter() - started))
+        log.warning("autotune: out of memory at %s (%s); re-running the same batch at %s x %d accumulation",
+                    _describe(old), failure, _describe(new), new.accumulation_steps)
+
+    def _next_rung(self, current: Rung) -> Rung | None:
+        """The cheapest allowed rung that keeps every technique in force and adds one."""
+        for rung in self.rungs:
+            if _strength(rung) != _strength(current) and _dominates(rung, current):
+                return rung
+        return None
+
+    def _switch_rung(self, rung: Rung) -> None:
+        scaler = self._applied.scaler
+        scaler_state = scaler.state_dict() if scaler is not None else None
+        old = self._applied.rung
+        self._teardown()
+        try:
+            self._applied = self._apply(rung)
+        except BaseException:
+            self._applied = self._apply(old)  # never leave the step holding a rung already removed
+            raise
+        if scaler_state and self._applied.scaler is not None:
+            self._applied.scaler.load_state_dict(scaler_state)  # the loss scale carries over
+
+    def _maybe_grow(self) -> None:
+        """After `grow_after` clean steps below the tuned micro-batch, try doubling it back."""
+        micro = self.plan.micro_batch_size
+        if not self.grow_after or micro >= self._grow_cap or self._clean_steps < self._grow_wait:
+            return
+        bigger = min(2 * micro, self._grow_cap)
+        self.plan = _with(self.plan, self.plan.rung, bigger,
+                          f"grown back to micro-batch {bigger} after {self._clean_steps} clean steps")
+        self._probing = True
+        self._clean_steps = 0
+        log.info("autotune: trying micro-batch %d again after %d clean steps", bigger, self._grow_wait)
+
+    # -- rungs ---------------------------------------------------------------------------------------
+    def _apply(self, rung: Rung) -> AppliedRung:
+        applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks,
+                             optimizer=self._device_optimizer)
+        if isinstance(applied.optimizer, HostOptimizer):
+            if self._device_optimizer is not None:
+                self._link = OffloadLink(self._device_optimizer, applied.optimizer)
+        elif self._device_optimizer is None:
+            self._device_optimizer = applied.optimizer  # built from the spec: keep its state across rungs
+        return applied
+
+    def _teardown(self) -> None:
+        link, self._link = self._link, None
+        self._applied.remove()  # under optimizer offload: FP32 weights back on the device
+        self._drop_gradients()
+        if link is not None:
+            link.close()
+
+    # -- small helpers -------------------------------------------------------------------------------
+    def _check_size(self, n: int) -> None:
+        if n != self.plan.per_rank_batch_size and not self._warned_size:
+            self._warned_size = True
+            log.warning("autotune: step(batch) got %d samples but the plan was made for %d per rank; the step is "
+                        "still exact for the batch it gets (global batch = what you pass)",
+                        n, self.plan.per_rank_batch_size)
+
+    def _config(self) -> str:
+        return _describe(self.plan)
+
+
+# -- plan arithmetic ---------------------------------------------------------------------------------------
+
+def _with(plan: Plan, rung: Rung, micro: int, reason: str) -> Plan:
+    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch."""
+    steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
+    return dataclasses.replace(plan, precision=rung.precision, checkpointing=rung.checkpointing,
+                               offload=rung.offload, micro_batch_size=min(micro, plan.per_rank_batch_size),
+                               accumulation_steps=steps, last_micro_batch_size=last, reason=reason)
+
+
+def _strength(rung: Rung) -> tuple[int, int]:
+    return OFFLOAD.index(rung.offload), CHECKPOINTING.index(rung.checkpointing)
+
+
+def _dominates(a: Rung, b: Rung) -> bool:
+    """`a` is at least as strong as `b` in checkpointing and in offload: recovery climbs the ladder's
+    order but never trades checkpointing away for offload (when the allowed techniques would)."""
+    return all(x >= y for x, y in zip(_strength(a), _strength(b)))
+
+
+def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: Any) -> list[Rung]:
+    """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
+    allowed = set(parse_techniques(FitSettings.resolve(techniques=techniques).techniques))  # None: $AUTOTUNE_TECHNIQUES
+    if plan.precision == "fp32":
+        allowed.discard("bf16")  # also drops optimizer offload, which keeps 16-bit weights
+    else:
+        allowed.add("bf16")
+    rungs, _ = ladder(frozenset(allowed), placement, blocks)
+    return [dataclasses.replace(r, precision=plan.precision) for r in rungs]
+
+
+def _placement(plan: Plan, model: nn.Module) -> Placement:
+    """Where the model is, checked against the device the plan was made for."""
+    device = next((p.device for p in model.parameters()), torch.device(plan.device))
+    if device.type != plan.device:
+        raise InvalidSetting(f"the plan was made for device {plan.device!r} but the model is on {device}; move the "
+                             f"model with model.to({plan.device!r}) before creating the optimizer")
+    return resolve_device(device)
+
+
+def _describe(plan: Plan) -> str:
+    return f"{plan.rung.name} at micro-batch {plan.micro_batch_size}"
+
+
+def _micro_batch_shapes(batch: Any, micro: int) -> dict[str, list[int]]:
+    """{tensor path: shape} of a micro-batch of `micro` samples of `batch`: what the cache records."""
+    return {path or "batch": [micro, *shape] for path, shape, _ in batches.signature(batch)}
+
+
+def _exhausted(failed: list[Trial], shapes: dict[str, list[int]], plan: Plan) -> str:
+    tried = ", ".join(f"{t.rung.name} at micro-batch {t.micro_batch_size}" for t in failed)
+    shape = "; ".join(f"{path} {tuple(s)}" for path, s in shapes.items())
+    return (f"a micro-batch of [{shape}] does not fit in the memory budget of "
+            f"{plan.memory_budget_bytes / 2**20:.1f} MiB: out of memory at {tried}, and no higher rung is "
+            "allowed. Shorten the inputs, raise memory_budget, or allow more techniques "
+            "(techniques=('bf16', 'checkpointing', 'offload')).")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _tell_cache(old: Plan, new: Plan | None, shapes: dict[str, list[int]], note: str) -> None:
+    """Mark `old` unsafe for `shapes` and store `new` under its key, in the cache `fit` would use.
+
+    The cache is the default one ($AUTOTUNE_CACHE, "off" honoured as in `fit`). Calls only what
+    `autotune.cache.store` provides (`open_cache`, `mark_unsafe`, `replace`), and whatever the cache does
+    (locked, corrupt, missing), training goes on.
+    """
+    if not old.key or not distributed.is_writer():
+        return
+    try:
+        from ..cache import store as cache
+
+        setting = FitSettings.resolve(cache=None).cache  # $AUTOTUNE_CACHE: a path, False for "off", or None
+        opener: Callable[[Any], Any] | None = getattr(cache, "open_cache", None)
+        store = opener(setting) if callable(opener) else None
+        if store is None:
+            return
+        mark = getattr(store, "mark_unsafe", None)
+        if callable(mark):
+            mark(old.key, micro_batch_size=old.micro_batch_size, shapes=shapes, note=note[:200])
+        swap = getattr(store, "replace", None)
+        if new is not None and callable(swap):
+            swap(old.key, new)
+    except Exception as exc:  # noqa: BLE001 - the cache must never break training
+        log.warning("autotune: could not record the OOM in the plan cache (%s); training goes on", exc)

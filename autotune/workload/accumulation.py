@@ -1,0 +1,100 @@
+"""Exact gradient accumulation: how micro-batch losses are weighted so the sum of their gradients is the
+full-batch gradient (DESIGN.md section 1, "Exact accumulation"; PEERS.md lesson 9 for token losses).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidSetting
+
+
+class LossWeights:
+    """Weights that make the sum of micro-batch gradients equal the full-batch gradient.
+
+    Mean losses: micro-batch i of n_i samples out of N contributes (n_i / N) x its loss.
+    Token losses, `(loss_sum, count)`: the total count is known only after the last forward, so each
+    loss_sum is divided by an estimate (the first count x the number of micro-batches, which keeps the
+    gradients' magnitude near a mean loss's, as 16-bit ranges want) and `correct` multiplies the gradients
+    by estimate / total at the end. Exact, because the gradient is linear in the weights. Counts are kept
+    in float64 so that summing them is exact.
+    """
+
+    def __init__(self, n: int, steps: int, *, divisor: float | None = None, estimate: float | None = None) -> None:
+        self.n = n
+        self.steps = steps
+        # What mean losses are weighted by (n_i / divisor) and token losses divided by. Default: this
+        # batch's samples, and an estimate from the first count. Under FSDP, which averages gradients over
+        # ranks as it reduces them, every rank passes the same figures instead (global samples / world, 1).
+        self.divisor = float(n) if divisor is None else divisor
+        self.by_tokens: bool | None = None
+        self.loss_total: torch.Tensor | None = None  # sum of n_i x loss_i, or of loss_sum_i
+        self.count_total: torch.Tensor | None = None
+        self.estimate: torch.Tensor | None = None if estimate is None else torch.tensor(estimate, dtype=torch.float64)
+
+    def weigh(self, loss: torch.Tensor, count: Any, size: int) -> torch.Tensor:
+        """The loss to call backward on for a micro-batch of `size` samples."""
+        by_tokens = count is not None
+        if self.by_tokens is not None and by_tokens != self.by_tokens:
+            raise InvalidSetting("loss_fn returned (loss_sum, count) for some micro-batches and a plain loss for "
+                                 "others; return the same form every time")
+        self.by_tokens = by_tokens
+        if not by_tokens:
+            self._add(loss.detach().double() * size, None)
+            return loss * (size / self.divisor)  # scale the loss by its share of the samples
+        count = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach()
+        if self.estimate is None:
+            self.estimate = count.clamp(min=1) * self.steps
+        self.estimate = self.estimate.to(loss.device)
+        self._add(loss.detach(), count)
+        return loss / self.estimate  # float64 division; autograd casts the gradient back to loss's dtype
+
+    def _add(self, loss: torch.Tensor, count: torch.Tensor | None) -> None:
+        loss = loss.double()
+        self.loss_total = loss if self.loss_total is None else self.loss_total + loss
+        if count is not None:
+            self.count_total = count if self.count_total is None else self.count_total + count
+
+    def correct(self, model: nn.Module) -> None:
+        """Token losses only: rescale the accumulated gradients from the estimate to the true total count."""
+        if not self.by_tokens or self.estimate is None or self.count_total is None:
+            return
+        factor = self.estimate / self.count_total.clamp(min=1)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor.to(p.grad.device))
+
+    def mean_loss(self) -> torch.Tensor:
+        """The loss over the whole batch: mean over samples, or over tokens for `(loss_sum, count)`."""
+        assert self.loss_total is not None  # at least one micro-batch ran: split_sizes never returns []
+        if self.by_tokens and self.count_total is not None:
+            return self.loss_total / self.count_total.clamp(min=1)
+        return self.loss_total / self.n
+
+    # -- several ranks: each accumulated its own share; these turn the shares into one global batch --------
+    def totals(self, device: torch.device) -> torch.Tensor:
+        """(samples, tokens, loss total) of this rank as float64, to be summed over ranks."""
+        assert self.loss_total is not None
+        count = self.count_total if self.by_tokens and self.count_total is not None else self.loss_total.new_zeros(())
+        return torch.stack([self.loss_total.new_tensor(float(self.n)), count.double(), self.loss_total]).to(device)
+
+    def share(self, totals: torch.Tensor) -> float:
+        """The factor that turns this rank's accumulated gradients into its share of the global gradient.
+
+        `totals` is `totals()` summed over ranks. Mean losses were weighted by n_i / n (this rank's samples),
+        so n / N (all ranks' samples) rescales them; token losses were divided by the estimate, so
+        estimate / (all ranks' tokens). Summing the rescaled gradients over ranks gives the full-batch one.
+        """
+        samples, tokens, _ = totals.tolist()
+        if self.by_tokens and self.estimate is not None:
+            return float(self.estimate) / max(tokens, 1.0)
+        return self.n / samples
+
+    def global_mean_loss(self, totals: torch.Tensor) -> torch.Tensor:
+        """The loss over the whole global batch, from `totals()` summed over ranks."""
+        samples, tokens, loss = totals.double().unbind()
+        return loss / (tokens.clamp(min=1) if self.by_tokens else samples)

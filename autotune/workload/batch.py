@@ -1,0 +1,96 @@
+"""Operations on a user's batch: a Tensor, a tuple/list or a dict of Tensors, batch dimension first.
+
+Everything here treats the batch as a tree whose tensor leaves share dimension 0; non-tensor leaves
+(a string, a flag) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import InvalidSetting
+
+Batch = Any  # Tensor | tuple | list | dict of those
+
+
+def _leaves(batch: Batch) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _leaves(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _leaves(v)]
+    return []
+
+
+def _map(batch: Batch, fn: Any) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _map(v, fn)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_map(v, fn) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map(v, fn) for v in batch)
+    return batch
+
+
+def batch_size(batch: Batch, setting: str = "batch") -> int:
+    """The size of dimension 0, checked to agree across the batch's tensors."""
+    leaves = [t for t in _leaves(batch) if t.dim() > 0]
+    if not leaves:
+        raise InvalidSetting(f"{setting} holds no tensor with a batch dimension; pass a Tensor, a tuple/list or "
+                             "a dict of Tensors whose dimension 0 is the batch")
+    sizes = {t.shape[0] for t in leaves}
+    if len(sizes) > 1:
+        raise InvalidSetting(f"{setting}'s tensors disagree on the batch dimension (dim 0 sizes {sorted(sizes)}); "
+                             "every tensor must have the batch first")
+    size = sizes.pop()
+    if size == 0:
+        raise InvalidSetting(f"{setting} is empty (batch dimension 0); pass at least one example")
+    return size
+
+
+def take(batch: Batch, start: int, stop: int) -> Batch:
+    """Samples [start, stop) of every tensor (views, no copy)."""
+    return _map(batch, lambda t: t[start:stop] if t.dim() > 0 else t)
+
+
+def resize(batch: Batch, n: int) -> Batch:
+    """A batch of exactly `n` samples: the first `n`, or the example repeated cyclically to reach `n`."""
+    have = batch_size(batch)
+    if n <= have:
+        return take(batch, 0, n)
+    return _map(batch, lambda t: t[torch.arange(n, device=t.device) % have] if t.dim() > 0 else t)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return _map(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def signature(batch: Batch) -> list[tuple[str, tuple[int, ...], str]]:
+    """(path, shape without the batch dimension, dtype) of every tensor: what the cache keys on."""
+    out: list[tuple[str, tuple[int, ...], str]] = []
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            out.append((path, tuple(obj.shape[1:]), str(obj.dtype).replace("torch.", "")))
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k], f"{path}.{k}" if path else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+
+    walk(batch, "")
+    return out
+
+
+def tokens_per_sample(batch: Batch) -> int | None:
+    """Sequence length for token batches (an integer tensor of shape (B, T)), else None."""
+    for t in _leaves(batch):
+        if t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool:
+            return int(t.shape[1])
+    return None

@@ -1,0 +1,102 @@
+"""How autotune builds optimizers: from the user's factory, the user's optimizer, or AdamW by default.
+
+Trials never step the user's own optimizer: they build a fresh one of the same kind over the same
+parameters (same class, same hyperparameters per parameter group), so the user's state stays untouched
+and an OOM half-way through a first `step()` cannot leave it half-built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import InvalidSetting
+
+# Classes whose CPU implementation takes `fused=True` (a single vectorised kernel, PEERS.md lesson 7).
+_FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSpec:
+    """A recipe for an optimizer over a given list of parameters (or parameter-group dicts)."""
+
+    build_groups: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+    groups: tuple[tuple[tuple[int, ...], dict[str, Any]], ...]  # (indices into params, hyperparameters)
+    cls_name: str
+
+    @classmethod
+    def from_user(cls, optimizer: Any, model: torch.nn.Module) -> OptimizerSpec:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise InvalidSetting("model has no parameter with requires_grad=True; there is nothing to train")
+        index = {id(p): i for i, p in enumerate(params)}
+        if optimizer is None:
+            return cls(_class_builder(torch.optim.AdamW, {}), (((tuple(range(len(params)))), {}),), "AdamW")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            groups = []
+            for group in optimizer.param_groups:
+                ids = tuple(index[id(p)] for p in group["params"] if id(p) in index)
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                groups.append((ids, hyper))
+            return cls(_class_builder(type(optimizer), {}), tuple(groups), type(optimizer).__name__)
+        if callable(optimizer):
+            return cls(_factory_builder(optimizer), ((tuple(range(len(params))), {}),), "factory")
+        raise InvalidSetting(
+            f"optimizer must be None (AdamW), a torch.optim.Optimizer, or a factory params -> Optimizer; "
+            f"got {type(optimizer).__name__}")
+
+    def build(self, params: Sequence[torch.Tensor], *, host: bool = False) -> torch.optim.Optimizer:
+        """An optimizer over `params` (in `model.parameters()` order, trainable only).
+
+        `host=True` asks for the CPU flavour used by optimizer offload: fused where torch has it.
+        """
+        groups = [{"params": [params[i] for i in ids], **hyper} for ids, hyper in self.groups]
+        groups = [g for g in groups if g["params"]]
+        if host and self.cls_name in _FUSED_ON_CPU:
+            for g in groups:
+                g.pop("foreach", None)
+                g["fused"] = True
+        elif not host:
+            for g in groups:
+                if g.get("fused") and params and params[0].device.type == "cpu":
+                    g["fused"] = False  # a CUDA-fused optimizer moved to the CPU simulation
+        return self.build_groups(groups)
+
+
+# State tensors the size of each parameter that an optimizer keeps, at least (SGD's momentum buffer exists
+# only with momentum, so it counts 0): a lower bound, for ruling out rungs that cannot fit at any batch size.
+_STATE_TENSORS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "RMSprop": 1}
+
+
+def state_tensors_per_parameter(spec: OptimizerSpec) -> int:
+    """Parameter-sized state tensors the optimizer surely keeps (0 for a factory or an unknown class)."""
+    return _STATE_TENSORS.get(spec.cls_name, 0)
+
+
+def _class_builder(klass: type, extra: dict[str, Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return klass(groups, **extra)
+
+    return build
+
+
+def _factory_builder(factory: Callable[[Iterable[Any]], Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        flat = [p for g in groups for p in g["params"]]
+        try:
+            opt = factory(flat)
+        except TypeError as exc:
+            raise InvalidSetting(f"optimizer factory must take the parameters as its one argument: {exc}") from exc
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise InvalidSetting(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        # A factory knows nothing of `fused`; honour a host request where the class supports it.
+        if any(g.get("fused") for g in groups) and type(opt).__name__ in _FUSED_ON_CPU:
+            for g in opt.param_groups:
+                g["fused"] = True
+                g["foreach"] = False
+        return opt
+
+    return build
