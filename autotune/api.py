@@ -168,6 +168,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     tokens = batches.tokens_per_sample(batch)
     reason = result.reason + "".join(f"; {n}" for n in [*notes, *result.notes][:2])
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
+                checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 micro_batch_size=min(best.micro_batch_size, per_rank), accumulation_steps=steps,
                 world_size=world, global_batch_size=global_batch, last_micro_batch_size=last,
                 peak_memory_bytes=best.peak_bytes, memory_budget_bytes=budget, margin=settings.margin,

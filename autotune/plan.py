@@ -10,36 +10,56 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2  # 2: compile, checkpointed blocks, offload fraction, sharding, FLOPs
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
+SHARDING = ("none", "fsdp2")
 OUTCOMES = ("ok", "oom", "over_budget")
 SOURCES = ("tuned", "cache")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Rung:
-    """One step of the memory ladder: a precision, a checkpointing strength and an offload strength."""
+    """One point of the search lattice: a setting of every knob except the micro-batch size.
+
+    `checkpointing` is the coarse label ("selective" = some but not all repeated blocks recomputed);
+    `checkpointed_blocks` is the count when the search chose one, None for the label's default (every
+    other block for "selective", all for "full").
+    """
 
     precision: str = "bf16"
     checkpointing: str = "none"
     offload: str = "none"
+    checkpointed_blocks: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice("offload", self.offload, OFFLOAD)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"Rung.compile must be a bool, got {self.compile!r}")
+        blocks = self.checkpointed_blocks
+        if blocks is not None:
+            _check_non_negative_int("Rung.checkpointed_blocks", blocks)
+            if (blocks == 0) != (self.checkpointing == "none"):
+                raise ValueError(f"Rung.checkpointed_blocks {blocks} disagrees with checkpointing "
+                                 f"{self.checkpointing!r}: 0 blocks is 'none', 1 or more is 'selective' or 'full'")
 
     @property
     def name(self) -> str:
-        """Short label, e.g. "bf16+full ckpt+optimizer offload"."""
+        """Short label, e.g. "bf16+full ckpt+optimizer offload" or "bf16+ckpt 12 blocks+compile"."""
         parts = [self.precision]
-        if self.checkpointing != "none":
+        if self.checkpointing == "selective" and self.checkpointed_blocks is not None:
+            parts.append(f"ckpt {self.checkpointed_blocks} blocks")
+        elif self.checkpointing != "none":
             parts.append(f"{self.checkpointing} ckpt")
         if self.offload != "none":
             parts.append(f"{self.offload} offload")
+        if self.compile:
+            parts.append("compile")
         return "+".join(parts)
 
 
@@ -108,10 +128,33 @@ class Plan:
     reason: str = ""
     trials: tuple[Trial, ...] = field(default_factory=tuple)
     key: str = ""  # cache key, "" when the plan was never cached
+    compile: bool = False  # torch.compile on the model (per block when blocks are recomputed)
+    checkpointed_blocks: int | None = None  # repeated blocks recomputed in backward, 0..N; None where the
+    # script decides (zero-change)
+    compile_seconds: float = 0.0  # tuning time spent compiling, included in the tune's wall time
+    offload_fraction: float | None = None  # share of parameters whose FP32 master and optimizer state live
+    # on the host: None resolves to 1.0 under optimizer offload, else 0.0
+    sharding: str = "none"  # "none" | "fsdp2"
+    flops_per_sample: float | None = None  # forward+backward FLOPs of one sample, counted, not estimated
+    mfu: float | None = None  # achieved FLOPs/s over the device's peak; None where the peak is unknown
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload)
+        Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload,
+             checkpointed_blocks=self.checkpointed_blocks, compile=self.compile)
+        if self.offload_fraction is None:
+            object.__setattr__(self, "offload_fraction", 1.0 if self.offload == "optimizer" else 0.0)
+        fraction = self.offload_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"Plan.offload_fraction must be in [0, 1], got {fraction!r}")
+        if (fraction > 0) != (self.offload == "optimizer"):
+            raise ValueError(f"Plan.offload_fraction {fraction} disagrees with offload {self.offload!r}: "
+                             "only optimizer offload puts a share of the parameters on the host")
+        _check_choice("Plan.sharding", self.sharding, SHARDING)
+        _check_non_negative_number("Plan.compile_seconds", self.compile_seconds)
+        for name in ("flops_per_sample", "mfu"):
+            if getattr(self, name) is not None:
+                _check_non_negative_number(f"Plan.{name}", getattr(self, name))
         for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
                      "last_micro_batch_size", "memory_budget_bytes"):
             _check_positive_int(f"Plan.{name}", getattr(self, name))
@@ -136,7 +179,8 @@ class Plan:
 
     @property
     def rung(self) -> Rung:
-        return Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload)
+        return Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload,
+                    checkpointed_blocks=self.checkpointed_blocks, compile=self.compile)
 
     @property
     def per_rank_batch_size(self) -> int:

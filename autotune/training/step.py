@@ -381,7 +381,8 @@ def _with(plan: Plan, rung: Rung, micro: int, reason: str) -> Plan:
     """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch."""
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
     return dataclasses.replace(plan, precision=rung.precision, checkpointing=rung.checkpointing,
-                               offload=rung.offload, micro_batch_size=min(micro, plan.per_rank_batch_size),
+                               checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
+                               offload=rung.offload, offload_fraction=None, micro_batch_size=min(micro, plan.per_rank_batch_size),
                                accumulation_steps=steps, last_micro_batch_size=last, reason=reason)
 
 
