@@ -19,7 +19,7 @@ from .workload import batch as batches
 from .cache import store as plan_cache
 from .training import distributed
 from .workload.batching import per_rank_batch, solve_accumulation
-from .search.controller import Controller
+from .search.controller import Controller, Lattice
 from .devices.placement import Placement, default_budget, parse_bytes, resolve_device
 from .errors import InvalidSetting
 from .workload.losses import resolve as resolve_loss
@@ -27,7 +27,8 @@ from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan
 from .settings import FitSettings
 from .search.snapshot import Snapshot
-from .techniques import drop_rungs_over, find_blocks, ladder, parse_techniques, resident_floor
+from .techniques import anchors, drop_rungs_over, find_blocks, parse_techniques, resident_floor
+from .techniques.compile import unavailable as compile_unavailable
 from .search.trial import TrialRunner, Workload
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ def fit(
         memory_budget: bytes or a string like "24GiB"; default what the device can give this process.
         device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
         cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
-        techniques: allowed rungs, a subset of ("bf16", "checkpointing", "offload"); default all.
+        techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile"); default all
+            (compile is searched on CUDA only).
         margin: fraction of the budget kept free (default 0.1).
         retune: ignore a cached plan and tune again.
         trial_steps: measured optimizer steps per trial (after one warm-up step).
@@ -138,11 +140,14 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
           world: int, bound: int | None) -> Plan:
     spec = OptimizerSpec.from_user(optimizer, model)
     blocks = find_blocks(model)
-    rungs, notes = ladder(allowed, placement, blocks)
+    rungs, notes = anchors(allowed, placement, blocks)
     limit = int((1 - settings.margin) * budget)
     dropped: list[str] = []
+    floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]
+    compile_notes: list[str] = []
+    lattice = Lattice(blocks=len(blocks.blocks) if blocks is not None else 0,
+                      compile=_compile_allowed(allowed, placement, compile_notes), floors=dict(zip(rungs, floors)))
     if world == 1:  # sharded ranks hold only a share of the floor: there the trials decide
-        floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]
         rungs, dropped = drop_rungs_over(rungs, floors, limit)
     home = _device_of(model)
     snapshot = Snapshot.take(model, optimizer)
@@ -158,7 +163,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                                 max_trials=settings.max_trials, world_size=world,
                                 remeasure=lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps))
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
-        result = controller.search(rungs)
+        result = controller.search(rungs, lattice)
     finally:
         if home != placement.torch_device:
             model.to(home)
@@ -166,9 +171,10 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     best = result.best
     steps, last = solve_accumulation(per_rank, best.micro_batch_size)
     tokens = batches.tokens_per_sample(batch)
-    reason = result.reason + "".join(f"; {n}" for n in [*notes, *result.notes][:2])
+    reason = result.reason + "".join(f"; {n}" for n in [*notes, *result.notes, *compile_notes][:2])
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
+                compile_seconds=sum(t.compile_seconds for t in result.trials),
                 micro_batch_size=min(best.micro_batch_size, per_rank), accumulation_steps=steps,
                 world_size=world, global_batch_size=global_batch, last_micro_batch_size=last,
                 peak_memory_bytes=best.peak_bytes, memory_budget_bytes=budget, margin=settings.margin,
@@ -176,6 +182,16 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                 tokens_per_second=best.samples_per_second * tokens if tokens else None,
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
                 trials=tuple(result.trials))
+
+
+def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str]) -> bool:
+    """Whether the search may try compile; when it may not although allowed, a note says why."""
+    if "compile" not in allowed:
+        return False
+    why = compile_unavailable(placement)
+    if why is not None:
+        notes.append(why)
+    return why is None
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -16,7 +16,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
 SHARDING = ("none", "fsdp2")
-OUTCOMES = ("ok", "oom", "over_budget")
+OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager
 SOURCES = ("tuned", "cache")
 
 
@@ -41,6 +41,8 @@ class Rung:
         _check_choice("offload", self.offload, OFFLOAD)
         if not isinstance(self.compile, bool):
             raise ValueError(f"Rung.compile must be a bool, got {self.compile!r}")
+        if self.checkpointed_blocks is None and self.checkpointing == "none":
+            object.__setattr__(self, "checkpointed_blocks", 0)  # no recompute is 0 blocks, known or not
         blocks = self.checkpointed_blocks
         if blocks is not None:
             _check_non_negative_int("Rung.checkpointed_blocks", blocks)
@@ -76,6 +78,7 @@ class Trial:
     optimizer_seconds: float = 0.0  # median optimizer.step() time
     samples_per_second: float = 0.0  # estimated for a whole global step at this micro-batch
     alloc_retries: int = 0  # allocator retries (cudaFree + retry) during the measured steps
+    compile_seconds: float = 0.0  # warm-up time beyond a measured step: what compiling cost this trial
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -85,7 +88,7 @@ class Trial:
         _check_choice("Trial.outcome", self.outcome, OUTCOMES)
         for name in ("peak_bytes", "alloc_retries"):
             _check_non_negative_int(f"Trial.{name}", getattr(self, name))
-        for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second"):
+        for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds"):
             _check_non_negative_number(f"Trial.{name}", getattr(self, name))
 
     @property

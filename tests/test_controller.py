@@ -66,7 +66,7 @@ def test_a_saturated_rung_stops_the_climb():
     gpu = FakeGPU(24 * GiB, 64, {BF16: (4 * GiB, 1 * GiB, 0.0, 0.03), FULL: (4 * GiB, 0.3 * GiB, 0.0, 0.04)})
     result = _search(gpu, [BF16, FULL])
     assert result.best.rung == BF16
-    assert any("stopped before bf16+full ckpt" in n for n in result.notes)
+    assert any("skipped bf16+full ckpt" in n for n in result.notes)
     assert all(rung == BF16 for rung, _ in gpu.calls)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..workload.batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch
@@ -34,9 +35,25 @@ Runner = Callable[[Rung, int], Trial]
 # when even this cannot win). Full recompute is about one more forward (~+33% of a step); PEERS.md
 # lesson 6 measured 10-21% tokens/s lost.
 MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10}
+MAX_PLACED = 2  # trials per offload spent placing an intermediate block count, or compile, after a miss
 NOISE = 0.03  # step-time medians closer than this are a tie
 RUNOFF = 0.08  # rungs whose best is this close to the leader get re-measured with a longer run
 MAX_BISECT = 2  # bisection (or growth) steps per rung after a missed prediction
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lattice:
+    """What the search may place beyond the anchor configurations it is given.
+
+    `blocks` is N, the repeated blocks checkpointing can recompute (0: no such knob); `compile` says
+    whether compiled configurations may be tried; `floors` is each anchor's resident floor by memory
+    arithmetic (weights, gradients, optimizer state on the device), which predicts a rung's measured
+    floor from a sibling's: the arithmetic difference is exact for what moves to the host.
+    """
+
+    blocks: int = 0
+    compile: bool = False
+    floors: dict[Rung, int] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -82,9 +99,13 @@ class Controller:
         self.trials: list[Trial] = []
         self.states: list[_RungState] = []
         self.notes: list[str] = []
+        self.lattice = Lattice()
 
     # -- top level -------------------------------------------------------------------------------------
-    def search(self, rungs: Sequence[Rung]) -> SearchResult:
+    def search(self, rungs: Sequence[Rung], lattice: Lattice | None = None) -> SearchResult:
+        """Measure the anchor `rungs` in order; then, given a `lattice`, place an intermediate block count
+        per offload and try compile where the measurements say they can win; pick the fastest."""
+        self.lattice = lattice or Lattice()
         states = self.states
         previous: _RungState | None = None
         for rung in rungs:
@@ -92,9 +113,9 @@ class Controller:
             if best is not None:
                 bound = self._upper_bound(rung, states)
                 if bound is not None and bound <= best.samples_per_second * (1 + NOISE):
-                    self.notes.append(f"stopped before {rung.name}: at best {bound:,.1f} samples/s, "
+                    self.notes.append(f"skipped {rung.name}: at best {bound:,.1f} samples/s, "
                                       f"not above the {best.samples_per_second:,.1f} already measured")
-                    break
+                    continue
             if len(self.trials) >= self.max_trials:
                 self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
                 break
@@ -103,6 +124,9 @@ class Controller:
             self._explore(state, previous)
             if state.ok or previous is None:
                 previous = state
+        if lattice is not None and self._best() is not None:
+            self._place_blocks()
+            self._place_compile()
         best = self._best()
         if best is None:
             raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
@@ -118,6 +142,9 @@ class Controller:
         whose per-sample memory is already known (see `_borrowed_slope`) skips the probe and predicts.
         """
         start = previous.largest_ok or 1 if previous is not None else 1
+        reach = self._predicted_reach(state.rung)
+        if reach is not None:  # memory arithmetic from the measured siblings beats a guess from the last rung
+            start = max(1, self._snap(_balanced(min(reach, self.cap), self.per_rank)))
         first = self._run(state, min(start, self.cap))
         if not first.fits and first.micro_batch_size > 1:
             first = self._run(state, 1)
@@ -155,21 +182,188 @@ class Controller:
             self._bisect(state)
 
     def _borrowed_slope(self, state: _RungState) -> float | None:
-        """Bytes per sample of a rung already measured that treats activations the same way, or None.
+        """Bytes per sample of another measured rung that treats activations the same way, or None.
 
         Optimizer offload moves weights and optimizer state, a fixed cost; what each sample adds is set by
-        checkpointing alone, so the rung below with the same checkpointing has measured it already (over a
-        wider range than a second point here would: on GPT-2 large, 2 to 8 samples).
+        precision, recompute and compile alone, so a rung with the same of those has measured it already
+        (over a wider range than a second point here would: on GPT-2 large, 2 to 8 samples).
         """
         if state.rung.offload != "optimizer":
             return None
+        return self._slope(state.rung)
+
+    def _slope(self, rung: Rung) -> float | None:
+        """Measured bytes per sample for `rung`'s treatment of activations (two sizes or more), or None."""
         for other in self.states:
-            same = (other.rung.precision, other.rung.checkpointing) == (state.rung.precision, state.rung.checkpointing)
-            points = [(t.micro_batch_size, t.peak_bytes) for t in other.trials if t.outcome != "oom"]
-            if same and other.rung.offload == "none" and len({m for m, _ in points}) >= 2:
+            points = [(t.micro_batch_size, t.peak_bytes) for t in other.trials if t.outcome in ("ok", "over_budget")]
+            if _activations(other.rung) == _activations(rung) and len({m for m, _ in points}) >= 2:
                 _, slope = fit_line(points)
                 return slope if slope > 0 else None
         return None
+
+    def _floor(self, rung: Rung) -> float | None:
+        """`rung`'s resident floor: measured on a rung with the same floor (the intercept under a known
+        slope), else a measured sibling's shifted by the arithmetic difference of the two floors."""
+        floors = self.lattice.floors
+        for other in self.states:
+            slope = self._slope(other.rung)
+            ran = [t for t in other.trials if t.outcome in ("ok", "over_budget")]
+            if slope is None or not ran:
+                continue
+            top = max(ran, key=lambda t: t.micro_batch_size)
+            measured = top.peak_bytes - slope * top.micro_batch_size
+            if other.rung.offload == rung.offload or (other.rung.offload != "optimizer") == (rung.offload != "optimizer"):
+                return measured
+            if rung in floors and other.rung in floors:
+                return measured + floors[rung] - floors[other.rung]
+        return None
+
+    def _predicted_reach(self, rung: Rung) -> int | None:
+        """The largest micro-batch `rung` should fit by the measured memory line, or None if unknown."""
+        slope, floor = self._slope(rung), self._floor(rung)
+        if slope is None or floor is None:
+            return None
+        return max(0, math.floor((self.limit - floor) / slope))
+
+    # -- the lattice beyond the anchors --------------------------------------------------------------
+    def _place_blocks(self) -> None:
+        """Per offload, the fewest recomputed blocks that let a faster micro-batch fit, predicted from the
+        bytes per sample measured with none and with all blocks recomputed, then verified."""
+        n = self.lattice.blocks
+        if n < 2:
+            return
+        for offload in ("none", "optimizer"):
+            if not any(s.rung.offload == offload and not s.rung.compile for s in self.states):
+                continue
+            candidates = [c for c in self._candidates(offload, compiled=None) if 0 < c[0].checkpointed_blocks < n]
+            self._try_best(candidates, f"{offload} offload, blocks recomputed")
+
+    def _place_compile(self) -> None:
+        """Compile where it can win: first at the largest micro-batch that fitted eager with no recompute
+        (compile only lowers memory, so it fits), which measures what compile saves in time and bytes;
+        then at the configuration that saving predicts to be fastest."""
+        if not self.lattice.compile or not self._budget_left():
+            return
+        probe = self._compile_probe()
+        if probe is None:
+            return
+        eager, rung = probe
+        first = self._run(self._state(rung), eager.micro_batch_size)
+        if first.outcome == "error":
+            self.notes.append(f"compile failed ({first.note}); the plan stays eager")
+            return
+        if not first.fits or first.step_seconds <= 0:
+            return
+        floor = self._floor(eager.rung) or 0.0
+        ratio = (first.peak_bytes - floor) / max(1.0, eager.peak_bytes - floor)
+        compiled = _Compiled(memory=min(1.0, max(0.05, ratio)), time=first.step_seconds / eager.step_seconds)
+        candidates = [c for o in ("none", "optimizer") for c in self._candidates(o, compiled=compiled)]
+        self._try_best(candidates, "compile")
+
+    def _compile_probe(self) -> tuple[Trial, Rung] | None:
+        """The eager trial compile is first measured beside, and the compiled rung to run at its size."""
+        ok = [t for t in self.trials if t.fits and not t.rung.compile]
+        bare = [t for t in ok if t.rung.checkpointing == "none" and t.rung.offload != "activations"]
+        pool = bare or ok
+        if not pool:
+            return None
+        # The fastest eager configuration without recompute; at its largest micro-batch.
+        leader = max(pool, key=lambda t: t.samples_per_second).rung
+        eager = max((t for t in pool if t.rung == leader), key=lambda t: t.micro_batch_size)
+        return eager, dataclasses.replace(leader, compile=True)
+
+    def _candidates(self, offload: str, compiled: _Compiled | None) -> list[tuple[Rung, int, float]]:
+        """(rung, micro-batch, predicted samples/s) for each accumulation count: the fewest blocks
+        recomputed that fit that micro-batch by the measured lines, for `offload`, eager or compiled."""
+        n = self.lattice.blocks
+        precision = self.states[0].rung.precision
+        lo = Rung(precision=precision, offload=offload, checkpointed_blocks=0)
+        hi = dataclasses.replace(lo, checkpointing="full", checkpointed_blocks=n) if n else lo
+        s0 = self._slope(lo) or self._slope(dataclasses.replace(lo, offload="none"))
+        sn = (self._slope(hi) or self._slope(dataclasses.replace(hi, offload="none"))) if n else s0
+        floor = self._floor(lo)
+        opt = self._optimizer_seconds(offload)
+        t0, tn = self._step_line(lo), self._step_line(hi) if n else self._step_line(lo)
+        if None in (s0, sn, floor, opt, t0, tn):
+            return []
+        out = []
+        for micro in self._sizes():
+            k = _blocks_needed(floor, s0, sn, n, micro, self.limit, compiled.memory if compiled else 1.0)
+            if k is None:
+                continue
+            label = "none" if k == 0 else "full" if k == n else "selective"
+            rung = dataclasses.replace(lo, checkpointing=label, checkpointed_blocks=k, compile=compiled is not None)
+            frac = k / n if n else 0.0
+            seconds = (1 - frac) * (t0[0] + t0[1] * micro) + frac * (tn[0] + tn[1] * micro)
+            seconds *= compiled.time if compiled else 1.0
+            rate = self.per_rank * self.world_size / global_step_seconds(max(seconds, 1e-9), opt, self.per_rank, micro)
+            out.append((rung, micro, rate))
+        return out
+
+    def _try_best(self, candidates: list[tuple[Rung, int, float]], what: str) -> None:
+        """Run the candidate predicted fastest, if it can beat the best by more than noise and was not
+        measured; after a miss (over the limit), once more with more blocks recomputed or a smaller size."""
+        measured = {(t.rung, t.micro_batch_size) for t in self.trials}
+        candidates = sorted((c for c in candidates if (c[0], c[1]) not in measured), key=lambda c: -c[2])
+        best = self._best()
+        if not candidates or best is None:
+            return
+        rung, micro, rate = candidates[0]
+        if rate <= best.samples_per_second * (1 + NOISE):
+            self.notes.append(f"{what}: no configuration predicted above the {best.samples_per_second:,.1f} "
+                              f"samples/s measured (best {rung.name} @ {micro}: {rate:,.1f})")
+            return
+        for _ in range(MAX_PLACED):
+            if not self._budget_left():
+                return
+            trial = self._run(self._state(rung), micro)
+            if trial.fits or trial.outcome == "error":
+                return
+            rung, micro = self._after_miss(rung, micro)
+            if micro < 1:
+                return
+
+    def _after_miss(self, rung: Rung, micro: int) -> tuple[Rung, int]:
+        """A placed configuration ran over: recompute half of the blocks left, or, with all of them
+        recomputed already, step down to the next micro-batch that saves an accumulation step less."""
+        n = self.lattice.blocks
+        k = rung.checkpointed_blocks or 0
+        if k < n:
+            k = k + max(1, (n - k + 1) // 2)
+            label = "full" if k >= n else "selective"
+            return dataclasses.replace(rung, checkpointing=label, checkpointed_blocks=min(k, n)), micro
+        smaller = [m for m in self._sizes() if m < micro]
+        return rung, (max(smaller) if smaller else 0)
+
+    def _state(self, rung: Rung) -> _RungState:
+        for state in self.states:
+            if state.rung == rung:
+                return state
+        state = _RungState(rung=rung)
+        self.states.append(state)
+        return state
+
+    def _sizes(self) -> list[int]:
+        """One micro-batch per accumulation count (the smallest for it: same speed, most headroom)."""
+        return sorted({self._snap(_balanced(m, self.per_rank)) for m in range(1, self.cap + 1)})
+
+    def _step_line(self, rung: Rung) -> tuple[float, float] | None:
+        """Micro-step seconds ~ a + b x m on the rung, or on one that treats activations alike; one timed
+        size gives a line through the origin (every second proportional to the samples: optimistic)."""
+        for state in sorted(self.states, key=lambda s: s.rung != rung):
+            timed = [(t.micro_batch_size, t.step_seconds) for t in state.ok if t.step_seconds > 0]
+            if _activations(state.rung) != _activations(rung) or not timed:
+                continue
+            if len({m for m, _ in timed}) >= 2:
+                a, b = fit_line(timed)
+                return max(a, 0.0), max(b, 0.0)
+            m, s = timed[0]
+            return 0.0, s / m
+        return None
+
+    def _optimizer_seconds(self, offload: str) -> float | None:
+        times = [t.optimizer_seconds for t in self.trials if t.fits and t.rung.offload == offload]
+        return min(times) if times else None
 
     def _grow(self, state: _RungState) -> None:
         """The prediction fitted: a miss on the low side if the line now says more fits.
@@ -337,22 +531,24 @@ class Controller:
         return self.per_rank * self.world_size / per_step
 
     def _reason(self, best: Trial) -> str:
-        plain = [t for t in self.trials if t.fits and t.rung.checkpointing == "none" and t.rung.offload == "none"]
+        plain = [t for t in self.trials if t.fits and t.rung.checkpointing == "none" and t.rung.offload == "none"
+                 and not t.rung.compile]
         head = f"{best.rung.name} at micro-batch {best.micro_batch_size}"
         fitting = len({(t.rung, t.micro_batch_size) for t in self.trials if t.fits})
-        if best.rung.checkpointing == "none" and best.rung.offload == "none":
-            others = [t for t in self.trials if t.fits and t.rung != best.rung]
-            if others:
-                runner_up = max(others, key=lambda t: t.samples_per_second)
-                return (f"{head}: the fastest of {fitting} configurations that fit, "
-                        f"{best.samples_per_second / runner_up.samples_per_second:.2f}x the best with "
-                        f"{runner_up.rung.name}")
-            return f"{head}: the fastest of {fitting} configurations that fit"
+        others = [t for t in self.trials if t.fits and t.rung != best.rung]
+        runner_up = max(others, key=lambda t: t.samples_per_second, default=None)
+        second = ""
+        if runner_up is not None:
+            margin = best.samples_per_second / runner_up.samples_per_second
+            second = (f"; {margin:.2f}x the runner-up, {runner_up.rung.name} at micro-batch "
+                      f"{runner_up.micro_batch_size}")
+        if best.rung.checkpointing == "none" and best.rung.offload == "none" and not best.rung.compile:
+            return f"{head}: the fastest of {fitting} configurations that fit{second}"
         if plain:
             top = max(plain, key=lambda t: t.samples_per_second)
             return (f"{head}: {best.samples_per_second / top.samples_per_second:.2f}x the fastest plan without "
-                    f"checkpointing or offload (micro-batch {top.micro_batch_size})")
-        return f"{head}: nothing lighter fits under the limit ({self.limit / 2**30:.2f} GiB)"
+                    f"checkpointing, offload or compile (micro-batch {top.micro_batch_size}){second}")
+        return f"{head}: nothing lighter fits under the limit ({self.limit / 2**30:.2f} GiB){second}"
 
     def _nothing_fits(self, rungs: Sequence[Rung]) -> str:
         ran = [t for t in self.trials if t.peak_bytes]
@@ -372,3 +568,27 @@ def _balanced(micro: int, per_rank: int) -> int:
     """The smallest micro-batch needing as few accumulation steps as `micro`: same speed, more headroom."""
     steps = ceil_div(per_rank, max(1, micro))
     return ceil_div(per_rank, steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Compiled:
+    """What compile did beside an eager trial at the same size: bytes per sample and step time, as ratios."""
+
+    memory: float
+    time: float
+
+
+def _activations(rung: Rung) -> tuple[str, str, int | None, bool, bool]:
+    """What sets the bytes each sample adds: precision, blocks recomputed, compile, activation offload."""
+    return rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.compile, rung.offload == "activations"
+
+
+def _blocks_needed(floor: float, s0: float, sn: float, n: int, micro: int, limit: int, compiled: float) -> int | None:
+    """The fewest of `n` blocks to recompute so `micro` samples fit: each recomputed block drops its share of
+    (s0 - sn) bytes per sample; compile scales what the non-recomputed blocks keep. None if even all fail."""
+    for k in range(n + 1):
+        frac = k / n if n else 0.0
+        per_sample = compiled * (1 - frac) * s0 + frac * sn if compiled < 1 else (1 - frac) * s0 + frac * sn
+        if floor + micro * per_sample <= limit:
+            return k
+    return None

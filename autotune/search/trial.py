@@ -70,8 +70,9 @@ class TrialRunner:
         micro_batch = batches.resize(work.batch, micro)
         meter = MemoryMeter(work.placement, work.budget_bytes)
         applied: AppliedRung | None = None
-        timings: tuple[float, float] | None = None
+        timings: tuple[float, float, float] | None = None
         failure = ""
+        compile_failed = False
         try:
             try:
                 with meter.watching(work.model, micro_batch):
@@ -81,9 +82,12 @@ class TrialRunner:
                 if is_device_poisoned(exc):
                     raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
                                       "The CUDA context is unusable; restart the process.") from exc
-                if not is_oom(exc):
+                if not is_oom(exc) and not rung.compile:
                     raise
+                # Every compiled trial follows an eager one of the same model that ran: an error that is
+                # not an OOM is compile's (tracing, lowering), and the search goes on without compile.
                 failure = _first_line(exc)
+                compile_failed = not is_oom(exc)
             # Out of the except block: the exception no longer pins the failed step's tensors. Read the
             # peak now, before clean-up resets the allocator's statistics.
             reading = meter.read()
@@ -91,15 +95,17 @@ class TrialRunner:
             _clean_up(work, applied)
         del micro_batch
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
-                            time.perf_counter() - started)
+                            time.perf_counter() - started, compile_failed)
         return self.agree(trial)
 
 
-def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float]:
-    """Median (forward+backward seconds, optimizer seconds) over the measured steps."""
+def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float, float]:
+    """Median (forward+backward seconds, optimizer seconds) over the measured steps, and the warm-up
+    steps' time beyond them (compile time, on a compiled configuration)."""
     work.model.train()
     step_times: list[float] = []
     opt_times: list[float] = []
+    warmup = 0.0
     for i in range(work.warmup_steps + measured):
         t0 = now(work.placement)
         with applied.autocast():
@@ -115,7 +121,10 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
         if i >= work.warmup_steps:
             step_times.append(t1 - t0)
             opt_times.append(t2 - t1)
-    return statistics.median(step_times), statistics.median(opt_times)
+        else:
+            warmup += t2 - t0
+    step_s, opt_s = statistics.median(step_times), statistics.median(opt_times)
+    return step_s, opt_s, max(0.0, warmup - work.warmup_steps * (step_s + opt_s))
 
 
 def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
@@ -138,12 +147,12 @@ def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
 
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
-                timings: tuple[float, float] | None, failure: str, seconds: float) -> Trial:
+                timings: tuple[float, float, float] | None, failure: str, seconds: float,
+                compile_failed: bool = False) -> Trial:
     if timings is None:
-        note = failure
-        return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=peak, seconds=seconds,
-                     alloc_retries=retries, note=note[:200])
-    step_s, opt_s = timings
+        return Trial(rung=rung, micro_batch_size=micro, outcome="error" if compile_failed else "oom",
+                     peak_bytes=peak, seconds=seconds, alloc_retries=retries, note=failure[:200])
+    step_s, opt_s, compile_s = timings
     per_step = global_step_seconds(step_s, opt_s, work.per_rank, micro)
     rate = work.per_rank * work.world_size / per_step if per_step > 0 else 0.0
     outcome = "ok" if peak <= work.limit_bytes else "over_budget"
@@ -151,7 +160,7 @@ def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
                                        "GiB limit (budget less margin)")
     return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, seconds=seconds,
                  step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
-                 alloc_retries=retries, note=note)
+                 alloc_retries=retries, compile_seconds=compile_s if rung.compile else 0.0, note=note)
 
 
 def _first_line(exc: BaseException) -> str:

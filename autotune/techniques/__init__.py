@@ -1,11 +1,15 @@
-"""The memory ladder, and `apply_rung`: put one rung on a model and get back what a training step needs.
+"""The knobs, and `apply_rung`: put one configuration on a model and get back what a training step needs.
 
-Rungs, cheapest first (each saves memory and costs time):
-    bf16                      autocast; weights stay FP32
-    bf16 + selective ckpt     every other block recomputed
-    bf16 + full ckpt          every block recomputed
-    bf16 + full ckpt + activations offload   block inputs parked in pinned host memory
-    bf16 + full ckpt + optimizer offload     FP32 masters and optimizer state on the host
+Knobs, each independent of the others (a lattice, not a line):
+    precision       bf16 autocast (weights stay FP32), fp16 with a GradScaler, or fp32
+    checkpointing   how many of the N repeated blocks are recomputed in backward, 0..N
+    offload         none; activations (block inputs parked in pinned host memory, with checkpointing);
+                    optimizer (FP32 masters and optimizer state on the host, with or without checkpointing)
+    compile         torch.compile on the whole model, or per block around the checkpoint wrapper
+
+`anchors` are the configurations the search measures first (every offload with none and with all blocks
+recomputed); the search then places intermediate block counts and compile from what they measured.
+`ladder` is the line recovery climbs in training: each rung keeps every technique of the one below.
 
 A technique that is off is a null context or a no-op, so the training step has one code path.
 """
@@ -13,6 +17,7 @@ A technique that is off is a null context or a no-op, so the training step has o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
@@ -24,14 +29,15 @@ from ..errors import InvalidSetting
 from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung
 from . import checkpointing
+from . import compile as compiling
 from .checkpointing import BlockGroup, find_blocks
 from .offload import HostOptimizer, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
-TECHNIQUES = ("bf16", "checkpointing", "offload")
+TECHNIQUES = ("bf16", "checkpointing", "offload", "compile")
 
-__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "drop_rungs_over", "ladder", "resident_floor",
-           "parse_techniques", "find_blocks", "BlockGroup"]
+__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count", "drop_rungs_over", "ladder",
+           "resident_floor", "parse_techniques", "find_blocks", "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
@@ -48,27 +54,60 @@ def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
     return chosen
 
 
-def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None) -> tuple[list[Rung], list[str]]:
-    """The rungs to climb, cheapest first, and a note for each rung left out and why."""
+def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None, *,
+           compile: bool = False) -> tuple[list[Rung], list[str]]:
+    """The line recovery climbs, cheapest first, and a note for each rung left out and why: no
+    checkpointing, half the blocks, all of them, then activation offload, then optimizer offload."""
     precision, _ = choose_precision("bf16" in allowed, placement)
     notes: list[str] = []
-    strengths = ["none"]
+    n = len(blocks.blocks) if blocks is not None else 0
+    counts = [0]
     if "checkpointing" in allowed:
         if blocks is None:
             notes.append("checkpointing skipped: no repeated blocks (same-class children of a ModuleList "
                          "or Sequential) found in the model")
         else:
-            strengths += ["selective", "full"] if len(blocks.blocks) >= 4 else ["full"]
-    rungs = [Rung(precision=precision, checkpointing=s) for s in strengths]
+            counts += [(n + 1) // 2, n] if n >= 4 else [n]
+    rungs = [_rung(precision, k, n, "none", compile) for k in counts]
+    top = counts[-1]
     if "offload" in allowed:
-        if blocks is not None and "checkpointing" in allowed:
-            rungs.append(Rung(precision=precision, checkpointing="full", offload="activations"))
+        if top:
+            rungs.append(_rung(precision, top, n, "activations", compile))
         if precision != "fp32":
-            top = "full" if blocks is not None and "checkpointing" in allowed else "none"
-            rungs.append(Rung(precision=precision, checkpointing=top, offload="optimizer"))
+            rungs.append(_rung(precision, top, n, "optimizer", compile))
         else:
             notes.append("optimizer offload skipped: it keeps 16-bit weights on the device and fp32 was asked for")
     return rungs, notes
+
+
+def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None) -> tuple[list[Rung], list[str]]:
+    """The eager configurations the search measures first, in the order it tries them.
+
+    Every offload is tried with no block and with every block recomputed: these corners give the bytes
+    per sample with and without recompute and the resident floor with and without optimizer offload,
+    from which the search predicts the rest of the lattice (intermediate block counts, compile).
+    """
+    rungs, notes = ladder(allowed, placement, blocks)
+    n = len(blocks.blocks) if blocks is not None else 0
+    plain = [r for r in rungs if r.offload == "none" and r.checkpointed_blocks in (0, n)]
+    optimizer = [r for r in rungs if r.offload == "optimizer"]
+    bare = [dataclasses.replace(r, checkpointing="none", checkpointed_blocks=0) for r in optimizer if n][:1]
+    # Optimizer offload without recompute (its floor, none of the recompute) before activation offload.
+    order = plain + bare + [r for r in rungs if r.offload == "activations"] + optimizer
+    return list(dict.fromkeys(order)), notes
+
+
+def block_count(rung: Rung, blocks: BlockGroup | None) -> int:
+    """How many blocks `rung` recomputes: its count, or its label's default when it has none."""
+    n = len(blocks.blocks) if blocks is not None else 0
+    if rung.checkpointed_blocks is not None:
+        return min(rung.checkpointed_blocks, n)
+    return {"none": 0, "selective": (n + 1) // 2, "full": n}[rung.checkpointing]
+
+
+def _rung(precision: str, k: int, n: int, offload: str, compile: bool) -> Rung:
+    label = "none" if k == 0 else "full" if k >= n else "selective"
+    return Rung(precision=precision, checkpointing=label, checkpointed_blocks=k, offload=offload, compile=compile)
 
 
 def resident_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
@@ -141,12 +180,14 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
     undo: list[Callable[[], None]] = []
     try:
         scaler = make_scaler(rung.precision, placement)
+        count = block_count(rung, blocks)
         if rung.checkpointing != "none":
             if blocks is None:
                 raise InvalidSetting("checkpointing needs repeated blocks and none were found in the model")
-            undo.append(checkpointing.install(blocks, rung.checkpointing,
-                                              offload_activations=rung.offload == "activations",
+            undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
                                               placement=placement))
+        if rung.compile:
+            undo.append(compiling.install(model, blocks, count))
         trainable = [p for p in model.parameters() if p.requires_grad]
         if rung.offload == "optimizer":
             state = optimizer.state_dict() if optimizer is not None and optimizer.state else None

@@ -2,8 +2,9 @@
 
 Blocks are found automatically: the largest group of same-class children of an `nn.ModuleList` or
 `nn.Sequential` (a transformer's layers, a ResNet stage's bottlenecks, Hugging Face decoder layers).
-Two strengths: `selective` checkpoints every other block (about half the activation memory back for
-half the recompute), `full` checkpoints every block. Checkpointing is non-reentrant
+Any number of them, 0..N, may be recomputed (`install(blocks, count)`): the search picks the count from
+the bytes per sample measured with none and with all of them recomputed; "selective" is any count
+between, "full" all of them. Checkpointing is non-reentrant
 (`use_reentrant=False`): it supports keyword arguments and restores the dropout RNG on recompute.
 
 Guards (PEERS.md lesson 8): a block's BatchNorm running statistics are saved before the recompute and
@@ -62,11 +63,20 @@ def find_blocks(model: nn.Module) -> BlockGroup | None:
     return best
 
 
-def install(blocks: BlockGroup, strength: str, *, offload_activations: bool, placement: Placement) -> Callable[[], None]:
-    """Wrap the chosen blocks' `forward` with non-reentrant checkpointing; returns the undo function."""
-    if strength == "none":
-        return lambda: None
-    chosen = blocks.blocks if strength == "full" else blocks.blocks[::2]
+def chosen_blocks(blocks: BlockGroup, count: int) -> list[nn.Module]:
+    """`count` of the blocks, spread evenly over the depth (every other block when count is half).
+
+    Which blocks are recomputed does not change the bytes saved (repeated blocks hold the same activations),
+    but spreading them keeps the live activations of the non-recomputed ones from bunching up in backward.
+    """
+    n = len(blocks.blocks)
+    count = max(0, min(count, n))
+    return [blocks.blocks[(i * n) // count] for i in range(count)] if count else []
+
+
+def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement) -> Callable[[], None]:
+    """Wrap `count` blocks' `forward` with non-reentrant checkpointing; returns the undo function."""
+    chosen = chosen_blocks(blocks, count)
     for block in chosen:
         original = block.forward  # the bound method; restored by deleting the instance attribute
         wrapped = _checkpointed(block, original, offload_activations, placement)
@@ -87,6 +97,10 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         args, kwargs = _without_kv_cache(args, kwargs)
+        if not offload and not norms:
+            # Nothing to count or park: a plain checkpoint of the block, which torch.compile traces into one
+            # graph with the block (the counting closure below mutates state, which compile cannot keep).
+            return checkpoint(original, *args, use_reentrant=False, **kwargs)
         calls = [0]
         parked = offload and bool(args) and isinstance(args[0], torch.Tensor)
         first_input = [args[0]] if parked else []

@@ -386,8 +386,9 @@ def _with(plan: Plan, rung: Rung, micro: int, reason: str) -> Plan:
                                accumulation_steps=steps, last_micro_batch_size=last, reason=reason)
 
 
-def _strength(rung: Rung) -> tuple[int, int]:
-    return OFFLOAD.index(rung.offload), CHECKPOINTING.index(rung.checkpointing)
+def _strength(rung: Rung) -> tuple[int, int, int]:
+    # The count breaks ties between two "selective" rungs; None (the label's default) counts as the label.
+    return OFFLOAD.index(rung.offload), CHECKPOINTING.index(rung.checkpointing), rung.checkpointed_blocks or 0
 
 
 def _dominates(a: Rung, b: Rung) -> bool:
@@ -403,7 +404,7 @@ def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: 
         allowed.discard("bf16")  # also drops optimizer offload, which keeps 16-bit weights
     else:
         allowed.add("bf16")
-    rungs, _ = ladder(frozenset(allowed), placement, blocks)
+    rungs, _ = ladder(frozenset(allowed), placement, blocks, compile=plan.compile)  # compile stays as tuned
     return [dataclasses.replace(r, precision=plan.precision) for r in rungs]
 
 
