@@ -109,7 +109,7 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     for i in range(work.warmup_steps + measured):
         t0 = now(work.placement)
         with applied.autocast():
-            loss, count = split_loss(work.loss_fn(work.model, micro_batch))
+            loss, count = split_loss(work.loss_fn(work.model, applied.inputs(micro_batch)))
             if count is not None:
                 loss = loss / count
         applied.backward(loss)

@@ -144,6 +144,12 @@ class AppliedRung:
     scaler: torch.amp.GradScaler | None
     _undo: list[Callable[[], None]]
 
+    def inputs(self, micro_batch: Any) -> Any:
+        """The micro-batch as the model should get it: under compile, with a dynamic batch dimension."""
+        if self.rung.compile:
+            compiling.mark_batch_dynamic(micro_batch)
+        return micro_batch
+
     def backward(self, loss: torch.Tensor) -> None:
         # Scale under optimizer offload too: HostOptimizer.step unscales the host gradients itself.
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -11,19 +11,21 @@ the first step of each new shape; torch's own on-disk caches (Inductor's FX grap
 tune of the same model cheaper. After the second shape torch marks the batch dimension dynamic, so a
 change of micro-batch in training (recovery, an uneven last micro-batch) does not recompile again.
 
-`nn.Module.compile()` keeps the module object and its state dict as they are, and is undone by dropping
-the compiled call; a model that cannot be compiled falls back to eager with a note (the search records
+Compiling this way (what `nn.Module.compile()` does) keeps the module object and its state dict as they
+are, and is undone by dropping the compiled call; a model that cannot be compiled falls back to eager with a note (the search records
 the failed trial and goes on without compile).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..devices.placement import Placement
+from ..workload.batch import tensors
 from .checkpointing import BlockGroup
 
 # Each trial of a new configuration may add a guard set per compiled code object (shapes, checkpointed or
@@ -49,13 +51,24 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     _raise_cache_limits()
     targets = list(blocks.blocks) if checkpointed > 0 and blocks is not None else [model]
     for module in targets:
-        module.compile()
+        module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
 
     def remove() -> None:
         for module in targets:
             module._compiled_call_impl = None  # what nn.Module.compile set; __call__ is eager again
 
     return remove
+
+
+# One compiled callable per module, reused by every trial and by training: a fresh torch.compile wrapper
+# brings a fresh backend, whose guard would miss every graph compiled before and compile them again.
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
+
+
+def _compiled(module: nn.Module) -> Callable[..., object]:
+    if module not in _WRAPPERS:
+        _WRAPPERS[module] = torch.compile(module._call_impl)
+    return _WRAPPERS[module]
 
 
 def _raise_cache_limits() -> None:
@@ -68,3 +81,10 @@ def _raise_cache_limits() -> None:
     if hasattr(config, "accumulated_recompile_limit"):
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * _CACHE_LIMIT)
 
+
+def mark_batch_dynamic(batch: object) -> None:
+    """Tell compile that dim 0 of every input varies, so a new micro-batch size (the next trial, a
+    recovery, an uneven last micro-batch) reuses the compiled graph instead of compiling another."""
+    for t in tensors(batch):
+        if t.dim() > 0 and t.shape[0] > 1:  # a size-1 dim is specialized by compile anyway
+            torch._dynamo.maybe_mark_dynamic(t, 0)

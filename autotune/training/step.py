@@ -44,7 +44,7 @@ from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
 from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
 from ..settings import FitSettings
-from ..techniques import AppliedRung, apply_rung, find_blocks, ladder, parse_techniques
+from ..techniques import AppliedRung, apply_rung, block_count, find_blocks, ladder, parse_techniques
 from ..techniques.offload import HostOptimizer
 from ..techniques.sharding import is_sharded
 
@@ -102,6 +102,8 @@ class TrainingStep:
         self.placement = _placement(plan, model)
         self.spec = OptimizerSpec.from_user(optimizer, model)
         self.blocks = find_blocks(model)
+        if plan.checkpointed_blocks is None:  # the label's default, as a count: recovery compares counts
+            self.plan = dataclasses.replace(plan, checkpointed_blocks=block_count(plan.rung, self.blocks))
         self._sharded = distributed.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
         self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks)
         self.grow_after = grow_after
@@ -202,7 +204,7 @@ class TrainingStep:
         start = 0
         for index, size in enumerate(sizes):
             self._micro_step = index
-            micro = batches.take(batch, start, start + size)
+            micro = applied.inputs(batches.take(batch, start, start + size))
             start += size
             with applied.autocast():
                 loss, count = split_loss(self.loss_fn(self.model, micro))

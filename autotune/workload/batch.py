@@ -94,3 +94,8 @@ def tokens_per_sample(batch: Batch) -> int | None:
         if t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool:
             return int(t.shape[1])
     return None
+
+
+def tensors(batch: Batch) -> list[torch.Tensor]:
+    """Every tensor in the batch, in a fixed order."""
+    return _leaves(batch)
