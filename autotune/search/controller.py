@@ -100,31 +100,22 @@ class Controller:
         self.states: list[_RungState] = []
         self.notes: list[str] = []
         self.lattice = Lattice()
+        self._compiled: _Compiled | None = None  # what compile saved beside eager, once measured
+        self._compile_failed = False
 
     # -- top level -------------------------------------------------------------------------------------
     def search(self, rungs: Sequence[Rung], lattice: Lattice | None = None) -> SearchResult:
         """Measure the anchor `rungs` in order; then, given a `lattice`, place an intermediate block count
         per offload and try compile where the measurements say they can win; pick the fastest."""
         self.lattice = lattice or Lattice()
-        states = self.states
-        previous: _RungState | None = None
-        for rung in rungs:
-            best = self._best()
-            if best is not None:
-                bound = self._upper_bound(rung, states)
-                if bound is not None and bound <= best.samples_per_second * (1 + NOISE):
-                    self.notes.append(f"skipped {rung.name}: at best {bound:,.1f} samples/s, "
-                                      f"not above the {best.samples_per_second:,.1f} already measured")
-                    continue
-            if len(self.trials) >= self.max_trials:
-                self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
-                break
-            state = _RungState(rung=rung)
-            states.append(state)
-            self._explore(state, previous)
-            if state.ok or previous is None:
-                previous = state
-        if lattice is not None and self._best() is not None:
+        if lattice is None:
+            self._climb(rungs)
+        else:
+            # No recompute first, then compile beside it: compile's gain bounds what the recompute rungs
+            # can still win, so they are skipped rather than measured when they cannot.
+            self._climb([r for r in rungs if r.checkpointed_blocks == 0])
+            self._place_compile()
+            self._climb([r for r in rungs if r.checkpointed_blocks != 0])
             self._place_blocks()
             self._place_compile()
         best = self._best()
@@ -132,6 +123,25 @@ class Controller:
             raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
         best = self._runoff(best)
         return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes)
+
+    def _climb(self, rungs: Sequence[Rung]) -> None:
+        """Explore each rung in order, unless the time model says it cannot beat the best measured."""
+        previous = next((s for s in reversed(self.states) if s.ok), None)
+        for rung in rungs:
+            best = self._best()
+            if best is not None:
+                bound = self._upper_bound(rung, self.states)
+                if bound is not None and bound <= best.samples_per_second * (1 + NOISE):
+                    self.notes.append(f"skipped {rung.name}: at best {bound:,.1f} samples/s, "
+                                      f"not above the {best.samples_per_second:,.1f} already measured")
+                    continue
+            if len(self.trials) >= self.max_trials:
+                self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")
+                return
+            state = self._state(rung)
+            self._explore(state, previous)
+            if state.ok or previous is None:
+                previous = state
 
     # -- one rung --------------------------------------------------------------------------------------
     def _explore(self, state: _RungState, previous: _RungState | None) -> None:
@@ -239,25 +249,27 @@ class Controller:
             self._try_best(candidates, f"{offload} offload, blocks recomputed")
 
     def _place_compile(self) -> None:
-        """Compile where it can win: first at the largest micro-batch that fitted eager with no recompute
-        (compile only lowers memory, so it fits), which measures what compile saves in time and bytes;
-        then at the configuration that saving predicts to be fastest."""
-        if not self.lattice.compile or not self._budget_left():
+        """Compile where it can win. The first time, at the largest micro-batch that fitted eager with no
+        recompute (compile only lowers memory, so it fits there), which measures what compile saves in
+        time and bytes; then, each time, at the configuration that saving predicts to be fastest."""
+        if not self.lattice.compile or self._compile_failed or not self._budget_left():
             return
-        probe = self._compile_probe()
-        if probe is None:
-            return
-        eager, rung = probe
-        first = self._run(self._state(rung), eager.micro_batch_size)
-        if first.outcome == "error":
-            self.notes.append(f"compile failed ({first.note}); the plan stays eager")
-            return
-        if not first.fits or first.step_seconds <= 0:
-            return
-        floor = self._floor(eager.rung) or 0.0
-        ratio = (first.peak_bytes - floor) / max(1.0, eager.peak_bytes - floor)
-        compiled = _Compiled(memory=min(1.0, max(0.05, ratio)), time=first.step_seconds / eager.step_seconds)
-        candidates = [c for o in ("none", "optimizer") for c in self._candidates(o, compiled=compiled)]
+        if self._compiled is None:
+            probe = self._compile_probe()
+            if probe is None:
+                return
+            eager, rung = probe
+            first = self._run(self._state(rung), eager.micro_batch_size)
+            if first.outcome == "error":
+                self._compile_failed = True
+                self.notes.append(f"compile failed ({first.note}); the plan stays eager")
+                return
+            if not first.fits or first.step_seconds <= 0:
+                return
+            floor = self._floor(eager.rung) or 0.0
+            ratio = (first.peak_bytes - floor) / max(1.0, eager.peak_bytes - floor)
+            self._compiled = _Compiled(memory=min(1.0, max(0.05, ratio)), time=first.step_seconds / eager.step_seconds)
+        candidates = [c for o in ("none", "optimizer") for c in self._candidates(o, compiled=self._compiled)]
         self._try_best(candidates, "compile")
 
     def _compile_probe(self) -> tuple[Trial, Rung] | None:
@@ -283,15 +295,20 @@ class Controller:
         sn = (self._slope(hi) or self._slope(dataclasses.replace(hi, offload="none"))) if n else s0
         floor = self._floor(lo)
         opt = self._optimizer_seconds(offload)
-        t0, tn = self._step_line(lo), self._step_line(hi) if n else self._step_line(lo)
-        if None in (s0, sn, floor, opt, t0, tn):
+        t0 = self._step_line(lo)
+        tn = self._step_line(hi) if n else t0
+        if None in (s0, floor, opt, t0):
             return []
+        if sn is None or tn is None:  # recompute not measured yet: only configurations without it
+            n, sn, tn = 0, s0, t0
         out = []
         for micro in self._sizes():
+            if compiled is not None and micro > 1 and self.per_rank % micro == 1:
+                continue  # a last micro-batch of one sample is a shape compile specializes: a recompile
             k = _blocks_needed(floor, s0, sn, n, micro, self.limit, compiled.memory if compiled else 1.0)
             if k is None:
                 continue
-            label = "none" if k == 0 else "full" if k == n else "selective"
+            label = "none" if k == 0 else "full" if k == self.lattice.blocks else "selective"
             rung = dataclasses.replace(lo, checkpointing=label, checkpointed_blocks=k, compile=compiled is not None)
             frac = k / n if n else 0.0
             seconds = (1 - frac) * (t0[0] + t0[1] * micro) + frac * (tn[0] + tn[1] * micro)
@@ -302,38 +319,28 @@ class Controller:
 
     def _try_best(self, candidates: list[tuple[Rung, int, float]], what: str) -> None:
         """Run the candidate predicted fastest, if it can beat the best by more than noise and was not
-        measured; after a miss (over the limit), once more with more blocks recomputed or a smaller size."""
+        measured; after a miss, the next one the miss does not rule out (one with fewer blocks recomputed
+        at as many samples would run over too); after a fit, grow it along its own memory line."""
         measured = {(t.rung, t.micro_batch_size) for t in self.trials}
-        candidates = sorted((c for c in candidates if (c[0], c[1]) not in measured), key=lambda c: -c[2])
-        best = self._best()
-        if not candidates or best is None:
-            return
-        rung, micro, rate = candidates[0]
-        if rate <= best.samples_per_second * (1 + NOISE):
-            self.notes.append(f"{what}: no configuration predicted above the {best.samples_per_second:,.1f} "
-                              f"samples/s measured (best {rung.name} @ {micro}: {rate:,.1f})")
-            return
+        pool = sorted((c for c in candidates if (c[0], c[1]) not in measured), key=lambda c: -c[2])
         for _ in range(MAX_PLACED):
-            if not self._budget_left():
+            best = self._best()
+            if not pool or best is None or not self._budget_left():
                 return
-            trial = self._run(self._state(rung), micro)
-            if trial.fits or trial.outcome == "error":
+            rung, micro, rate = pool.pop(0)
+            if rate <= best.samples_per_second * (1 + NOISE):
+                self.notes.append(f"{what}: no configuration predicted above the {best.samples_per_second:,.1f} "
+                                  f"samples/s measured (best {rung.name} @ {micro}: {rate:,.1f})")
                 return
-            rung, micro = self._after_miss(rung, micro)
-            if micro < 1:
+            state = self._state(rung)
+            trial = self._run(state, micro)
+            if trial.fits:
+                if len({t.micro_batch_size for t in state.ok}) >= 2:
+                    self._grow(state)
                 return
-
-    def _after_miss(self, rung: Rung, micro: int) -> tuple[Rung, int]:
-        """A placed configuration ran over: recompute half of the blocks left, or, with all of them
-        recomputed already, step down to the next micro-batch that saves an accumulation step less."""
-        n = self.lattice.blocks
-        k = rung.checkpointed_blocks or 0
-        if k < n:
-            k = k + max(1, (n - k + 1) // 2)
-            label = "full" if k >= n else "selective"
-            return dataclasses.replace(rung, checkpointing=label, checkpointed_blocks=min(k, n)), micro
-        smaller = [m for m in self._sizes() if m < micro]
-        return rung, (max(smaller) if smaller else 0)
+            if trial.outcome == "error":
+                return
+            pool = [c for c in pool if not _ruled_out(c, rung, micro)]
 
     def _state(self, rung: Rung) -> _RungState:
         for state in self.states:
@@ -351,7 +358,7 @@ class Controller:
         """Micro-step seconds ~ a + b x m on the rung, or on one that treats activations alike; one timed
         size gives a line through the origin (every second proportional to the samples: optimistic)."""
         for state in sorted(self.states, key=lambda s: s.rung != rung):
-            timed = [(t.micro_batch_size, t.step_seconds) for t in state.ok if t.step_seconds > 0]
+            timed = _timed(state)
             if _activations(state.rung) != _activations(rung) or not timed:
                 continue
             if len({m for m, _ in timed}) >= 2:
@@ -517,13 +524,15 @@ class Controller:
         if best is None:
             return None
         state = next((s for s in states if s.rung == best.rung), None)
-        if state is None or len({t.micro_batch_size for t in state.ok}) < 2:
+        if state is None or len({m for m, _ in _timed(state)}) < 2:
             return None  # one point gives no time model: the higher rung may still win
-        _, b = fit_line([(t.micro_batch_size, t.step_seconds) for t in state.ok])
+        _, b = fit_line(_timed(state))
         # The line's slope, anchored at the largest measured micro-batch: beyond it each extra sample
         # costs at least b (b >= 0), and at it the time is what was measured, not what the fit says.
         top = max(state.ok, key=lambda t: t.micro_batch_size)
-        opt = min(t.optimizer_seconds for t in state.ok)
+        # The optimizer step is the rung's own offload's where one was measured (optimizer offload's host
+        # step is 10x the device one on GPT-2 large): a bound from another offload's would be wrong.
+        opt = self._optimizer_seconds(rung.offload) or min(t.optimizer_seconds for t in state.ok)
         extra = MIN_OVERHEAD[rung.offload if rung.offload != "none" else rung.checkpointing]
         base_extra = MIN_OVERHEAD[best.rung.offload if best.rung.offload != "none" else best.rung.checkpointing]
         micro_seconds = (top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size)) * (1 + extra) / (1 + base_extra)
@@ -581,6 +590,20 @@ class _Compiled:
 def _activations(rung: Rung) -> tuple[str, str, int | None, bool, bool]:
     """What sets the bytes each sample adds: precision, blocks recomputed, compile, activation offload."""
     return rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.compile, rung.offload == "activations"
+
+
+def _timed(state: _RungState) -> list[tuple[int, float]]:
+    """(micro-batch, micro-step seconds) of every trial that ran all its steps, over the limit or not."""
+    return [(t.micro_batch_size, t.step_seconds) for t in state.trials
+            if t.outcome in ("ok", "over_budget") and t.step_seconds > 0]
+
+
+def _ruled_out(candidate: tuple[Rung, int, float], missed: Rung, micro: int) -> bool:
+    """Whether a miss of `missed` at `micro` samples says `candidate` would run over too: the same offload
+    and compile, no more blocks recomputed, at least as many samples."""
+    rung, m, _ = candidate
+    same = (rung.offload, rung.compile, rung.precision) == (missed.offload, missed.compile, missed.precision)
+    return same and (rung.checkpointed_blocks or 0) <= (missed.checkpointed_blocks or 0) and m >= micro
 
 
 def _blocks_needed(floor: float, s0: float, sn: float, n: int, micro: int, limit: int, compiled: float) -> int | None:
