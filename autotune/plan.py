@@ -189,14 +189,19 @@ class Plan:
     def per_rank_batch_size(self) -> int:
         return self.global_batch_size // self.world_size
 
-    def apply(self, model: Any, optimizer: Any = None, *, loss_fn: Any = None) -> Any:
+    def apply(self, model: Any, optimizer: Any = None, *, loss_fn: Any = None, max_grad_norm: float | None = None,
+              before_optimizer_step: Any = None, after_optimizer_step: Any = None) -> Any:
         """Apply this plan to `model` (and `optimizer`) and return the training step callable.
 
-        See `autotune.training.step.TrainingStep`.
+        `max_grad_norm` clips the whole global batch's gradient norm before each optimizer step;
+        `before_optimizer_step(step)` / `after_optimizer_step(step)` run around it. See
+        `autotune.training.step.TrainingStep`.
         """
         from .training.step import TrainingStep  # step imports plan: import here to keep the graph acyclic
 
-        return TrainingStep(self, model, optimizer, loss_fn=loss_fn)
+        return TrainingStep(self, model, optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
+                            before_optimizer_step=before_optimizer_step,
+                            after_optimizer_step=after_optimizer_step)
 
     def summary(self) -> str:
         """One line: rung, micro-batch x accumulation, throughput and memory."""

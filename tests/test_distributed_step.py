@@ -22,6 +22,9 @@ import torch.multiprocessing as mp
 
 SCENARIOS = ("mean-uneven", "tokens-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
              "sharded-mean-uneven", "sharded-tokens-uneven")
+# Gradient clipping over the global batch (test_clipping.py has one process): two ranks only.
+CLIP_SCENARIOS = ("clip-mean-uneven", "clip-tokens-uneven", "sharded-clip-mean-uneven", "sharded-clip-tokens-uneven")
+CLIP_NORM = 0.05  # well under these batches' gradient norms: the clipping is real
 TIMEOUT_S = 180
 
 
@@ -34,8 +37,9 @@ def _shares(world: int, seed: int, t_of=lambda r: 6, n_of=lambda r: r + 2):
     return [seq_batch(n_of(r), t_of(r), seed=seed + r) for r in range(world)]
 
 
-def _reference(model, shares, loss_fn=None):
-    """One SGD step over the union of every rank's share, in one process: the full-batch yardstick."""
+def _reference(model, shares, loss_fn=None, max_norm=None):
+    """One SGD step over the union of every rank's share, in one process: the full-batch yardstick (clipped
+    with torch's clip_grad_norm_ when `max_norm` is given); the model, the loss and the norm."""
     from test_step import sgd
 
     m = copy.deepcopy(model)
@@ -47,11 +51,12 @@ def _reference(model, shares, loss_fn=None):
         outs = [loss_fn(m, b) for b in shares]
         loss = sum(o[0] for o in outs) / sum(o[1] for o in outs)
     loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)) if max_norm is not None else None
     opt.step()
-    return m, float(loss.detach())
+    return m, float(loss.detach()), norm
 
 
-def _train(plan, model, batch, loss_fn=None, sharded=False):
+def _train(plan, model, batch, loss_fn=None, sharded=False, max_norm=None):
     from autotune.training.step import TrainingStep
     from autotune.techniques.sharding import shard
     from test_step import sgd
@@ -59,7 +64,7 @@ def _train(plan, model, batch, loss_fn=None, sharded=False):
     m = copy.deepcopy(model)
     if sharded:
         shard(m, precision=plan.precision)  # FSDP2 in place; the optimizer comes after
-    step = TrainingStep(plan, m, sgd(m.parameters()), loss_fn=loss_fn)
+    step = TrainingStep(plan, m, sgd(m.parameters()), loss_fn=loss_fn, max_grad_norm=max_norm)
     loss = step(batch)
     if sharded:  # the full parameters, gathered from every rank's shard, in a plain copy of the model
         full = copy.deepcopy(model)
@@ -100,6 +105,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     budget = HUGE
     sharded = name.startswith("sharded-")
     name = name.removeprefix("sharded-")
+    max_norm = CLIP_NORM if name.startswith("clip-") else None
+    name = name.removeprefix("clip-")
     if name == "mean-uneven":
         # FSDP runs collectives in every micro-step: its ranks need equal shares (3 samples: micro 2 + 1)
         shares = _shares(world, seed=10, **({"n_of": lambda r: 3} if sharded else {}))
@@ -135,16 +142,20 @@ def _scenario(name: str, rank: int, world: int) -> dict:
 
     plan = make_plan(2, sum(len(b[0]) for b in shares), budget=budget)
     train_loss = (lambda m, b: m(*b)) if sharded and loss_fn is token_loss else loss_fn
-    got, step, loss = _train(plan, model, shares[rank], train_loss, sharded=sharded)
-    want, want_loss = _reference(model, shares, None if loss_fn is None or name.startswith("oom") else loss_fn)
+    got, step, loss = _train(plan, model, shares[rank], train_loss, sharded=sharded, max_norm=max_norm)
+    want, want_loss, want_norm = _reference(model, shares, None if loss_fn is None or name.startswith("oom")
+                                            else loss_fn, max_norm)
     assert_same_training(model, got, want)
     assert math.isclose(loss, want_loss, rel_tol=1e-10), (loss, want_loss)
+    if max_norm is not None:
+        assert want_norm > max_norm, want_norm  # the clipping is real
+        assert math.isclose(step.last_grad_norm, want_norm, rel_tol=1e-10), (step.last_grad_norm, want_norm)
     return {"micro": step.plan.micro_batch_size, "loss": loss,
             "recoveries": [{"micro_step": r.micro_step, "failed": r.failed, "now": r.now} for r in step.recoveries],
             "params": [float(p.double().sum()) for p in got.parameters()]}
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, scenarios: tuple[str, ...]) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +163,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
     try:
-        for name in SCENARIOS:
+        for name in scenarios:
             try:
                 results[name] = {"ok": True, **_scenario(name, rank, world)}
             except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
@@ -164,9 +175,9 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int) -> list[dict]:
+def _spawn(world: int, scenarios: tuple[str, ...] = SCENARIOS) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world,
+        ctx = mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "init"), tmp, scenarios), nprocs=world,
                                  join=False, start_method="spawn")
         for _ in range(TIMEOUT_S):
             if ctx.join(timeout=1):
@@ -180,7 +191,7 @@ def _spawn(world: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn(2)
+    return _spawn(2, SCENARIOS + CLIP_SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +227,13 @@ def test_oom_on_one_rank_is_recovered_on_every_rank(two_ranks, name):
 
 @pytest.mark.parametrize("name", ["sharded-mean-uneven", "sharded-tokens-uneven"])
 def test_fsdp2_sharded_step_equals_one_full_batch_step(two_ranks, name):
+    results = _check(two_ranks, name)
+    assert all(r["micro"] == 2 and not r["recoveries"] for r in results)
+
+
+@pytest.mark.parametrize("name", CLIP_SCENARIOS)
+def test_clipping_over_ranks_equals_clip_grad_norm_on_one_full_batch_step(two_ranks, name):
+    # Replicated: the norm of the summed gradient; sharded (FSDP2): the squares of every shard summed over ranks.
     results = _check(two_ranks, name)
     assert all(r["micro"] == 2 and not r["recoveries"] for r in results)
 

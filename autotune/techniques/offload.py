@@ -84,6 +84,9 @@ class HostOptimizer:
                 if id(p) not in kept:
                     p.data = p.data.to(dtype)  # the device copy shrinks to 16 bits; its FP32 storage is freed
         self.param_groups = self.optimizer.param_groups
+        # Gradient clipping (training/clipping.py) sets this before `step`: the host gradients are multiplied
+        # by it after unscaling, in FP32, and it goes back to 1 after the step.
+        self.grad_factor = 1.0
 
     @staticmethod
     def _host_master(p: nn.Parameter) -> torch.Tensor:
@@ -107,8 +110,12 @@ class HostOptimizer:
                 master.grad.copy_(p.grad, non_blocking=True)
         if self.params and self.params[0].device.type == "cuda":
             torch.cuda.synchronize(self.params[0].device)
+        factor, self.grad_factor = self.grad_factor, 1.0
         if self.scaler is not None and not self._unscale():
             return  # non-finite gradients: skip this step, as GradScaler.step would
+        if factor != 1.0:
+            for m in self.masters:
+                m.grad.mul_(factor)
         with host_memory():
             self.optimizer.step()
         for p, master in zip(self.params, self.masters):

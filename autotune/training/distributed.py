@@ -67,6 +67,11 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def collective_device() -> torch.device:
+    """Where a tensor must be for a collective of the current backend (CUDA for NCCL, else the CPU)."""
+    return _collective_device()
+
+
 def smallest(value: int) -> int:
     """The smallest `value` over all ranks (a memory budget: the plan must fit on the tightest GPU)."""
     if not active():

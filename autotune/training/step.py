@@ -3,11 +3,16 @@
     step = plan.apply(model, optimizer)
     loss = step(batch)      # one optimizer step over this rank's share of a global batch
     step.plan               # the plan in force (a smaller micro-batch, or a higher rung, after a recovery)
+    step = plan.apply(model, optimizer, max_grad_norm=1.0)   # clip the whole batch's gradient norm
+    step.last_grad_norm     # the norm before clipping, of the last step
+
 
 One call splits the batch into micro-batches, runs forward and backward under the plan's rung, weights
 each micro-batch's loss by its share of the samples (or of the tokens, when `loss_fn` returns
 `(loss_sum, count)`), steps the optimizer once and frees the gradients. The update equals a single
-full-batch step, also when the last micro-batch is smaller.
+full-batch step, also when the last micro-batch is smaller. With `max_grad_norm` the gradient of the
+whole batch is clipped once before the step (`clipping.py`), and `before_optimizer_step` /
+`after_optimizer_step` callbacks run around it.
 
 When a micro-step runs out of memory (a longer sequence than the trials saw, a neighbour on the GPU), the
 partial gradients are dropped, memory is cleaned after the `except` block has been left, and the same
@@ -40,6 +45,7 @@ from ..devices.ceiling import SimulatedCeiling
 from ..devices.placement import Placement, resolve_device
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom
 from ..workload.losses import LossFn, resolve, split_loss
+from . import clipping
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
 from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
@@ -49,6 +55,8 @@ from ..techniques.offload import HostOptimizer
 from ..techniques.sharding import is_sharded
 
 log = logging.getLogger(__name__)
+
+StepHook = Callable[["TrainingStep"], Any]  # before_optimizer_step / after_optimizer_step: fn(step)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +87,17 @@ class TrainingStep:
         grow_after: after this many clean optimizer steps at a micro-batch smaller than the plan
             started with, try doubling it back (an OOM halves it again and doubles the wait); None
             (the default) never grows.
+        max_grad_norm: clip the L2 norm of the whole global batch's gradient to this, after the
+            micro-batches were accumulated, the ranks' gradients reduced and (FP16) unscaled: the same
+            update as `torch.nn.utils.clip_grad_norm_` on one full-batch step. None (default) does not
+            clip; `float("inf")` measures the norm without clipping. `step.last_grad_norm` is the norm
+            before clipping.
+        before_optimizer_step: called as `fn(step)` once per optimizer step, after clipping and before
+            the optimizer steps (the gradients are final: reduced over ranks, unscaled except under FP16
+            optimizer offload, where the host unscales them). Not called for an attempt that ran out of
+            memory and is re-run.
+        after_optimizer_step: called as `fn(step)` after the optimizer stepped, before the gradients
+            are freed.
 
     Under optimizer offload the user's `optimizer` is kept consistent rather than silently stale: its
     device state is moved to the host (and emptied on the device, which is the memory the rung saves);
@@ -89,13 +108,23 @@ class TrainingStep:
     """
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Any = None,
-                 loss_fn: LossFn | None = None, *, techniques: Any = None, grow_after: int | None = None) -> None:
+                 loss_fn: LossFn | None = None, *, techniques: Any = None, grow_after: int | None = None,
+                 max_grad_norm: float | None = None, before_optimizer_step: StepHook | None = None,
+                 after_optimizer_step: StepHook | None = None) -> None:
         if not isinstance(plan, Plan):
             raise InvalidSetting(f"plan must be an autotune.Plan, got {type(plan).__name__}")
         if not isinstance(model, nn.Module):
             raise InvalidSetting(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if grow_after is not None and (not isinstance(grow_after, int) or grow_after < 1):
             raise InvalidSetting(f"grow_after must be a positive number of steps or None, got {grow_after!r}")
+        for name, hook in (("before_optimizer_step", before_optimizer_step),
+                           ("after_optimizer_step", after_optimizer_step)):
+            if hook is not None and not callable(hook):
+                raise InvalidSetting(f"{name} must be a callable taking the step, got {type(hook).__name__}")
+        self.max_grad_norm = clipping.check_max_norm(max_grad_norm)
+        self.before_optimizer_step = before_optimizer_step
+        self.after_optimizer_step = after_optimizer_step
+        self.last_grad_norm: float | None = None  # set when max_grad_norm is: the norm before clipping
         self.plan = plan
         self.model = model
         self.loss_fn = resolve(loss_fn)
@@ -179,7 +208,12 @@ class TrainingStep:
             if distributed.agree_oom(bool(failure)):
                 return float("nan"), failure or "another rank ran out of memory"
             loss = self._finish(weights)
+            self._clip()
+            if self.before_optimizer_step is not None:
+                self.before_optimizer_step(self)
             self._optimizer_step()
+        if self.after_optimizer_step is not None:
+            self.after_optimizer_step(self)
         self._drop_gradients()  # set_to_none: see _drop_gradients
         return float(loss), ""
 
@@ -240,6 +274,22 @@ class TrainingStep:
                                  f"from {fewest} to {most} at micro-batch {self.plan.micro_batch_size}; give every "
                                  f"rank the same number of samples (global batch / world size)")
         return LossWeights(n, steps, divisor=total / world, estimate=1.0)
+
+    def _clip(self) -> None:
+        """Unscale (FP16) and clip the whole batch's gradient; see `clipping.py` for where each path does it."""
+        applied = self._applied
+        host = isinstance(applied.optimizer, HostOptimizer)
+        if applied.scaler is not None and not host:
+            applied.scaler.unscale_(applied.optimizer)  # scaler.step sees it was unscaled and does not repeat it
+        if self.max_grad_norm is None:
+            return
+        if host:  # the device gradients give the norm; the host applies the factor to its FP32 copies
+            scale = float(applied.scaler.get_scale()) if applied.scaler is not None else 1.0
+            norm = clipping.global_norm(self.model, sharded=self._sharded, scale=scale)
+            applied.optimizer.grad_factor = clipping.clip_factor(norm, self.max_grad_norm)
+        else:
+            norm = clipping.clip_model(self.model, self.max_grad_norm, sharded=self._sharded)
+        self.last_grad_norm = norm
 
     def _optimizer_step(self) -> None:
         if self._link is not None:
