@@ -3,15 +3,20 @@
 A row holds a plan, the key parts it was tuned for, and the OOMs seen against it in real training.
 Every row read from a file is validated before it is used: known fields only, types and ranges
 (`Plan.from_dict`, `check_parts`), the plan consistent with its parts, and the key recomputed from the
-parts. JSON is parsed, never executed; nothing is unpickled.
+parts. JSON is parsed, never executed; nothing is unpickled. Files come from teammates and may be
+damaged or hostile, so reading is bounded before parsing: a line is read at most `MAX_LINE_BYTES` at a
+time (a longer one is skipped, never held whole), must be UTF-8, and may nest at most `MAX_DEPTH` deep.
+Each failure is a rejected row with its line number and reason; nothing a file holds raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +28,10 @@ from ..plan import Plan
 EXPORT_SCHEMA = 1
 ROW_FIELDS = ("schema", "key", "parts", "plan", "failures", "updated")
 FAILURE_FIELDS = ("micro_batch_size", "shapes", "note", "time")
-MAX_LINE_CHARS = 4 * 2**20  # a plan with a few dozen trials is a few KiB; a larger line is not ours
+MAX_LINE_BYTES = 4 * 2**20  # a plan with a few dozen trials is a few KiB; a larger line is not ours
+MAX_LINE_CHARS = MAX_LINE_BYTES  # the same bound for a line already in memory
+MAX_DEPTH = 32  # a row nests about 6 deep (row > plan > trials > [i] > rung); JSON deeper than this is not ours
+_SKIP_CHUNK = 2**16  # bytes read at a time while skipping the rest of an over-long line
 TEAM_FILE_GLOB = "*.jsonl"
 
 
@@ -88,9 +96,13 @@ class PlanRow:
         if len(line) > MAX_LINE_CHARS:
             raise ValueError(f"line is {len(line):,} characters, over the {MAX_LINE_CHARS:,} a plan row may have")
         try:
-            d = json.loads(line, parse_constant=_reject_constant)
+            d = json.loads(line, parse_constant=_reject_constant, parse_float=_finite_float)
         except json.JSONDecodeError as exc:
             raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:  # the C parser gives up near Python's recursion limit (about 1000 levels)
+            raise ValueError(f"JSON nested deeper than the {MAX_DEPTH} levels a plan row may have") from None
+        if _depth(d) > MAX_DEPTH:
+            raise ValueError(f"JSON nested deeper than the {MAX_DEPTH} levels a plan row may have")
         return cls.from_dict(d)
 
     @classmethod
@@ -187,17 +199,64 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
 def read_rows(path: str | Path) -> Iterator[tuple[int, PlanRow | None, str]]:
     """Yield (line number, row or None, reason it was rejected) for each non-blank line of `path`.
 
+    A line is read at most `MAX_LINE_BYTES` at a time, so a huge line costs no more memory than that.
+    Reasons are printable: control characters from the file are escaped (`printable`).
+
     Raises:
         OSError: the file cannot be read.
     """
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield number, PlanRow.from_json(line), ""
-            except ValueError as exc:
-                yield number, None, str(exc)
+    with open(path, "rb") as f:
+        number = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            number += 1
+            row, why = _parse_line(raw, f, first=number == 1)
+            if row is None and not why:
+                continue  # blank
+            yield number, row, printable(why)
+
+
+def _parse_line(raw: bytes, f: Any, *, first: bool) -> tuple[PlanRow | None, str]:
+    """One line read by `read_rows`: (row, "") or (None, why); (None, "") for a blank line."""
+    if len(raw) > MAX_LINE_BYTES:
+        size = len(raw) + _skip_rest_of_line(f)
+        return None, f"line is {size:,} bytes or more, over the {MAX_LINE_BYTES:,} a plan row may have"
+    if first and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte order mark, as some editors save
+    if not raw.strip():
+        return None, ""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 (invalid byte {raw[exc.start]:#04x} at byte {exc.start + 1})"
+    try:
+        return PlanRow.from_json(text), ""
+    except ValueError as exc:
+        return None, str(exc) or type(exc).__name__
+
+
+def _skip_rest_of_line(f: Any) -> int:
+    """Read past the end of the current line in small chunks; returns how many bytes were skipped."""
+    skipped = 0
+    while True:
+        part = f.readline(_SKIP_CHUNK)
+        skipped += len(part)
+        if not part or part.endswith(b"\n"):
+            return skipped
+
+
+def printable(text: str) -> str:
+    """`text` with control and format characters escaped (ESC as \\x1b, U+202E as \\u202e).
+
+    Text from the cache was written elsewhere: printed as is, a terminal escape sequence in a note or a
+    model name could rewrite the reader's terminal, and a bidirectional override could reorder the line.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch == " " or unicodedata.category(ch) not in ("Cc", "Cf", "Zl", "Zp")
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 def write_rows(path: str | Path, rows: Iterable[PlanRow]) -> int:
@@ -241,14 +300,21 @@ class TeamDir:
 
     def _load(self) -> dict[str, PlanRow]:
         merged: dict[str, PlanRow] = {}
-        if not self.path.is_dir():
-            self.problems.append(f"team directory {self.path} ($AUTOTUNE_TEAM_DIR) is not a readable directory")
+        try:
+            files = sorted(self.path.glob(TEAM_FILE_GLOB)) if self.path.is_dir() else None
+        except OSError as exc:
+            files, detail = None, f": {exc.strerror}"
+        else:
+            detail = ""
+        if files is None:
+            self.problems.append(f"team directory {self.path} ($AUTOTUNE_TEAM_DIR) is not a readable directory"
+                                 f"{detail}")
             return merged
-        for file in sorted(self.path.glob(TEAM_FILE_GLOB)):
+        for file in files:
             try:
                 results = list(read_rows(file))
-            except OSError as exc:
-                self.problems.append(f"cannot read team file {file}: {exc.strerror}")
+            except OSError as exc:  # a directory named *.jsonl, no permission, an I/O error: skip the file
+                self.problems.append(f"skipped team file {file}: cannot read it ({exc.strerror or exc})")
                 continue
             rejected = [(n, why) for n, row, why in results if row is None]
             if rejected:
@@ -284,3 +350,23 @@ def _check_time(name: str, value: Any) -> None:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number a plan row may hold")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as infinity, which no plan field may hold
+        raise ValueError(f"{text[:20]} is not a number a plan row may hold")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply `value` nests lists and objects (a scalar is 0), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            if level > MAX_DEPTH:
+                return level
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

@@ -36,7 +36,7 @@ from sqlite_utils import Database
 from . import db as cache_db
 from .db import CACHE_ENV, TEAM_DIR_ENV, filesystem_type, is_network_filesystem
 from .key import check_parts, key_parts, plan_key
-from .rows import CacheEntry, Failure, PlanRow, TeamDir, check_plan_matches, read_rows, write_rows
+from .rows import CacheEntry, Failure, PlanRow, TeamDir, check_plan_matches, printable, read_rows, write_rows
 from ..errors import AutotuneError, InvalidSetting
 from ..plan import Plan
 
@@ -325,9 +325,14 @@ class PlanCache:
     def _team_rows(self) -> dict[str, PlanRow]:
         if self.team is None:
             return {}
-        rows = self.team.rows()
+        try:
+            rows = self.team.rows()
+        except Exception as exc:  # noqa: BLE001 - the team directory never fails a fit (DESIGN.md section 5)
+            self.team.problems.append(f"team directory {self.team.path} ($AUTOTUNE_TEAM_DIR) skipped: "
+                                      f"{type(exc).__name__}: {exc}")
+            self.team._rows = rows = {}
         for problem in self.team.problems:
-            _warn_once(str(self.team.path), problem, problem)
+            _warn_once(str(self.team.path), problem, printable(problem))
         return rows
 
     def _team_row(self, key: str) -> PlanRow | None:

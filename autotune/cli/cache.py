@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
+from ..cache.rows import printable
 from ..cache.store import CacheEntry, CacheError, PlanCache, default_path
 from ..plan import Plan
 
@@ -210,6 +211,7 @@ def _list_row(entry: CacheEntry) -> list[str]:
 
 
 def _describe(entry: CacheEntry) -> str:
+    # Every field may come from a teammate's file: each line is printed with control characters escaped.
     lines = [f"key       {entry.key}", f"status    {_status(entry)}",
              f"origin    {entry.origin}, updated {_age(entry.updated)} ago", *_describe_parts(entry.parts)]
     if entry.plan is None:
@@ -221,7 +223,7 @@ def _describe(entry: CacheEntry) -> str:
         lines += [f"  micro-batch {f.micro_batch_size}, {_age(f.time)} ago"
                   + (f", shapes {json.dumps(f.shapes)}" if f.shapes else "") + (f": {f.note}" if f.note else "")
                   for f in entry.failures]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def _describe_parts(parts: dict[str, Any]) -> list[str]:
@@ -244,10 +246,11 @@ def _describe_plan(plan: Plan) -> list[str]:
     trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, _bytes(t.peak_bytes),
                f"{t.samples_per_second:,.1f}" if t.fits else t.note] for t in plan.trials]
     return [f"plan      {plan.summary()}", f"why       {plan.reason}", "", "trials:",
-            _indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S"], trials))]
+            *_indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S"], trials)).split("\n")]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
+    rows = [[printable(cell) for cell in row] for row in rows]  # cells may come from a teammate's file
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [headers, *rows])
 

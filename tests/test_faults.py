@@ -1,0 +1,122 @@
+"""The fault table (README "Faults"): each scenario driven through the real thing.
+
+Real SQLite files, real processes and signals, the real `autotune.fit` on a tiny GPT under the simulated
+ceiling, the CLI through click's runner or as a subprocess. Each test names the fault it covers; the
+README's table lists them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import tracemalloc
+import warnings
+from collections.abc import Iterator
+from typing import Any
+from pathlib import Path
+
+import pytest
+from cache_samples import fit, sample, tiny_workload
+from click.testing import CliRunner
+
+from autotune.cache import store as cache_module
+from autotune.cache.rows import MAX_LINE_BYTES, read_rows
+from autotune.cache.store import CacheWarning, PlanCache
+from autotune.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
+        monkeypatch.delenv(name, raising=False)
+    cache_module._warned.clear()  # each test counts its own warnings
+
+
+@contextlib.contextmanager
+def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found: list[warnings.WarningMessage] = []
+        yield found
+    found.extend(w for w in caught if issubclass(w.category, CacheWarning))
+
+
+def cli(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+NESTED = b"[" * 10_000 + b"]" * 10_000  # deeper than Python's recursion limit
+NOT_UTF8 = b'{"schema": 1, "key": "\xff\xfe"}'
+
+
+def valid_line(i: int) -> bytes:
+    plan, parts = sample(i)
+    from autotune.cache.rows import PlanRow
+
+    return PlanRow(key=plan.key, parts=parts, plan=plan, updated=1.0).to_json().encode()
+
+
+# -- rows from elsewhere (issue 15.1, 20.4) ----------------------------------------------------------------------
+
+def test_a_deeply_nested_team_line_neither_stops_fit_nor_hides_the_teams_plans(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batch = tiny_workload()
+    alice = PlanCache(tmp_path / "alice.db")
+    tuned = fit(model, batch, alice)
+    team = tmp_path / "team"
+    team.mkdir()
+    alice.export(team / "alice.jsonl")
+    (team / "mallory.jsonl").write_bytes(NESTED + b"\n" + NOT_UTF8 + b"\n")
+    monkeypatch.setenv("AUTOTUNE_TEAM_DIR", str(team))
+    with cache_warnings() as caught:
+        hit = fit(model, batch, tmp_path / "mine.db")
+    assert hit.source == "cache" and dataclasses.replace(hit, source="tuned") == tuned
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "mallory.jsonl" in str(caught[0].message) and "nested deeper" in str(caught[0].message)
+
+
+def test_cache_import_rejects_bad_lines_by_number_and_stores_the_valid_rows(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle.jsonl"
+    bundle.write_bytes(b"\n".join([NESTED, NOT_UTF8, valid_line(0), b"1e999", valid_line(1)]) + b"\n")
+    result = cli("cache", "--cache", str(tmp_path / "plans.db"), "import", str(bundle))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "rejected line 1: JSON nested deeper than the 32 levels" in result.output
+    assert "rejected line 2: not UTF-8 (invalid byte 0xff" in result.output
+    assert "rejected line 4: 1e999 is not a number" in result.output
+    assert "imported 2 plan(s)" in result.output
+    assert {e.key for e in PlanCache(tmp_path / "plans.db").entries()} == {sample(0)[0].key, sample(1)[0].key}
+
+
+def test_an_over_long_line_is_rejected_without_being_held_in_memory(tmp_path: Path) -> None:
+    bundle = tmp_path / "huge.jsonl"
+    size = 12 * MAX_LINE_BYTES
+    with open(bundle, "wb") as f:
+        f.write(b'{"x": "')
+        for _ in range(size // 2**20):
+            f.write(b"a" * 2**20)
+        f.write(b'"}\n' + valid_line(0) + b"\n")
+    tracemalloc.start()
+    try:
+        results = list(read_rows(bundle))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [(n, row is None) for n, row, _ in results] == [(1, True), (2, False)]
+    assert "over the" in results[0][2]
+    assert peak < 3 * MAX_LINE_BYTES, f"reading a {size:,}-byte line held {peak:,} bytes"
+
+
+def test_cache_show_escapes_terminal_control_characters(tmp_path: Path) -> None:
+    plan, parts = sample(0)
+    evil = "\x1b]0;owned\x07\x1b[2J\u202egnp.exe"
+    store = PlanCache(tmp_path / "plans.db")
+    store.put(dataclasses.replace(plan, reason=evil), parts)
+    store.mark_unsafe(plan.key, micro_batch_size=4, note="\x1b[31mred")
+    shown = cli("cache", "--cache", str(tmp_path / "plans.db"), "show", plan.key[:8]).output
+    listed = cli("cache", "--cache", str(tmp_path / "plans.db"), "list").output
+    for text in (shown, listed):
+        assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\u202egnp.exe" in shown and "\\x1b[31mred" in shown
+    assert json.loads(cli("cache", "--cache", str(tmp_path / "plans.db"), "show", "--json",
+                          plan.key[:8]).output)["plan"]["reason"] == evil
