@@ -20,6 +20,8 @@ from .cache import store as plan_cache
 from .training import distributed
 from .workload.batching import per_rank_batch, solve_accumulation
 from .search.controller import Controller, Lattice
+from .search.flops import flops_per_sample, utilization
+from .devices.peaks import device_peak
 from .devices.placement import Placement, default_budget, parse_bytes, resolve_device
 from .errors import InvalidSetting
 from .workload.losses import resolve as resolve_loss
@@ -139,6 +141,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
           placement: Placement, budget: int, allowed: frozenset[str], global_batch: int, per_rank: int,
           world: int, bound: int | None) -> Plan:
     spec = OptimizerSpec.from_user(optimizer, model)
+    peak = device_peak(placement.name, placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
     blocks = find_blocks(model)
     rungs, notes = anchors(allowed, placement, blocks)
     limit = int((1 - settings.margin) * budget)
@@ -158,6 +161,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                         loss_fn=resolve_loss(loss_fn), spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
+        flops = flops_per_sample(model, work.batch, work.loss_fn, placement)
         runner = TrialRunner(work, agree=distributed.agree_trial)
         controller = Controller(runner, per_rank=per_rank, limit_bytes=limit, max_micro=bound,
                                 max_trials=settings.max_trials, world_size=world,
@@ -181,7 +185,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                 samples_per_second=best.samples_per_second,
                 tokens_per_second=best.samples_per_second * tokens if tokens else None,
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
-                trials=tuple(result.trials))
+                trials=tuple(result.trials), flops_per_sample=flops,
+                mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision))
 
 
 def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str]) -> bool:

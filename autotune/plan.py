@@ -204,12 +204,21 @@ class Plan:
                             after_optimizer_step=after_optimizer_step)
 
     def summary(self) -> str:
-        """One line: rung, micro-batch x accumulation, throughput and memory."""
+        """One line: rung, micro-batch x accumulation, throughput, memory, and MFU where the GPU's peak is known."""
         rate = (f"{self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second
                 else f"{self.samples_per_second:,.1f} samples/s")
+        mfu = f"; MFU {self.mfu:.1%}" if self.mfu is not None else ""
         return (f"{self.rung.name}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
-                f"peak {self.peak_memory_bytes / 2**30:.2f} of {self.memory_budget_bytes / 2**30:.2f} GiB")
+                f"peak {self.peak_memory_bytes / 2**30:.2f} of {self.memory_budget_bytes / 2**30:.2f} GiB{mfu}")
+
+    def trial_mfu(self, trial: Trial) -> float | None:
+        """A trial's MFU, from the plan's: the same FLOPs per sample on the same GPU, so it scales with
+        throughput. None where the plan has no MFU, the trial no throughput, or another precision's peak."""
+        if (self.mfu is None or not self.samples_per_second or trial.samples_per_second <= 0
+                or trial.rung.precision != self.precision):
+            return None
+        return self.mfu * trial.samples_per_second / self.samples_per_second
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

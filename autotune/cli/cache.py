@@ -63,7 +63,7 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
     elif not found:
         click.echo(f"no cached plans in {store.path}")
     else:
-        headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "TOKENS/S", "AGE", "STATUS"]
+        headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "TOKENS/S", "MFU", "AGE", "STATUS"]
         click.echo(_table(headers, [_list_row(e) for e in found]))
 
 
@@ -207,7 +207,8 @@ def _one(store: PlanCache, key: str, *, team: bool) -> CacheEntry:
 def _list_row(entry: CacheEntry) -> list[str]:
     plan = entry.plan
     return [entry.key[:12], _model(entry.parts), _gpu(entry.parts), _bytes(entry.parts.get("budget_bytes", 0)),
-            _plan_cell(plan) if plan else "-", _rate(plan) if plan else "-", _age(entry.updated), _status(entry)]
+            _plan_cell(plan) if plan else "-", _rate(plan) if plan else "-", _mfu(plan.mfu if plan else None),
+            _age(entry.updated), _status(entry)]
 
 
 def _describe(entry: CacheEntry) -> str:
@@ -244,9 +245,11 @@ def _describe_parts(parts: dict[str, Any]) -> list[str]:
 
 def _describe_plan(plan: Plan) -> list[str]:
     trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, _bytes(t.peak_bytes),
-               f"{t.samples_per_second:,.1f}" if t.fits else t.note] for t in plan.trials]
-    return [f"plan      {plan.summary()}", f"why       {plan.reason}", "", "trials:",
-            *_indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S"], trials)).split("\n")]
+               f"{t.samples_per_second:,.1f}" if t.fits else t.note, _mfu(plan.trial_mfu(t))] for t in plan.trials]
+    flops = f"{plan.flops_per_sample / 1e9:,.1f} GFLOPs" if plan.flops_per_sample is not None else "not counted"
+    return [f"plan      {plan.summary()}", f"why       {plan.reason}",
+            f"compute   {flops} per sample (forward+backward); MFU {_mfu(plan.mfu)}", "", "trials:",
+            *_indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S", "MFU"], trials)).split("\n")]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -278,6 +281,10 @@ def _rate(plan: Plan) -> str:
     if plan.tokens_per_second:
         return _count(plan.tokens_per_second)
     return f"{plan.samples_per_second:,.1f} samples/s"
+
+
+def _mfu(value: float | None) -> str:
+    return f"{value:.1%}" if value is not None else "-"
 
 
 def _status(entry: CacheEntry) -> str:

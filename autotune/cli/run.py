@@ -105,7 +105,7 @@ def _fail(message: str, code: int) -> None:
 
 
 def _show_plan(plan: Plan) -> None:
-    click.echo(format_trials(plan.trials), err=True)
+    click.echo(format_trials(plan.trials, plan), err=True)
     click.echo(format_plan(plan), err=True)
 
 
@@ -122,13 +122,19 @@ def _report(result: RunResult, json_output: bool, *, cooperative: bool) -> None:
 
 # -- tables ---------------------------------------------------------------------------------------------
 
-def format_trials(trials: Sequence[Trial]) -> str:
-    """What was tried: one row per trial."""
-    rows = [f"{'#':>3}  {'rung':<26} {'micro':>5}  {'outcome':<11} {'peak':>10} {'samples/s':>10}  note"]
+def format_trials(trials: Sequence[Trial], plan: Plan | None = None) -> str:
+    """What was tried: one row per trial; an MFU column when `plan` knows its GPU's peak."""
+    mfu = plan is not None and plan.mfu is not None
+    rows = [f"{'#':>3}  {'rung':<26} {'micro':>5}  {'outcome':<11} {'peak':>10} {'samples/s':>10}"
+            + (f" {'MFU':>6}" if mfu else "") + "  note"]
     for i, t in enumerate(trials, 1):
         rate = f"{t.samples_per_second:,.1f}" if t.outcome != "oom" else "-"
-        rows.append(f"{i:>3}  {t.rung.name:<26} {t.micro_batch_size:>5}  {t.outcome:<11} "
-                    f"{format_bytes(t.peak_bytes) if t.peak_bytes else '-':>10} {rate:>10}  {t.note[:70]}")
+        row = (f"{i:>3}  {t.rung.name:<26} {t.micro_batch_size:>5}  {t.outcome:<11} "
+               f"{format_bytes(t.peak_bytes) if t.peak_bytes else '-':>10} {rate:>10}")
+        if plan is not None and mfu:
+            share = plan.trial_mfu(t)
+            row += f" {f'{share:.1%}' if share is not None else '-':>6}"
+        rows.append(f"{row}  {t.note[:70]}")
     return "\n".join(rows)
 
 

@@ -1,0 +1,82 @@
+"""Model FLOPs per sample, counted once per tune, and the MFU they give a plan.
+
+The count is one forward+backward of the plain model (no rung applied) on a small micro-batch under
+`torch.utils.flop_counter.FlopCounterMode`, which adds up the matmuls, convolutions and attention kernels
+torch actually dispatches: no formula to get wrong for an unusual model. It is the "model FLOPs" of MFU
+(PaLM, appendix B): recomputation under checkpointing is left out on purpose, so a plan that recomputes
+shows the utilization a user gets out of the GPU, not the work it did.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..devices.peaks import DevicePeak
+from ..devices.placement import Placement
+from ..errors import is_oom
+from ..workload import batch as batches
+from ..workload.losses import LossFn, split_loss
+
+log = logging.getLogger(__name__)
+
+COUNT_SAMPLES = 2  # two, not one: batch norm in training mode refuses a batch of one
+
+
+def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement) -> float | None:
+    """Forward+backward FLOPs of one sample of `batch` (already on the device), or None if counting ran out of memory.
+
+    The model's gradients are left as None; the caller restores weights, buffers and RNG (a snapshot),
+    since the count runs the model's own forward (dropout draws, batch norm statistics).
+    """
+    n = min(COUNT_SAMPLES, batches.batch_size(batch))
+    part = batches.resize(batch, n)
+    total: float | None = None
+    try:
+        total = _count(model, part, loss_fn)
+    except Exception as exc:  # noqa: BLE001 - an OOM only leaves MFU unknown; anything else is the model's own
+        if not is_oom(exc):
+            raise
+        log.info("counting FLOPs at micro-batch %d ran out of memory; the plan will have no MFU", n)
+    # Out of the except block, so a failed step's tensors are free to go (trial.py does the same).
+    _clean_up(model, placement)
+    return None if total is None else total / n
+
+
+def utilization(flops: float | None, samples_per_second: float, world_size: int, peak: DevicePeak,
+                precision: str) -> float | None:
+    """Achieved model FLOP/s per GPU over the GPU's peak for `precision`; None where either is unknown.
+
+    `samples_per_second` is over all ranks, as plans and trials report it.
+    """
+    ceiling = peak.flops(precision)
+    if flops is None or not ceiling or samples_per_second <= 0:
+        return None
+    return flops * samples_per_second / world_size / ceiling
+
+
+def _count(model: nn.Module, batch: Any, loss_fn: LossFn) -> float:
+    model.train()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss, count = split_loss(loss_fn(model, batch))
+        if count is not None:
+            loss = loss / count
+        loss.backward()
+    return float(counter.get_total_flops())
+
+
+def _clean_up(model: nn.Module, placement: Placement) -> None:
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    if not placement.simulated:
+        # The count's blocks must not stay reserved: the first trial's peak reads reserved memory.
+        torch.cuda.synchronize(placement.index)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(placement.index)

@@ -1,0 +1,120 @@
+"""FLOPs per sample, counted with FlopCounterMode, against the textbook formulas; MFU from the GPU peak table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from cache_samples import sample
+from click.testing import CliRunner
+from torch import nn
+
+import autotune
+from autotune.cache.store import PlanCache
+from autotune.cli.main import main
+from autotune.cli.run import format_trials
+from autotune.devices.peaks import PEAK_ENV, device_peak
+from autotune.devices.placement import resolve_device
+from autotune.search.flops import flops_per_sample, utilization
+from autotune.workload.losses import resolve
+from gpt import GPT, GPTConfig, random_batch
+
+CPU = resolve_device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def no_peak_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PEAK_ENV, raising=False)
+
+
+def _matmul_params(model: nn.Module) -> int:
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_mlp_flops_per_sample_are_six_times_its_matmul_parameters() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 64))
+    batch = torch.randn(8, 64)
+    counted = flops_per_sample(model, batch, lambda m, x: m(x).square().mean(), CPU)
+    expected = 6 * _matmul_params(model)  # 2N forward, 4N backward (input and weight gradients)
+    assert counted == pytest.approx(expected, rel=0.2)
+    assert all(p.grad is None for p in model.parameters())  # the count leaves no gradient behind
+
+
+def test_transformer_flops_per_sample_match_6n_plus_attention() -> None:
+    cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    counted = flops_per_sample(model, random_batch(cfg, 4), resolve(None), CPU)
+    n = _matmul_params(model)  # embeddings are lookups, not matmuls
+    # Per token: 6N, plus 12 x layers x width x sequence for QK^T and AV forward and backward (PaLM, app. B).
+    per_token = 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    assert counted == pytest.approx(per_token * cfg.seq_len, rel=0.2)
+
+
+def test_an_oom_while_counting_leaves_the_flops_unknown() -> None:
+    class Hungry(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert flops_per_sample(Hungry(), torch.zeros(2, 4), lambda m, x: m(x).sum(), CPU) is None
+
+
+def test_peak_table_tells_the_h100_variants_apart() -> None:
+    sxm, pcie = device_peak("NVIDIA H100 80GB HBM3"), device_peak("NVIDIA H100 PCIe")
+    assert sxm.flops("bf16") == pytest.approx(989e12) and pcie.flops("bf16") == pytest.approx(756e12)
+    assert device_peak("NVIDIA H200").flops("bf16") == pytest.approx(989e12)
+    assert device_peak("NVIDIA A100-SXM4-80GB").flops("fp32") == pytest.approx(19.5e12)
+    assert device_peak("NVIDIA GeForce RTX 4090").flops("bf16") == pytest.approx(165.2e12)
+    assert device_peak("NVIDIA L4").flops("bf16") == pytest.approx(121e12)
+    assert device_peak("NVIDIA L40S").flops("bf16") == pytest.approx(362e12)
+    assert device_peak("Some Future GPU").flops("bf16") is None
+    assert device_peak("cpu (simulated ceiling)", "cpu").flops("bf16") is None
+
+
+def test_peak_override_and_its_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PEAK_ENV, "100")
+    assert device_peak("Some Future GPU").flops("bf16") == pytest.approx(100e12)
+    assert device_peak("cpu (simulated ceiling)", "cpu").flops("bf16") is None  # no speed to compare on the CPU
+    monkeypatch.setenv(PEAK_ENV, "fast")
+    with pytest.raises(autotune.InvalidSetting, match=PEAK_ENV):
+        device_peak("NVIDIA H100 PCIe")
+
+
+def test_utilization_is_per_gpu() -> None:
+    peak = device_peak("NVIDIA H100 80GB HBM3")
+    # 1e12 FLOPs a sample at 989 samples/s over two GPUs: half the peak each.
+    assert utilization(1e12, 989.0, 2, peak, "bf16") == pytest.approx(0.5)
+    assert utilization(None, 989.0, 1, peak, "bf16") is None
+
+
+def test_fit_on_the_cpu_counts_flops_but_has_no_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PEAK_ENV, "100")
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    plan = autotune.fit(model, random_batch(cfg, 8), global_batch_size=8, device="cpu", memory_budget="64MiB",
+                        cache=False, trial_steps=1, max_trials=3)
+    assert plan.flops_per_sample == pytest.approx(flops_per_sample(model, random_batch(cfg, 2), resolve(None), CPU))
+    assert plan.mfu is None and "MFU" not in plan.summary()
+
+
+def test_mfu_shows_in_the_summary_the_trial_table_and_cache_list(tmp_path) -> None:
+    plan, parts = sample(0)
+    plan = dataclasses.replace(plan, flops_per_sample=1e9, mfu=0.4)
+    assert plan.summary().endswith("MFU 40.0%")
+    table = format_trials(plan.trials, plan).splitlines()
+    assert table[0].split()[-2:] == ["MFU", "note"]
+    assert table[1].split()[-1] == "40.0%" and table[2].split()[-4:] == ["-", "-", "simulated", "OOM"]
+    assert "MFU" not in format_trials(plan.trials, dataclasses.replace(plan, mfu=None))
+    store = PlanCache(tmp_path / "plans.db")
+    store.put(plan, parts)
+    listed = CliRunner().invoke(main, ["cache", "--cache", str(tmp_path / "plans.db"), "list"])
+    assert listed.exit_code == 0 and "MFU" in listed.output and "40.0%" in listed.output
+    shown = CliRunner().invoke(main, ["cache", "--cache", str(tmp_path / "plans.db"), "show", plan.key[:8]])
+    assert "1.0 GFLOPs per sample" in shown.output and "MFU 40.0%" in shown.output
