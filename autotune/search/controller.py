@@ -101,6 +101,7 @@ class Controller:
         self.notes: list[str] = []
         self.lattice = Lattice()
         self._compiled: _Compiled | None = None  # what compile saved beside eager, once measured
+        self._compile_offload = "none"  # the offload compile was measured with (see `_place_compile`)
         self._compile_failed = False
 
     # -- top level -------------------------------------------------------------------------------------
@@ -204,7 +205,9 @@ class Controller:
 
     def _slope(self, rung: Rung) -> float | None:
         """Measured bytes per sample for `rung`'s treatment of activations (two sizes or more), or None."""
-        for other in self.states:
+        # The rung's own offload first: on GPT-2 large (H100) plain bf16 measured 4.2 GiB per sample from
+        # micro-batch 1 and 2, optimizer offload 5.0 from 3 and 4; the compile saving is judged against the latter.
+        for other in sorted(self.states, key=lambda s: s.rung.offload != rung.offload):
             points = [(t.micro_batch_size, t.peak_bytes) for t in other.trials if t.outcome in ("ok", "over_budget")]
             if _activations(other.rung) == _activations(rung) and len({m for m, _ in points}) >= 2:
                 _, slope = fit_line(points)
@@ -215,7 +218,8 @@ class Controller:
         """`rung`'s resident floor: measured on a rung with the same floor (the intercept under a known
         slope), else a measured sibling's shifted by the arithmetic difference of the two floors."""
         floors = self.lattice.floors
-        for other in self.states:
+        # A measured floor of the same offload beats one shifted by arithmetic from a sibling's.
+        for other in sorted(self.states, key=lambda s: s.rung.offload != rung.offload):
             slope = self._slope(other.rung)
             ran = [t for t in other.trials if t.outcome in ("ok", "over_budget")]
             if slope is None or not ran:
@@ -249,40 +253,52 @@ class Controller:
             self._try_best(candidates, f"{offload} offload, blocks recomputed")
 
     def _place_compile(self) -> None:
-        """Compile where it can win. The first time, at the largest micro-batch that fitted eager with no
-        recompute (compile only lowers memory, so it fits there), which measures what compile saves in
-        time and bytes; then, each time, at the configuration that saving predicts to be fastest."""
-        if not self.lattice.compile or self._compile_failed or not self._budget_left():
-            return
-        if self._compiled is None:
-            probe = self._compile_probe()
-            if probe is None:
-                return
-            eager, rung = probe
-            first = self._run(self._state(rung), eager.micro_batch_size)
-            if first.outcome == "error":
-                self._compile_failed = True
-                self.notes.append(f"compile failed ({first.note}); the plan stays eager")
-                return
-            if not first.fits or first.step_seconds <= 0:
-                return
-            floor = self._floor(eager.rung) or 0.0
-            ratio = (first.peak_bytes - floor) / max(1.0, eager.peak_bytes - floor)
-            self._compiled = _Compiled(memory=min(1.0, max(0.05, ratio)), time=first.step_seconds / eager.step_seconds)
-        candidates = [c for o in ("none", "optimizer") for c in self._candidates(o, compiled=self._compiled)]
-        self._try_best(candidates, "compile")
+        """Compile where it can win, measured once per search: first at the largest micro-batch that fitted
+        eager with no recompute (compile only lowers memory, so it fits there), which measures what compile
+        saves in time and bytes; then at the largest micro-batch that saving predicts to fit, and from the
+        two points on, along the compiled configuration's own memory line (grow or bisect, as any rung).
 
-    def _compile_probe(self) -> tuple[Trial, Rung] | None:
-        """The eager trial compile is first measured beside, and the compiled rung to run at its size."""
-        ok = [t for t in self.trials if t.fits and not t.rung.compile]
-        bare = [t for t in ok if t.rung.checkpointing == "none" and t.rung.offload != "activations"]
-        pool = bare or ok
-        if not pool:
+        Compiled configurations keep the probe's offload and recompute no block. Another offload changes
+        the parameters' dtype, a new graph: 110 s of compile on GPT-2 large (H100), more than a whole eager
+        search. Compiled checkpoint wrappers gained nothing there (issue 11: 22,969 against 23,120 tok/s)
+        and one hit an illegal memory access (torch 2.11, H100), which no process survives. One point does
+        not tell compile's floor from its bytes per sample (on GPT-2 large its workspaces raised the floor
+        by 1.6 GiB while each sample took 0.38x the bytes), hence the second point before any growth.
+        """
+        if not self.lattice.compile or self._compile_failed or self._compiled is not None or not self._budget_left():
+            return
+        probe = self._compile_probe()
+        if probe is None:
+            return
+        eager, rung, micro = probe
+        state = self._state(rung)
+        first = self._run(state, micro)
+        if first.outcome == "error":
+            self._compile_failed = True
+            self.notes.append(f"compile failed ({first.note}); the plan stays eager")
+            return
+        if not first.fits or first.step_seconds <= 0:
+            return
+        floor = self._floor(eager.rung) or 0.0
+        ratio = (first.peak_bytes - floor) / max(1.0, eager.peak_bytes - floor)
+        self._compiled = _Compiled(memory=min(1.0, max(0.05, ratio)), time=first.step_seconds / eager.step_seconds)
+        sizes = [m for r, m, _ in self._candidates(rung.offload, compiled=self._compiled) if r.checkpointed_blocks == 0]
+        guess = max(sizes, default=0)
+        if guess > first.micro_batch_size and self._budget_left():
+            self._verify(state, guess)
+
+    def _compile_probe(self) -> tuple[Trial, Rung, int] | None:
+        """The eager trial compile is first measured beside, the compiled rung, and the size to run it at:
+        the fastest eager configuration without recompute, at its largest micro-batch that leaves no
+        one-sample last micro-batch (a size compile specializes: a second graph to compile)."""
+        ok = [t for t in self.trials if t.fits and not t.rung.compile and t.rung.offload != "activations"]
+        bare = [t for t in ok if t.rung.checkpointing == "none"]
+        if not bare:
             return None
-        # The fastest eager configuration without recompute; at its largest micro-batch.
-        leader = max(pool, key=lambda t: t.samples_per_second).rung
-        eager = max((t for t in pool if t.rung == leader), key=lambda t: t.micro_batch_size)
-        return eager, dataclasses.replace(leader, compile=True)
+        leader = max(bare, key=lambda t: t.samples_per_second).rung
+        eager = max((t for t in bare if t.rung == leader), key=lambda t: t.micro_batch_size)
+        micro = max(m for m in range(1, eager.micro_batch_size + 1) if m == 1 or self.per_rank % m != 1)
+        return eager, dataclasses.replace(leader, compile=True), self._snap(micro)
 
     def _candidates(self, offload: str, compiled: _Compiled | None) -> list[tuple[Rung, int, float]]:
         """(rung, micro-batch, predicted samples/s) for each accumulation count: the fewest blocks
@@ -339,6 +355,9 @@ class Controller:
                     self._grow(state)
                 return
             if trial.outcome == "error":
+                return
+            if state.ok:  # a smaller size of this configuration fitted: the edge lies between the two
+                self._bisect(state)
                 return
             pool = [c for c in pool if not _ruled_out(c, rung, micro)]
 
