@@ -11,6 +11,7 @@ import click
 from .. import __version__
 from .cache import cache
 from .doctor import doctor
+from .plot import plot
 from .run import run
 
 
@@ -25,9 +26,11 @@ def main() -> None:
       autotune run --map micro_batch=--per_device_train_batch_size train_hf.py
       autotune cache list                       plans cached for this user
       autotune doctor                           GPUs, drivers, bf16 support, cache health
+      autotune plot --output search.png         what the newest search tried, drawn
     """
 
 
 main.add_command(run)
 main.add_command(cache)
 main.add_command(doctor)
+main.add_command(plot)

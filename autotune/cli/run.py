@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import click
 
 from ..supervisor.agent import configure_logging
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..plan import Plan, Trial
+from ..plotting import PlotUnavailable, draw_search, require_matplotlib
 from ..devices.placement import format_bytes
 from ..supervisor.runner import (
     DEFAULT_GRACE,
@@ -64,10 +67,13 @@ Examples:
               "simulated ceiling).")
 @click.option("-v", "--verbose", count=True, help="More detail (-v also shows the trials' own output).")
 @click.option("-q", "--quiet", count=True, help="Less detail: no progress lines.")
+@click.option("--plot", "plot_path", metavar="FILE.png", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw the search (throughput and peak memory per configuration tried) to this image once the "
+              "plan is known; needs matplotlib: pip install 'autotune[plot]'.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, json_output: bool,
-        **options: object) -> None:
+        plot_path: Path | None, **options: object) -> None:
     """Wrap an existing training script: tune, launch, watch, and restart it after an out-of-memory death.
 
     Everything after SCRIPT goes to the script untouched. A script that calls autotune.fit gets the
@@ -77,11 +83,17 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
     restarts spent, 4 no usable GPU, 124 a trial timed out, 130/143 interrupted.
     """
     _configure_logging(verbose, quiet)
+    picture = _Picture(plot_path, os.path.basename(script)) if plot_path else None
+    if picture is not None:
+        try:
+            require_matplotlib()  # before any tuning: a missing extra must not cost a whole search
+        except PlotUnavailable as exc:
+            _fail(f"--plot: {exc}", 4)
     try:
         # The remaining options are named as RunOptions' fields.
         opts = RunOptions(script=script, script_args=script_args, json_output=json_output, verbose=verbose > 0,
                           **options)  # type: ignore[arg-type]
-        result = run_script(opts, on_plan=None if json_output else _show_plan)
+        result = run_script(opts, on_plan=lambda plan: _on_plan(plan, json_output, picture))
     except InvalidSetting as exc:
         raise click.UsageError(str(exc)) from exc
     except NoFeasiblePlan as exc:
@@ -91,6 +103,8 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
     except DeviceError as exc:
         _fail(str(exc), 4)
     _report(result, json_output, cooperative=not opts.maps)
+    if picture is not None and result.plan is not None:
+        picture(result.plan)  # a cooperative job's plan arrives with its end; a re-tuned one replaces the first
     sys.exit(result.exit_code)
 
 
@@ -102,6 +116,34 @@ def _configure_logging(verbose: int, quiet: int) -> None:
 def _fail(message: str, code: int) -> None:
     click.echo(f"autotune: error: {message}", err=True)
     sys.exit(code)
+
+
+def _on_plan(plan: Plan, json_output: bool, picture: _Picture | None) -> None:
+    """A zero-change plan, as soon as it is tuned (before the real run)."""
+    if not json_output:
+        _show_plan(plan)
+    if picture is not None:
+        picture(plan)
+
+
+class _Picture:
+    """Draws each new plan's search to one file; a drawing that fails warns and never fails the run."""
+
+    def __init__(self, path: Path, script: str) -> None:
+        self.path = path
+        self.script = script
+        self.drawn: Plan | None = None
+
+    def __call__(self, plan: Plan) -> None:
+        if plan == self.drawn:
+            return
+        try:
+            draw_search(plan, self.path, title=self.script)
+        except (ValueError, OSError) as exc:
+            click.echo(f"autotune: --plot: could not draw the search to {self.path}: {exc}", err=True)
+            return
+        self.drawn = plan
+        click.echo(f"autotune: drew the search ({len(plan.trials)} trials) to {self.path}", err=True)
 
 
 def _show_plan(plan: Plan) -> None:

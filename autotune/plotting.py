@@ -1,0 +1,181 @@
+"""A picture of one search: what was tried, what it measured, and which plan won.
+
+Left, throughput against micro-batch, one line per configuration tried; right, peak memory against
+micro-batch with the budget and the limit (budget less margin) drawn across. The chosen plan is a star
+on both; an out-of-memory trial is a cross (on the axis for throughput, which it never measured); a trial
+that ran but left too little headroom is a hollow circle. Everything comes from the plan itself, so a
+plan from the cache, from `autotune run --json` or from a benchmark's log draws the same.
+
+matplotlib is an optional extra (`pip install 'autotune[plot]'`), imported only here and only when drawing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import AutotuneError
+from .plan import Plan, Trial
+
+INSTALL_HINT = "pip install 'autotune[plot]' (or pip install matplotlib)"
+GIB = 2**30
+
+
+class PlotUnavailable(AutotuneError):
+    """Drawing needs matplotlib, which is not installed."""
+
+
+def require_matplotlib() -> Any:
+    """The matplotlib module; raises `PlotUnavailable` naming the install command when it is missing."""
+    try:
+        return importlib.import_module("matplotlib")
+    except ImportError as exc:
+        raise PlotUnavailable(f"drawing the search needs matplotlib, an optional extra: {INSTALL_HINT}") from exc
+
+
+def draw_search(plan: Plan, path: str | Path, *, title: str = "") -> Path:
+    """Write the picture of `plan`'s search to `path` (PNG, or any format matplotlib knows by the suffix).
+
+    Args:
+        plan: a plan with its trials (`plan.trials`).
+        path: where to write; the suffix picks the format.
+        title: what was tuned, e.g. the model; the device and the chosen plan are added.
+
+    Returns:
+        The path written.
+
+    Raises:
+        PlotUnavailable: matplotlib is not installed.
+        ValueError: the plan has no trials to draw (a zero-change plan's cache row, say).
+    """
+    path = Path(path)
+    search_figure(plan, title=title).savefig(path, dpi=120)
+    return path
+
+
+def search_figure(plan: Plan, *, title: str = "") -> Any:
+    """The `matplotlib.figure.Figure` that `draw_search` writes: axes[0] throughput, axes[1] peak memory."""
+    require_matplotlib()
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+
+    if not plan.trials:
+        raise ValueError("the plan holds no trials to draw; plot a plan that was tuned (not one built by hand)")
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    speed, memory = fig.subplots(1, 2)
+    unit, scale = _rate_unit(plan)
+    size_unit, size = ("GiB", GIB) if plan.memory_budget_bytes >= GIB else ("MiB", 2**20)
+    colors = _colors(plan.trials)
+    for rung, color in colors.items():
+        tried = [t for t in plan.trials if t.rung.name == rung]
+        _draw_rung(speed, tried, color, rung, lambda t: t.samples_per_second * scale)
+        _draw_rung(memory, tried, color, rung, lambda t: t.peak_bytes / size)
+    _mark_ooms(speed, memory, plan, colors, size)
+    _mark_choice(speed, memory, plan, scale, size)
+    _limits(memory, plan, size_unit, size)
+    _axes(speed, plan.trials, f"throughput ({unit}, whole global step)")
+    _axes(memory, plan.trials, f"peak memory ({size_unit})")
+    speed.set_ylim(top=max(t.samples_per_second for t in plan.trials) * scale * 1.15 or 1.0)  # room for the label
+    _mfu_axis(speed, plan, scale)
+    speed.legend(handles=_legend(speed, colors), fontsize=8, loc="best")
+    memory.legend(fontsize=8, loc="best")
+    fig.suptitle(_title(plan, title), fontsize=11)
+    return fig
+
+
+def _rate_unit(plan: Plan) -> tuple[str, float]:
+    if plan.tokens_per_second and plan.samples_per_second:
+        return "tokens/s", plan.tokens_per_second / plan.samples_per_second
+    return "samples/s", 1.0
+
+
+def _colors(trials: Sequence[Trial]) -> dict[str, str]:
+    names = list(dict.fromkeys(t.rung.name for t in trials))  # in the order the search tried them
+    return {name: f"C{i % 10}" for i, name in enumerate(names)}
+
+
+def _measured(trials: Sequence[Trial]) -> list[Trial]:
+    """Trials that ran, one per micro-batch: a re-measurement (the runoff's longer run) replaces the first."""
+    by_micro = {t.micro_batch_size: t for t in trials if t.outcome in ("ok", "over_budget")}
+    return [by_micro[m] for m in sorted(by_micro)]
+
+
+def _draw_rung(ax: Any, trials: Sequence[Trial], color: str, label: str, y: Any) -> None:
+    ran = _measured(trials)
+    fits = [t for t in ran if t.fits]
+    if fits:
+        ax.plot([t.micro_batch_size for t in fits], [y(t) for t in fits], "-o", color=color, label=label, ms=6)
+    over = [t for t in ran if not t.fits]
+    if over:
+        ax.plot([t.micro_batch_size for t in over], [y(t) for t in over], "o", mfc="none", mec=color, mew=1.5,
+                ms=8, label=None if fits else label)
+
+
+def _mark_ooms(speed: Any, memory: Any, plan: Plan, colors: dict[str, str], size: int) -> None:
+    """OOMs (and failed compiles) measured no throughput: crosses on the micro-batch axis, and on the memory
+    side at the peak seen before the failure, or at the budget when none was read."""
+    for t in plan.trials:
+        if t.outcome in ("oom", "error"):
+            marker = "x" if t.outcome == "oom" else "+"
+            speed.plot([t.micro_batch_size], [0], marker, color=colors[t.rung.name], ms=10, mew=2, clip_on=False)
+            peak = t.peak_bytes if t.peak_bytes else plan.memory_budget_bytes
+            memory.plot([t.micro_batch_size], [peak / size], marker, color=colors[t.rung.name], ms=10, mew=2)
+
+
+def _mark_choice(speed: Any, memory: Any, plan: Plan, scale: float, size: int) -> None:
+    micro = plan.micro_batch_size
+    star = {"marker": "*", "ms": 20, "mfc": "gold", "mec": "black", "zorder": 5, "linestyle": "none"}
+    speed.plot([micro], [plan.samples_per_second * scale], **star)
+    memory.plot([micro], [plan.peak_memory_bytes / size], **star)
+    speed.annotate("chosen", (micro, plan.samples_per_second * scale), textcoords="offset points", xytext=(8, 8),
+                   fontsize=9, weight="bold")
+
+
+def _limits(memory: Any, plan: Plan, unit: str, size: int) -> None:
+    budget = plan.memory_budget_bytes / size
+    memory.axhline(budget, color="gray", linestyle=":", label=f"budget {budget:,.1f} {unit}")
+    memory.axhline(budget * (1 - plan.margin), color="red", linestyle="--",
+                   label=f"limit: budget less {plan.margin:.0%} margin")
+    highest = max([plan.peak_memory_bytes, *(t.peak_bytes for t in plan.trials)]) / size
+    memory.set_ylim(0, max(budget, highest) * 1.08)
+
+
+def _axes(ax: Any, trials: Sequence[Trial], ylabel: str) -> None:
+    micros = sorted({t.micro_batch_size for t in trials})
+    if micros[-1] >= 4 * micros[0]:
+        ax.set_xscale("log", base=2)  # micro-batches grow by doubling
+    ax.set_xticks(micros, [str(m) for m in micros])
+    ax.minorticks_off()
+    ax.set_xlabel("micro-batch size")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+
+
+def _mfu_axis(ax: Any, plan: Plan, scale: float) -> None:
+    """MFU is throughput over a constant (FLOPs per sample x ranks / peak): a second scale on the same axis."""
+    if plan.mfu is None or not plan.samples_per_second:
+        return
+    per_unit = plan.mfu / (plan.samples_per_second * scale)
+    axis = ax.secondary_yaxis("right", functions=(lambda v: v * per_unit * 100, lambda p: p / (per_unit * 100)))
+    axis.set_ylabel(f"MFU (%) at {plan.precision}")
+
+
+def _legend(ax: Any, colors: dict[str, str]) -> list[Any]:
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=c, marker="o", label=name) for name, c in colors.items()]
+    handles += [Line2D([], [], linestyle="none", marker="o", mfc="none", mec="black", label="over the limit"),
+                Line2D([], [], linestyle="none", marker="x", color="black", mew=2, label="out of memory"),
+                Line2D([], [], linestyle="none", marker="*", ms=14, mfc="gold", mec="black", label="chosen plan")]
+    return handles
+
+
+def _title(plan: Plan, title: str) -> str:
+    rate = (f"{plan.tokens_per_second:,.0f} tokens/s" if plan.tokens_per_second
+            else f"{plan.samples_per_second:,.1f} samples/s")
+    mfu = f", MFU {plan.mfu:.1%}" if plan.mfu is not None else ""
+    what = f"{title} on " if title else ""
+    return (f"{what}{plan.device_name or plan.device}: {len(plan.trials)} trials; chosen {plan.rung.name}, "
+            f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation, {rate}{mfu}")
