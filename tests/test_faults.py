@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import tracemalloc
 import warnings
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from typing import Any
 from pathlib import Path
 
 import pytest
+import torch
 from cache_samples import fit, sample, tiny_workload
 from click.testing import CliRunner
 
@@ -120,3 +124,80 @@ def test_cache_show_escapes_terminal_control_characters(tmp_path: Path) -> None:
     assert "\\x1b]0;owned\\x07\\x1b[2J\\u202egnp.exe" in shown and "\\x1b[31mred" in shown
     assert json.loads(cli("cache", "--cache", str(tmp_path / "plans.db"), "show", "--json",
                           plan.key[:8]).output)["plan"]["reason"] == evil
+
+
+# -- autotune run: exit codes as promised (issue 15.2, 15.3) --------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+RUN_TIMEOUT = 240  # seconds for one `autotune run` (two busy CPUs start torch slowly)
+
+
+def autotune_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "autotune", "run", *args], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+
+
+def launches(log: Path) -> list[str]:
+    return sorted(line for p in log.parent.glob(log.name + ".*") for line in p.read_text().splitlines())
+
+
+def assert_autotune_error(done: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert done.returncode == code, done.stderr
+    assert f"autotune: error: {text}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "not retried" not in done.stderr, done.stderr
+
+
+def test_cooperative_nothing_fits_exits_3_with_autotunes_message(tmp_path: Path) -> None:
+    log = tmp_path / "launches"
+    done = autotune_run(tmp_path, "--budget", "1MiB", "--device", "cpu", "--trial-steps", "1",
+                        str(SCRIPTS / "cooperative_fit.py"), str(log), "--width", "512")
+    assert_autotune_error(done, 3, "no configuration fits")
+    assert launches(log) == ["launch 0 1"], "nothing fits is not an OOM to restart after"
+
+
+def test_cooperative_invalid_setting_inside_the_job_exits_2(tmp_path: Path) -> None:
+    log = tmp_path / "launches"
+    done = autotune_run(tmp_path, "--device", "cpu", str(SCRIPTS / "cooperative_fit.py"), str(log),
+                        "--fit", '{"margin": 2.0}')
+    assert_autotune_error(done, 2, "margin must be a fraction")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cooperative_device_cuda_without_a_gpu_exits_4(tmp_path: Path) -> None:
+    done = autotune_run(tmp_path, "--device", "cuda", str(SCRIPTS / "cooperative_fit.py"), str(tmp_path / "log"))
+    assert_autotune_error(done, 4, "device='cuda' but torch sees no CUDA GPU")
+
+
+def test_nproc_per_node_with_a_global_batch_that_does_not_divide_is_refused_before_launch(tmp_path: Path) -> None:
+    log = tmp_path / "launches"
+    done = autotune_run(tmp_path, "--nproc-per-node", "2", "--global-batch-size", "5", "--device", "cpu",
+                        str(SCRIPTS / "cooperative_fit.py"), str(log))
+    assert done.returncode == 2, done.stderr
+    assert "--global-batch-size 5 with --nproc-per-node 2" in done.stderr and "4 or 6" in done.stderr
+    assert launches(log) == []
+
+
+@pytest.mark.slow
+def test_several_processes_that_never_initialise_torch_distributed_are_warned_about(tmp_path: Path) -> None:
+    log = tmp_path / "launches"
+    done = autotune_run(tmp_path, "--nproc-per-node", "2", "--global-batch-size", "4", "--device", "cpu",
+                        "--budget", "64MiB", "--trial-steps", "1", str(SCRIPTS / "cooperative_fit.py"), str(log))
+    assert done.returncode == 0, done.stderr
+    assert launches(log) == ["launch 0 2", "launch 0 2"]
+    assert "never initialised torch.distributed, so each rank tuned and trained alone" in done.stderr
+
+
+def test_a_directory_as_script_is_a_usage_error(tmp_path: Path) -> None:
+    done = autotune_run(tmp_path, str(SCRIPTS))
+    assert done.returncode == 2 and "is a directory" in done.stderr, done.stderr
+
+
+def test_zero_change_passes_a_non_memory_exit_code_through(tmp_path: Path) -> None:
+    log = tmp_path / "launches"
+    done = autotune_run(tmp_path, "--global-batch-size", "8", "--device", "cpu", "--budget", "64MiB",
+                        "--map", "micro_batch=--bs", "--map", "accumulation=--acc", str(SCRIPTS / "exit7.py"),
+                        str(log))
+    assert done.returncode == 7, done.stderr
+    assert log.read_text().splitlines() == ["launch None"], "a failed trial is not retried, no real run started"

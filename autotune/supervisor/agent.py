@@ -277,10 +277,37 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt:
         update_result(outcome="interrupted", exit_code=130, steps=_count(watch))
         raise
+    except Exception as exc:  # noqa: BLE001 - autotune's own errors become exit codes; the rest re-raised
+        code = autotune_exit_code(exc)
+        if code is None:
+            update_result(exit_code=1, steps=_count(watch), **describe_exception(exc))
+            raise
+        # What fit (or a training step) raised on purpose: its message says what to do, and a traceback of
+        # autotune's internals would bury it. The supervisor prints the message; without one, we do.
+        update_result(outcome="error", exit_code=code, steps=_count(watch), error=f"{type(exc).__name__}: "
+                      f"{exc}"[:500], autotune_error={"type": type(exc).__name__, "message": str(exc)})
+        if result_path() is None:
+            sys.stderr.write(f"autotune: error: {exc}\n")
+        raise SystemExit(code) from None
     except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised untouched
         update_result(exit_code=1, steps=_count(watch), **describe_exception(exc))
         raise
     update_result(outcome="ok", exit_code=0, steps=_count(watch))
+
+
+def autotune_exit_code(exc: BaseException) -> int | None:
+    """The exit code DESIGN.md section 3 gives an error autotune raised on purpose; None for any other error.
+
+    NoFeasiblePlan 3 (nothing fits), DeviceError 4 (environment: no GPU, a poisoned context), InvalidSetting
+    2 (usage). Checked before the OOM classifier: a NoFeasiblePlan chained to the last trial's OOM is not
+    an OOM to restart after.
+    """
+    from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
+
+    for kind, code in ((NoFeasiblePlan, 3), (DeviceError, 4), (InvalidSetting, 2)):
+        if isinstance(exc, kind):
+            return code
+    return None
 
 
 def _count(watch: StepWatch | None) -> int | None:

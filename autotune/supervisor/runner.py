@@ -79,6 +79,12 @@ class RunOptions:
             raise InvalidSetting("--trial-timeout must be positive and --grace-period not negative")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise InvalidSetting(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.nproc_per_node is not None and self.global_batch_size is not None:
+            try:  # refused before launch: every rank would fail (or, without torch.distributed, train alone)
+                per_rank_batch(self.global_batch_size, self.nproc_per_node)
+            except InvalidSetting as exc:
+                raise InvalidSetting(f"--global-batch-size {self.global_batch_size} with --nproc-per-node "
+                                     f"{self.nproc_per_node}: {exc}") from None
         if self.budget is not None:
             parse_bytes(self.budget, "--budget")
         # The same checks fit applies, so a bad value fails here and not inside the job.
@@ -232,6 +238,7 @@ def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
             env.update({ENV["max_micro_batch"]: str(cap), ENV["retune"]: "1"})
         verdict = launcher.launch(list(opts.script_args), env)
         plan = verdict.plan or plan
+        _warn_if_ranks_alone(opts, verdict.plan)
         attempts.append(_attempt(number, verdict, verdict.plan))
         if verdict.kind != "oom":
             return _finish(verdict, plan, attempts)
@@ -252,6 +259,15 @@ def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
                         "micro-batch at most %d", number + 1, failed.micro_batch_size, verdict.note, number + 1,
                         opts.max_restarts, cap)
     return _spent(opts, plan, attempts)
+
+
+def _warn_if_ranks_alone(opts: RunOptions, plan: Plan | None) -> None:
+    """Several processes whose fit saw one rank never initialised torch.distributed: each trained alone."""
+    if opts.world_size > 1 and plan is not None and plan.world_size == 1:
+        log.warning("the job ran %d processes (--nproc-per-node), but its fit saw a world of 1: the script never "
+                    "initialised torch.distributed, so each rank tuned and trained alone on the whole global "
+                    "batch of %d, with no gradient averaging. Call torch.distributed.init_process_group() before "
+                    "autotune.fit, or drop --nproc-per-node", opts.world_size, plan.global_batch_size)
 
 
 def _record_failure(opts: RunOptions, plan: Plan, note: str, number: int) -> None:
@@ -347,7 +363,11 @@ def _attempt(number: int, verdict: Verdict, plan: Plan | None) -> Attempt:
 
 
 def _finish(verdict: Verdict, plan: Plan | None, attempts: list[Attempt]) -> RunResult:
-    """The run ends with this job's own outcome: success, or a failure that is not about memory."""
+    """The run ends with this job's own outcome: success, autotune's own error (exit 2, 3 or 4, with its
+    message), or a failure of the script that is not about memory (its own exit code)."""
+    if verdict.autotune_error is not None:
+        return RunResult(exit_code=verdict.exit_code, plan=plan, attempts=attempts,
+                         message=f"error: {verdict.autotune_error}")
     message = "" if verdict.kind == "ok" else (
         f"the script failed ({verdict.note}); not an out-of-memory error, so it is not retried")
     return RunResult(exit_code=verdict.exit_code, plan=plan, attempts=attempts, message=message)

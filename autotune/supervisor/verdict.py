@@ -32,6 +32,15 @@ class Verdict:
     records: tuple[dict[str, Any], ...] = field(default_factory=tuple)
 
     @property
+    def autotune_error(self) -> str | None:
+        """The message of an error autotune raised on purpose in the job (NoFeasiblePlan...), if one ended it."""
+        for record in self.records:
+            error = record.get("autotune_error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                return error["message"]
+        return None
+
+    @property
     def plan(self) -> Plan | None:
         """The plan `fit` reported in this job (rank 0's), if any."""
         for record in self.records:
@@ -58,6 +67,10 @@ def classify(exit_: ChildExit, records: list[dict[str, Any]]) -> Verdict:
     if exit_.returncode == 0:
         return verdict("ok", "", 0)
     code = shell_code(exit_.returncode)
+    # fit's own errors map to DESIGN.md's exit codes whatever a launcher (torchrun) made of the rank's exit.
+    mapped = [r for r in records if isinstance(r.get("autotune_error"), dict) and r.get("exit_code") in (2, 3, 4)]
+    if mapped:
+        return verdict("error", str(mapped[0].get("error", "")), int(mapped[0]["exit_code"]))
     ooms = [r for r in records if r.get("outcome") == "oom"]
     if ooms:
         return verdict("oom", str(ooms[0].get("error", "out of memory")), code)
