@@ -26,7 +26,8 @@ from ..workload import batch as batches
 from ..workload.batching import global_step_seconds
 from ..devices.placement import MemoryMeter, Placement, now
 from ..errors import DeviceError, is_device_poisoned, is_oom
-from ..workload.losses import LossFn, split_loss
+from ..workload.accumulation import LossWeights, weighted_loss
+from ..workload.losses import LossFn, label_counts, takes_num_items
 from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung, Trial
 from ..techniques import AppliedRung, BlockGroup, apply_rung
@@ -106,14 +107,20 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     step_times: list[float] = []
     opt_times: list[float] = []
     warmup = 0.0
+    counts = label_counts(work.model, micro_batch)
+    tokens = None if counts is None else float(counts.sum())
+    num_items = takes_num_items(work.model)
+    size = batches.batch_size(micro_batch)
     for i in range(work.warmup_steps + measured):
         t0 = now(work.placement)
+        # The same loss the training step computes (num_items_in_batch included), one micro-batch a step.
+        weights = LossWeights(size, 1, total=tokens)
         with applied.autocast():
-            loss, count = split_loss(work.loss_fn(work.model, applied.inputs(micro_batch)))
-            if count is not None:
-                loss = loss / count
-        applied.backward(loss)
-        del loss, count
+            loss = weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights, size,
+                                 expected=tokens, num_items=num_items)
+        if loss is not None:
+            applied.backward(loss)
+        del loss, weights
         t1 = now(work.placement)
         applied.optimizer_step()
         applied.zero_grad()

@@ -117,6 +117,15 @@ def reduce_gradients(model: torch.nn.Module, weights: LossWeights) -> torch.Tens
     return weights.global_mean_loss(totals)
 
 
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Each figure summed over all ranks (float64: sample and token counts add exactly)."""
+    if not active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def total_and_range(samples: int, steps: int) -> tuple[float, int, int]:
     """(samples summed over ranks, fewest micro-steps of any rank, most micro-steps of any rank)."""
     if not active():

@@ -39,12 +39,12 @@ from torch import nn
 
 from ..workload import batch as batches
 from . import distributed
-from ..workload.accumulation import LossWeights
+from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import solve_accumulation, split_sizes
 from ..devices.ceiling import SimulatedCeiling
 from ..devices.placement import Placement, resolve_device
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom
-from ..workload.losses import LossFn, resolve, split_loss
+from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
 from . import clipping
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
@@ -128,6 +128,7 @@ class TrainingStep:
         self.plan = plan
         self.model = model
         self.loss_fn = resolve(loss_fn)
+        self._num_items = takes_num_items(model)  # the default loss passes it num_items_in_batch
         self.placement = _placement(plan, model)
         self.spec = OptimizerSpec.from_user(optimizer, model)
         self.blocks = find_blocks(model)
@@ -203,7 +204,8 @@ class TrainingStep:
         with self._memory_guard(batch):
             weights, failure = self._guarded_accumulate(batch, n)
             # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
-            # torch.distributed no collective runs before this point, so a rank that failed early and
+            # torch.distributed no collective runs between the first micro-batch and this point (the counts
+            # are summed before it, where every rank arrives), so a rank that failed early and
             # ranks that ran every micro-batch meet here, and all of them re-run the batch.
             if distributed.agree_oom(bool(failure)):
                 return float("nan"), failure or "another rank ran out of memory"
@@ -234,16 +236,20 @@ class TrainingStep:
         """Forward and backward over every micro-batch; the weights, which `_finish` turns into the loss."""
         applied = self._applied
         sizes = split_sizes(n, self.plan.micro_batch_size)
-        weights = self._loss_weights(n, len(sizes))
+        counts = label_counts(self.model, batch)  # label tokens per sample, counted before the first forward
+        weights = self._loss_weights(n, len(sizes), counts)
         start = 0
         for index, size in enumerate(sizes):
             self._micro_step = index
             micro = applied.inputs(batches.take(batch, start, start + size))
+            expected = None if counts is None else float(counts[start:start + size].sum())
             start += size
             with applied.autocast():
-                loss, count = split_loss(self.loss_fn(self.model, micro))
-            applied.backward(weights.weigh(loss, count, size))
-            del loss, count, micro  # free the graph's last references before the next forward
+                loss = weighted_loss(self.loss_fn, self.model, micro, weights, size, expected=expected,
+                                     num_items=self._num_items)
+            if loss is not None:
+                applied.backward(loss)
+            del loss, micro  # free the graph's last references before the next forward
         self._micro_step = -1  # all ran: an OOM reported now came from another rank
         return weights
 
@@ -261,9 +267,15 @@ class TrainingStep:
         weights.correct(self.model)
         return weights.mean_loss()
 
-    def _loss_weights(self, n: int, steps: int) -> LossWeights:
+    def _loss_weights(self, n: int, steps: int, counts: torch.Tensor | None) -> LossWeights:
+        tokens = None if counts is None else float(counts.sum())
         if not self._sharded:
-            return LossWeights(n, steps)
+            if not distributed.active():
+                return LossWeights(n, steps, total=tokens)
+            # The global samples and label tokens, known before the first micro-batch (every rank gets
+            # here before any can fail), so each rank weighs by them directly (issue 17).
+            samples, total = distributed.sum_over_ranks([float(n), tokens or 0.0])
+            return LossWeights(n, steps, divisor=samples, total=None if tokens is None else total)
         # FSDP averages the gradients over ranks inside backward, so every rank must weigh alike: n_i over
         # (global samples / world) for mean losses, plain sums for token losses (finish_sharded divides by
         # the global count). The sum runs before any micro-batch, where every rank arrives.

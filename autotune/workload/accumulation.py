@@ -10,33 +10,46 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSetting
+from .losses import LossFn, default_loss, split_loss
 
 
 class LossWeights:
     """Weights that make the sum of micro-batch gradients equal the full-batch gradient.
 
-    Mean losses: micro-batch i of n_i samples out of N contributes (n_i / N) x its loss.
-    Token losses, `(loss_sum, count)`: the total count is known only after the last forward, so each
-    loss_sum is divided by an estimate (the first count x the number of micro-batches, which keeps the
-    gradients' magnitude near a mean loss's, as 16-bit ranges want) and `correct` multiplies the gradients
-    by estimate / total at the end. Exact, because the gradient is linear in the weights. Counts are kept
-    in float64 so that summing them is exact.
+    Mean losses: micro-batch i of n_i samples out of N contributes (n_i / N) x its loss, with N known
+    before the first micro-batch. Token losses, `(loss_sum, count)`: each loss_sum is divided by the
+    batch's total count. Where that total is known before the first micro-batch (`total`: the label
+    tokens of a Hugging Face batch, counted up front) it is used directly, so the weights carry no
+    rounding of the model's own (a float32 norm inside a float64 model, issue 17); otherwise the first
+    count x the number of micro-batches is an estimate (which keeps the gradients' magnitude near a mean
+    loss's, as 16-bit ranges want) and `correct` multiplies the gradients by estimate / total at the end.
+    Exact either way, because the gradient is linear in the weights. Counts are kept in float64 so that
+    summing them is exact.
     """
 
-    def __init__(self, n: int, steps: int, *, divisor: float | None = None, estimate: float | None = None) -> None:
+    def __init__(self, n: int, steps: int, *, divisor: float | None = None, estimate: float | None = None,
+                 total: float | None = None) -> None:
         self.n = n
         self.steps = steps
         # What mean losses are weighted by (n_i / divisor) and token losses divided by. Default: this
-        # batch's samples, and an estimate from the first count. Under FSDP, which averages gradients over
-        # ranks as it reduces them, every rank passes the same figures instead (global samples / world, 1).
+        # batch's samples, and an estimate from the first count. Under torch.distributed the step passes
+        # the global samples and tokens, summed over ranks before the first micro-batch; under FSDP, which
+        # averages gradients over ranks as it reduces them, every rank passes (global samples / world, 1).
         self.divisor = float(n) if divisor is None else divisor
+        self.total = total  # the token count of the whole (global) batch, when known up front
         self.by_tokens: bool | None = None
         self.loss_total: torch.Tensor | None = None  # sum of n_i x loss_i, or of loss_sum_i
         self.count_total: torch.Tensor | None = None
         self.estimate: torch.Tensor | None = None if estimate is None else torch.tensor(estimate, dtype=torch.float64)
 
-    def weigh(self, loss: torch.Tensor, count: Any, size: int) -> torch.Tensor:
-        """The loss to call backward on for a micro-batch of `size` samples."""
+    def weigh(self, loss: torch.Tensor, count: Any, size: int, *, expected: float | None = None,
+              mean: bool = False) -> torch.Tensor | None:
+        """The loss to call backward on for a micro-batch of `size` samples; None when it adds nothing.
+
+        `count` None: `loss` is a mean over samples. Else `loss` is a sum over `count` tokens, or with
+        `mean=True` their mean (the default loss on Hugging Face labels). `expected` is the count this
+        micro-batch's labels hold: when the loss counts the same, the known `total` is the divisor.
+        """
         by_tokens = count is not None
         if self.by_tokens is not None and by_tokens != self.by_tokens:
             raise InvalidSetting("loss_fn returned (loss_sum, count) for some micro-batches and a plain loss for "
@@ -47,10 +60,25 @@ class LossWeights:
             return loss * (size / self.divisor)  # scale the loss by its share of the samples
         count = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach()
         if self.estimate is None:
-            self.estimate = count.clamp(min=1) * self.steps
+            known = self.total is not None and (expected is None or float(count) == float(expected))
+            self.estimate = torch.tensor(self.total, dtype=torch.float64) if known else count.clamp(min=1) * self.steps
         self.estimate = self.estimate.to(loss.device)
+        if mean:
+            if float(count) == 0:  # every label padded: a mean of nothing is NaN, and its share is 0
+                self._add(loss.detach().new_zeros(()), count)
+                return None
+            loss = loss * count  # the mean back to the sum: count / total is this micro-batch's share
         self._add(loss.detach(), count)
         return loss / self.estimate  # float64 division; autograd casts the gradient back to loss's dtype
+
+    def weigh_divided(self, loss: torch.Tensor, count: float) -> torch.Tensor:
+        """A loss the model already divided by the known `total` (`num_items_in_batch`): backward as it is."""
+        assert self.total is not None  # the step passes num_items_in_batch only when it knows the total
+        self.by_tokens = True
+        count_t = torch.tensor(count, dtype=torch.float64, device=loss.device)
+        self.estimate = torch.tensor(self.total, dtype=torch.float64, device=loss.device)
+        self._add(loss.detach().double() * self.estimate, count_t)
+        return loss
 
     def _add(self, loss: torch.Tensor, count: torch.Tensor | None) -> None:
         loss = loss.double()
@@ -63,6 +91,8 @@ class LossWeights:
         if not self.by_tokens or self.estimate is None or self.count_total is None:
             return
         factor = self.estimate / self.count_total.clamp(min=1)
+        if float(factor) == 1.0:
+            return  # the total was known up front: nothing to rescale (and no rounding added)
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
@@ -85,16 +115,33 @@ class LossWeights:
     def share(self, totals: torch.Tensor) -> float:
         """The factor that turns this rank's accumulated gradients into its share of the global gradient.
 
-        `totals` is `totals()` summed over ranks. Mean losses were weighted by n_i / n (this rank's samples),
-        so n / N (all ranks' samples) rescales them; token losses were divided by the estimate, so
-        estimate / (all ranks' tokens). Summing the rescaled gradients over ranks gives the full-batch one.
+        `totals` is `totals()` summed over ranks. Mean losses were weighted by n_i / divisor, so divisor / N
+        (all ranks' samples) rescales them: 1 when the divisor was N already. Token losses were divided by
+        the estimate, so estimate / (all ranks' tokens): 1 when the total was known up front. Summing the rescaled gradients over ranks gives the full-batch one.
         """
         samples, tokens, _ = totals.tolist()
         if self.by_tokens and self.estimate is not None:
             return float(self.estimate) / max(tokens, 1.0)
-        return self.n / samples
+        return self.divisor / samples
 
     def global_mean_loss(self, totals: torch.Tensor) -> torch.Tensor:
         """The loss over the whole global batch, from `totals()` summed over ranks."""
         samples, tokens, loss = totals.double().unbind()
         return loss / (tokens.clamp(min=1) if self.by_tokens else samples)
+
+
+def weighted_loss(loss_fn: LossFn, model: nn.Module, micro: Any, weights: LossWeights, size: int, *,
+                  expected: float | None = None, num_items: bool = False) -> torch.Tensor | None:
+    """One micro-batch's loss, weighted so that the accumulated gradient is the full batch's; None when
+    it adds nothing (every label padded).
+
+    `expected` is the micro-batch's label-token count (`label_counts`), None without labels. The default
+    loss on labels is a token mean: weighted by its tokens' share of the total, or, for a model whose
+    forward takes `num_items_in_batch` (`num_items`), computed by the model as a sum over that total.
+    """
+    if loss_fn is default_loss and expected is not None:
+        if num_items and weights.total is not None:
+            return weights.weigh_divided(default_loss(model, micro, num_items_in_batch=weights.total), expected)
+        return weights.weigh(default_loss(model, micro), expected, size, expected=expected, mean=True)
+    loss, count = split_loss(loss_fn(model, micro))
+    return weights.weigh(loss, count, size, expected=expected)

@@ -2,11 +2,21 @@
 
 A `loss_fn(model, batch)` returns a scalar loss (mean over the batch's samples), or `(loss_sum, count)`
 for losses averaged over tokens with padding, where the step weights by `count` across micro-batches.
+
+The default loss (`loss_fn=None`) follows the Hugging Face convention: with integer `labels` in a mapping
+batch, the model's `.loss` is a mean over the label tokens that count (not -100; a causal LM predicts
+token t+1 from token t, so its first label never counts). Such a loss is a token loss: `label_counts`
+counts those tokens per sample before the first micro-batch, and the step weights each micro-batch's
+mean by its share of the whole batch's tokens, or passes the total as `num_items_in_batch` to a model
+whose loss honours it (`takes_num_items`), so its loss is already the sum over the total, as Hugging
+Face's Trainer does since transformers PR #34191. Without labels the
+default loss is a mean over samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,20 +25,26 @@ from ..errors import InvalidSetting
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 
+IGNORE_INDEX = -100  # Hugging Face's (and torch's cross_entropy's) label for "no loss here"
 
-def call_model(model: torch.nn.Module, batch: Any) -> Any:
-    if isinstance(batch, dict):
-        return model(**batch)
+
+def call_model(model: torch.nn.Module, batch: Any, **extra: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch, **extra)
     if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    return model(batch)
+        return model(*batch, **extra)
+    return model(batch, **extra)
 
 
-def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """`output.loss` (Hugging Face style), `output["loss"]`, or the output itself when it is a scalar."""
-    out = call_model(model, batch)
+def default_loss(model: torch.nn.Module, batch: Any, num_items_in_batch: float | None = None) -> torch.Tensor:
+    """`output.loss` (Hugging Face style), `output["loss"]`, or the output itself when it is a scalar.
+
+    `num_items_in_batch` is passed on to the model only when given (see `takes_num_items`).
+    """
+    extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+    out = call_model(model, batch, **extra)
     loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
+    if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
     if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         loss = out
@@ -55,3 +71,61 @@ def split_loss(value: Any) -> tuple[torch.Tensor, torch.Tensor | float | None]:
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return value, None
     raise InvalidSetting(f"loss_fn returned {type(value).__name__}; return a scalar tensor or (loss_sum, count)")
+
+
+# -- token counts of Hugging Face labels -----------------------------------------------------------------
+
+def label_counts(model: torch.nn.Module, batch: Any) -> torch.Tensor | None:
+    """Per sample, the label tokens a Hugging Face loss averages over (float64, shape (B,)), or None.
+
+    None when the batch is not a mapping with an integer `labels` tensor: then the default loss is a mean
+    over samples. Labels of shape (B,) (sequence classification) count 1 per sample unless -100.
+    """
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() == 0 or labels.is_floating_point() \
+            or labels.dtype == torch.bool:
+        return None
+    if labels.dim() >= 2 and is_causal_lm(model):
+        labels = labels[:, 1:]  # position t's label is predicted from token t-1: the first never counts
+    counted = (labels != IGNORE_INDEX).reshape(labels.shape[0], -1)
+    return counted.sum(dim=1).to(torch.float64).cpu()
+
+
+def is_causal_lm(model: torch.nn.Module) -> bool:
+    """Whether a Hugging Face model shifts its labels by one inside its loss (a causal language model)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    loss_type = getattr(model, "loss_type", None)
+    if isinstance(loss_type, str):
+        return loss_type == "ForCausalLM"
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    name = type(model).__name__
+    return name.endswith(("ForCausalLM", "LMHeadModel"))  # GPT-2 has no loss_type but a causal loss
+
+
+def takes_num_items(model: torch.nn.Module) -> bool:
+    """Whether the model's loss honours `num_items_in_batch` (then its loss is a sum over that number).
+
+    Yes when `forward` names the parameter, or when it is a Hugging Face model whose `forward` takes
+    `**kwargs` and hands them to `self.loss_function` (Llama, GPT-2: every such loss takes it). A bare
+    `**kwargs` is not enough: T5 accepts and ignores it (its loss stays a mean), which would make the step
+    weigh a mean as a sum. Models that do not honour it get their mean weighted by its token count: the
+    same gradient, up to the rounding of a loss the model computes in float32.
+    """
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    forward = getattr(type(model), "forward", None)
+    try:
+        params = inspect.signature(forward).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    if "num_items_in_batch" in params:
+        return True
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    if getattr(model, "accepts_loss_kwargs", True) is False:
+        return False
+    try:
+        return "self.loss_function(" in inspect.getsource(forward)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
