@@ -323,18 +323,15 @@ def fit_with_broken_cache(cache: Path | Callable[[], PlanCache]) -> tuple[Plan, 
     return plan, caught
 
 
-@pytest.mark.parametrize("damage", ["garbage", "damaged pages"])
-def test_a_corrupt_database_is_moved_aside_and_replaced(tmp_path: Path, damage: str) -> None:
+def test_a_corrupt_database_is_moved_aside_and_replaced(tmp_path: Path) -> None:
+    # Garbage that is not SQLite at all may be anybody's file: test_faults.py checks it is left alone.
     path = tmp_path / "plans.db"
-    if damage == "garbage":
-        path.write_bytes(b"this is not a database\n" * 200)
-    else:
-        with PlanCache(path) as store:
-            for i in range(20):
-                store.put(*sample(i))
-        data = bytearray(path.read_bytes())
-        data[4096:] = b"\xa5" * (len(data) - 4096)  # page 1 (header, schema) intact; every table page damaged
-        path.write_bytes(bytes(data))
+    with PlanCache(path) as store:
+        for i in range(20):
+            store.put(*sample(i))
+    data = bytearray(path.read_bytes())
+    data[4096:] = b"\xa5" * (len(data) - 4096)  # page 1 (header, schema) intact; every table page damaged
+    path.write_bytes(bytes(data))
     damaged = path.read_bytes()
 
     plan, caught = fit_with_broken_cache(path)

@@ -201,3 +201,77 @@ def test_zero_change_passes_a_non_memory_exit_code_through(tmp_path: Path) -> No
                         str(log))
     assert done.returncode == 7, done.stderr
     assert log.read_text().splitlines() == ["launch None"], "a failed trial is not retried, no real run started"
+
+
+# -- the file at the cache path (issue 15.4, 20.5) ------------------------------------------------------------
+
+def fit_counting_warnings(cache: object) -> tuple[Any, list[warnings.WarningMessage]]:
+    model, batch = tiny_workload()
+    with cache_warnings() as caught:
+        plan = fit(model, batch, cache, max_trials=2)
+    return plan, caught
+
+
+def test_a_users_text_file_at_the_cache_path_is_never_renamed_or_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "plans.db"
+    path.write_text("my notes, not a database\n" * 100)
+    before = path.read_bytes()
+    plan, caught = fit_counting_warnings(path)
+    assert plan.source == "tuned"
+    assert len(caught) == 1 and "autotune did not create it, so it leaves it alone" in str(caught[0].message)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.db"]
+
+
+def test_a_missing_xdg_cache_home_is_created_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / "cache"))
+    old = os.umask(0o022)
+    try:
+        PlanCache().close()
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "home", tmp_path / "home" / "cache", tmp_path / "home" / "cache" / "autotune"):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+
+
+@contextlib.contextmanager
+def tiny_file_system(directory: Path, size: str = "256k") -> Iterator[Path]:
+    """A small tmpfs mounted at `directory` (needs root), unmounted afterwards."""
+    directory.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                                           capture_output=True, check=False).returncode != 0:
+        pytest.skip("needs the right to mount a tmpfs to fill a disk for real")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def fill(directory: Path) -> None:
+    """Write zeros until the file system says no space is left (ENOSPC)."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_already_full_when_the_cache_opens_is_named_full(tmp_path: Path) -> None:
+    with tiny_file_system(tmp_path / "disk") as disk:
+        with PlanCache(disk / "plans.db") as store:
+            store.put(*sample(0))
+        fill(disk)
+        plan, caught = fit_counting_warnings(disk / "plans.db")
+    assert plan.source == "tuned"
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "the disk (or the database's page limit) is full (0.0 MiB free" in str(caught[0].message)
+
+
+def test_a_negative_budget_is_called_negative() -> None:
+    from autotune.devices.placement import parse_bytes
+    from autotune.errors import InvalidSetting
+
+    with pytest.raises(InvalidSetting, match="memory_budget='-1GiB' is negative"):
+        parse_bytes("-1GiB")

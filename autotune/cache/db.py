@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sqlite3
 import stat
 import time
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 APPLICATION_ID = 0x41545043  # "ATPC" in the SQLite header: this file is an autotune plan cache
+SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+FULL_BELOW_BYTES = 2**20  # an I/O error with less free space than this on the cache's file system is "full"
 CACHE_ENV = "AUTOTUNE_CACHE"
 TEAM_DIR_ENV = "AUTOTUNE_TEAM_DIR"
 # SQLite's locking is unreliable on these ("WAL does not work over a network filesystem"); fuse covers
@@ -59,6 +62,7 @@ def open_database(path: Path, timeout: float) -> Database:
     fstype = filesystem_type(path)
     if is_network_filesystem(fstype):
         raise Unusable("network", f"it is on {fstype}")
+    _check_is_sqlite(path)
     _create_private(path)
     conn = sqlite3.connect(str(path), timeout=timeout, check_same_thread=False)  # PlanCache's lock serialises
     try:
@@ -76,11 +80,53 @@ def open_database(path: Path, timeout: float) -> Database:
         raise
 
 
+def _check_is_sqlite(path: Path) -> None:
+    """Refuse a file that is not SQLite (a user's text file, say): it is not ours to write, rename or replace.
+
+    Raises:
+        Unusable: ("foreign_file") naming what is there.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        raise Unusable("foreign_file", "it is a directory") from None
+    except OSError:
+        return  # unreadable: SQLite's own error says why, and classify() names it
+    if head and head != SQLITE_MAGIC:
+        raise Unusable("foreign_file", f"it is not a SQLite file (it starts with {head[:8]!r})")
+
+
+def is_ours(path: Path) -> bool:
+    """Whether the file at `path` is an autotune cache by its header (SQLite magic and our application_id),
+    or an empty file (which autotune creates before SQLite writes the header)."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(100)
+    except OSError:
+        return False
+    return not header or (header.startswith(SQLITE_MAGIC) and header[68:72] == APPLICATION_ID.to_bytes(4, "big"))
+
+
 def _create_private(path: Path) -> None:
-    """Create the directory (0700) and the file (0600) when missing; SQLite gives -wal/-shm the file's mode."""
-    if not path.parent.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)  # only a directory we made: an existing one keeps its owner's choice
+    """Create missing directories (0700) and the file (0600); SQLite gives -wal/-shm the file's mode.
+
+    Every directory made here is 0700, $XDG_CACHE_HOME included when it was missing: a cache reveals
+    which models its user trains. An existing directory keeps its owner's choice.
+    """
+    missing = []
+    directory = path.parent
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:  # another process made it first
+            continue
+        os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
     if not path.exists():
         with contextlib.suppress(FileExistsError):  # another process created it first
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -257,8 +303,30 @@ def _load_json(text: str | None) -> dict:
 
 # -- trouble ---------------------------------------------------------------------------------------------------
 
-def classify(exc: BaseException) -> str:
-    """locked | corrupt | full | readonly | io, from a SQLite error's code (or message) or an OSError's errno."""
+def classify(exc: BaseException, path: Path | None = None) -> str:
+    """locked | corrupt | full | readonly | io, from a SQLite error's code (or message) or an OSError's errno.
+
+    An I/O error on a file system with (almost) no free space left is "full": SQLite reports a full disk as
+    SQLITE_IOERR_SHMSIZE when the -shm file cannot grow while opening, not as SQLITE_FULL.
+    """
+    problem = _classify(exc)
+    if problem == "io" and path is not None and free_bytes(path) < FULL_BELOW_BYTES:
+        return "full"
+    return problem
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding `path` (its nearest existing ancestor); a large number if unknown."""
+    target = Path(os.path.abspath(path))
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        return shutil.disk_usage(target).free
+    except OSError:
+        return 2**62
+
+
+def _classify(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "readonly", errno.EACCES: "readonly",
                 errno.EPERM: "readonly"}.get(exc.errno or 0, "io")
@@ -279,8 +347,8 @@ _FIXES = {
     "locked": "another process held it past the {timeout:g} s busy timeout. If this repeats, find the holder "
               "(`fuser {path}`) or set {env} to another file",
     "corrupt": "the file is damaged",
-    "full": "the disk (or the database's page limit) is full. Free space, or drop old plans with "
-            "`autotune cache clear`",
+    "full": "the disk (or the database's page limit) is full ({free} free on its file system). Free space, or "
+            "drop old plans with `autotune cache clear`",
     "readonly": "it cannot be written here. Set {env} to a writable path, or pass cache=False; to share plans "
                 "read-only, use {team} instead",
     "network": "SQLite's locking is unreliable on a network file system, so autotune will not use it there. "
@@ -288,21 +356,29 @@ _FIXES = {
     "newer": "it was written by a newer autotune. Upgrade autotune, or set {env} to another file",
     "foreign": "it is a SQLite database but not an autotune plan cache, so autotune leaves it alone. Set {env} "
                "to another file",
+    "foreign_file": "autotune did not create it, so it leaves it alone and runs without a cache. Move the file "
+                    "away, or set {env} to another path",
     "io": "the database failed. Run `autotune doctor`, or set {env} to another file",
 }
 
 
 def message(problem: str, path: Path, detail: str, timeout: float) -> str:
     """What went wrong with the cache at `path`, and the fix."""
-    fix = _FIXES[problem].format(timeout=timeout, path=path, env=CACHE_ENV, team=TEAM_DIR_ENV)
+    free = free_bytes(path) if problem == "full" else 0
+    fix = _FIXES[problem].format(timeout=timeout, path=path, env=CACHE_ENV, team=TEAM_DIR_ENV,
+                                 free=f"{free / 2**20:,.1f} MiB" if free < 2**40 else "plenty")
     return f"plan cache {path} ({detail}): {fix}."
 
 
 def move_aside(path: Path) -> Path | None:
-    """Rename our corrupt file (and its -wal / -shm) to `<name>.corrupt-<time>`; None if it is not ours."""
+    """Rename our corrupt file (and its -wal / -shm) to `<name>.corrupt-<time>`; None if it is not ours.
+
+    Ours: a regular file of this user whose header says autotune plan cache (`is_ours`). A file that
+    merely fails to open as SQLite may be anybody's, and is never renamed.
+    """
     try:
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or not is_ours(path):
             return None
         stamp = time.strftime("%Y%m%dT%H%M%S")
         target, n = path.with_name(f"{path.name}.corrupt-{stamp}"), 1

@@ -301,7 +301,7 @@ class PlanCache:
 
     def _trouble(self, exc: BaseException, what: str) -> None:
         self.close()
-        problem = cache_db.classify(exc)
+        problem = cache_db.classify(exc, self.path)
         code = getattr(exc, "sqlite_errorname", "")  # Python 3.11+; says BUSY from BUSY_RECOVERY and the like
         detail = f"{what}: {exc}" + (f" [{code}]" if code else "")
         if problem == "corrupt":
@@ -309,7 +309,8 @@ class PlanCache:
             if moved is not None:  # recovered: the next call starts a new file
                 self._say(problem, f"{detail}; moved it aside to {moved.name} and started a new one", warn=True)
                 return
-            detail += "; it is not ours to move (another user's file, or not a regular file)"
+            detail += "; it is not ours to move (not an autotune cache by its header, another user's, or not a " \
+                      "regular file), so it is left alone"
         self._off(problem, detail)
 
     def _off(self, problem: str, detail: str) -> None:

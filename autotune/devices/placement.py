@@ -48,11 +48,13 @@ def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int
             raise InvalidSetting(f"{setting} must be positive, got {value!r}")
         return int(value)
     if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if match and match.group(2).lower() in _UNITS:
             number = float(match.group(1)) * _UNITS[match.group(2).lower()]
             if number >= 1:
                 return int(number)
+            raise InvalidSetting(f"{setting}={value!r} is {'negative' if number < 0 else 'under one byte'}: "
+                                 "a budget must be positive, e.g. '24GiB'.")
     raise InvalidSetting(
         f"{setting}={value!r} is not a size autotune understands; write bytes as an integer or a number "
         "with a unit, e.g. '24GiB', '16GB', '512MiB' or 25769803776.")
