@@ -5,6 +5,10 @@ controller tries and what it picks, deterministically."""
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import pytest
+import torch
 
 from autotune.plan import Rung, Trial
 from autotune.search.controller import Controller, Lattice
@@ -139,3 +143,69 @@ def test_compile_is_not_tried_when_the_lattice_forbids_it():
     best, _, _ = _search(gpu, compile=False)
     assert not best.rung.compile
     assert not any(r.compile for r, _ in gpu.calls)
+
+
+# -- plan.apply reproduces each knob (a real model on the CPU, float64) -----------------------------------
+
+from test_step import (HUGE, assert_same_training, make_plan, new_model, padded_batch, peak_of,  # noqa: E402
+                       run_plan, run_reference, seq_batch, token_loss)
+
+
+def _with_blocks(plan, k: int, offload: str = "none"):
+    label = "none" if k == 0 else "full" if k == N else "selective"
+    fraction = 1.0 if offload == "optimizer" else 0.0
+    return dataclasses.replace(plan, checkpointing=label, checkpointed_blocks=k, offload=offload,
+                               offload_fraction=fraction)
+
+
+def test_apply_recomputes_exactly_the_planned_number_of_blocks_and_stays_exact():
+    model = new_model()  # four repeated blocks
+    batch = seq_batch(6, 5, seed=3)
+    want, _ = run_reference(model, [batch])
+    for k in range(N + 1):
+        plan = _with_blocks(make_plan(4, 6), k)
+        wrapped: list[int] = []
+
+        def count(step):  # the blocks whose forward is wrapped while the step is in force
+            wrapped.append(sum("forward" in b.__dict__ for b in step.model.blocks))
+
+        got, step, _ = run_plan(plan, model, [batch], before_optimizer_step=count)
+        assert wrapped == [k], f"plan with {k} blocks recomputed wrapped {wrapped}"
+        assert step.plan.checkpointed_blocks == k
+        assert_same_training(model, got, want)
+        step.close()
+        assert not any("forward" in b.__dict__ for b in got.blocks)  # close() undoes every knob
+
+
+def test_recovery_keeps_exact_gradients_with_some_blocks_recomputed():
+    # As test_step's mid-batch recovery, on a plan with 2 of 4 blocks recomputed: the retry at a smaller
+    # micro-batch (or with more blocks recomputed) loses no sample and counts none twice.
+    model = new_model()
+    batch = padded_batch([8, 5, 8, 3, 64, 40, 64, 7], t=64)
+    plan4, plan2 = (_with_blocks(make_plan(m, 8), 2) for m in (4, 2))
+    budget = (peak_of(plan4, model, batch, loss_fn=token_loss) + peak_of(plan2, model, batch, loss_fn=token_loss)) // 2
+    plan = _with_blocks(make_plan(4, 8, budget=budget), 2)
+    got, step, losses = run_plan(plan, model, [batch], loss_fn=token_loss)
+    want, want_losses = run_reference(model, [batch], loss_fn=token_loss)
+    assert step.recoveries, "the longer micro-batch should not fit the budget made for the short ones"
+    now = step.plan
+    assert (now.micro_batch_size, now.checkpointed_blocks) != (4, 2)
+    assert now.checkpointed_blocks >= 2  # recovery never recomputes fewer blocks than the plan did
+    assert_same_training(model, got, want)
+    assert losses[0] == pytest.approx(want_losses[0], rel=1e-10)
+
+
+def test_optimizer_offload_without_recompute_is_applied_as_planned():
+    model = new_model(dtype=torch.float32)
+    plan = _with_blocks(make_plan(4, 8, precision="bf16"), 0, offload="optimizer")
+    seen: list[tuple[str, int]] = []
+
+    def look(step):
+        seen.append((type(step.optimizer).__name__, sum("forward" in b.__dict__ for b in step.model.blocks)))
+
+    got, step, losses = run_plan(plan, model, [seq_batch(8, 5, seed=4, dtype=torch.float32)] * 2,
+                                 before_optimizer_step=look)
+    assert seen and all(name == "HostOptimizer" and wrapped == 0 for name, wrapped in seen), seen
+    assert all(math.isfinite(x) for x in losses) and losses[1] < losses[0]
+    step.close()
+    assert all(p.dtype == torch.float32 for p in got.parameters())
