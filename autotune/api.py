@@ -29,7 +29,7 @@ from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan
 from .settings import FitSettings
 from .search.snapshot import Snapshot
-from .techniques import anchors, drop_rungs_over, find_blocks, parse_techniques, resident_floor
+from .techniques import anchors, drop_rungs_over, find_blocks, parse_techniques, resident_floor, serve_dtypes
 from .techniques.compile import unavailable as compile_unavailable
 from .search.trial import TrialRunner, Workload
 
@@ -144,6 +144,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     peak = device_peak(placement.name, placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
     blocks = find_blocks(model)
     rungs, notes = anchors(allowed, placement, blocks)
+    rungs, dtype_notes = serve_dtypes(rungs, model)  # a rung that cannot train the model's dtypes is never tried
+    notes = dtype_notes + notes
     limit = int((1 - settings.margin) * budget)
     dropped: list[str] = []
     floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]

@@ -31,13 +31,13 @@ from ..plan import Rung
 from . import checkpointing
 from . import compile as compiling
 from .checkpointing import BlockGroup, find_blocks
-from .offload import HostOptimizer, norm_parameters
+from .offload import HostOptimizer, device_dtype, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
 TECHNIQUES = ("bf16", "checkpointing", "offload", "compile")
 
-__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count", "drop_rungs_over", "ladder",
-           "resident_floor", "parse_techniques", "find_blocks", "BlockGroup"]
+__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count", "drop_rungs_over", "dtype_conflict",
+           "ladder", "resident_floor", "parse_techniques", "serve_dtypes", "find_blocks", "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
@@ -115,10 +115,40 @@ def resident_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
     state on the lower rungs; 16-bit weights and gradients under optimizer offload. A lower bound."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    if rung.offload == "optimizer":
-        return 2 * sum(p.numel() for p in params) + 2 * sum(p.numel() for p in trainable)
+    if rung.offload == "optimizer":  # each weight and gradient at its device dtype: 2 bytes from FP32
+        def size(p: nn.Parameter) -> int:
+            return p.numel() * torch.empty((), dtype=device_dtype(p, torch.bfloat16)).element_size()
+        return sum(size(p) for p in params) + sum(size(p) for p in trainable)
     weights = sum(p.numel() * p.element_size() for p in params)
     return weights + (1 + state_tensors) * sum(p.numel() * p.element_size() for p in trainable)
+
+
+def dtype_conflict(rung: Rung, model: nn.Module) -> str | None:
+    """Why `rung` cannot train `model`'s parameter dtypes, or None when it can.
+
+    FP16 loss scaling unscales the gradients in place, and `GradScaler` refuses FP16 gradients (it would
+    lose what the scale protected): a float16 model under the fp16 rung crashes in its first step.
+    Optimizer offload serves it (the host unscales FP32 copies). Every other rung keeps each parameter's
+    dtype (float64 and bf16 included: see `offload.device_dtype`).
+    """
+    if rung.precision != "fp16" or rung.offload == "optimizer":
+        return None
+    if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+        return ("fp16 without optimizer offload skipped: fp16 loss scaling cannot unscale the float16 gradients of a float16 "
+                "model (torch's GradScaler refuses them); optimizer offload keeps FP32 copies on the host and can")
+    return None
+
+
+def serve_dtypes(rungs: list[Rung], model: nn.Module) -> tuple[list[Rung], list[str]]:
+    """The rungs that can train `model`'s dtypes, and a note for each kind left out."""
+    kept, notes = [], []
+    for rung in rungs:
+        why = dtype_conflict(rung, model)
+        if why is None:
+            kept.append(rung)
+        elif why not in notes:
+            notes.append(why)
+    return kept, notes
 
 
 def drop_rungs_over(rungs: list[Rung], floors: list[int], limit_bytes: int) -> tuple[list[Rung], list[str]]:

@@ -49,6 +49,19 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
+def device_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter keeps on the device under optimizer offload: FP32 weights shrink to `dtype`
+    (16 bits); any other dtype is the model's own choice and stays (a float64 model computes in float64,
+    a bf16 model is 16-bit already, and a float64 input would not multiply a 16-bit weight)."""
+    return dtype if p.dtype == torch.float32 else p.dtype
+
+
+def master_dtype(p: torch.Tensor) -> torch.dtype:
+    """The host master's dtype: FP32 for 16- and 32-bit weights (the point of a master copy), the
+    parameter's own for float64 (or complex), which FP32 would round."""
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16, torch.float32) else p.dtype
+
+
 def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of the model's normalization layers (BatchNorm, InstanceNorm, LayerNorm, GroupNorm,
     RMSNorm): under optimizer offload they stay FP32 on the device."""
@@ -72,6 +85,7 @@ class HostOptimizer:
                  keep_fp32: Collection[nn.Parameter] = ()) -> None:
         self.params = list(params)
         self.dtype = dtype
+        self.dtypes = [p.dtype for p in self.params]  # each comes back in its own dtype (restore)
         self.scaler = scaler
         kept = {id(p) for p in keep_fp32}
         with host_memory():
@@ -82,7 +96,7 @@ class HostOptimizer:
         with torch.no_grad():
             for p in self.params:
                 if id(p) not in kept:
-                    p.data = p.data.to(dtype)  # the device copy shrinks to 16 bits; its FP32 storage is freed
+                    p.data = p.data.to(device_dtype(p, dtype))  # the device copy shrinks to 16 bits; its FP32 storage is freed
         self.param_groups = self.optimizer.param_groups
         # Gradient clipping (training/clipping.py) sets this before `step`: the host gradients are multiplied
         # by it after unscaling, in FP32, and it goes back to 1 after the step.
@@ -90,7 +104,8 @@ class HostOptimizer:
 
     @staticmethod
     def _host_master(p: nn.Parameter) -> torch.Tensor:
-        master = _pinned_copy(p.data.float()) if p.device.type != "cpu" else p.data.detach().float().clone()
+        fp = master_dtype(p)
+        master = _pinned_copy(p.data.to(fp)) if p.device.type != "cpu" else p.data.detach().to(fp, copy=True)
         master.grad = torch.zeros_like(master, pin_memory=p.device.type != "cpu")
         return master
 
@@ -138,9 +153,9 @@ class HostOptimizer:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Undo the offload: FP32 weights back on the device, host copies released."""
-        for p, master in zip(self.params, self.masters):
-            p.data = master.detach().to(p.device, copy=True)
+        """Undo the offload: the weights back on the device in the dtype they came in, host copies released."""
+        for p, master, dtype in zip(self.params, self.masters, self.dtypes):
+            p.data = master.detach().to(p.device, dtype=dtype, copy=True)
             p.grad = None
         self.masters = []
         self.optimizer = None  # type: ignore[assignment]

@@ -50,7 +50,8 @@ from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
 from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
 from ..settings import FitSettings
-from ..techniques import AppliedRung, apply_rung, block_count, find_blocks, ladder, parse_techniques
+from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, ladder, parse_techniques,
+                          serve_dtypes)
 from ..techniques.offload import HostOptimizer
 from ..techniques.sharding import is_sharded
 
@@ -134,8 +135,12 @@ class TrainingStep:
         self.blocks = find_blocks(model)
         if plan.checkpointed_blocks is None:  # the label's default, as a count: recovery compares counts
             self.plan = dataclasses.replace(plan, checkpointed_blocks=block_count(plan.rung, self.blocks))
+        why = dtype_conflict(self.plan.rung, model)
+        if why is not None:
+            raise InvalidSetting(f"plan ({self.plan.rung.name}) cannot train this model: {why.split(': ', 1)[1]}; "
+                                 "tune again with autotune.fit on this model, or use a plan with optimizer offload")
         self._sharded = distributed.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
-        self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks)
+        self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks, model)
         self.grow_after = grow_after
         self.recoveries: list[Recovery] = []
         self.last_peak_bytes: int | None = None  # simulated device only: the last step's peak
@@ -461,7 +466,7 @@ def _dominates(a: Rung, b: Rung) -> bool:
     return all(x >= y for x, y in zip(_strength(a), _strength(b)))
 
 
-def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: Any) -> list[Rung]:
+def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: Any, model: nn.Module) -> list[Rung]:
     """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
     allowed = set(parse_techniques(FitSettings.resolve(techniques=techniques).techniques))  # None: $AUTOTUNE_TECHNIQUES
     if plan.precision == "fp32":
@@ -469,7 +474,8 @@ def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: 
     else:
         allowed.add("bf16")
     rungs, _ = ladder(frozenset(allowed), placement, blocks, compile=plan.compile)  # compile stays as tuned
-    return [dataclasses.replace(r, precision=plan.precision) for r in rungs]
+    rungs, _ = serve_dtypes([dataclasses.replace(r, precision=plan.precision) for r in rungs], model)
+    return rungs
 
 
 def _placement(plan: Plan, model: nn.Module) -> Placement:
