@@ -1,23 +1,28 @@
-"""The compile knob: `torch.compile` on the model, composed with checkpointing the way it pays.
+"""The compile knob: `torch.compile` on the model's repeated blocks (or the whole model), composed with
+checkpointing the way it pays.
 
-When no block is recomputed the whole model is compiled (one graph, the most fusion). When some are, each
-repeated block is compiled on its own, around its checkpoint wrapper when it has one, so the recompute in
-backward runs the same fused kernels (torchtitan compiles per block for the same reason); the rest of
-the model stays eager. Identical blocks share one compiled graph (their parameters are graph inputs).
+Where the model has repeated blocks, each block is compiled on its own, around its checkpoint wrapper
+when it has one, so the recompute in backward runs the same fused kernels (torchtitan compiles per block
+for the same reason), and the rest of the model stays eager. Identical blocks share one compiled graph
+(their parameters are graph inputs), so compile time is one block's, not N blocks': on GPT-2 large (36
+blocks) compiling the whole model took 129.5 s of a 285.8 s tune on an H100 (benchmarks/RESULTS.md),
+most of the tuning time. A model without repeated blocks is compiled whole. `$AUTOTUNE_COMPILE_REGIONS`
+= "whole" compiles the whole model when no block is recomputed (the most fusion, the longest compile).
 
 Compile is a speed and a memory technique: fused kernels keep fewer intermediates (GPT-2 large on an
 H100: 10.5 GiB where eager peaked at 21.2 at the same micro-batch). Its cost is compile time, paid at
-the first step of each new shape; torch's own on-disk caches (Inductor's FX graph cache) make a second
-tune of the same model cheaper. After the second shape torch marks the batch dimension dynamic, so a
-change of micro-batch in training (recovery, an uneven last micro-batch) does not recompile again.
+the first step; torch's own on-disk caches (Inductor's FX graph cache) make a second tune of the same
+model cheaper. The batch dimension of every compiled call's inputs is marked dynamic before the call,
+so a change of micro-batch (the next trial, a recovery, an uneven last micro-batch) reuses the graph.
 
 Compiling this way (what `nn.Module.compile()` does) keeps the module object and its state dict as they
-are, and is undone by dropping the compiled call; a model that cannot be compiled falls back to eager with a note (the search records
-the failed trial and goes on without compile).
+are, and is undone by dropping the compiled call; a model that cannot be compiled falls back to eager with
+a note (the search records the failed trial and goes on without compile).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from ..devices.placement import Placement
+from ..errors import InvalidSetting
 from ..workload.batch import tensors
 from .checkpointing import BlockGroup
 
@@ -47,15 +53,19 @@ def unavailable(placement: Placement) -> str | None:
 
 
 def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> Callable[[], None]:
-    """Compile `model` (whole) or its blocks (when `checkpointed` > 0); returns the undo function."""
+    """Compile `model`'s repeated blocks (or the whole model, see the module docstring); returns the undo
+    function."""
     _raise_cache_limits()
-    targets = list(blocks.blocks) if checkpointed > 0 and blocks is not None else [model]
+    whole = regions() == "whole" and checkpointed == 0  # read first: a bad setting fails on every model
+    targets = [model] if blocks is None or whole else list(blocks.blocks)
     for module in targets:
         module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
+    restore_cache = _no_kv_cache(model) if targets[0] is not model else (lambda: None)
 
     def remove() -> None:
         for module in targets:
             module._compiled_call_impl = None  # what nn.Module.compile set; __call__ is eager again
+        restore_cache()
 
     return remove
 
@@ -67,8 +77,41 @@ _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref
 
 def _compiled(module: nn.Module) -> Callable[..., object]:
     if module not in _WRAPPERS:
-        _WRAPPERS[module] = torch.compile(module._call_impl)
+        compiled = torch.compile(module._call_impl)
+
+        def call(*args: object, **kwargs: object) -> object:
+            mark_batch_dynamic((args, kwargs))  # a block's inputs are the model's activations, marked here
+            return compiled(*args, **kwargs)
+
+        _WRAPPERS[module] = call
     return _WRAPPERS[module]
+
+
+def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
+    """Turn a Hugging Face model's KV cache off while its blocks are compiled; the undo.
+
+    Training never reads the cache, but with it on each block gets its own cache layer, compile guards on
+    it, and every block compiles a graph of its own (36 compiles for GPT-2 large instead of one). Hugging
+    Face turns it off the same way under gradient checkpointing.
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return lambda: None
+    config.use_cache = False
+
+    def restore() -> None:
+        config.use_cache = True
+
+    return restore
+
+
+def regions() -> str:
+    """What is compiled when no block is recomputed: "blocks" (default) or "whole" ($AUTOTUNE_COMPILE_REGIONS)."""
+    value = os.environ.get("AUTOTUNE_COMPILE_REGIONS", "blocks").strip().lower() or "blocks"
+    if value not in ("blocks", "whole"):
+        raise InvalidSetting(f"$AUTOTUNE_COMPILE_REGIONS must be 'blocks' or 'whole', got {value!r}; unset it for "
+                             "'blocks' (each repeated block compiled once, shared by all)")
+    return value
 
 
 def _raise_cache_limits() -> None:
