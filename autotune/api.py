@@ -22,7 +22,7 @@ from .workload.batching import per_rank_batch, solve_accumulation
 from .search.controller import Controller, Lattice
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
-from .devices.placement import Placement, default_budget, parse_bytes, resolve_device
+from .devices.placement import Placement, default_budget, parse_bytes, refuse_meta, resolve_device
 from .errors import InvalidSetting
 from .workload.losses import resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
@@ -88,6 +88,7 @@ def fit(
     started = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise InvalidSetting(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_meta(model)
     settings = FitSettings.resolve(global_batch_size=global_batch_size, memory_budget=memory_budget,
                                    margin=margin, device=device, cache=cache, techniques=techniques,
                                    measured_steps=trial_steps, max_trials=max_trials, retune=retune)
@@ -159,7 +160,10 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     try:
         if home != placement.torch_device:
             model.to(placement.torch_device)
-        work = Workload(model=model, batch=batches.to_device(batch, placement.torch_device),
+        # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
+        # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
+        example = batches.detached(batches.to_device(batch, placement.torch_device))
+        work = Workload(model=model, batch=example,
                         loss_fn=resolve_loss(loss_fn), spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)

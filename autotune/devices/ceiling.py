@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -143,7 +143,7 @@ class SimulatedCeiling(TorchDispatchMode):
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
-        if obj.grad is not None:
+        if obj.is_leaf and obj.grad is not None:  # a view of an input is no leaf: .grad would warn
             yield obj.grad
     elif isinstance(obj, torch.nn.Module):
         for p in obj.parameters():
@@ -152,7 +152,7 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, torch.optim.Optimizer):
         for state in obj.state.values():
             yield from _tensors_of(list(state.values()))
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):  # a dict, or a tokenizer's BatchEncoding
         for v in obj.values():
             yield from _tensors_of(v)
     elif isinstance(obj, (list, tuple)):

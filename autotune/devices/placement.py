@@ -100,6 +100,17 @@ def resolve_device(device: str | torch.device | None) -> Placement:
     return Placement(kind="cuda", index=index, name=props.name, total_bytes=props.total_memory)
 
 
+def refuse_meta(model: torch.nn.Module) -> None:
+    """Raise `InvalidSetting` when the model has tensors on the `meta` device: shapes without data, which
+    nothing can train or measure (and `.to()` cannot copy)."""
+    names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise InvalidSetting(f"model has tensors on the 'meta' device ({shown}): they have shapes but no data. "
+                             "Materialize the model first, e.g. model.to_empty(device='cuda') then initialize or "
+                             "load the weights (model.load_state_dict(state, assign=True)), and pass it again")
+
+
 def default_budget(placement: Placement) -> tuple[int, str]:
     """Bytes this process may use on `placement`, and where the figure came from."""
     if placement.simulated:

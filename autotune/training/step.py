@@ -42,7 +42,7 @@ from . import distributed
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import solve_accumulation, split_sizes
 from ..devices.ceiling import SimulatedCeiling
-from ..devices.placement import Placement, resolve_device
+from ..devices.placement import Placement, refuse_meta, resolve_device
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom
 from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
 from . import clipping
@@ -122,6 +122,7 @@ class TrainingStep:
                            ("after_optimizer_step", after_optimizer_step)):
             if hook is not None and not callable(hook):
                 raise InvalidSetting(f"{name} must be a callable taking the step, got {type(hook).__name__}")
+        refuse_meta(model)
         self.max_grad_norm = clipping.check_max_norm(max_grad_norm)
         self.before_optimizer_step = before_optimizer_step
         self.after_optimizer_step = after_optimizer_step

@@ -1,24 +1,27 @@
-"""Operations on a user's batch: a Tensor, a tuple/list or a dict of Tensors, batch dimension first.
+"""Operations on a user's batch: a Tensor, a tuple/list or a mapping of Tensors, batch dimension first.
 
 Everything here treats the batch as a tree whose tensor leaves share dimension 0; non-tensor leaves
-(a string, a flag) pass through unchanged.
+(a string, a flag) pass through unchanged. A mapping is any `collections.abc.Mapping`, not only a `dict`:
+a tokenizer returns a `BatchEncoding` (a `UserDict`), and that is the batch people pass first.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..errors import InvalidSetting
 
-Batch = Any  # Tensor | tuple | list | dict of those
+Batch = Any  # Tensor | tuple | list | Mapping of those
 
 
 def _leaves(batch: Batch) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return [t for v in batch.values() for t in _leaves(v)]
     if isinstance(batch, (list, tuple)):
         return [t for v in batch for t in _leaves(v)]
@@ -28,8 +31,8 @@ def _leaves(batch: Batch) -> list[torch.Tensor]:
 def _map(batch: Batch, fn: Any) -> Batch:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _map(v, fn)) for k, v in batch.items())
+    if isinstance(batch, Mapping):
+        return _rebuild(batch, {k: _map(v, fn) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_map(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -37,12 +40,27 @@ def _map(batch: Batch, fn: Any) -> Batch:
     return batch
 
 
+def _rebuild(batch: Mapping, items: dict) -> Mapping:
+    """A mapping of `batch`'s type holding `items`: `BatchEncoding`, `UserDict`, `OrderedDict` and dict
+    subclasses take a dict; one whose constructor does not becomes a plain dict (the model gets
+    `**batch` either way)."""
+    if type(batch) is dict:
+        return items
+    if isinstance(batch, defaultdict):
+        return type(batch)(batch.default_factory, items)
+    try:
+        rebuilt = type(batch)(items)
+    except Exception:  # noqa: BLE001 - any constructor that does not take a dict: the plain one does
+        return items
+    return rebuilt if isinstance(rebuilt, Mapping) and set(rebuilt.keys()) == set(items) else items
+
+
 def batch_size(batch: Batch, setting: str = "batch") -> int:
     """The size of dimension 0, checked to agree across the batch's tensors."""
     leaves = [t for t in _leaves(batch) if t.dim() > 0]
     if not leaves:
         raise InvalidSetting(f"{setting} holds no tensor with a batch dimension; pass a Tensor, a tuple/list or "
-                             "a dict of Tensors whose dimension 0 is the batch")
+                             "a mapping (dict, BatchEncoding) of Tensors whose dimension 0 is the batch")
     sizes = {t.shape[0] for t in leaves}
     if len(sizes) > 1:
         raise InvalidSetting(f"{setting}'s tensors disagree on the batch dimension (dim 0 sizes {sorted(sizes)}); "
@@ -70,6 +88,13 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return _map(batch, lambda t: t.to(device, non_blocking=True))
 
 
+def detached(batch: Batch) -> Batch:
+    """The batch with every tensor detached from the caller's: new leaves on the same storage, with the
+    same `requires_grad`, so backward fills their `.grad`, not the caller's."""
+    return _map(batch, lambda t: t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or
+                t.is_complex() else t.detach())
+
+
 def signature(batch: Batch) -> list[tuple[str, tuple[int, ...], str]]:
     """(path, shape without the batch dimension, dtype) of every tensor: what the cache keys on."""
     out: list[tuple[str, tuple[int, ...], str]] = []
@@ -77,7 +102,7 @@ def signature(batch: Batch) -> list[tuple[str, tuple[int, ...], str]]:
     def walk(obj: Any, path: str) -> None:
         if isinstance(obj, torch.Tensor):
             out.append((path, tuple(obj.shape[1:]), str(obj.dtype).replace("torch.", "")))
-        elif isinstance(obj, dict):
+        elif isinstance(obj, Mapping):
             for k in sorted(obj, key=str):
                 walk(obj[k], f"{path}.{k}" if path else str(k))
         elif isinstance(obj, (list, tuple)):
