@@ -19,17 +19,19 @@ from .workload import batch as batches
 from .cache import store as plan_cache
 from .training import distributed
 from .workload.batching import per_rank_batch, solve_accumulation
-from .search.controller import Controller, Lattice
+from .search.controller import Controller, Lattice, SearchResult
+from .search.offload_share import choose_offload_fraction
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
 from .devices.placement import Placement, default_budget, parse_bytes, refuse_meta, resolve_device
 from .errors import InvalidSetting
 from .workload.losses import resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
-from .plan import Plan
+from .plan import Plan, Trial
 from .settings import FitSettings
 from .search.snapshot import Snapshot
 from .techniques import anchors, drop_rungs_over, find_blocks, parse_techniques, resident_floor, serve_dtypes
+from .techniques.offload import norm_parameters
 from .techniques.compile import unavailable as compile_unavailable
 from .search.trial import TrialRunner, Workload
 
@@ -174,15 +176,16 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                                 remeasure=lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps))
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
+        best, fraction = _offload_share(result, runner, model, spec, limit, world)
     finally:
         if home != placement.torch_device:
             model.to(home)
         snapshot.restore()
-    best = result.best
     steps, last = solve_accumulation(per_rank, best.micro_batch_size)
     tokens = batches.tokens_per_sample(batch)
     reason = result.reason + "".join(f"; {n}" for n in [*notes, *result.notes, *compile_notes][:2])
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
+                offload_fraction=fraction,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 compile_seconds=sum(t.compile_seconds for t in result.trials),
                 micro_batch_size=min(best.micro_batch_size, per_rank), accumulation_steps=steps,
@@ -193,6 +196,24 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
                 trials=tuple(result.trials), flops_per_sample=flops,
                 mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision))
+
+
+def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, spec: OptimizerSpec, limit: int,
+                   world: int) -> tuple[Trial, float | None]:
+    """Under optimizer offload, the smallest host share that fits the chosen micro-batch (one process:
+    sharded ranks hold a share of each parameter already). Adds its trials and note to `result`."""
+    best = result.best
+    if best.rung.offload != "optimizer" or world != 1:
+        return best, None
+    params = [p for p in model.parameters() if p.requires_grad]
+    chosen, fraction, ran, notes = choose_offload_fraction(
+        best, lambda f: runner(best.rung, best.micro_batch_size, offload_fraction=f), params, limit,
+        state_tensors_per_parameter(spec), norm_parameters(model))
+    result.trials.extend(ran)
+    result.notes.extend(notes)
+    if chosen is not best:
+        result.reason = f"{result.reason}; {notes[0]}"
+    return chosen, fraction
 
 
 def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str]) -> bool:

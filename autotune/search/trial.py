@@ -11,6 +11,7 @@ of their own that dies with the traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import statistics
@@ -65,7 +66,8 @@ class TrialRunner:
         self.work = work
         self.agree = agree
 
-    def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None) -> Trial:
+    def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None,
+                 offload_fraction: float = 1.0) -> Trial:
         work = self.work
         started = time.perf_counter()
         micro_batch = batches.resize(work.batch, micro)
@@ -77,7 +79,8 @@ class TrialRunner:
         try:
             try:
                 with meter.watching(work.model, micro_batch):
-                    applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks)
+                    applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
+                                         offload_fraction=offload_fraction)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps)
             except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
                 if is_device_poisoned(exc):
@@ -97,6 +100,9 @@ class TrialRunner:
         del micro_batch
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
                             time.perf_counter() - started, compile_failed)
+        if offload_fraction < 1.0:
+            share = f"offload fraction {offload_fraction:.2f}"
+            trial = dataclasses.replace(trial, note=f"{share}; {trial.note}" if trial.note else share)
         return self.agree(trial)
 
 
@@ -119,7 +125,7 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
             loss = weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights, size,
                                  expected=tokens, num_items=num_items)
         if loss is not None:
-            applied.backward(loss)
+            applied.backward(loss, last=True)  # one micro-batch a step: under optimizer offload, overlapped
         del loss, weights
         t1 = now(work.placement)
         applied.optimizer_step()

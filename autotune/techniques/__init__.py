@@ -180,7 +180,12 @@ class AppliedRung:
             compiling.mark_batch_dynamic(micro_batch)
         return micro_batch
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, last: bool = False, defer: bool = False) -> None:
+        """Backward of one micro-batch. `last`: the optimizer steps right after it, so under optimizer
+        offload the host starts its share during this backward (`HostOptimizer.arm`; `defer` when the
+        gradients may still change before the step: clipping, a callback, a correction)."""
+        if last and self._host:
+            self.optimizer.arm(defer)
         # Scale under optimizer offload too: HostOptimizer.step unscales the host gradients itself.
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
@@ -207,11 +212,12 @@ class AppliedRung:
 
 
 def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Placement,
-               blocks: BlockGroup | None, *, optimizer: torch.optim.Optimizer | None = None) -> AppliedRung:
+               blocks: BlockGroup | None, *, optimizer: torch.optim.Optimizer | None = None,
+               offload_fraction: float = 1.0) -> AppliedRung:
     """Put `rung` on `model`; the optimizer is `optimizer` if given, else a fresh one from `spec`.
 
     Under optimizer offload the returned optimizer is a `HostOptimizer` built from `spec` (with
-    `optimizer`'s state, when given, moved into it).
+    `optimizer`'s state, when given, moved into it), holding `offload_fraction` of the parameters on the host.
     """
     undo: list[Callable[[], None]] = []
     try:
@@ -228,7 +234,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
         if rung.offload == "optimizer":
             state = optimizer.state_dict() if optimizer is not None and optimizer.state else None
             dtype = torch.bfloat16 if rung.precision == "bf16" else torch.float16
-            opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state, keep_fp32=norm_parameters(model))
+            opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state, keep_fp32=norm_parameters(model),
+                                     fraction=offload_fraction)
             undo.append(opt.restore)
         else:
             opt = optimizer if optimizer is not None else spec.build(trainable)

@@ -14,7 +14,9 @@ them exactly as a GPU would.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch import nn
 
 from ..devices.ceiling import host_memory
 from ..workload.optimizers import OptimizerSpec
+from .offload_pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -68,12 +71,45 @@ def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)]
 
 
+def host_share(numels: Sequence[int], fraction: float) -> list[int]:
+    """Positions of the parameters whose master and optimizer state go to the host: the last ones in model
+    order, fewest whose elements reach `fraction` of the total (1.0: all of them, 0.0: none).
+
+    The last parameters, because backward finishes their gradients first: the host gets the most time to
+    step them behind the rest of backward, and the device steps the share whose gradients land last. The
+    split is a function of the fraction alone, so a trial and the training step split alike.
+    """
+    total = sum(numels)
+    share: list[int] = []
+    held = 0
+    for i in reversed(range(len(numels))):
+        if held >= fraction * total * (1 - 1e-9):
+            break
+        share.append(i)
+        held += numels[i]
+    return sorted(share)
+
+
+def overlap_default() -> bool:
+    """Whether optimizer offload overlaps with backward: on unless $AUTOTUNE_OFFLOAD_OVERLAP is 0 (the
+    serial step, kept for comparison: benchmarks/bench_offload.py measures both)."""
+    return os.environ.get("AUTOTUNE_OFFLOAD_OVERLAP", "1").strip() not in ("0", "false", "no", "off")
+
+
 class HostOptimizer:
     """Optimizer offload: FP32 masters and state on the host, 16-bit weights and gradients on the device.
 
-    `step()` copies the device gradients into pinned FP32 host buffers, steps a CPU optimizer over the
-    masters, and copies the updated masters back into the device weights (cast to 16 bits). `restore()`
-    puts FP32 weights back on the device and drops the host copies.
+    `step()` copies the device gradients into FP32 host gradients, steps a CPU optimizer over the masters,
+    and copies the updated masters back into the device weights (cast to 16 bits). `restore()` puts FP32
+    weights back on the device and drops the host copies.
+
+    With `overlap` (the default), the step's work starts during the last backward (`arm`, see
+    offload_pipeline.py); without it, all of it runs in `step()`, as it first did. The two give the same
+    parameters.
+
+    `fraction` < 1 is partial offload (`plan.offload_fraction`): only that share of the parameters (the
+    last in model order, `host_share`) has its master and state on the host; the rest keep FP32 weights
+    on the device and are stepped there by a device optimizer of the same kind and hyperparameters.
 
     Parameters in `keep_fp32` (normalization layers': see `norm_parameters`) keep FP32 device weights:
     BatchNorm needs its weight in the dtype of its FP32 running statistics (cuDNN and the CPU kernel both
@@ -82,17 +118,31 @@ class HostOptimizer:
 
     def __init__(self, params: Sequence[nn.Parameter], spec: OptimizerSpec, dtype: torch.dtype,
                  scaler: torch.amp.GradScaler | None = None, state: dict[str, Any] | None = None,
-                 keep_fp32: Collection[nn.Parameter] = ()) -> None:
+                 keep_fp32: Collection[nn.Parameter] = (), *, fraction: float = 1.0,
+                 overlap: bool | None = None) -> None:
         self.params = list(params)
+        self.spec = spec
         self.dtype = dtype
         self.dtypes = [p.dtype for p in self.params]  # each comes back in its own dtype (restore)
         self.scaler = scaler
         kept = {id(p) for p in keep_fp32}
+        self.host_index = host_share([p.numel() for p in self.params], fraction)
+        host = set(self.host_index)
+        self.device_index = [i for i in range(len(self.params)) if i not in host]
+        self.fraction = sum(self.params[i].numel() for i in self.host_index) / max(1, sum(p.numel() for p in self.params))
         with host_memory():
-            self.masters = [self._host_master(p) for p in self.params]
-            self.optimizer = spec.build(self.masters, host=True)
-            if state is not None:
-                self.optimizer.load_state_dict(state)
+            self.master: dict[int, torch.Tensor] = {i: self._host_master(self.params[i]) for i in self.host_index}
+            slots = [self.master.get(i, p) for i, p in enumerate(self.params)]
+            self.optimizer = spec.build(slots, host=True, only=host)
+        # The device share: FP32 masters on the device beside the same 16-bit weights (norm weights, FP32
+        # already, are their own masters), so forward computes in the same dtypes as under full offload.
+        self.device_master = {i: self.params[i] if id(self.params[i]) in kept
+                              else self.params[i].detach().to(master_dtype(self.params[i]), copy=True)
+                              for i in self.device_index}
+        slots = [self.device_master.get(i, p) for i, p in enumerate(self.params)]
+        self.device_optimizer = spec.build(slots, only=self.device_index) if self.device_index else None
+        if state is not None:
+            self.load_user_state(state)
         with torch.no_grad():
             for p in self.params:
                 if id(p) not in kept:
@@ -101,6 +151,18 @@ class HostOptimizer:
         # Gradient clipping (training/clipping.py) sets this before `step`: the host gradients are multiplied
         # by it after unscaling, in FP32, and it goes back to 1 after the step.
         self.grad_factor = 1.0
+        self.skip: set[int] = set()  # positions already stepped for this batch by an aborted attempt
+        self.pipeline: OffloadPipeline | None = None
+        self._staging: dict[int, torch.Tensor] = {}  # CUDA only: pinned buffers in the device weights' dtype
+        self._stream: Any = None
+        self._views: dict[tuple[int, ...], torch.optim.Optimizer] = {}
+        if (overlap_default() if overlap is None else overlap) and self.host_index:
+            self._start_pipeline()
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """The FP32 host masters, in the order of `host_index` (every parameter's, under full offload)."""
+        return [self.master[i] for i in self.host_index]
 
     @staticmethod
     def _host_master(p: nn.Parameter) -> torch.Tensor:
@@ -109,6 +171,59 @@ class HostOptimizer:
         master.grad = torch.zeros_like(master, pin_memory=p.device.type != "cpu")
         return master
 
+    # -- the overlapped step ----------------------------------------------------------------------------
+    def _start_pipeline(self) -> None:
+        cuda = self.params[0].device.type == "cuda"
+        stream = torch.cuda.Stream(self.params[0].device) if cuda else None
+        if cuda:  # one pinned buffer per parameter in the device weight's dtype: gradient out, weight back
+            self._staging = {i: torch.empty(self.params[i].shape, dtype=self.params[i].dtype, pin_memory=True)
+                             for i in self.host_index}
+        numels = [p.numel() for p in self.params]
+        self.pipeline = OffloadPipeline({i: self.params[i] for i in self.host_index},
+                                        chunk_indices(self.host_index, numels), self._land, self._step_chunk,
+                                        stream=stream, stage=self._stage if cuda else None)
+        self._stream = stream
+
+    def arm(self, defer: bool = False) -> None:
+        """The next backward is the last before `step()`: start the host's work during it.
+
+        `defer=True` when a gradient may still change after backward (clipping, loss scaling, a callback):
+        the copies overlap backward, the CPU steps wait for `step()`. A no-op without the pipeline.
+        """
+        if self.pipeline is not None:
+            self.pipeline.arm(defer or self.scaler is not None)
+
+    def abort(self) -> None:
+        """The armed attempt ran out of memory and will be re-run: chunks already stepped are not stepped
+        again (their weights, still old on the device, go back with the re-run's step)."""
+        if self.pipeline is None:
+            return
+        self.pipeline.abort()
+        self.skip |= {i for c in self.pipeline.done for i in self.pipeline.chunks[c]}
+
+    def _stage(self, i: int, grad: torch.Tensor) -> None:
+        self._staging[i].copy_(grad, non_blocking=True)  # on the side stream, in the hook (see the pipeline)
+
+    def _land(self, i: int) -> None:
+        source = self._staging[i] if self._staging else self.params[i].grad
+        self.master[i].grad.copy_(source)
+
+    def _step_chunk(self, indices: list[int]) -> None:
+        self._step_host(indices)
+        for i in indices:
+            if self._staging:
+                self._staging[i].copy_(self.master[i])  # narrowed on the CPU; sent back after backward
+
+    def _step_host(self, indices: Sequence[int]) -> None:
+        key = tuple(indices)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views.setdefault(key, optimizer_view(self.optimizer, [self.master[i] for i in indices]))
+        sync_view(view)
+        with host_memory():
+            view.step()
+
+    # -- the step ----------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             if set_to_none:
@@ -118,44 +233,175 @@ class HostOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for p, master in zip(self.params, self.masters):
-            if p.grad is None:
-                master.grad.zero_()
-            else:
-                master.grad.copy_(p.grad, non_blocking=True)
-        if self.params and self.params[0].device.type == "cuda":
+        pipeline = self.pipeline
+        if pipeline is not None and pipeline.armed:
+            pipeline.finish()
+        landed = pipeline.landed if pipeline is not None else set()
+        done = {i for c in pipeline.done for i in pipeline.chunks[c]} if pipeline is not None else set()
+        with host_memory():  # host-side copies: on the simulated device, not device memory
+            for i in self.host_index:
+                if i not in landed and i not in done and i not in self.skip:
+                    self._copy_grad(i)
+        if self.params[0].device.type == "cuda":
             torch.cuda.synchronize(self.params[0].device)
-        factor, self.grad_factor = self.grad_factor, 1.0
-        if self.scaler is not None and not self._unscale():
-            return  # non-finite gradients: skip this step, as GradScaler.step would
-        if factor != 1.0:
-            for m in self.masters:
-                m.grad.mul_(factor)
-        with host_memory():
-            self.optimizer.step()
-        for p, master in zip(self.params, self.masters):
-            p.data.copy_(master, non_blocking=True)
+        try:
+            self._update(done | self.skip)
+        finally:
+            self.skip = set()
+            if pipeline is not None:
+                pipeline.reset()
 
-    def _unscale(self) -> bool:
-        """FP16 only: divide host gradients by the loss scale; False (and a smaller scale) on inf/NaN."""
+    def _copy_grad(self, i: int) -> None:
+        grad = self.params[i].grad
+        if grad is None:
+            self.master[i].grad.zero_()
+        else:
+            self.master[i].grad.copy_(grad, non_blocking=True)
+
+    def _update(self, stepped: set[int]) -> None:
+        """Unscale and clip what was not stepped yet, step it, and bring every host weight back."""
+        factor, self.grad_factor = self.grad_factor, 1.0
+        device_grads = self._device_grads()
+        try:
+            if self.scaler is not None and not self._unscale(device_grads):
+                return  # non-finite gradients: skip this step, as GradScaler.step would
+            rest = [i for i in self.host_index if i not in stepped]
+            if factor != 1.0:
+                for g in [self.master[i].grad for i in rest] + device_grads:
+                    g.mul_(factor)
+            self._step_device()  # queued on the device, while the host steps its share
+        finally:
+            for master in self.device_master.values():
+                if master is not None and not isinstance(master, nn.Parameter):
+                    master.grad = None  # an FP32 copy made for the step: freed before the next forward
+        self._step_host_share(stepped, rest)
+
+    def _device_grads(self) -> list[torch.Tensor]:
+        """FP32 gradients of the device share, on its masters (a temporary copy of each 16-bit gradient)."""
+        grads = []
+        for i, master in self.device_master.items():
+            p = self.params[i]
+            if master is not p:
+                master.grad = p.grad.to(master.dtype) if p.grad is not None else torch.zeros_like(master)
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)  # stepped with a zero gradient, as the host share is
+            grads.append(master.grad)
+        return grads
+
+    def _step_device(self) -> None:
+        if self.device_optimizer is None:
+            return
+        self.device_optimizer.step()
+        for i, master in self.device_master.items():
+            if master is not self.params[i]:
+                self.params[i].data.copy_(master)
+
+    def _step_host_share(self, stepped: set[int], rest: list[int]) -> None:
+        if self.pipeline is None and not stepped:  # the serial step, as it always was
+            with host_memory():
+                self.optimizer.step()
+            self._write_back(self.host_index)
+            return
+        staged = {i for c in self.pipeline.done for i in self.pipeline.chunks[c]} if self.pipeline else set()
+        self._send_back(sorted(staged))  # narrowed by the worker during backward
+        self._write_back(sorted(stepped - staged))  # stepped by an earlier attempt of this batch
+        for chunk in self.pipeline.chunks if self.pipeline else [rest]:
+            todo = [i for i in chunk if i not in stepped]
+            if todo:
+                self._step_host(todo)
+                self._write_back(todo)
+        if self._stream is not None:
+            torch.cuda.current_stream(self.params[0].device).wait_stream(self._stream)  # the next forward waits
+
+    def _write_back(self, indices: Sequence[int]) -> None:
+        """Updated masters into the device weights (narrowed to their dtype)."""
+        if self._staging:
+            for i in indices:
+                self._staging[i].copy_(self.master[i])  # narrowed on the CPU: 2 bytes a parameter cross PCIe
+            self._send_back(indices)
+            return
+        for i in indices:
+            self.params[i].data.copy_(self.master[i], non_blocking=True)
+
+    def _send_back(self, indices: Sequence[int]) -> None:
+        """Staged weights host to device on the side stream (the simulated device has no staging)."""
+        if not self._staging:
+            self._write_back(indices)
+            return
+        with torch.cuda.stream(self._stream):
+            for i in indices:
+                self.params[i].data.copy_(self._staging[i], non_blocking=True)
+
+    def _unscale(self, device: list[torch.Tensor]) -> bool:
+        """FP16 only: divide the gradients by the loss scale; False (and a smaller scale) on inf/NaN."""
         scale = float(self.scaler.get_scale())
-        finite = all(math.isfinite(float(m.grad.abs().max())) for m in self.masters if m.grad.numel())
+        host = [self.master[i].grad for i in self.host_index]
+        finite = all(math.isfinite(float(g.abs().max())) for g in host + device if g.numel())
         if finite:
-            for m in self.masters:
-                m.grad.div_(scale)
+            for g in host + device:
+                g.div_(scale)
             self.scaler.update(scale)
         else:
             self.scaler.update(scale * self.scaler.get_backoff_factor())
         return finite
 
+    # -- state, in the layout of the user's optimizer -----------------------------------------------------
+    def owners(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
+        """(optimizer, state key) of each trainable parameter in the order of the user's groups: position
+        k of the user's `state_dict()["state"]`. The key is the host master, or the parameter itself for
+        the share stepped on the device."""
+        out = []
+        for i in self.spec.order():
+            if i in self.master:
+                out.append((self.optimizer, self.master[i]))
+            else:
+                out.append((self.device_optimizer, self.device_master[i]))
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The state of both shares, keyed as the user's optimizer keys it."""
+        sd = self.optimizer.state_dict()
+        sd["state"] = {k: opt.state[key] for k, (opt, key) in enumerate(self.owners()) if key in opt.state}
+        return sd
+
+    def load_user_state(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of the user's layout into the host and device shares (each cast to where it lives)."""
+        state = state_dict.get("state", {})
+        order = self.spec.order()
+        for opt, share in ((self.optimizer, set(self.host_index)), (self.device_optimizer, set(self.device_index))):
+            if opt is None:
+                continue
+            positions = [k for k, i in enumerate(order) if i in share]
+            part = opt.state_dict()
+            part["state"] = {n: state[k] for n, k in enumerate(positions) if k in state}
+            with host_memory() if opt is self.optimizer else contextlib.nullcontext():
+                opt.load_state_dict(part)
+
+    def sync_hyperparameters(self, groups: Sequence[dict[str, Any]], skip: Collection[str]) -> None:
+        """Copy lr, betas, weight decay... from the user's groups (one per spec group) into both shares."""
+        for opt, share in ((self.optimizer, self.host_index), (self.device_optimizer, self.device_index)):
+            if opt is None:
+                continue
+            for j, theirs in zip(self.spec.group_indices(share), opt.param_groups):
+                for key, value in groups[j].items():
+                    if key not in skip and key in theirs:
+                        theirs[key] = value
 
     @torch.no_grad()
     def restore(self) -> None:
         """Undo the offload: the weights back on the device in the dtype they came in, host copies released."""
-        for p, master, dtype in zip(self.params, self.masters, self.dtypes):
-            p.data = master.detach().to(p.device, dtype=dtype, copy=True)
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+        for i, master in [*self.master.items(), *self.device_master.items()]:
+            p = self.params[i]
+            if master is not p:
+                p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=True)
+        for p in self.params:
             p.grad = None
-        self.masters = []
+        self.master = {}
+        self.device_master = {}
+        self._staging = {}
+        self._views = {}
         self.optimizer = None  # type: ignore[assignment]
+        self.device_optimizer = None

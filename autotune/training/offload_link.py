@@ -20,24 +20,23 @@ from ..techniques.offload import HostOptimizer
 class OffloadLink:
     """Keeps the user's optimizer consistent while its state lives in a `HostOptimizer`.
 
-    Parameters pair up by position: the HostOptimizer's groups are the user's groups in order, trainable
-    parameters only (`OptimizerSpec.from_user`), so the k-th trainable parameter of the user's groups
-    owns the k-th master.
+    Parameters pair up by position: the k-th trainable parameter of the user's groups owns the k-th entry
+    of `HostOptimizer.owners()` (a host master, or under partial offload the parameter itself, stepped by
+    the device share's optimizer).
     """
 
     _NOT_COPIED = ("params", "fused", "foreach", "capturable", "differentiable")
 
     def __init__(self, user: torch.optim.Optimizer, host: HostOptimizer) -> None:
         self.user = user
-        self.host = host.optimizer  # held here: HostOptimizer.restore() lets go of it before close()
-        self.groups = [g for g in user.param_groups if any(p.requires_grad for p in g["params"])]
-        masters = [m for g in self.host.param_groups for m in g["params"]]
-        self.pairs: list[tuple[int, nn.Parameter, torch.Tensor]] = []  # (user state_dict index, param, master)
+        self.host: HostOptimizer | None = host
+        owners = host.owners()  # held here: HostOptimizer.restore() lets go of its optimizers before close()
+        self.pairs: list[tuple[int, nn.Parameter, torch.optim.Optimizer, torch.Tensor]] = []
         index = 0
         for group in user.param_groups:
             for p in group["params"]:
-                if p.requires_grad and len(self.pairs) < len(masters):
-                    self.pairs.append((index, p, masters[len(self.pairs)]))
+                if p.requires_grad and len(self.pairs) < len(owners):
+                    self.pairs.append((index, p, *owners[len(self.pairs)]))
                 index += 1
         user.state.clear()  # apply_rung copied it to the host; dropping it frees the device memory
         self.handles = [user.register_step_pre_hook(self._refuse_step),
@@ -46,10 +45,8 @@ class OffloadLink:
 
     def sync_hyperparameters(self) -> None:
         """Copy lr, betas, weight decay... from the user's groups (an LR scheduler writes there)."""
-        for mine, theirs in zip(self.groups, self.host.param_groups):
-            for key, value in mine.items():
-                if key not in self._NOT_COPIED and key in theirs:
-                    theirs[key] = value
+        if self.host is not None:
+            self.host.sync_hyperparameters(self.user.param_groups, self._NOT_COPIED)
 
     def close(self) -> None:
         """Remove the hooks and load the host state back into the user's optimizer.
@@ -62,7 +59,7 @@ class OffloadLink:
         self.handles = []
         state = self._state_dict(self.user, self.user.state_dict())
         self.user.load_state_dict(state)
-        self.host = None  # type: ignore[assignment]
+        self.host = None
         self.pairs = []
 
     def _refuse_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -71,14 +68,13 @@ class OffloadLink:
                            "step.close() hands the state back.")
 
     def _state_dict(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-        host_state = self.host.state
-        state_dict["state"] = {i: host_state[m] for i, _, m in self.pairs if m in host_state}
+        state_dict["state"] = {i: opt.state[key] for i, _, opt, key in self.pairs if key in opt.state}
         return state_dict
 
     def _loaded(self, optimizer: Any) -> None:
         # The user loaded a checkpoint into their optimizer: move it into the host optimizer.
-        host_sd = self.host.state_dict()
-        host_sd["state"] = {k: self.user.state[p] for k, (_, p, _) in enumerate(self.pairs) if p in self.user.state}
-        self.host.load_state_dict(host_sd)
+        state = {k: self.user.state[p] for k, (_, p, _, _) in enumerate(self.pairs) if p in self.user.state}
+        if self.host is not None:
+            self.host.load_user_state({"state": state})
         self.user.state.clear()
         self.sync_hyperparameters()

@@ -183,6 +183,8 @@ class TrainingStep:
             loss, failure = self._attempt(batch, n)
             if not failure:
                 break
+            if isinstance(self._applied.optimizer, HostOptimizer):
+                self._applied.optimizer.abort()  # chunks stepped during the failed backward stay stepped
             self._clean_up()  # out here, not in an except block: nothing pins the failed step's tensors
             self._recover(batch, failure, failed, started)
         self.steps_taken += 1
@@ -207,6 +209,8 @@ class TrainingStep:
     def _attempt(self, batch: Any, n: int) -> tuple[float, str]:
         """Run the whole batch and step: (mean loss, "") on success, else (nan, the OOM's first line)."""
         self._micro_step = -1
+        if self._link is not None:
+            self._link.sync_hyperparameters()  # before backward: overlapped offload steps during the last one
         with self._memory_guard(batch):
             weights, failure = self._guarded_accumulate(batch, n)
             # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
@@ -254,10 +258,19 @@ class TrainingStep:
                 loss = weighted_loss(self.loss_fn, self.model, micro, weights, size, expected=expected,
                                      num_items=self._num_items)
             if loss is not None:
-                applied.backward(loss)
+                last = index == len(sizes) - 1 and self._overlap_allowed(weights)
+                applied.backward(loss, last=last, defer=self.max_grad_norm is not None)
             del loss, micro  # free the graph's last references before the next forward
         self._micro_step = -1  # all ran: an OOM reported now came from another rank
         return weights
+
+    def _overlap_allowed(self, weights: LossWeights) -> bool:
+        """Whether the host may take each gradient as final in the last backward (overlapped optimizer
+        offload): not when something changes the device gradients after backward (a reduction over ranks,
+        the token-count correction, a callback before the step). Clipping and loss scaling do not: the
+        host applies them to its own copies, after backward (`defer`)."""
+        return (not distributed.active() and not self._sharded and self.before_optimizer_step is None
+                and not weights.needs_correction())
 
     def _finish(self, weights: LossWeights) -> torch.Tensor:
         """Make the accumulated gradients the whole global batch's; the mean loss over it, detached.
@@ -394,12 +407,19 @@ class TrainingStep:
         scaler = self._applied.scaler
         scaler_state = scaler.state_dict() if scaler is not None else None
         old = self._applied.rung
+        stepped = getattr(self._applied.optimizer, "skip", set())  # see HostOptimizer.abort
         self._teardown()
         try:
             self._applied = self._apply(rung)
         except BaseException:
             self._applied = self._apply(old)  # never leave the step holding a rung already removed
             raise
+        if stepped and isinstance(self._applied.optimizer, HostOptimizer):
+            # Rare: an OOM in the last backward at micro-batch 1 after the host had stepped some chunks.
+            # They keep their update (not stepped twice); the re-run sees their new weights.
+            self._applied.optimizer.skip = stepped & set(self._applied.optimizer.host_index)
+            log.warning("autotune: %d parameter tensors were updated before the out-of-memory error and keep "
+                        "that update on %s", len(stepped), rung.name)
         if scaler_state and self._applied.scaler is not None:
             self._applied.scaler.load_state_dict(scaler_state)  # the loss scale carries over
 
@@ -417,8 +437,9 @@ class TrainingStep:
 
     # -- rungs ---------------------------------------------------------------------------------------
     def _apply(self, rung: Rung) -> AppliedRung:
+        fraction = self.plan.offload_fraction if rung == self.plan.rung and self.plan.offload_fraction else 1.0
         applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks,
-                             optimizer=self._device_optimizer)
+                             optimizer=self._device_optimizer, offload_fraction=fraction)
         if isinstance(applied.optimizer, HostOptimizer):
             if self._device_optimizer is not None:
                 self._link = OffloadLink(self._device_optimizer, applied.optimizer)
@@ -452,7 +473,8 @@ def _with(plan: Plan, rung: Rung, micro: int, reason: str) -> Plan:
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
     return dataclasses.replace(plan, precision=rung.precision, checkpointing=rung.checkpointing,
                                checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
-                               offload=rung.offload, offload_fraction=None, micro_batch_size=min(micro, plan.per_rank_batch_size),
+                               offload=rung.offload,
+                               offload_fraction=plan.offload_fraction if rung == plan.rung else None, micro_batch_size=min(micro, plan.per_rank_batch_size),
                                accumulation_steps=steps, last_micro_batch_size=last, reason=reason)
 
 

@@ -86,13 +86,18 @@ class LossWeights:
         if count is not None:
             self.count_total = count if self.count_total is None else self.count_total + count
 
+    def needs_correction(self) -> bool:
+        """Whether `correct` will rescale the gradients: known once the last micro-batch was weighed."""
+        if not self.by_tokens or self.estimate is None or self.count_total is None:
+            return False
+        # The total was known up front: nothing to rescale (and no rounding added).
+        return float(self.estimate / self.count_total.clamp(min=1)) != 1.0
+
     def correct(self, model: nn.Module) -> None:
         """Token losses only: rescale the accumulated gradients from the estimate to the true total count."""
-        if not self.by_tokens or self.estimate is None or self.count_total is None:
+        if not self.needs_correction():
             return
         factor = self.estimate / self.count_total.clamp(min=1)
-        if float(factor) == 1.0:
-            return  # the total was known up front: nothing to rescale (and no rounding added)
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:

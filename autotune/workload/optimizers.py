@@ -7,7 +7,7 @@ and an OOM half-way through a first `step()` cannot leave it half-built.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,17 @@ class OptimizerSpec:
             f"optimizer must be None (AdamW), a torch.optim.Optimizer, or a factory params -> Optimizer; "
             f"got {type(optimizer).__name__}")
 
-    def build(self, params: Sequence[torch.Tensor], *, host: bool = False) -> torch.optim.Optimizer:
+    def build(self, params: Sequence[torch.Tensor], *, host: bool = False,
+              only: Collection[int] | None = None) -> torch.optim.Optimizer:
         """An optimizer over `params` (in `model.parameters()` order, trainable only).
 
         `host=True` asks for the CPU flavour used by optimizer offload: fused where torch has it.
+        `only` keeps the parameters at these indices (partial offload steps a share on the host and the
+        rest on the device, each with the groups and hyperparameters the user gave); groups left empty
+        are dropped, as `group_indices(only)` lists.
         """
-        groups = [{"params": [params[i] for i in ids], **hyper} for ids, hyper in self.groups]
+        keep = (lambda i: True) if only is None else set(only).__contains__
+        groups = [{"params": [params[i] for i in ids if keep(i)], **hyper} for ids, hyper in self.groups]
         groups = [g for g in groups if g["params"]]
         if host and self.cls_name in _FUSED_ON_CPU:
             for g in groups:
@@ -64,6 +69,15 @@ class OptimizerSpec:
                 if g.get("fused") and params and params[0].device.type == "cpu":
                     g["fused"] = False  # a CUDA-fused optimizer moved to the CPU simulation
         return self.build_groups(groups)
+
+    def group_indices(self, only: Collection[int] | None = None) -> list[int]:
+        """Which of `groups` hold a parameter of `only` (all indices when None): the groups `build` keeps."""
+        keep = (lambda i: True) if only is None else set(only).__contains__
+        return [j for j, (ids, _) in enumerate(self.groups) if any(keep(i) for i in ids)]
+
+    def order(self) -> list[int]:
+        """Trainable-parameter indices in the order of the groups: position k of an optimizer state dict."""
+        return [i for ids, _ in self.groups for i in ids]
 
 
 # State tensors the size of each parameter that an optimizer keeps, at least (SGD's momentum buffer exists

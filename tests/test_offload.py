@@ -1,0 +1,247 @@
+"""Optimizer offload on the CPU test device (issue 12): overlapped with backward, partial, and 8-bit state.
+
+The overlapped step must give the parameters of the serial one, bitwise: both run the same per-parameter
+optimizer arithmetic on the same FP32 gradients, only the order in which tensors are stepped differs. The
+chunk size is made tiny here so that a small model still has many chunks for the worker thread to step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autotune
+from autotune.plan import Plan
+from autotune.techniques import offload_pipeline
+from autotune.techniques.offload import HostOptimizer, host_share
+from autotune.training.step import TrainingStep
+from autotune.workload.batching import solve_accumulation
+
+HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(offload_pipeline, "CHUNK_ELEMENTS", 200)
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
+    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+    monkeypatch.delenv("AUTOTUNE_OFFLOAD_OVERLAP", raising=False)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 3 * width)
+        self.down = nn.Linear(3 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """`model(x, y)`: mean squared error; x (B, T, 3), y (B, T). A few thousand parameters in 14 tensors."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return ((self.head(h).squeeze(-1) - y) ** 2).mean()
+
+
+def batches(n: int, count: int, t: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, t, 3, generator=g), torch.randn(n, t, generator=g)) for _ in range(count)]
+
+
+def make_plan(micro: int, n: int, *, precision: str = "bf16", fraction: float | None = None) -> Plan:
+    steps, last = solve_accumulation(n, micro)
+    return Plan(precision=precision, checkpointing="none", offload="optimizer", offload_fraction=fraction,
+                micro_batch_size=micro, accumulation_steps=steps, world_size=1, global_batch_size=n,
+                last_micro_batch_size=last, peak_memory_bytes=0, memory_budget_bytes=HUGE, margin=0.1,
+                samples_per_second=0.0, device="cpu")
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def train(plan: Plan, data, monkeypatch, *, overlap: bool, make_opt=adamw, **kwargs):
+    """A fresh model (same seed every time) trained with `plan` over `data`; the model, step and user optimizer."""
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_opt(model.parameters())
+    step = TrainingStep(plan, model, opt, **kwargs)
+    for b in data:
+        step(b)
+    return model, step, opt
+
+
+def stepped_by_worker(step: TrainingStep) -> int:
+    pipeline = step.optimizer.pipeline
+    return 0 if pipeline is None else pipeline.chunks_stepped
+
+
+def assert_bitwise(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), f"{name} differs"
+
+
+# -- overlap: the same parameters as the serial step --------------------------------------------------------
+
+@pytest.mark.parametrize("precision,clip", [("bf16", None), ("bf16", 0.05), ("fp16", None)],
+                         ids=["bf16", "bf16-clipped", "fp16-gradscaler"])
+def test_overlapped_offload_gives_the_serial_parameters(monkeypatch, precision, clip):
+    plan = make_plan(3, 8, precision=precision)  # 3 + 3 + 2: an uneven last micro-batch
+    data = batches(8, 4)
+    serial, s_step, s_opt = train(plan, data, monkeypatch, overlap=False, max_grad_norm=clip)
+    overlapped, o_step, o_opt = train(plan, data, monkeypatch, overlap=True, max_grad_norm=clip)
+    assert stepped_by_worker(s_step) == 0
+    assert_bitwise(overlapped, serial)
+    if precision == "fp16":  # the loss scale took the same path
+        assert o_step.optimizer.scaler.get_scale() == s_step.optimizer.scaler.get_scale()
+    else:
+        assert (stepped_by_worker(o_step) > 0) == (clip is None)  # clipping defers every CPU step to step()
+    s_step.close()
+    o_step.close()
+    assert_bitwise(overlapped, serial)  # FP32 weights back from the same masters
+    for a, b in zip(s_opt.state_dict()["state"].values(), o_opt.state_dict()["state"].values()):
+        # Under FP16 the first scale (2^16) overflows and that step is skipped, by both alike.
+        assert float(a["step"]) == float(b["step"]) == len(data) - (precision == "fp16")
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_overlap_follows_the_users_learning_rate(monkeypatch):
+    # The worker steps during backward: the LR a scheduler wrote must reach it before then.
+    plan = make_plan(4, 8)
+    data = batches(8, 2)
+    for overlap in (False, True):
+        monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = TrainingStep(plan, model, opt)
+        step(data[0])
+        for group in opt.param_groups:  # what an LR scheduler does
+            group["lr"] = 0.0
+        before = [p.detach().clone() for p in model.parameters()]
+        step(data[1])
+        assert stepped_by_worker(step) == (len(step.optimizer.pipeline.chunks) * 2 if overlap else 0)
+        moved = [n for (n, p), b in zip(model.named_parameters(), before) if not torch.equal(p, b)]
+        assert moved == [], f"lr 0 moved {moved}"
+        step.close()
+
+
+# -- partial offload ------------------------------------------------------------------------------------------
+
+def test_host_share_takes_the_last_parameters_up_to_the_fraction():
+    numels = [100, 10, 50, 40]
+    assert host_share(numels, 1.0) == [0, 1, 2, 3]
+    assert host_share(numels, 0.0) == []
+    assert host_share(numels, 0.2) == [3]  # 40 of 200
+    assert host_share(numels, 0.21) == [2, 3]  # 90 of 200: the fewest reaching the share
+    assert host_share(numels, 90 / 200) == [2, 3]
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_partial_offload_steps_the_rest_on_the_device(monkeypatch, fraction):
+    data = batches(8, 3)
+    serial, s_step, _ = train(make_plan(3, 8, fraction=fraction), data, monkeypatch, overlap=False)
+    got, step, opt = train(make_plan(3, 8, fraction=fraction), data, monkeypatch, overlap=True)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731 - an update proportional to the gradient
+    partial_sgd, p_step, _ = train(make_plan(3, 8, fraction=fraction), data, monkeypatch, overlap=True, make_opt=sgd)
+    full, f_step, _ = train(make_plan(3, 8), data, monkeypatch, overlap=True, make_opt=sgd)
+    host = step.optimizer
+    assert 0 < host.fraction < 1 and abs(host.fraction - fraction) < 0.2
+    params = list(got.parameters())
+    masters = host.device_master
+    assert sorted(masters) == host.device_index and set(host.device_index).isdisjoint(host.host_index)
+    for i in host.device_index:  # stepped on the device: an FP32 master there, the same 16-bit weight as offloaded
+        assert masters[i].dtype == torch.float32 and masters[i].device == params[i].device
+        if params[i].dim() > 1:
+            assert params[i].dtype == torch.bfloat16 and torch.equal(masters[i].to(torch.bfloat16), params[i])
+    assert_bitwise(got, serial)
+    # Against full offload: the same forward and gradients (16-bit weights either way), the same FP32 update
+    # arithmetic; only the CPU's fused kernel and the device's single-tensor one may round differently.
+    flat = lambda m: torch.cat([p.detach().float().flatten() for p in m.parameters()])  # noqa: E731
+    assert (flat(partial_sgd) - flat(full)).norm() <= 1e-3 * flat(full).norm()
+    step.close()
+    state = opt.state_dict()["state"]
+    assert len(state) == len(params) and all(float(s["step"]) == len(data) for s in state.values())
+    for s_ in (s_step, p_step, f_step):
+        s_.close()
+
+
+def test_partial_offload_uses_less_device_memory_than_none_and_more_than_full(monkeypatch):
+    from autotune.techniques import apply_rung  # noqa: F401 - imported for the plan's rung
+    data = batches(4, 2)
+
+    def peak(fraction: float | None) -> int:
+        plan = make_plan(4, 4, fraction=fraction)
+        _, step, _ = train(plan, data, monkeypatch, overlap=True)
+        step.close()
+        return step.last_peak_bytes
+
+    full, half = peak(None), peak(0.5)
+    assert full < half
+    n = sum(p.numel() for p in Net().parameters())
+    # Moving a share back to the device costs FP32 weights + gradients + two AdamW moments: 12 more bytes each.
+    assert half - full <= 12 * n * 0.7
+
+
+# -- the search: the smallest host share that fits -------------------------------------------------------------
+
+class Wide(nn.Module):
+    """Weights dominate its memory (AdamW: 16 bytes a parameter without offload), activations are small."""
+
+    def __init__(self, width: int = 96, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).square().mean()
+
+
+def second_step_peak(plan: Plan, model: nn.Module, batch) -> int:
+    m = copy.deepcopy(model)
+    step = TrainingStep(plan, m, torch.optim.AdamW(m.parameters()))
+    step(batch)  # the optimizer state appears at the first step
+    step(batch)
+    step.close()
+    return step.last_peak_bytes
+
+
+def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
+    torch.manual_seed(0)
+    model = Wide()
+    batch = torch.randn(4, 96)
+    on_host = second_step_peak(make_plan(4, 4), model, batch)  # full optimizer offload at micro-batch 4
+    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    on_device = second_step_peak(plain, model, batch)  # no offload at micro-batch 1
+    assert on_host < on_device / 2
+    budget = int((on_host + on_device) / 2 / 0.9)  # the limit (90% of it) halfway between the two
+    plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",
+                        cache=False, techniques=("bf16", "offload"), max_trials=8)
+    assert plan.offload == "optimizer" and plan.micro_batch_size == 4
+    assert 0 < plan.offload_fraction < 1, plan.reason
+    limit = 0.9 * budget
+    assert plan.peak_memory_bytes <= limit
+    assert "offload fraction" in plan.trials[-1].note and plan.trials[-1].fits
+    # Training with the plan splits as the trial did and stays under the limit too.
+    m = copy.deepcopy(model)
+    step = plan.apply(m, torch.optim.AdamW(m.parameters()))
+    for _ in range(2):
+        step(batch)
+    assert step.last_peak_bytes <= limit and step.recoveries == []
+    assert abs(step.optimizer.fraction - plan.offload_fraction) < 1e-12
+    step.close()
