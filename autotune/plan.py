@@ -140,6 +140,8 @@ class Plan:
     sharding: str = "none"  # "none" | "fsdp2"
     flops_per_sample: float | None = None  # forward+backward FLOPs of one sample, counted, not estimated
     mfu: float | None = None  # achieved FLOPs/s over the device's peak; None where the peak is unknown
+    measured_samples_per_second: float | None = None  # what a real run under `autotune run` then trained
+    # at (global batch over its median whole optimizer step); None until one did
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -155,7 +157,7 @@ class Plan:
                              "only optimizer offload puts a share of the parameters on the host")
         _check_choice("Plan.sharding", self.sharding, SHARDING)
         _check_non_negative_number("Plan.compile_seconds", self.compile_seconds)
-        for name in ("flops_per_sample", "mfu"):
+        for name in ("flops_per_sample", "mfu", "measured_samples_per_second"):
             if getattr(self, name) is not None:
                 _check_non_negative_number(f"Plan.{name}", getattr(self, name))
         for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
@@ -208,9 +210,11 @@ class Plan:
         rate = (f"{self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second
                 else f"{self.samples_per_second:,.1f} samples/s")
         mfu = f"; MFU {self.mfu:.1%}" if self.mfu is not None else ""
+        trained = (f"; a real run trained at {self.measured_samples_per_second:,.1f} samples/s"
+                   if self.measured_samples_per_second is not None else "")
         return (f"{self.rung.name}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
-                f"peak {self.peak_memory_bytes / 2**30:.2f} of {self.memory_budget_bytes / 2**30:.2f} GiB{mfu}")
+                f"peak {self.peak_memory_bytes / 2**30:.2f} of {self.memory_budget_bytes / 2**30:.2f} GiB{mfu}{trained}")
 
     def trial_mfu(self, trial: Trial) -> float | None:
         """A trial's MFU, from the plan's: the same FLOPs per sample on the same GPU, so it scales with

@@ -68,3 +68,21 @@ class GPT(nn.Module):
 def random_batch(cfg: GPTConfig, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, cfg.vocab_size, (n, cfg.seq_len + 1), generator=generator)
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+class CountingSequences(torch.utils.data.Dataset):
+    """(input ids, labels) counting up from a random start by a random stride: learnable, so the loss falls.
+    Index i is always the same sequence; nothing is downloaded."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
+        self.n, self.seq_len, self.vocab = n, seq_len, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        start = int(torch.randint(0, self.vocab, (1,), generator=g))
+        stride = int(torch.randint(1, 4, (1,), generator=g))
+        ids = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab
+        return ids[:-1], ids[1:]

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from ..supervisor.agent import configure_logging
+from ..supervisor.flags import PRESETS
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..plan import Plan, Trial
 from ..plotting import PlotUnavailable, draw_search, require_matplotlib
@@ -38,10 +39,21 @@ Examples:
       train_hf.py --output_dir out
   # two GPUs through torch.distributed.run; print the plan as JSON
   autotune run --nproc-per-node 2 --json train.py
+  # a switch that takes a value: a value template after the flag
+  autotune run --global-batch-size 64 --map micro_batch=--batch_size \\
+      --map accumulation=--accumulate --map bf16=--precision=bf16-mixed train_lightning.py
 """
 
 
-@click.command(context_settings={"allow_interspersed_args": False}, epilog=EXAMPLES)
+def _presets_help() -> str:
+    """The presets, each with its maps and an example, for the epilog of `autotune run --help`."""
+    lines = ["\b", "Presets (--preset NAME; a --map beside one overrides its entry for that knob):"]
+    for name, preset in PRESETS.items():
+        lines += [f"  {name}: {preset.about}", f"    maps {' '.join(preset.maps)}", f"    e.g. {preset.example}"]
+    return "\n".join(lines) + "\n"
+
+
+@click.command(context_settings={"allow_interspersed_args": False}, epilog=EXAMPLES + "\n" + _presets_help())
 @click.option("--global-batch-size", type=click.IntRange(min=1), help="Samples per optimizer step over all ranks.")
 @click.option("--budget", metavar="SIZE", help="Memory budget per GPU, e.g. 24GiB (default: free memory; "
               "on the CPU the simulated ceiling).")
@@ -61,8 +73,12 @@ Examples:
               "stdout goes to stderr).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Launch through torch.distributed.run with "
               "this many processes.")
-@click.option("--map", "maps", multiple=True, metavar="KNOB=FLAG", help="Zero-change mode: the script flag "
-              "carrying a knob: micro_batch, accumulation, checkpointing or bf16. Repeatable.")
+@click.option("--map", "maps", multiple=True, metavar="KNOB=FLAG[=VALUE]", help="Zero-change mode: the script "
+              "flag carrying a knob: micro_batch, accumulation, checkpointing, bf16 or compile. The switches "
+              "(checkpointing, bf16, compile) are FLAG alone when on, or FLAG=VALUE with a value template, e.g. "
+              "bf16=--trainer.precision=bf16-mixed. Repeatable.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Zero-change mode with the flags of a known "
+              "launcher (listed below); --map entries beside it override the preset's.")
 @click.option("--device", help="'cuda' or 'cpu' (default: cuda when a GPU is visible, else the CPU under a "
               "simulated ceiling).")
 @click.option("-v", "--verbose", count=True, help="More detail (-v also shows the trials' own output).")
@@ -102,7 +118,7 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
         _fail(str(exc), 3)
     except DeviceError as exc:
         _fail(str(exc), 4)
-    _report(result, json_output, cooperative=not opts.maps)
+    _report(result, json_output, cooperative=not opts.zero_change)
     if picture is not None and result.plan is not None:
         picture(result.plan)  # a cooperative job's plan arrives with its end; a re-tuned one replaces the first
     sys.exit(result.exit_code)

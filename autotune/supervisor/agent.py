@@ -5,9 +5,12 @@ here: it runs the script with `runpy` as `__main__`, and on the way out (normal 
 `sys.exit`) records in the result file ($AUTOTUNE_RESULT_FILE) how it ended, classified with `is_oom`
 while the exception object still exists. `fit` adds the plan in force with `report_plan`.
 
-For a zero-change trial ($AUTOTUNE_AGENT_STEPS set) the agent also counts optimizer steps with a
-global optimizer step hook, times them from the second step on (the first builds the optimizer state,
-PEERS.md lesson 3), reads the peak memory, writes the measurements and exits after that many steps.
+Every job's optimizer steps are counted and timed whole with global optimizer step hooks (`measure.py`),
+from the second step on (the first builds the optimizer state, PEERS.md lesson 3). A zero-change trial
+($AUTOTUNE_AGENT_STEPS set) reads the peak memory, writes the measurements and exits after that many
+steps; a real run records its median whole step when it ends (`measured`), for the supervisor to set
+beside the plan's claimed throughput. A plan reported by `fit` restarts the count: fit's own trials
+stepped optimizers too.
 With $AUTOTUNE_AGENT_BUDGET it applies a memory ceiling first: on CUDA through
 `torch.cuda.set_per_process_memory_fraction`, on the CPU through the simulated ceiling.
 
@@ -24,12 +27,12 @@ import os
 import runpy
 import sys
 import tempfile
-import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..plan import Plan
+from .measure import PeakMeter, StepWatch, clock
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,8 @@ def report_plan(plan: Plan) -> None:
     if result_path() is None:
         return
     update_result(plan=plan.to_dict())
+    if _watch is not None:
+        _watch.restart()  # what counts is the plan's training, not fit's trials before it
     if os.environ.get(TUNE_ONLY_ENV) == "1":
         log.info("autotune run --tune-only: plan recorded, stopping the script")
         _exit_now(0)
@@ -139,92 +144,24 @@ def _exit_code(code: object) -> int:
     return code if isinstance(code, int) else 1
 
 
-# -- zero-change trials: counting and timing optimizer steps ------------------------------------------
+# -- watching optimizer steps (measure.py) ------------------------------------------------------------
 
-class PeakMeter:
-    """The job's peak memory: the simulated ceiling's count on the CPU, the caching allocator's on CUDA."""
-
-    def __init__(self, ceiling: Any = None) -> None:
-        self.ceiling = ceiling
-        self._retries0 = 0
-
-    def reset(self) -> None:
-        import torch
-
-        if self.ceiling is not None:
-            self.ceiling.reset_peak()
-        elif torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()
-            self._retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-
-    def read(self) -> tuple[int, int]:
-        """(peak bytes, allocator retries since `reset`)."""
-        import torch
-
-        if self.ceiling is not None:
-            return self.ceiling.peak_bytes, 0
-        if not torch.cuda.is_initialized():
-            return 0, 0
-        from ..devices.placement import outside_allocator_bytes
-
-        index = torch.cuda.current_device()
-        retries = torch.cuda.memory_stats(index).get("num_alloc_retries", 0) - self._retries0
-        # Reserved, plus what the allocator does not see (context, workspaces): DESIGN.md section 5.
-        return torch.cuda.max_memory_reserved(index) + outside_allocator_bytes(index), retries
+_watch: StepWatch | None = None  # this job's step watch, once main installed it
 
 
-class StepWatch:
-    """Counts optimizer steps with global hooks, times them, and ends the process after `stop_after`.
+def _trial_watch(stop_after: int, meter: PeakMeter, now: Callable[[], float]) -> StepWatch:
+    """A zero-change trial's watch: peak memory from the second step on, and the process ends after
+    `stop_after` steps with the measurements in the result file."""
 
-    A step's compute time is from the end of the previous `optimizer.step()` to the start of this one
-    (data, forward, backward); its optimizer time is the `step()` itself. The first step is not measured.
-    """
+    def on_step(watch: StepWatch) -> None:
+        if watch.count == 1:
+            meter.reset()  # peak from the second step on: optimizer state exists from here
+        if watch.count >= stop_after:
+            peak, retries = meter.read()
+            update_result(outcome="ok", exit_code=0, steps=watch.count, trial=watch.trial_record(peak, retries))
+            _exit_now(0)
 
-    def __init__(self, stop_after: int, meter: PeakMeter) -> None:
-        self.stop_after = stop_after
-        self.meter = meter
-        self.count = 0
-        self.step_seconds: list[float] = []
-        self.optimizer_seconds: list[float] = []
-        self._pre = 0.0
-        self._post = 0.0
-
-    def install(self) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(self._before_step)
-        register_optimizer_step_post_hook(self._after_step)
-
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._pre = _synchronized_now()
-
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        now = _synchronized_now()
-        if self.count >= 1:
-            self.step_seconds.append(self._pre - self._post)
-            self.optimizer_seconds.append(now - self._pre)
-        self.count += 1
-        self._post = now
-        if self.count == 1:
-            self.meter.reset()  # peak from the second step on: optimizer state exists from here
-        if self.count >= self.stop_after:
-            self.finish()
-
-    def finish(self) -> None:
-        peak, retries = self.meter.read()
-        update_result(outcome="ok", exit_code=0, steps=self.count,
-                      trial={"steps": self.count, "step_seconds": self.step_seconds,
-                             "optimizer_seconds": self.optimizer_seconds, "peak_bytes": peak,
-                             "alloc_retries": retries})
-        _exit_now(0)
-
-
-def _synchronized_now() -> float:
-    import torch
-
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
+    return StepWatch(on_step, now)
 
 
 @contextlib.contextmanager
@@ -263,36 +200,45 @@ def main(argv: list[str]) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
     budget = int(os.environ[BUDGET_ENV]) if os.environ.get(BUDGET_ENV) else None
     steps = int(os.environ.get(STEPS_ENV) or 0)
-    watch = None
+    global _watch
     try:
-        with memory_ceiling(os.environ.get(DEVICE_ENV, "cuda"), budget) as ceiling:
-            if steps:
-                watch = StepWatch(steps, PeakMeter(ceiling))
-                watch.install()
+        device = os.environ.get(DEVICE_ENV, "cuda")
+        with memory_ceiling(device, budget) as ceiling:
+            if result_path() is not None:
+                now = clock(device)
+                _watch = _trial_watch(steps, PeakMeter(ceiling), now) if steps else StepWatch(now=now)
+                _watch.install()
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc.code)
-        update_result(outcome="ok" if code == 0 else "error", exit_code=code, steps=_count(watch))
+        _update_ended(outcome="ok" if code == 0 else "error", exit_code=code)
         raise
     except KeyboardInterrupt:
-        update_result(outcome="interrupted", exit_code=130, steps=_count(watch))
+        _update_ended(outcome="interrupted", exit_code=130)
         raise
     except Exception as exc:  # noqa: BLE001 - autotune's own errors become exit codes; the rest re-raised
         code = autotune_exit_code(exc)
         if code is None:
-            update_result(exit_code=1, steps=_count(watch), **describe_exception(exc))
+            _update_ended(exit_code=1, **describe_exception(exc))
             raise
         # What fit (or a training step) raised on purpose: its message says what to do, and a traceback of
         # autotune's internals would bury it. The supervisor prints the message; without one, we do.
-        update_result(outcome="error", exit_code=code, steps=_count(watch), error=f"{type(exc).__name__}: "
-                      f"{exc}"[:500], autotune_error={"type": type(exc).__name__, "message": str(exc)})
+        _update_ended(outcome="error", exit_code=code, error=f"{type(exc).__name__}: {exc}"[:500],
+                      autotune_error={"type": type(exc).__name__, "message": str(exc)})
         if result_path() is None:
             sys.stderr.write(f"autotune: error: {exc}\n")
         raise SystemExit(code) from None
     except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised untouched
-        update_result(exit_code=1, steps=_count(watch), **describe_exception(exc))
+        _update_ended(exit_code=1, **describe_exception(exc))
         raise
-    update_result(outcome="ok", exit_code=0, steps=_count(watch))
+    _update_ended(outcome="ok", exit_code=0)
+
+
+def _update_ended(**fields: Any) -> None:
+    """Record how the job ended, with its optimizer steps and, when it made two or more, their timing."""
+    measured = _watch.run_record() if _watch is not None else None
+    update_result(steps=_watch.count if _watch is not None else None, **fields,
+                  **({"measured": measured} if measured else {}))
 
 
 def autotune_exit_code(exc: BaseException) -> int | None:
@@ -308,10 +254,6 @@ def autotune_exit_code(exc: BaseException) -> int | None:
         if isinstance(exc, kind):
             return code
     return None
-
-
-def _count(watch: StepWatch | None) -> int | None:
-    return watch.count if watch is not None else None
 
 
 def configure_logging(level: int | str) -> None:

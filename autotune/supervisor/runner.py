@@ -6,8 +6,12 @@ Two modes (DESIGN.md section 3):
   variables. When the job dies of an OOM, the failure is recorded in the plan cache against the plan in
   force, and the script is restarted with `AUTOTUNE_MAX_MICRO_BATCH` below the failed micro-batch (so a
   smaller plan comes back even with the cache off) and `AUTOTUNE_RESTART_COUNT` set.
-- Zero-change (`--map` given): the script is tuned through its own flags (`zero_change.py`), then run
-  with the winning flags; after an OOM it is re-tuned under a lower cap and restarted.
+- Zero-change (`--map` or `--preset` given): the script is tuned through its own flags (`zero_change.py`),
+  or its plan comes from the cache (`script_cache.py`), then it runs with the winning flags; after an OOM
+  it is re-tuned under a lower cap and restarted.
+
+Either way the real run's optimizer steps are timed whole (`measure.py`), and its measured samples/s is
+set beside the plan's claim (`claims.py`) and stored on the cached plan.
 
 Every job runs in a process group of its own (`process.py`); SIGINT and SIGTERM are forwarded to it.
 `run` returns a `RunResult` whose `exit_code` follows DESIGN.md: 0 success, the script's own code for a
@@ -37,7 +41,10 @@ from .process import Child, SignalForwarder
 from ..settings import DEFAULT_MARGIN, DEFAULT_MEASURED_STEPS, ENV, FitSettings
 from ..techniques import parse_techniques
 from .verdict import Verdict, classify
-from .zero_change import FlagMap, ScriptTrials, ScriptTuner, TrialFailed, resolve_target, script_rungs
+from . import claims
+from .flags import FlagMap, preset_maps
+from .script_cache import ScriptCache, open_store, script_parts
+from .zero_change import ScriptTrials, ScriptTuner, TrialFailed, compile_searched, resolve_target, script_rungs
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +53,6 @@ DEFAULT_MAX_RESTARTS = 3
 DEFAULT_TRIAL_TIMEOUT = 600.0
 DEFAULT_GRACE = 10.0
 EXIT_NO_FIT = 3
-_OFF = ("0", "false", "off", "no")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +72,7 @@ class RunOptions:
     json_output: bool = False  # our stdout carries the plan alone; the job's stdout goes to stderr
     nproc_per_node: int | None = None  # launch through torch.distributed.run with this many ranks
     maps: tuple[str, ...] = ()
+    preset: str | None = None  # a named set of maps (flags.PRESETS); --map entries override its entries
     device: str | None = None
     grace_period: float = DEFAULT_GRACE  # seconds between a polite signal and SIGKILL
     verbose: bool = False  # show zero-change trials' own output
@@ -87,6 +94,7 @@ class RunOptions:
                                      f"{self.nproc_per_node}: {exc}") from None
         if self.budget is not None:
             parse_bytes(self.budget, "--budget")
+        preset_maps(self.preset)  # an unknown preset fails here, listing the known ones
         # The same checks fit applies, so a bad value fails here and not inside the job.
         FitSettings(global_batch_size=self.global_batch_size, margin=DEFAULT_MARGIN if self.margin is None
                     else self.margin, measured_steps=self.trial_steps or DEFAULT_MEASURED_STEPS)
@@ -94,6 +102,10 @@ class RunOptions:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node or 1
+
+    @property
+    def zero_change(self) -> bool:
+        return bool(self.maps or self.preset)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +152,7 @@ def run(options: RunOptions, on_plan: Callable[[Plan], None] | None = None) -> R
     with forwarder.installed():
         launcher = Launcher(options=options, forwarder=forwarder)
         try:
-            if options.maps:
+            if options.zero_change:
                 return _zero_change(options, launcher, on_plan)
             return _cooperative(options, launcher)
         except Interrupted as exc:  # the plan in force goes with it: `--json` still prints what was tuned
@@ -241,6 +253,8 @@ def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
         _warn_if_ranks_alone(opts, verdict.plan)
         attempts.append(_attempt(number, verdict, verdict.plan))
         if verdict.kind != "oom":
+            if verdict.plan is not None:
+                plan = _record_run(opts, claims.judge(verdict.plan, verdict.records))
             return _finish(verdict, plan, attempts)
         failed = verdict.plan
         if failed is None:
@@ -272,29 +286,27 @@ def _warn_if_ranks_alone(opts: RunOptions, plan: Plan | None) -> None:
 
 def _record_failure(opts: RunOptions, plan: Plan, note: str, number: int) -> None:
     """Mark `plan` unsafe in the cache so the next `fit` returns a smaller one; never fails the run."""
-    if not plan.key:
+    store = open_store(opts.cache) if plan.key else None
+    if store is None:
         return
-    setting = opts.cache if opts.cache is not None else os.environ.get(ENV["cache"])
-    if setting is not None and setting.lower() in _OFF:
-        return
-    try:
-        from ..cache import store as plan_cache
+    store.mark_unsafe(plan.key, micro_batch_size=plan.micro_batch_size,
+                      note=f"OOM in the real run (autotune run, attempt {number + 1}): {note}"[:500])
+    log.info("recorded the OOM against plan %s in the cache", plan.key[:12])
 
-        store = plan_cache.open_cache(setting)
-        if store is None:
-            return
-        store.mark_unsafe(plan.key, micro_batch_size=plan.micro_batch_size,
-                          note=f"OOM in the real run (autotune run, attempt {number + 1}): {note}"[:500])
-        log.info("recorded the OOM against plan %s in the cache", plan.key[:12])
-    except Exception as exc:  # noqa: BLE001 - the cache never fails a run (DESIGN.md section 5)
-        log.warning("could not record the OOM in the plan cache (%s); the restart caps the micro-batch anyway", exc)
+
+def _record_run(opts: RunOptions, plan: Plan) -> Plan:
+    """Store what the run measured on `fit`'s cached plan (`autotune cache show` lists it); returns `plan`."""
+    store = open_store(opts.cache) if plan.key and plan.measured_samples_per_second is not None else None
+    if store is not None:
+        store.replace(plan.key, plan)
+    return plan
 
 
 # -- zero-change mode -----------------------------------------------------------------------------------
 
 def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan], None] | None) -> RunResult:
-    tuner = _tuner(opts, launcher)
-    plan = tuner.tune()
+    tuner, cache = _tuner(opts, launcher)
+    plan = cache.first_plan(tuner)
     if on_plan is not None:
         on_plan(plan)
     if opts.tune_only:
@@ -308,14 +320,18 @@ def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan],
         verdict = launcher.launch(args, {**env, RESTART_COUNT_ENV: str(number)})
         attempts.append(_attempt(number, verdict, plan))
         if verdict.kind != "oom":
+            plan = claims.judge(plan, verdict.records)
+            if plan.measured_samples_per_second is not None:
+                cache.record_run(plan)
             return _finish(verdict, plan, attempts)
+        cache.record_oom(plan, verdict.note, number)
         if plan.micro_batch_size == 1:
             return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
                 f"the real run ran out of memory at micro-batch 1 ({verdict.note}): nothing smaller to try"))
         if number == opts.max_restarts:
             break
         try:
-            smaller = tuner.tune(max_micro=plan.micro_batch_size - 1)
+            smaller = cache.save(tuner.tune(max_micro=plan.micro_batch_size - 1))
         except NoFeasiblePlan as exc:
             return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=str(exc))
         log.warning("the real run ran out of memory at micro-batch %d (%s); restarting (%d of %d) with %s",
@@ -324,8 +340,8 @@ def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan],
     return _spent(opts, plan, attempts)
 
 
-def _tuner(opts: RunOptions, launcher: Launcher) -> ScriptTuner:
-    flags = FlagMap.parse(opts.maps)
+def _tuner(opts: RunOptions, launcher: Launcher) -> tuple[ScriptTuner, ScriptCache]:
+    flags = FlagMap.parse(opts.maps, opts.preset)
     world = opts.world_size
     global_batch = opts.global_batch_size or flags.global_batch(opts.script_args, world)
     if global_batch is None:
@@ -337,6 +353,8 @@ def _tuner(opts: RunOptions, launcher: Launcher) -> ScriptTuner:
     margin = DEFAULT_MARGIN if opts.margin is None else opts.margin
     allowed = parse_techniques(os.environ.get(ENV["techniques"]) or None)
     rungs, notes = script_rungs(flags, allowed, target.bf16_off)
+    compiled, note = compile_searched(flags, allowed, target)
+    notes += [note] if note else []
     env = {agent.DEVICE_ENV: target.kind}
     if target.apply_budget:
         env[agent.BUDGET_ENV] = str(target.budget_bytes)
@@ -350,8 +368,14 @@ def _tuner(opts: RunOptions, launcher: Launcher) -> ScriptTuner:
                           script_args=opts.script_args, per_rank=per_rank, world_size=world,
                           limit_bytes=int((1 - margin) * target.budget_bytes),
                           trial_steps=opts.trial_steps or DEFAULT_MEASURED_STEPS, env=env)
-    return ScriptTuner(trials=trials, rungs=rungs, notes=notes, global_batch_size=global_batch,
-                       budget_bytes=target.budget_bytes, margin=margin, device=target.kind, device_name=target.name)
+    tuner = ScriptTuner(trials=trials, rungs=rungs, notes=notes, global_batch_size=global_batch,
+                        budget_bytes=target.budget_bytes, margin=margin, device=target.kind, device_name=target.name,
+                        compile=compiled)
+    parts = script_parts(script=opts.script, script_args=opts.script_args, flags=flags, global_batch_size=global_batch,
+                         world_size=world, device_kind=target.kind, device_name=target.name,
+                         total_bytes=target.total_bytes, budget_bytes=target.budget_bytes, margin=margin,
+                         techniques=allowed)
+    return tuner, ScriptCache(open_store(opts.cache), parts)
 
 
 # -- endings --------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Zero-change mode of `autotune run`: tune a script that knows nothing of autotune through its own flags.
 
 `--map micro_batch=--per_device_train_batch_size --map accumulation=--gradient_accumulation_steps`
-(optionally `checkpointing=FLAG`, `bf16=FLAG`) says which of the script's flags carry the plan's knobs.
-Each trial runs the script in a fresh process through the agent (`agent.py`), with accumulation 1, for
+(optionally `checkpointing=FLAG`, `bf16=FLAG`, `compile=FLAG`, each with an optional value template), or
+a `--preset`, says which of the script's flags carry the plan's knobs (`flags.py`). Each trial runs the script in a fresh process through the agent (`agent.py`), with accumulation 1, for
 one warm-up and `trial_steps` measured optimizer steps; the controller's predict / verify / bisect /
 score-by-throughput search decides which trial comes next, restricted to micro-batches that divide the
 per-rank batch (the script batches its own data, so only an exact split keeps the global batch).
@@ -21,9 +21,10 @@ import psutil
 import torch
 
 from ..devices import nvml
+from .flags import FlagMap
 from .agent import STEPS_ENV
 from ..workload.batching import global_step_seconds
-from ..search.controller import Controller
+from ..search.controller import Controller, Lattice
 from ..devices.placement import parse_bytes
 from ..errors import DeviceError, InvalidSetting
 from ..plan import Plan, Rung, Trial
@@ -32,94 +33,13 @@ from .verdict import Verdict
 
 log = logging.getLogger(__name__)
 
-MAP_KEYS = ("micro_batch", "accumulation", "checkpointing", "bf16")
-_BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off"}  # an optional value after a switch
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FlagMap:
-    """Which of the script's flags carry each plan knob."""
-
-    micro_batch: str
-    accumulation: str
-    checkpointing: str | None = None  # a switch: present means on
-    bf16: str | None = None  # a switch: present means on
-
-    @classmethod
-    def parse(cls, entries: Sequence[str]) -> FlagMap:
-        """From `--map` values such as "micro_batch=--per_device_train_batch_size"."""
-        found: dict[str, str] = {}
-        for entry in entries:
-            key, sep, flag = entry.partition("=")
-            key = key.strip().replace("-", "_")
-            if not sep or key not in MAP_KEYS or not flag.startswith("-"):
-                raise InvalidSetting(
-                    f"--map {entry!r}: write KNOB=FLAG with KNOB one of {', '.join(MAP_KEYS)} and FLAG the script's "
-                    "own flag, e.g. --map micro_batch=--per_device_train_batch_size")
-            if key in found:
-                raise InvalidSetting(f"--map {key} is given twice ({found[key]} and {flag}); give it once")
-            found[key] = flag
-        missing = [k for k in ("micro_batch", "accumulation") if k not in found]
-        if missing:
-            raise InvalidSetting(
-                f"zero-change mode needs --map {missing[0]}=FLAG (both micro_batch and accumulation): e.g. "
-                "--map micro_batch=--per_device_train_batch_size --map accumulation=--gradient_accumulation_steps")
-        return cls(**found)
-
-    def apply(self, args: Sequence[str], *, micro: int, accumulation: int, rung: Rung) -> list[str]:
-        """The script's arguments with every mapped flag replaced by the plan's value."""
-        out = _without(args, self.micro_batch, takes_value=True)
-        out = _without(out, self.accumulation, takes_value=True)
-        out += [self.micro_batch, str(micro), self.accumulation, str(accumulation)]
-        for flag, on in ((self.checkpointing, rung.checkpointing != "none"), (self.bf16, rung.precision == "bf16")):
-            if flag is not None:
-                out = _without(out, flag, takes_value=False) + ([flag] if on else [])
-        return out
-
-    def global_batch(self, args: Sequence[str], world_size: int) -> int | None:
-        """micro x accumulation x world size from the script's own arguments, when both are given."""
-        micro = _value_of(args, self.micro_batch)
-        accumulation = _value_of(args, self.accumulation)
-        if micro is None or accumulation is None:
-            return None
-        return micro * accumulation * world_size
-
-
-def _without(args: Sequence[str], flag: str, *, takes_value: bool) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for i, arg in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if arg == flag:
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            skip = takes_value or (nxt is not None and nxt.lower() in _BOOL_WORDS)
-            continue
-        if arg.startswith(flag + "="):
-            continue
-        out.append(arg)
-    return out
-
-
-def _value_of(args: Sequence[str], flag: str) -> int | None:
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        raise InvalidSetting(f"the script's {flag} is {value!r}, not an integer") from None
-
 
 def script_rungs(flags: FlagMap, allowed: frozenset[str], bf16_off: str = "") -> tuple[list[Rung], list[str]]:
     """The rungs a script's flags can express, cheapest first, and notes on what was left out.
 
     Without a mapped bf16 flag the script keeps its own precision; the plan says "fp32" for it.
-    `bf16_off` is why the device should not use bf16, if it should not.
+    `bf16_off` is why the device should not use bf16, if it should not. Compile is not a rung here: the
+    search places it beside the fastest eager configuration (`compile_searched`).
     """
     notes: list[str] = []
     precision = "fp32"
@@ -139,6 +59,17 @@ def script_rungs(flags: FlagMap, allowed: frozenset[str], bf16_off: str = "") ->
     return rungs, notes
 
 
+def compile_searched(flags: FlagMap, allowed: frozenset[str], target: Target) -> tuple[bool, str]:
+    """Whether the search may try the script compiled, and a note when it may not though the flag is mapped."""
+    if flags.compile is None:
+        return False, ""
+    if "compile" not in allowed:
+        return False, "compile not among the allowed techniques"
+    if target.compile_off:
+        return False, f"compile left off: {target.compile_off}"
+    return True, ""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Target:
     """Where the script will run, as far as the supervisor can tell without creating a CUDA context."""
@@ -148,6 +79,8 @@ class Target:
     budget_bytes: int
     apply_budget: bool  # give the agent a ceiling: always on the CPU (it is how peaks are measured there)
     bf16_off: str = ""  # why bf16 should stay off here, if it should
+    compile_off: str = ""  # why torch.compile should stay off here, if it should
+    total_bytes: int = 0  # the device's memory, for the cache key (0 where unknown)
 
 
 def resolve_target(device: str | None, budget: str | None) -> Target:
@@ -159,7 +92,9 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
         # times slower than fp32 on most CPUs, so measuring it there would only mislead.
         return Target(kind="cpu", name="cpu (simulated ceiling)", apply_budget=True,
                       budget_bytes=given or psutil.virtual_memory().available,
-                      bf16_off="slow on the CPU (the simulated ceiling models memory, not speed)")
+                      bf16_off="slow on the CPU (the simulated ceiling models memory, not speed)",
+                      compile_off="compiling on the CPU takes longer than the trials it would speed up",
+                      total_bytes=psutil.virtual_memory().total)
     if not kind.startswith("cuda"):
         raise InvalidSetting(f"--device {device!r}: pass 'cuda' or 'cpu'")
     if not torch.cuda.is_available():
@@ -168,12 +103,12 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
     index = torch.device(kind).index or 0
     gpu = nvml.visible_gpu(index)
     if gpu is not None:
-        name, free, bf16 = gpu.name, gpu.free_bytes, gpu.bf16
+        name, free, total, bf16 = gpu.name, gpu.free_bytes, gpu.total_bytes, gpu.bf16
     else:  # NVML could not say: ask CUDA (this costs a context in the supervisor)
-        name, free = torch.cuda.get_device_name(index), torch.cuda.mem_get_info(index)[0]
+        name, (free, total) = torch.cuda.get_device_name(index), torch.cuda.mem_get_info(index)
         bf16 = torch.cuda.get_device_capability(index) >= (8, 0)
     return Target(kind="cuda", name=name, budget_bytes=given or free, apply_budget=given is not None,
-                  bf16_off="" if bf16 else f"{name} has no bf16 support")
+                  bf16_off="" if bf16 else f"{name} has no bf16 support", total_bytes=int(total))
 
 
 def divisors(n: int) -> list[int]:
@@ -197,6 +132,8 @@ class ScriptTrials:
     """The controller's trial runner for a script: `(rung, micro) -> Trial`, each in a fresh process.
 
     Trials are remembered, so a re-tune after a real-run OOM (with a lower micro-batch cap) reuses them.
+    `known` holds global-step rates a real run measured for a (rung, micro-batch): they replace the
+    trial's own estimate (many whole steps of the real thing outweigh three of a trial).
     """
 
     launch: Launch
@@ -207,6 +144,7 @@ class ScriptTrials:
     limit_bytes: int
     trial_steps: int
     env: dict[str, str] = field(default_factory=dict)
+    known: dict[tuple[Rung, int], float] = field(default_factory=dict)
     _memo: dict[tuple[Rung, int], Trial] = field(default_factory=dict)
 
     def __call__(self, rung: Rung, micro: int) -> Trial:
@@ -247,6 +185,9 @@ class ScriptTrials:
         fits = peak <= self.limit_bytes
         note = "" if fits else (f"peak {peak / 2**20:,.1f} MiB is above the {self.limit_bytes / 2**20:,.1f} MiB "
                                 "limit (budget less margin)")
+        if (rung, micro) in self.known:
+            note = f"samples/s as a real run trained (the trial estimated {rate:,.1f})" + (f"; {note}" if note else "")
+            rate = self.known[(rung, micro)]
         return Trial(rung=rung, micro_batch_size=micro, outcome="ok" if fits else "over_budget", peak_bytes=peak,
                      seconds=exit_.seconds, step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
                      alloc_retries=max(int(m.get("alloc_retries", 0)) for m in measured), note=note)
@@ -264,13 +205,14 @@ class ScriptTuner:
     margin: float
     device: str  # "cuda" | "cpu"
     device_name: str
+    compile: bool = False  # the search may try the script compiled (`compile_searched`)
 
     def tune(self, max_micro: int | None = None) -> Plan:
         """The best plan with micro-batch at most `max_micro`; raises `NoFeasiblePlan` when nothing fits."""
         t = self.trials
         controller = Controller(t, per_rank=t.per_rank, limit_bytes=t.limit_bytes, max_micro=max_micro,
                                 world_size=t.world_size, sizes=divisors(t.per_rank))
-        result = controller.search(self.rungs)
+        result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.best
         notes = [*self.notes, *result.notes]
         return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload="none",
@@ -280,7 +222,7 @@ class ScriptTuner:
                     memory_budget_bytes=self.budget_bytes, margin=self.margin,
                     samples_per_second=best.samples_per_second, device=self.device, device_name=self.device_name,
                     source="tuned", reason=result.reason + "".join(f"; {n}" for n in notes[:2]),
-                    trials=tuple(result.trials))
+                    trials=tuple(result.trials), compile=best.rung.compile)
 
     def arguments(self, plan: Plan) -> list[str]:
         """The script's arguments for the real run with `plan`."""

@@ -1,0 +1,323 @@
+"""Zero-change mode on the frameworks people use: real Lightning and real Hugging Face Trainer scripts.
+
+End to end: `autotune run --preset lightning-cli` / `--preset hf-trainer` tunes the example scripts on the
+CPU under a simulated ceiling, trains with the plan, exits 0, and the plan's claimed samples/s is within
+1.5x of what the real run measured (the run's whole optimizer steps, timed by the agent). In process: the
+step watch against real Lightning training, with forward and backward inside `optimizer.step(closure)`
+and with manual optimization; presets and value templates; and what the cache keeps of a run's
+measurement, with a scripted launcher (the decision logic, exact and fast).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from autotune.cli.main import main
+from autotune.errors import InvalidSetting
+from autotune.plan import Rung
+from autotune.supervisor import claims, runner
+from autotune.supervisor.flags import PRESETS, FlagMap
+from autotune.supervisor.measure import StepWatch
+from autotune.supervisor.process import ChildExit
+from autotune.supervisor.verdict import classify
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TIMEOUT = 600  # one tune (a fresh process per trial: ~15 s of imports each on a loaded two-core machine) and a run
+CLAIM_WITHIN = 1.5  # the issue's bar: claimed and measured samples/s within this factor
+
+
+def autotune_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "autotune", "run", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def check_tuned_and_trained(done: subprocess.CompletedProcess[str], budget_mib: int, per_rank: int) -> dict:
+    """Exit 0, a plan under the ceiling that the ceiling shaped, and a claim within 1.5x of the run's rate."""
+    assert done.returncode == 0, done.stderr[-4000:]
+    plan = json.loads(done.stdout)  # --json: the plan (with what the run measured), and nothing else
+    assert plan["peak_memory_bytes"] <= 0.9 * budget_mib * 2**20
+    assert plan["micro_batch_size"] * plan["accumulation_steps"] == per_rank
+    assert any(t["outcome"] != "ok" for t in plan["trials"]) or plan["micro_batch_size"] < per_rank, \
+        "the simulated ceiling should have ruled out the whole batch in one micro-batch"
+    measured = plan["measured_samples_per_second"]
+    assert measured is not None, done.stderr[-4000:]  # the run made and timed its optimizer steps
+    ratio = plan["samples_per_second"] / measured
+    assert 1 / CLAIM_WITHIN <= ratio <= CLAIM_WITHIN, (plan["samples_per_second"], measured, done.stderr[-3000:])
+    return plan
+
+
+# -- end to end: real frameworks under `autotune run` -------------------------------------------------------
+
+@pytest.mark.slow
+def test_lightning_cli_preset_tunes_trains_and_its_claim_holds(tmp_path: Path) -> None:
+    done = autotune_run(tmp_path, "--preset", "lightning-cli", "--global-batch-size", "8", "--budget", "8MiB",
+                        "--trial-steps", "4", "--json", "--map", "checkpointing=--model.gradient_checkpointing=true",
+                        str(EXAMPLES / "train_lightning.py"), "fit", "--trainer.max_steps", "12",
+                        "--model.layers", "2", "--model.width", "64")
+    plan = check_tuned_and_trained(done, budget_mib=8, per_rank=8)
+    micro, accumulation = plan["micro_batch_size"], plan["accumulation_steps"]
+    assert f"--data.batch_size {micro} --trainer.accumulate_grad_batches {accumulation}" in done.stderr
+    assert "max_steps=12` reached" in done.stderr  # Lightning's own word that it trained to the end
+
+
+@pytest.mark.slow
+def test_hf_trainer_preset_tunes_trains_and_its_claim_holds(tmp_path: Path) -> None:
+    done = autotune_run(tmp_path, "--preset", "hf-trainer", "--global-batch-size", "8", "--budget", "24MiB",
+                        "--trial-steps", "4", "--json", str(EXAMPLES / "train_hf_trainer.py"),
+                        "--model_size", "tiny", "--seq_len", "64", "--vocab_size", "512", "--max_steps", "12",
+                        "--logging_steps", "100", "--output_dir", str(tmp_path / "out"))
+    plan = check_tuned_and_trained(done, budget_mib=24, per_rank=8)
+    micro, accumulation = plan["micro_batch_size"], plan["accumulation_steps"]
+    assert f"--per_device_train_batch_size {micro} --gradient_accumulation_steps {accumulation}" in done.stderr
+    assert "trained 12 steps" in done.stderr  # the script's own report of the finished run
+
+
+# -- the step watch inside real Lightning training ---------------------------------------------------------
+
+COMPUTE_SECONDS = 0.05  # a training step's known cost, slept inside it
+
+
+class _Sleepy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        time.sleep(COMPUTE_SECONDS)  # forward+backward of a model worth timing, without the CPU cost
+        return self.layer(batch).pow(2).mean()
+
+
+def _lightning_fit(module: object, steps: int) -> None:
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.randn(64, 8), batch_size=4))
+
+
+@pytest.fixture
+def watch() -> StepWatch:
+    w = StepWatch(now=time.perf_counter)
+    w.install()
+    yield w
+    w.remove()
+
+
+def test_a_closure_step_is_timed_whole_and_the_optimizer_share_told_apart(watch: StepWatch) -> None:
+    """Lightning runs forward and backward inside optimizer.step(closure): the step is all of it."""
+    import lightning.pytorch as pl
+
+    class Automatic(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Sleepy()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net.loss(batch)
+
+        def configure_optimizers(self) -> dict:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    _lightning_fit(Automatic(), steps=5)
+    assert watch.count == 5  # the scheduler's steps are not optimizer steps
+    assert watch.closure_steps == 4 == len(watch.step_seconds)  # every measured step ran inside step(closure)
+    assert min(watch.step_seconds) >= COMPUTE_SECONDS
+    # The optimizer's own share is the step() call less the closure: AdamW on 9 weights, not the sleep.
+    assert statistics.median(watch.optimizer_seconds) < COMPUTE_SECONDS / 2
+    assert all(o < w for o, w in zip(watch.optimizer_seconds, watch.step_seconds))
+
+
+def test_manual_optimization_stepping_every_other_batch_is_one_step_per_update(watch: StepWatch) -> None:
+    """The loop calls step() itself (here every second batch, its own accumulation) and the scheduler after it."""
+    import lightning.pytorch as pl
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = _Sleepy()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.manual_backward(self.net.loss(batch) / 2)
+            if batch_idx % 2 == 1:
+                opt = self.optimizers()
+                opt.step()
+                opt.zero_grad()
+                self.lr_schedulers().step()
+
+        def configure_optimizers(self) -> tuple[list, list]:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1)]
+
+    _lightning_fit(Manual(), steps=4)
+    assert watch.count == 4
+    # From one update's end to the next's: both batches of the update are inside it.
+    assert min(watch.step_seconds) >= 2 * COMPUTE_SECONDS
+    assert statistics.median(watch.optimizer_seconds) < COMPUTE_SECONDS / 2
+
+
+def test_a_wrapper_optimizer_and_a_second_optimizer_fall_inside_the_first_optimizers_step(watch: StepWatch) -> None:
+    weights = [torch.nn.Parameter(torch.ones(3))]
+    inner = torch.optim.SGD(weights, lr=0.1)
+
+    class Wrapper(torch.optim.Optimizer):  # as a framework's wrapper that is itself hooked
+        def __init__(self) -> None:
+            super().__init__(weights, {})
+
+        def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+            return inner.step(closure)
+
+    wrapper = Wrapper()
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    for _ in range(3):
+        weights[0].grad = torch.ones(3)
+        wrapper.step()
+        other.step()
+    assert watch.count == 3 and len(watch.step_seconds) == 2
+
+
+# -- presets and value templates ----------------------------------------------------------------------------
+
+def test_the_hf_trainer_preset_maps_every_knob() -> None:
+    flags = FlagMap.parse([], "hf-trainer")
+    args = ["--output_dir", "out", "--per_device_train_batch_size", "64", "--gradient_accumulation_steps=1", "--bf16"]
+    assert flags.global_batch(args, world_size=2) == 128
+    rung = Rung(precision="bf16", checkpointing="full", compile=True)
+    assert flags.apply(args, micro=4, accumulation=16, rung=rung) == [
+        "--output_dir", "out", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "16",
+        "--gradient_checkpointing", "--bf16", "--torch_compile"]
+    assert flags.apply(args, micro=8, accumulation=8, rung=Rung(precision="fp32"))[-4:] == [
+        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "8"]
+
+
+def test_a_value_template_passes_its_value_when_on_and_drops_the_flag_when_off() -> None:
+    flags = FlagMap.parse(["checkpointing=--model.gradient_checkpointing=true"], "lightning-cli")
+    args = ["fit", "--trainer.precision", "32-true", "--data.batch_size=16", "--trainer.accumulate_grad_batches", "2"]
+    assert flags.global_batch(args, world_size=1) == 32
+    on = flags.apply(args, micro=2, accumulation=16, rung=Rung(precision="bf16", checkpointing="full"))
+    assert on == ["fit", "--data.batch_size", "2", "--trainer.accumulate_grad_batches", "16",
+                  "--model.gradient_checkpointing=true", "--trainer.precision=bf16-mixed"]
+    off = flags.apply(on, micro=32, accumulation=1, rung=Rung(precision="fp32"))
+    assert off == ["fit", "--data.batch_size", "32", "--trainer.accumulate_grad_batches", "1"]
+
+
+def test_a_map_beside_a_preset_overrides_its_entry() -> None:
+    flags = FlagMap.parse(["micro_batch=--data.train_batch_size"], "lightning-cli")
+    assert flags.micro_batch == "--data.train_batch_size"
+    assert flags.accumulation == "--trainer.accumulate_grad_batches"
+
+
+@pytest.mark.parametrize(("entries", "preset", "match"), [
+    (["micro_batch=--bs=4", "accumulation=--acc"], None, "takes the plan's number"),
+    (["micro_batch=--bs", "accumulation=--acc", "bf16=--precision="], None, "empty"),
+    (["micro_batch=--bs", "accumulation=--acc", "fp8=--fp8"], None, "KNOB one of"),
+    ([], "deepspeed", "--preset 'deepspeed' is not known; pass one of hf-trainer, lightning-cli"),
+    (["bf16=--bf16"], None, "needs --map micro_batch"),
+])
+def test_bad_maps_and_presets_say_what_to_write(entries: list[str], preset: str | None, match: str) -> None:
+    with pytest.raises(InvalidSetting, match=match):
+        FlagMap.parse(entries, preset)
+
+
+def test_run_help_lists_the_presets_with_examples() -> None:
+    result = CliRunner().invoke(main, ["run", "--help"])
+    assert result.exit_code == 0
+    for name, preset in PRESETS.items():
+        assert f"{name}: " in result.output and preset.example in result.output.replace("\n      ", " ")
+    assert "bf16=--trainer.precision=bf16-mixed" in result.output
+
+
+# -- what the cache keeps of a run's measurement (scripted launcher) -----------------------------------------
+
+STEP_SECONDS = 0.01  # the scripted trials' micro-step; the optimizer step is 1 ms
+
+
+def _scripted(monkeypatch: pytest.MonkeyPatch, real_step_seconds: float) -> list[tuple[bool, int]]:
+    """Trials fit up to micro-batch 8 and time STEP_SECONDS a micro-step; the real run times `real_step_seconds`
+    a whole optimizer step (20 of them)."""
+    calls: list[tuple[bool, int]] = []
+
+    def launch(self: runner.Launcher, args: list[str], env: dict[str, str], *, trial: bool = False):
+        micro = int(args[args.index("--bs") + 1])
+        calls.append((trial, micro))
+        if trial and micro > 8:
+            return classify(ChildExit(returncode=1, seconds=1.0, output_tail=""),
+                            [{"outcome": "oom", "error": "OutOfMemoryError: out of memory"}])
+        record = ({"outcome": "ok", "trial": {"step_seconds": [STEP_SECONDS] * 3, "optimizer_seconds": [0.001] * 3,
+                                              "peak_bytes": micro * 2**20}} if trial else
+                  {"outcome": "ok", "measured": {"steps": 20, "measured_steps": 19,
+                                                 "median_step_seconds": real_step_seconds}})
+        return classify(ChildExit(returncode=0, seconds=1.0, output_tail=""), [record])
+
+    monkeypatch.setattr(runner.Launcher, "launch", launch)
+    return calls
+
+
+def _options(tmp_path: Path) -> runner.RunOptions:
+    script = tmp_path / "train.py"
+    if not script.exists():
+        script.write_text("# a script that takes --bs and --acc\n")
+    return runner.RunOptions(script=str(script), maps=("micro_batch=--bs", "accumulation=--acc"),
+                             global_batch_size=32, device="cpu", budget="1GiB", cache=str(tmp_path / "plans.db"))
+
+
+CLAIMED_STEP = 4 * STEP_SECONDS + 0.001  # the plan the scripted search picks: micro-batch 8 x 4, one optimizer step
+
+
+def test_a_confirmed_claim_is_reused_from_the_cache_without_trials(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    calls = _scripted(monkeypatch, real_step_seconds=CLAIMED_STEP * 1.1)
+    first = runner.run(_options(tmp_path))
+    assert first.exit_code == 0, first.message
+    assert (first.plan.micro_batch_size, first.plan.accumulation_steps) == (8, 4)
+    assert first.plan.measured_samples_per_second == pytest.approx(32 / (CLAIMED_STEP * 1.1))
+    assert not claims.plan_disagrees(first.plan)
+    calls.clear()
+    second = runner.run(_options(tmp_path))
+    assert calls == [(False, 8)]  # no trial: the real run started at once with the cached plan
+    assert second.plan.source == "cache" and second.plan.micro_batch_size == 8
+
+
+def test_a_claim_the_run_contradicts_is_recorded_and_the_next_tune_scores_it_as_it_trained(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from autotune.cache.store import PlanCache
+
+    calls = _scripted(monkeypatch, real_step_seconds=CLAIMED_STEP * 3)  # the run is 3x slower than claimed
+    first = runner.run(_options(tmp_path))
+    assert first.exit_code == 0, first.message
+    claimed, measured = first.plan.samples_per_second, first.plan.measured_samples_per_second
+    assert measured == pytest.approx(claimed / 3, rel=0.01) and claims.plan_disagrees(first.plan)
+    with PlanCache(tmp_path / "plans.db") as cache:
+        (entry,) = cache.entries()
+    assert entry.plan.measured_samples_per_second == pytest.approx(measured)  # recorded against the plan
+    calls.clear()
+    second = runner.run(_options(tmp_path))
+    assert any(trial for trial, _ in calls), "a contradicted plan is re-tuned, not reused"
+    scored = [t for t in second.plan.trials if t.micro_batch_size == 8 and t.rung == first.plan.rung]
+    assert scored and scored[0].samples_per_second == pytest.approx(measured)
+    assert "as a real run trained" in scored[0].note
+    assert second.plan.samples_per_second < claimed / 1.5  # the over-claim is gone from the new plan
+
+
+def test_measured_rate_is_the_global_batch_over_the_slowest_ranks_median_step() -> None:
+    records = [{"measured": {"steps": 10, "measured_steps": 9, "median_step_seconds": 0.5}},
+               {"measured": {"steps": 10, "measured_steps": 9, "median_step_seconds": 0.8}}, {"outcome": "ok"}]
+    run = claims.measured(records, global_batch_size=64)
+    assert run is not None and run.samples_per_second == pytest.approx(64 / 0.8)
+    assert claims.measured([{"outcome": "ok", "steps": 1}], 64) is None  # one step: nothing timed
+    assert not claims.disagrees(100.0, 100.0 / claims.NOISE_BAND) and claims.disagrees(100.0, 70.0)
