@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,10 @@ class StepWatch:
 
     Only the outermost `step()` of the first optimizer seen counts as a training step: a wrapper that
     steps an inner optimizer (Accelerate's, where it is hooked) or a second optimizer (a GAN's
-    discriminator) falls inside the step being timed. The first step is not measured: it builds the
-    optimizer state (PEERS.md lesson 3) and, in most loops, warms the data loader.
+    discriminator) falls inside the step being timed. Steps taken on other threads (autotune's own
+    optimizer offload steps host chunks on a worker during backward) are inside it too, and ignored:
+    the training loop steps from the thread that installed the watch. The first step is not measured:
+    it builds the optimizer state (PEERS.md lesson 3) and, in most loops, warms the data loader.
 
     Args:
         on_step: called after each counted step with the watch (a trial stops the process from there).
@@ -70,11 +73,13 @@ class StepWatch:
         self._in_closure = 0.0  # seconds spent in its closure so far
         self._last_end: float | None = None
         self._handles: list[Any] = []
+        self._thread = threading.get_ident()
 
     def install(self) -> None:
         """Hook every optimizer of the process, present and future."""
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+        self._thread = threading.get_ident()
         self._handles = [register_optimizer_step_pre_hook(self._before_step),
                          register_optimizer_step_post_hook(self._after_step)]
 
@@ -91,6 +96,8 @@ class StepWatch:
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if threading.get_ident() != self._thread:
+            return None
         self._depth += 1
         if self._depth > 1:
             return None
@@ -104,6 +111,8 @@ class StepWatch:
         return None
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
         self._depth = max(0, self._depth - 1)
         if self._depth:
             return
