@@ -18,7 +18,7 @@ from .supervisor import agent
 from .workload import batch as batches
 from .cache import store as plan_cache
 from .training import distributed
-from .workload.batching import per_rank_batch, solve_accumulation
+from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import Controller, Lattice, SearchResult
 from .search.offload_share import choose_offload_fraction
 from .search.flops import flops_per_sample, utilization
@@ -58,7 +58,8 @@ def fit(
 
     Args:
         model: the model to train, on the target device or the CPU (moved for the trials and back).
-        batch: an example batch (Tensor, tuple/list or dict of Tensors, batch dimension first).
+        batch: an example batch (Tensor, tuple/list or mapping of Tensors such as a dict or a tokenizer's
+            BatchEncoding, batch dimension first). Never backpropagated into: inputs keep their .grad.
         global_batch_size: samples per optimizer step over all ranks; default $AUTOTUNE_GLOBAL_BATCH_SIZE,
             else the example batch's size times the world size.
         optimizer: None (AdamW), an optimizer (its class and hyperparameters are reused; it is never
@@ -181,21 +182,25 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         if home != placement.torch_device:
             model.to(home)
         snapshot.restore()
-    steps, last = solve_accumulation(per_rank, best.micro_batch_size)
+    sizes = split_sizes(per_rank, best.micro_batch_size, result.smallest)  # balanced when a 1 would be left
     tokens = batches.tokens_per_sample(batch)
-    reason = result.reason + "".join(f"; {n}" for n in [*notes, *result.notes, *compile_notes][:2])
+    # Why micro-batch 1 was skipped comes first (it shapes the split), then why rungs were left out.
+    first = [n for n in result.notes if n.startswith("micro-batch 1 skipped")]
+    rest = [n for n in [*notes, *result.notes, *compile_notes] if n not in first]
+    reason = result.reason + "".join(f"; {n}" for n in [*first, *rest][:2 + len(first)])
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
                 offload_fraction=fraction,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 compile_seconds=sum(t.compile_seconds for t in result.trials),
-                micro_batch_size=min(best.micro_batch_size, per_rank), accumulation_steps=steps,
-                world_size=world, global_batch_size=global_batch, last_micro_batch_size=last,
+                micro_batch_size=sizes[0], accumulation_steps=len(sizes),
+                world_size=world, global_batch_size=global_batch, last_micro_batch_size=sizes[-1],
                 peak_memory_bytes=best.peak_bytes, memory_budget_bytes=budget, margin=settings.margin,
                 samples_per_second=best.samples_per_second,
                 tokens_per_second=best.samples_per_second * tokens if tokens else None,
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
                 trials=tuple(result.trials), flops_per_sample=flops,
-                mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision))
+                mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision),
+                min_micro_batch_size=result.smallest, techniques=tuple(sorted(allowed)))
 
 
 def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, spec: OptimizerSpec, limit: int,

@@ -27,6 +27,11 @@ class DeviceError(AutotuneError):
     """A CUDA error that is not an OOM; the CUDA context is unusable and the process must be restarted."""
 
 
+class TooFewSamples(AutotuneError):
+    """A trial at micro-batch 1 failed because the model's batch statistics need more samples (internal:
+    the search raises its smallest micro-batch and goes on; see `needs_more_samples`)."""
+
+
 # Substrings of OOM messages seen in the wild (PEERS.md lesson 1). Matched case-sensitively: each is the
 # exact text a library prints, and a loose match would turn unrelated errors into retries.
 _OOM_MESSAGES = (
@@ -74,6 +79,16 @@ def is_oom(exc: BaseException) -> bool:
     if any(m in text for m in _OOM_MESSAGES):
         return True
     return "out of memory" in text and any(p in text for p in _PINNED_MESSAGES)
+
+
+# What torch's batch norm raises when a channel would be normalized over a single value (BatchNorm1d on
+# one sample, BatchNorm2d on one sample of a 1x1 map): the model cannot train on that micro-batch at all.
+_BATCH_STATISTICS = "Expected more than 1 value per channel when training"
+
+
+def needs_more_samples(exc: BaseException) -> bool:
+    """True when `exc` says the micro-batch held too few samples for the model's batch statistics."""
+    return isinstance(exc, ValueError) and _BATCH_STATISTICS in str(exc)
 
 
 def is_device_poisoned(exc: BaseException) -> bool:

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .workload.batching import split_sizes
+
 PLAN_FORMAT_VERSION = 2  # 2: compile, checkpointed blocks, offload fraction, sharding, FLOPs
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -142,6 +144,10 @@ class Plan:
     mfu: float | None = None  # achieved FLOPs/s over the device's peak; None where the peak is unknown
     measured_samples_per_second: float | None = None  # what a real run under `autotune run` then trained
     # at (global batch over its median whole optimizer step); None until one did
+    min_micro_batch_size: int = 1  # 2 for a model whose batch statistics need two samples (BatchNorm on
+    # (N, C) or 1x1 maps): no micro-batch holds fewer, and the split is balanced (see `split_sizes`)
+    techniques: tuple[str, ...] | None = None  # what fit was allowed: recovery climbs only within it
+    # (None for a plan made by hand: the step's `techniques`, else all)
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -175,8 +181,14 @@ class Plan:
         if per_rank * self.world_size != self.global_batch_size:
             raise ValueError(f"Plan.global_batch_size {self.global_batch_size} does not divide by "
                              f"world_size {self.world_size}")
+        _check_positive_int("Plan.min_micro_batch_size", self.min_micro_batch_size)
+        if self.techniques is not None:
+            if not isinstance(self.techniques, (list, tuple)) or not all(isinstance(t, str) for t in self.techniques):
+                raise ValueError(f"Plan.techniques must be a list of technique names or None, got {self.techniques!r}")
+            object.__setattr__(self, "techniques", tuple(self.techniques))  # a JSON list from the cache
+        sizes = split_sizes(per_rank, self.micro_batch_size, self.min_micro_batch_size)
         covered = (self.accumulation_steps - 1) * self.micro_batch_size + self.last_micro_batch_size
-        if covered != per_rank:
+        if (len(sizes), sizes[-1]) != (self.accumulation_steps, self.last_micro_batch_size):
             raise ValueError(f"Plan covers {covered} samples per rank but the global batch needs {per_rank}: "
                              "micro_batch_size, accumulation_steps and last_micro_batch_size disagree")
         if not all(isinstance(t, Trial) for t in self.trials):

@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..workload.batching import bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch
-from ..errors import NoFeasiblePlan
+from ..workload.batching import (bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch,
+                                 smallest_micro_batch)
+from ..errors import InvalidSetting, NoFeasiblePlan, TooFewSamples
 from ..plan import Rung, Trial
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class SearchResult:
     trials: list[Trial]
     reason: str
     notes: list[str] = field(default_factory=list)
+    smallest: int = 1  # the fewest samples a micro-batch may hold (2 when batch statistics need them)
 
 
 @dataclass(kw_only=True)
@@ -103,6 +105,8 @@ class Controller:
         self._compiled: _Compiled | None = None  # what compile saved beside eager, once measured
         self._compile_offload = "none"  # the offload compile was measured with (see `_place_compile`)
         self._compile_failed = False
+        self.smallest = 1  # fewest samples a micro-batch may hold: 2 once batch statistics refused 1
+        self.floor = 1  # the smallest micro-batch tried: no split of per_rank at it holds fewer than `smallest`
 
     # -- top level -------------------------------------------------------------------------------------
     def search(self, rungs: Sequence[Rung], lattice: Lattice | None = None) -> SearchResult:
@@ -123,7 +127,8 @@ class Controller:
         if best is None:
             raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
         best = self._runoff(best)
-        return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes)
+        return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes,
+                            smallest=self.smallest)
 
     def _climb(self, rungs: Sequence[Rung]) -> None:
         """Explore each rung in order, unless the time model says it cannot beat the best measured."""
@@ -157,8 +162,8 @@ class Controller:
         if reach is not None:  # memory arithmetic from the measured siblings beats a guess from the last rung
             start = max(1, self._snap(_balanced(min(reach, self.cap), self.per_rank)))
         first = self._run(state, min(start, self.cap))
-        if not first.fits and first.micro_batch_size > 1:
-            first = self._run(state, 1)
+        if not first.fits and first.micro_batch_size > self.floor:
+            first = self._run(state, self.floor)
         if not first.fits or first.micro_batch_size >= self.cap:
             return
         slope = self._borrowed_slope(state)
@@ -487,17 +492,34 @@ class Controller:
         return max(s for s in self.sizes if s <= max(1, micro))
 
     def _run(self, state: _RungState, micro: int) -> Trial:
-        micro = self._snap(micro)
+        micro = max(self._snap(micro), self.floor)
         for t in state.trials:
             if t.micro_batch_size == micro:
                 return t
-        trial = self.runner(state.rung, micro)
+        try:
+            trial = self.runner(state.rung, micro)
+        except TooFewSamples as exc:
+            self._raise_floor(str(exc))
+            return self._run(state, micro)
         log.info("trial %-32s micro-batch %4d: %-11s peak %7.2f GiB  %s", state.rung.name, micro, trial.outcome,
                  trial.peak_bytes / 2**30,
                  f"{trial.samples_per_second:,.1f} samples/s" if trial.fits else trial.note)
         state.trials.append(trial)
         self.trials.append(trial)
         return trial
+
+    def _raise_floor(self, failure: str) -> None:
+        """Micro-batch 1 failed on batch statistics (BatchNorm over one value per channel): no micro-batch
+        of the plan may hold fewer than 2 samples, so the search starts at the smallest size whose split
+        of the per-rank batch keeps every micro-batch at 2 or more (3 for an odd batch)."""
+        floor = smallest_micro_batch(self.per_rank, 2)
+        if floor is None:
+            raise InvalidSetting(f"the model cannot train on a micro-batch of 1 sample ({failure}: batch statistics "
+                                 f"such as BatchNorm need at least 2), and the per-rank batch is {self.per_rank}; "
+                                 "raise global_batch_size to 2 or more samples per rank") from None
+        self.smallest, self.floor = 2, floor
+        self.notes.insert(0, f"micro-batch 1 skipped: {failure} (batch statistics), so every micro-batch holds "
+                             f"2 samples or more and the split is balanced; the search starts at {self.floor}")
 
     def _budget_left(self) -> bool:
         return len(self.trials) < self.max_trials

@@ -26,7 +26,7 @@ from torch import nn
 from ..workload import batch as batches
 from ..workload.batching import global_step_seconds
 from ..devices.placement import MemoryMeter, Placement, now
-from ..errors import DeviceError, is_device_poisoned, is_oom
+from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.losses import LossFn, label_counts, takes_num_items
 from ..workload.optimizers import OptimizerSpec
@@ -86,6 +86,8 @@ class TrialRunner:
                 if is_device_poisoned(exc):
                     raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
                                       "The CUDA context is unusable; restart the process.") from exc
+                if micro == 1 and needs_more_samples(exc):
+                    raise TooFewSamples(_first_line(exc)) from exc  # the search starts again at 2
                 if not is_oom(exc) and not rung.compile:
                     raise
                 # Every compiled trial follows an eager one of the same model that ran: an error that is

@@ -17,8 +17,11 @@ whole batch is clipped once before the step (`clipping.py`), and `before_optimiz
 When a micro-step runs out of memory (a longer sequence than the trials saw, a neighbour on the GPU), the
 partial gradients are dropped, memory is cleaned after the `except` block has been left, and the same
 batch is re-run with half the micro-batch and twice the accumulation: no sample lost or counted twice,
-optimizer and GradScaler untouched. At micro-batch 1 the step moves up a rung (checkpointing, then
-offload); past the top it raises `NoFeasiblePlan`. Each recovery marks the old plan unsafe in the plan
+optimizer and GradScaler untouched; buffers the failed attempt updated (BatchNorm's running statistics) and
+the random streams are put back first (`buffers.py`), so the re-run leaves no trace of it. At micro-batch 1
+(2 for a model whose batch statistics need two samples, `plan.min_micro_batch_size`) the step moves up a
+rung (checkpointing, then offload) within the techniques `fit` was given; past the top it raises
+`NoFeasiblePlan`. Each recovery marks the old plan unsafe in the plan
 cache and stores the new one. On the simulated CPU device the step enforces the same ceiling the trials
 did (`SimulatedCeiling` over the plan's budget), so all of this runs without a GPU.
 """
@@ -40,12 +43,13 @@ from torch import nn
 from ..workload import batch as batches
 from . import distributed
 from ..workload.accumulation import LossWeights, weighted_loss
-from ..workload.batching import solve_accumulation, split_sizes
+from ..workload.batching import smallest_micro_batch, solve_accumulation, split_sizes
 from ..devices.ceiling import SimulatedCeiling
 from ..devices.placement import Placement, refuse_meta, resolve_device
-from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom
+from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
 from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
 from . import clipping
+from .buffers import BufferGuard
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
 from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
@@ -84,7 +88,8 @@ class TrainingStep:
         loss_fn: `(model, batch) -> loss` (a mean over the batch's samples) or `-> (loss_sum, count)`
             for losses averaged over tokens with padding; default `model(...).loss` or a scalar output.
         techniques: rungs recovery may climb to, a subset of ("bf16", "checkpointing", "offload");
-            default $AUTOTUNE_TECHNIQUES, else all. The plan's precision is never changed.
+            default those `fit` was given (`plan.techniques`), else $AUTOTUNE_TECHNIQUES, else all. The
+            plan's precision is never changed.
         grow_after: after this many clean optimizer steps at a micro-batch smaller than the plan
             started with, try doubling it back (an OOM halves it again and doubles the wait); None
             (the default) never grows.
@@ -156,6 +161,9 @@ class TrainingStep:
         self._probing = False
         self._warned_size = False
         self._micro_step = -1  # the micro-batch running now, for the record of a recovery
+        self._micro_size = 0  # and its number of samples
+        self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
+        self._buffers = BufferGuard(model)
         self._applied = self._apply(plan.rung)
 
     # -- the public surface ----------------------------------------------------------------------------
@@ -180,13 +188,19 @@ class TrainingStep:
         failed: list[Trial] = []
         while True:
             started = time.perf_counter()
+            self._buffers.save()  # running statistics, RNG: what the attempt changes besides gradients
             loss, failure = self._attempt(batch, n)
             if not failure:
+                self._buffers.learn()
                 break
             if isinstance(self._applied.optimizer, HostOptimizer):
                 self._applied.optimizer.abort()  # chunks stepped during the failed backward stay stepped
             self._clean_up()  # out here, not in an except block: nothing pins the failed step's tensors
-            self._recover(batch, failure, failed, started)
+            self._buffers.restore()  # the re-run starts where the failed attempt did: no trace of it left
+            if self._too_few:
+                self._balance(failure)
+            else:
+                self._recover(batch, failure, failed, started)
         self.steps_taken += 1
         self._clean_steps = 0 if failed else self._clean_steps + 1
         if self._clean_steps >= self._grow_wait:
@@ -238,6 +252,9 @@ class TrainingStep:
             if is_device_poisoned(exc):
                 raise DeviceError(f"CUDA error in a training step ({self._config()}): {exc}. The CUDA context "
                                   "is unusable; restart the process.") from exc
+            if needs_more_samples(exc) and self._micro_size == 1 and self.plan.min_micro_batch_size < 2:
+                self._too_few = True  # a plan made before the model was seen to need 2 (or by hand): re-split
+                return None, _first_line(exc)
             if not is_oom(exc):
                 raise
             return None, _first_line(exc)
@@ -245,12 +262,12 @@ class TrainingStep:
     def _accumulate(self, batch: Any, n: int) -> LossWeights:
         """Forward and backward over every micro-batch; the weights, which `_finish` turns into the loss."""
         applied = self._applied
-        sizes = split_sizes(n, self.plan.micro_batch_size)
+        sizes = split_sizes(n, self.plan.micro_batch_size, self.plan.min_micro_batch_size)
         counts = label_counts(self.model, batch)  # label tokens per sample, counted before the first forward
         weights = self._loss_weights(n, len(sizes), counts)
         start = 0
         for index, size in enumerate(sizes):
-            self._micro_step = index
+            self._micro_step, self._micro_size = index, size
             micro = applied.inputs(batches.take(batch, start, start + size))
             expected = None if counts is None else float(counts[start:start + size].sum())
             start += size
@@ -376,8 +393,10 @@ class TrainingStep:
         if self._probing:
             self._grow_wait *= 2  # growing back failed before it held a whole wait: wait twice as long next time
             self._probing = False
-        if old.micro_batch_size > 1:
-            micro = old.micro_batch_size // 2
+        # The fewest samples a micro-batch may hold (2 under batch statistics; 3 for an odd batch at 2).
+        lowest = smallest_micro_batch(old.per_rank_batch_size, old.min_micro_batch_size) or 1
+        if old.micro_batch_size > lowest:
+            micro = max(old.micro_batch_size // 2, lowest)
             new = _with(old, old.rung, micro, f"recovered from an OOM in training at micro-batch "
                                               f"{old.micro_batch_size}: halved to {micro}")
         else:
@@ -386,8 +405,8 @@ class TrainingStep:
                 _tell_cache(old, None, shapes, failure)
                 raise NoFeasiblePlan(_exhausted(failed, shapes, old), trials=tuple(failed))
             self._switch_rung(rung)
-            new = _with(old, rung, 1, f"recovered from an OOM in training at micro-batch 1 on "
-                                      f"{old.rung.name}: moved up to {rung.name}")
+            new = _with(old, rung, lowest, f"recovered from an OOM in training at micro-batch {lowest} on "
+                                           f"{old.rung.name}: moved up to {rung.name}")
         self.plan = new
         _tell_cache(old, new, shapes, failure)
         self.recoveries.append(Recovery(step=self.steps_taken, failed=_describe(old), micro_step=self._micro_step,
@@ -395,6 +414,18 @@ class TrainingStep:
                                         seconds=time.perf_counter() - started))
         log.warning("autotune: out of memory at %s (%s); re-running the same batch at %s x %d accumulation",
                     _describe(old), failure, _describe(new), new.accumulation_steps)
+
+    def _balance(self, failure: str) -> None:
+        """A 1-sample micro-batch failed on batch statistics: from now on none holds fewer than 2 (the same
+        batch re-run with a balanced split). Not an OOM: the plan cache is not told the plan was unsafe."""
+        self._too_few = False
+        old = self.plan
+        micro = max(old.micro_batch_size, smallest_micro_batch(old.per_rank_batch_size, 2) or 1)
+        self.plan = _with(old, old.rung, micro, f"{failure} on a 1-sample micro-batch (batch statistics): every "
+                                                 "micro-batch now holds 2 samples or more, the split balanced",
+                          smallest=2)
+        log.warning("autotune: %s on a micro-batch of 1 sample; re-running the same batch with at least 2 samples "
+                    "per micro-batch (%s x %d)", failure, _describe(self.plan), self.plan.accumulation_steps)
 
     def _next_rung(self, current: Rung) -> Rung | None:
         """The cheapest allowed rung that keeps every technique in force and adds one."""
@@ -468,14 +499,16 @@ class TrainingStep:
 
 # -- plan arithmetic ---------------------------------------------------------------------------------------
 
-def _with(plan: Plan, rung: Rung, micro: int, reason: str) -> Plan:
+def _with(plan: Plan, rung: Rung, micro: int, reason: str, *, smallest: int | None = None) -> Plan:
     """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch."""
-    steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
+    smallest = plan.min_micro_batch_size if smallest is None else smallest
+    steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
     return dataclasses.replace(plan, precision=rung.precision, checkpointing=rung.checkpointing,
                                checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
                                offload=rung.offload,
-                               offload_fraction=plan.offload_fraction if rung == plan.rung else None, micro_batch_size=min(micro, plan.per_rank_batch_size),
-                               accumulation_steps=steps, last_micro_batch_size=last, reason=reason)
+                               offload_fraction=plan.offload_fraction if rung == plan.rung else None,
+                               micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
+                               last_micro_batch_size=last, reason=reason, min_micro_batch_size=smallest)
 
 
 def _strength(rung: Rung) -> tuple[int, int, int]:
@@ -491,6 +524,8 @@ def _dominates(a: Rung, b: Rung) -> bool:
 
 def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: Any, model: nn.Module) -> list[Rung]:
     """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
+    if techniques is None and plan.techniques is not None:
+        techniques = plan.techniques  # what fit was allowed: recovery never climbs past it
     allowed = set(parse_techniques(FitSettings.resolve(techniques=techniques).techniques))  # None: $AUTOTUNE_TECHNIQUES
     if plan.precision == "fp32":
         allowed.discard("bf16")  # also drops optimizer offload, which keeps 16-bit weights

@@ -24,24 +24,46 @@ def per_rank_batch(global_batch_size: int, world_size: int) -> int:
     return global_batch_size // world_size
 
 
-def solve_accumulation(per_rank: int, micro_batch_size: int) -> tuple[int, int]:
+def solve_accumulation(per_rank: int, micro_batch_size: int, smallest: int = 1) -> tuple[int, int]:
     """(accumulation_steps, last_micro_batch_size) covering exactly `per_rank` samples.
 
     The global batch is never changed: when `micro_batch_size` does not divide `per_rank`, the last
-    micro-batch is smaller (and the step weights losses by sample count so the gradient is exact).
+    micro-batch is smaller (and the step weights losses by sample count so the gradient is exact). With
+    `smallest` > 1 (a model that cannot train on fewer samples) the split is balanced instead whenever
+    the plain one would end under it: see `split_sizes`.
     """
     if micro_batch_size < 1 or per_rank < 1:
         raise InvalidSetting(f"micro-batch ({micro_batch_size}) and per-rank batch ({per_rank}) must be positive")
-    micro = min(micro_batch_size, per_rank)
-    steps = math.ceil(per_rank / micro)
-    last = per_rank - (steps - 1) * micro
-    return steps, last
+    sizes = split_sizes(per_rank, micro_batch_size, smallest)
+    return len(sizes), sizes[-1]
 
 
-def split_sizes(n: int, micro_batch_size: int) -> list[int]:
-    """Sizes of the micro-batches that cover `n` samples: all `micro_batch_size` but possibly the last."""
-    steps, last = solve_accumulation(n, micro_batch_size)
-    return [min(micro_batch_size, n)] * (steps - 1) + [last]
+def split_sizes(n: int, micro_batch_size: int, smallest: int = 1) -> list[int]:
+    """Sizes of the micro-batches that cover `n` samples: all `micro_batch_size` but possibly the last.
+
+    When that last one would hold fewer than `smallest` samples (BatchNorm cannot train on 1), the same
+    number of micro-batches is balanced instead (10 at 3: 3+3+2+2, not 3+3+3+1), largest first, none
+    above `micro_batch_size`; only where that is impossible (7 at 2) are there fewer, one a sample larger
+    (3+2+2). A batch of fewer than `smallest` samples is one micro-batch: nothing can split it better.
+    """
+    micro = min(micro_batch_size, n)
+    steps = math.ceil(n / micro)
+    last = n - (steps - 1) * micro
+    if last >= smallest or n < smallest:
+        return [micro] * (steps - 1) + [last]
+    steps = min(steps, n // smallest)
+    small, larger = divmod(n, steps)
+    return [small + 1] * larger + [small] * (steps - larger)
+
+
+def smallest_micro_batch(per_rank: int, smallest: int) -> int | None:
+    """The smallest micro-batch whose split of `per_rank` holds no micro-batch under `smallest` samples and
+    none over itself (2 for an even batch, 3 for an odd one, when `smallest` is 2); None if none can."""
+    for micro in range(max(1, smallest), per_rank + 1):
+        sizes = split_sizes(per_rank, micro, smallest)
+        if min(sizes) >= smallest and max(sizes) <= micro:
+            return micro
+    return None
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
