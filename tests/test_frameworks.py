@@ -86,6 +86,22 @@ def test_hf_trainer_preset_tunes_trains_and_its_claim_holds(tmp_path: Path) -> N
     assert "trained 12 steps" in done.stderr  # the script's own report of the finished run
 
 
+@pytest.mark.slow
+def test_a_cooperative_runs_steps_are_counted_from_its_plan_on_and_stored_on_the_cached_plan(tmp_path: Path) -> None:
+    """fit's own trials step optimizers too: the count restarts when fit reports its plan."""
+    from autotune.cache.store import PlanCache
+
+    done = autotune_run(tmp_path, "--global-batch-size", "8", "--budget", "40MiB", "--trial-steps", "1", "--json",
+                        str(EXAMPLES / "train_cooperative.py"), "--steps", "6", "--layers", "1", "--width", "32",
+                        "--checkpoint", str(tmp_path / "ck.pt"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    plan = json.loads(done.stdout)
+    assert "median of 5 whole optimizer steps" in done.stderr  # 6 training steps, the first not timed
+    assert plan["measured_samples_per_second"] > 0
+    with PlanCache(tmp_path / "plans.db") as cache:
+        assert cache.get(plan["key"]).measured_samples_per_second == pytest.approx(plan["measured_samples_per_second"])
+
+
 # -- the step watch inside real Lightning training ---------------------------------------------------------
 
 COMPUTE_SECONDS = 0.05  # a training step's known cost, slept inside it
@@ -325,3 +341,39 @@ def test_measured_rate_is_the_global_batch_over_the_slowest_ranks_median_step() 
     assert run is not None and run.samples_per_second == pytest.approx(64 / 0.8)
     assert claims.measured([{"outcome": "ok", "steps": 1}], 64) is None  # one step: nothing timed
     assert not claims.disagrees(100.0, 100.0 / claims.NOISE_BAND) and claims.disagrees(100.0, 70.0)
+
+
+def test_the_hf_trainer_presets_compile_flag_is_searched_beside_the_fastest_eager_plan() -> None:
+    """On a GPU the preset's --torch_compile is a knob: a scripted trial that trains 0.6x the time compiled wins."""
+    from autotune.supervisor.zero_change import ScriptTrials, ScriptTuner, Target, compile_searched, script_rungs
+
+    launched: list[list[str]] = []
+
+    def launch(args: list[str], env: dict[str, str]):
+        launched.append(args)
+        micro = int(args[args.index("--per_device_train_batch_size") + 1])
+        if micro > 8:
+            return classify(ChildExit(returncode=1, seconds=1.0, output_tail=""),
+                            [{"outcome": "oom", "error": "OutOfMemoryError: CUDA out of memory"}])
+        step = STEP_SECONDS * (0.6 if "--torch_compile" in args else 1.0)
+        record = {"outcome": "ok", "trial": {"step_seconds": [step] * 3, "optimizer_seconds": [0.001] * 3,
+                                             "peak_bytes": micro * 2**20}}
+        return classify(ChildExit(returncode=0, seconds=1.0, output_tail=""), [record])
+
+    flags = FlagMap.parse([], "hf-trainer")
+    gpu = Target(kind="cuda", name="a GPU", budget_bytes=16 * 2**20, apply_budget=True)
+    allowed = frozenset({"bf16", "checkpointing", "compile"})
+    rungs, notes = script_rungs(flags, allowed)
+    searched, note = compile_searched(flags, allowed, gpu)
+    assert searched and not note
+    cpu = Target(kind="cpu", name="cpu", budget_bytes=1, apply_budget=True, compile_off="slow there")
+    assert compile_searched(flags, allowed, cpu) == (False, "compile left off: slow there")
+    trials = ScriptTrials(launch=launch, flags=flags, script_args=["--output_dir", "out"], per_rank=32, world_size=1,
+                          limit_bytes=int(0.9 * 16 * 2**20), trial_steps=3)
+    tuner = ScriptTuner(trials=trials, rungs=rungs, notes=notes, global_batch_size=32, budget_bytes=16 * 2**20,
+                        margin=0.1, device="cuda", device_name="a GPU", compile=True)
+    plan = tuner.tune()
+    assert any("--torch_compile" in args for args in launched)
+    assert plan.compile and plan.micro_batch_size == 8
+    assert tuner.arguments(plan) == ["--output_dir", "out", "--per_device_train_batch_size", "8",
+                                     "--gradient_accumulation_steps", "4", "--bf16", "--torch_compile"]
