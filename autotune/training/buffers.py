@@ -14,13 +14,22 @@ every step, so it copies, on the device, only the buffers that change in trainin
 - any other buffer whose version counter moved during an earlier step (an EMA, a step counter a
   module keeps with `add_`): learned after the first clean step.
 
-The copies are a few bytes per channel (ResNet-50: about 53k values), made before each attempt.
+The copies are a few bytes per channel (ResNet-50: about 53k values), allocated once and refreshed before
+each attempt with one multi-tensor copy (about 0.4 ms for 53 BatchNorm layers on one CPU core).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
+
+# A learned buffer (not a norm layer's) is copied every step only up to this share of the parameters'
+# bytes: an EMA of the weights kept as buffers would otherwise double its device memory.
+LEARNED_SHARE = 0.01
 
 
 class BufferGuard:
@@ -30,26 +39,38 @@ class BufferGuard:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.learned: set[int] = set()
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._live: list[torch.Tensor] = []  # the watched buffers, and their copies (kept: no allocation a step)
+        self._copies: list[torch.Tensor] = []
         self._versions: dict[int, int] = {}
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self._too_large: set[str] = set()
+        self._limit = LEARNED_SHARE * sum(p.numel() * p.element_size() for p in model.parameters())
 
     def save(self) -> None:
         """Before an attempt: copy what it may change."""
         buffers = list(self.model.buffers())
-        watched = self.learned | {id(b) for m in self.model.modules() if _tracks_statistics(m)
-                                  for b in m.buffers(recurse=False)}
-        with torch.no_grad():
-            self._saved = [(b, b.clone()) for b in buffers if id(b) in watched]
-        self._versions = {id(b): b._version for b in buffers if id(b) not in watched}
+        norms = {id(b) for m in self.model.modules() if _tracks_statistics(m) for b in m.buffers(recurse=False)}
+        watched = [b for b in buffers if id(b) in norms or id(b) in self.learned]
+        self._copy(watched)
+        ids = {id(b) for b in watched}
+        self._versions = {id(b): b._version for b in buffers if id(b) not in ids}
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self._rng = (torch.get_rng_state(), cuda)
+
+    def _copy(self, watched: list[torch.Tensor]) -> None:
+        same = len(watched) == len(self._live) and all(
+            a is b and a.shape == c.shape for a, b, c in zip(watched, self._live, self._copies))
+        with torch.no_grad():
+            if same and watched:
+                torch._foreach_copy_(self._copies, watched)  # one launch per dtype, not one per buffer
+            elif not same:
+                self._live, self._copies = watched, [b.clone() for b in watched]
 
     def restore(self) -> None:
         """After a failed attempt: every watched buffer and the RNG streams as `save()` found them."""
         with torch.no_grad():
-            for live, saved in self._saved:
-                live.copy_(saved)
+            if self._live:
+                torch._foreach_copy_(self._live, self._copies)
         if self._rng is not None:
             cpu, cuda = self._rng
             torch.set_rng_state(cpu)
@@ -58,10 +79,17 @@ class BufferGuard:
 
     def learn(self) -> None:
         """After a clean attempt: watch from now on the buffers it changed that were not watched."""
-        for b in self.model.buffers():
-            if id(b) in self._versions and b._version != self._versions[id(b)]:
+        for name, b in self.model.named_buffers():
+            if id(b) not in self._versions or b._version == self._versions[id(b)]:
+                continue
+            if b.numel() * b.element_size() <= self._limit:
                 self.learned.add(id(b))
-        self._saved, self._versions = [], {}
+            elif name not in self._too_large:
+                self._too_large.add(name)
+                log.warning("autotune: buffer %s changes in training but is too large to copy before every step "
+                            "(over %.0f%% of the parameters' bytes); a step re-run after an OOM keeps the failed "
+                            "attempt's update of it", name, 100 * LEARNED_SHARE)
+        self._versions = {}
 
 
 def _tracks_statistics(module: nn.Module) -> bool:
