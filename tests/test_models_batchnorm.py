@@ -22,8 +22,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import autotune
-from autotune.errors import NoFeasiblePlan
-from autotune.plan import Plan
+from autotune.errors import InvalidSetting, NoFeasiblePlan, TooFewSamples
+from autotune.plan import Plan, Rung, Trial
+from autotune.search.controller import Controller
 from autotune.training.step import TrainingStep
 from test_step import HUGE, Net, make_plan, seq_batch, sgd
 
@@ -278,3 +279,53 @@ def run_peak(plan: Plan, model: nn.Module, batch) -> int:
     step = TrainingStep(plan, m, sgd(m.parameters()))
     step(batch)
     return step.last_peak_bytes
+
+
+# -- the search's floor, against a scripted runner ----------------------------------------------------------
+
+class NeedsTwo:
+    """A fake device whose model cannot train on one sample: micro-batch 1 raises as the trial runner does."""
+
+    def __init__(self, budget_samples: int) -> None:
+        self.budget_samples, self.calls = budget_samples, []
+
+    def __call__(self, rung: Rung, micro: int) -> Trial:
+        self.calls.append(micro)
+        if micro == 1:
+            raise TooFewSamples("ValueError: Expected more than 1 value per channel when training")
+        if micro > self.budget_samples:
+            return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=100)
+        return Trial(rung=rung, micro_batch_size=micro, outcome="ok", peak_bytes=10 + micro, step_seconds=0.01 * micro,
+                     optimizer_seconds=0.01, samples_per_second=100.0 * micro / (micro + 1))
+
+
+@pytest.mark.parametrize("per_rank,floor", [(8, 2), (9, 3)], ids=["even", "odd"])
+def test_the_search_starts_again_at_the_smallest_split_without_a_single_sample(per_rank, floor):
+    device = NeedsTwo(budget_samples=1)  # nothing above 1 fits either: the floor is all that is tried
+    with pytest.raises(NoFeasiblePlan, match=f"micro-batch 1 skipped.*starts at {floor}"):
+        Controller(device, per_rank=per_rank, limit_bytes=50).search([Rung()])
+    assert device.calls == [1, floor]
+    device = NeedsTwo(budget_samples=4)
+    result = Controller(device, per_rank=per_rank, limit_bytes=50).search([Rung()])
+    assert result.smallest == 2 and min(t.micro_batch_size for t in result.trials) == floor
+    assert 1 not in [t.micro_batch_size for t in result.trials]
+
+
+def test_a_per_rank_batch_of_one_cannot_serve_such_a_model():
+    with pytest.raises(InvalidSetting, match="raise global_batch_size to 2 or more samples per rank"):
+        Controller(NeedsTwo(budget_samples=4), per_rank=1, limit_bytes=50).search([Rung()])
+
+
+def test_recovery_halves_no_lower_than_two_then_climbs_a_rung():
+    torch.manual_seed(0)
+    model = NormNet().double()
+    batch = padded([64] * 8)
+    need_two = dataclasses.replace(make_plan(4, 8), min_micro_batch_size=2)
+    plain = run(dataclasses.replace(need_two, micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2),
+                model, [batch])[1].last_peak_bytes
+    full = run(dataclasses.replace(need_two, micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2,
+                                   checkpointing="full"), model, [batch])[1].last_peak_bytes
+    assert full < plain  # the premise: at 2, only recomputing the blocks fits
+    got, step = run(dataclasses.replace(need_two, memory_budget_bytes=(plain + full) // 2), model, [batch])
+    assert [r.now for r in step.recoveries] == ["fp32 at micro-batch 2", "fp32+full ckpt at micro-batch 2"]
+    assert step.plan.min_micro_batch_size == 2
