@@ -30,7 +30,7 @@ from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan, Trial
 from .settings import FitSettings
 from .search.snapshot import Snapshot
-from .techniques import anchors, drop_rungs_over, find_blocks, parse_techniques, resident_floor, serve_dtypes
+from .techniques import anchors, drop_rungs_over, eight_bit_anchors, find_blocks, parse_techniques, resident_floor, serve_dtypes
 from .techniques.offload import norm_parameters
 from .techniques.compile import unavailable as compile_unavailable
 from .search.trial import TrialRunner, Workload
@@ -68,7 +68,8 @@ def fit(
         memory_budget: bytes or a string like "24GiB"; default what the device can give this process.
         device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
         cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
-        techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile"); default all
+        techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile",
+            "optimizer_8bit"); default all but the opt-in "optimizer_8bit" (AdamW with 8-bit state)
             (compile is searched on CUDA only).
         margin: fraction of the budget kept free (default 0.1).
         retune: ignore a cached plan and tune again.
@@ -148,6 +149,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     peak = device_peak(placement.name, placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
     blocks = find_blocks(model)
     rungs, notes = anchors(allowed, placement, blocks)
+    rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
+    notes += more
     rungs, dtype_notes = serve_dtypes(rungs, model)  # a rung that cannot train the model's dtypes is never tried
     notes = dtype_notes + notes
     limit = int((1 - settings.margin) * budget)
@@ -189,7 +192,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     rest = [n for n in [*notes, *result.notes, *compile_notes] if n not in first]
     reason = result.reason + "".join(f"; {n}" for n in [*first, *rest][:2 + len(first)])
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
-                offload_fraction=fraction,
+                offload_fraction=fraction, optimizer_8bit=best.rung.optimizer_8bit,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 compile_seconds=sum(t.compile_seconds for t in result.trials),
                 micro_batch_size=sizes[0], accumulation_steps=len(sizes),

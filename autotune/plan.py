@@ -36,13 +36,17 @@ class Rung:
     offload: str = "none"
     checkpointed_blocks: int | None = None
     compile: bool = False
+    optimizer_8bit: bool = False  # AdamW with 8-bit state (torchao or bitsandbytes): opt-in, it changes numerics
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice("offload", self.offload, OFFLOAD)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"Rung.compile must be a bool, got {self.compile!r}")
+        for name in ("compile", "optimizer_8bit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Rung.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.optimizer_8bit and self.offload == "optimizer":
+            raise ValueError("Rung.optimizer_8bit is for optimizers stepped on the device, not under optimizer offload")
         if self.checkpointed_blocks is None and self.checkpointing == "none":
             object.__setattr__(self, "checkpointed_blocks", 0)  # no recompute is 0 blocks, known or not
         blocks = self.checkpointed_blocks
@@ -64,6 +68,8 @@ class Rung:
             parts.append(f"{self.offload} offload")
         if self.compile:
             parts.append("compile")
+        if self.optimizer_8bit:
+            parts.append("8-bit optimizer")
         return "+".join(parts)
 
 
@@ -148,11 +154,11 @@ class Plan:
     # (N, C) or 1x1 maps): no micro-batch holds fewer, and the split is balanced (see `split_sizes`)
     techniques: tuple[str, ...] | None = None  # what fit was allowed: recovery climbs only within it
     # (None for a plan made by hand: the step's `techniques`, else all)
+    optimizer_8bit: bool = False  # the optimizer keeps 8-bit state (techniques=(..., "optimizer_8bit"))
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload,
-             checkpointed_blocks=self.checkpointed_blocks, compile=self.compile)
+        self.rung  # validates the knobs together  # noqa: B018
         if self.offload_fraction is None:
             object.__setattr__(self, "offload_fraction", 1.0 if self.offload == "optimizer" else 0.0)
         fraction = self.offload_fraction
@@ -197,7 +203,8 @@ class Plan:
     @property
     def rung(self) -> Rung:
         return Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload,
-                    checkpointed_blocks=self.checkpointed_blocks, compile=self.compile)
+                    checkpointed_blocks=self.checkpointed_blocks, compile=self.compile,
+                    optimizer_8bit=self.optimizer_8bit)
 
     @property
     def per_rank_batch_size(self) -> int:

@@ -8,17 +8,20 @@ chunk size is made tiny here so that a small model still has many chunks for the
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import autotune
+from autotune.errors import InvalidSetting
 from autotune.plan import Plan
-from autotune.techniques import offload_pipeline
+from autotune.techniques import offload_pipeline, optimizer_8bit, parse_techniques
 from autotune.techniques.offload import HostOptimizer, host_share
 from autotune.training.step import TrainingStep
 from autotune.workload.batching import solve_accumulation
+from autotune.workload.optimizers import OptimizerSpec
 
 HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit
 
@@ -245,3 +248,55 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
     assert step.last_peak_bytes <= limit and step.recoveries == []
     assert abs(step.optimizer.fraction - plan.offload_fraction) < 1e-12
     step.close()
+
+
+# -- 8-bit optimizer state --------------------------------------------------------------------------------------
+
+def test_optimizer_8bit_is_opt_in():
+    assert "optimizer_8bit" not in parse_techniques(None)
+    assert "optimizer_8bit" in parse_techniques("bf16,optimizer_8bit")
+
+
+def test_optimizer_8bit_allowed_but_not_installed_names_the_packages(monkeypatch):
+    for name in ("torchao", "torchao.optim", "bitsandbytes", "bitsandbytes.optim"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an absent package looks like to `import`
+    model, batch = Wide(), torch.randn(4, 96)
+    with pytest.raises(InvalidSetting, match=r"'optimizer_8bit' needs torchao or bitsandbytes.*autotune\[optim8bit\]"):
+        autotune.fit(model, batch, global_batch_size=4, memory_budget=2**30, device="cpu", cache=False,
+                     techniques=("bf16", "optimizer_8bit"))
+    autotune.fit(model, batch, global_batch_size=4, memory_budget=2**30, device="cpu", cache=False,
+                 techniques=("bf16",), max_trials=2)  # not asked for: no package needed
+
+
+def test_optimizer_8bit_needs_adam():
+    model = Wide()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InvalidSetting, match="Adam and AdamW only, and the optimizer is SGD"):
+        optimizer_8bit.eight_bit_spec(OptimizerSpec.from_user(sgd, model), "cpu")
+
+
+def test_8bit_state_is_chosen_when_it_is_the_only_thing_that_fits():
+    pytest.importorskip("torchao.optim")  # a real 8-bit AdamW; the test extra installs torchao
+    torch.manual_seed(0)
+    model, batch = Wide(), torch.randn(4, 96)
+    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    eight = Plan.from_dict({**plain.to_dict(), "optimizer_8bit": True})
+    full, small = second_step_peak(plain, model, batch), second_step_peak(eight, model, batch)
+    n = sum(p.numel() for p in model.parameters())
+    # 8 bytes of AdamW state a parameter became about 2; the step's FP32 temporaries (per parameter) eat
+    # part of that at the peak.
+    assert full - small >= 2 * n
+    budget = int((full + small) / 2 / 0.9)
+    kw = dict(global_batch_size=4, memory_budget=budget, device="cpu", cache=False, max_trials=8)
+    with pytest.raises(autotune.NoFeasiblePlan):
+        autotune.fit(copy.deepcopy(model), batch, techniques=("bf16",), **kw)
+    plan = autotune.fit(copy.deepcopy(model), batch, techniques=("bf16", "optimizer_8bit"), **kw)
+    assert plan.optimizer_8bit and plan.offload == "none" and "8-bit optimizer" in plan.reason
+    assert plan.peak_memory_bytes <= 0.9 * budget
+    m = copy.deepcopy(model)
+    step = plan.apply(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+    losses = [step(batch) for _ in range(3)]
+    assert losses[-1] < losses[0] and step.last_peak_bytes <= 0.9 * budget
+    assert type(step.optimizer).__name__ == "AdamW8bit"
+    state = step.optimizer.state[next(m.parameters())]
+    assert type(state["exp_avg"]).__name__ == "OptimState8bit"

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 _state = threading.local()
@@ -78,6 +78,14 @@ class SimulatedCeiling(TorchDispatchMode):
 
     def _count(self, t: torch.Tensor) -> None:
         if self._host_depth or t.device.type != "cpu" or t.is_sparse or t.is_nested:
+            return
+        if is_traceable_wrapper_subclass(t):
+            # A wrapper (torchao's 8-bit optimizer state) holds its data in inner tensors; its own storage
+            # is nominal, sized as its dtype says (FP32), and would count 8-bit state as 32-bit.
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._count(inner)
             return
         try:
             storage = t.untyped_storage()

@@ -224,14 +224,17 @@ class Controller:
         slope), else a measured sibling's shifted by the arithmetic difference of the two floors."""
         floors = self.lattice.floors
         # A measured floor of the same offload beats one shifted by arithmetic from a sibling's.
-        for other in sorted(self.states, key=lambda s: s.rung.offload != rung.offload):
+        for other in sorted(self.states, key=lambda s: (s.rung.optimizer_8bit != rung.optimizer_8bit,
+                                                         s.rung.offload != rung.offload)):
             slope = self._slope(other.rung)
             ran = [t for t in other.trials if t.outcome in ("ok", "over_budget")]
             if slope is None or not ran:
                 continue
             top = max(ran, key=lambda t: t.micro_batch_size)
             measured = top.peak_bytes - slope * top.micro_batch_size
-            if other.rung.offload == rung.offload or (other.rung.offload != "optimizer") == (rung.offload != "optimizer"):
+            same_state = other.rung.optimizer_8bit == rung.optimizer_8bit  # 8-bit state: a smaller floor
+            if same_state and (other.rung.offload == rung.offload
+                               or (other.rung.offload != "optimizer") == (rung.offload != "optimizer")):
                 return measured
             if rung in floors and other.rung in floors:
                 return measured + floors[rung] - floors[other.rung]

@@ -28,22 +28,23 @@ from ..devices.placement import Placement, format_bytes
 from ..errors import InvalidSetting
 from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung
-from . import checkpointing
+from . import checkpointing, optimizer_8bit
 from . import compile as compiling
 from .checkpointing import BlockGroup, find_blocks
 from .offload import HostOptimizer, device_dtype, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
-TECHNIQUES = ("bf16", "checkpointing", "offload", "compile")
+TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit")
+DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile")  # 8-bit state changes the numerics: opt-in
 
-__all__ = ["TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count", "drop_rungs_over", "dtype_conflict",
-           "ladder", "resident_floor", "parse_techniques", "serve_dtypes", "find_blocks", "BlockGroup"]
+__all__ = ["TECHNIQUES", "DEFAULT_TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count", "drop_rungs_over", "dtype_conflict",
+           "eight_bit_anchors", "ladder", "resident_floor", "parse_techniques", "serve_dtypes", "find_blocks", "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
-    """The allowed techniques; None means all of them."""
+    """The allowed techniques; None means the default ones (all but the opt-in 'optimizer_8bit')."""
     if techniques is None:
-        return frozenset(TECHNIQUES)
+        return frozenset(DEFAULT_TECHNIQUES)
     if isinstance(techniques, str):
         techniques = [t.strip() for t in techniques.split(",") if t.strip()]
     chosen = frozenset(techniques)
@@ -120,7 +121,25 @@ def resident_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
             return p.numel() * torch.empty((), dtype=device_dtype(p, torch.bfloat16)).element_size()
         return sum(size(p) for p in params) + sum(size(p) for p in trainable)
     weights = sum(p.numel() * p.element_size() for p in params)
-    return weights + (1 + state_tensors) * sum(p.numel() * p.element_size() for p in trainable)
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    if rung.optimizer_8bit:
+        return weights + grads + state_tensors * optimizer_8bit.STATE_BYTES * sum(p.numel() for p in trainable)
+    return weights + (1 + state_tensors) * grads
+
+
+def eight_bit_anchors(rungs: list[Rung], allowed: frozenset[str], spec: OptimizerSpec,
+                      device_type: str) -> tuple[list[Rung], list[str]]:
+    """When 'optimizer_8bit' is allowed, the anchors plus an 8-bit twin of each anchor stepped on the device,
+    tried last: 8-bit state is what the user accepts when nothing lighter fits, not a first choice.
+    The missing package is an error here, before any trial (see `optimizer_8bit.require`)."""
+    if "optimizer_8bit" not in allowed:
+        return rungs, []
+    if not optimizer_8bit.supports(spec):
+        return rungs, [f"optimizer_8bit skipped: only Adam and AdamW have an 8-bit form, not {spec.cls_name}"]
+    optimizer_8bit.require(device_type)
+    twins = [dataclasses.replace(r, optimizer_8bit=True) for r in rungs
+             if r.offload != "optimizer" and not r.compile]
+    return rungs + twins, []
 
 
 def dtype_conflict(rung: Rung, model: nn.Module) -> str | None:
@@ -237,6 +256,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state, keep_fp32=norm_parameters(model),
                                      fraction=offload_fraction)
             undo.append(opt.restore)
+        elif rung.optimizer_8bit:
+            opt = optimizer_8bit.eight_bit_spec(spec, placement.torch_device.type).build(trainable)
         else:
             opt = optimizer if optimizer is not None else spec.build(trainable)
         return AppliedRung(rung=rung, model=model, optimizer=opt, scaler=scaler,

@@ -505,6 +505,7 @@ def _with(plan: Plan, rung: Rung, micro: int, reason: str, *, smallest: int | No
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
     return dataclasses.replace(plan, precision=rung.precision, checkpointing=rung.checkpointing,
                                checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
+                               optimizer_8bit=rung.optimizer_8bit,
                                offload=rung.offload,
                                offload_fraction=plan.offload_fraction if rung == plan.rung else None,
                                micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
@@ -532,7 +533,11 @@ def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: 
     else:
         allowed.add("bf16")
     rungs, _ = ladder(frozenset(allowed), placement, blocks, compile=plan.compile)  # compile stays as tuned
-    rungs, _ = serve_dtypes([dataclasses.replace(r, precision=plan.precision) for r in rungs], model)
+    # An 8-bit plan keeps its 8-bit state (recovery never changes the numerics) and so never climbs to
+    # optimizer offload, whose host optimizer keeps FP32 state.
+    rungs = [dataclasses.replace(r, precision=plan.precision, optimizer_8bit=plan.optimizer_8bit) for r in rungs
+             if not (plan.optimizer_8bit and r.offload == "optimizer")]
+    rungs, _ = serve_dtypes(rungs, model)
     return rungs
 
 

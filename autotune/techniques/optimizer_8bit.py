@@ -1,0 +1,91 @@
+"""The 8-bit optimizer knob: AdamW whose two moments are kept in 8 bits (block-wise quantized).
+
+AdamW keeps 8 bytes of state a parameter in FP32; 8-bit state keeps 2 (plus a scale per block of 256),
+so a device-stepped model needs about 10 bytes a parameter instead of 16. It changes the numerics, so it
+is opt-in: `techniques=(..., "optimizer_8bit")`, never in the default set.
+
+Implementations, the first importable wins: torchao's `AdamW8bit` / `Adam8bit` (pure PyTorch tensor
+subclasses, CPU and CUDA), then bitsandbytes' (CUDA only). Neither is a dependency: `pip install
+'autotune[optim8bit]'` brings torchao. Only Adam and AdamW have an 8-bit form; another optimizer class
+leaves the knob out with a note.
+
+torchao steps each parameter through `torch.compile`; on the simulated CPU device that cannot run under the
+memory ceiling's dispatch mode, so there (and only there) the step runs eagerly: the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import InvalidSetting
+from ..workload.optimizers import OptimizerSpec
+
+PACKAGES = ("torchao", "bitsandbytes")
+_CLASSES = {"AdamW": "AdamW8bit", "Adam": "Adam8bit"}
+_MODULES = {"torchao": "torchao.optim", "bitsandbytes": "bitsandbytes.optim"}
+STATE_BYTES = 1  # bytes per state value (the block scales add 4 bytes per 256 values: under 2%)
+
+
+def backend(device_type: str) -> tuple[str, Any] | None:
+    """(package, its optim module) of the first importable 8-bit implementation for `device_type`, or None."""
+    for package in PACKAGES:
+        if package == "bitsandbytes" and device_type != "cuda":
+            continue  # its 8-bit optimizers run CUDA kernels
+        try:
+            return package, importlib.import_module(_MODULES[package])
+        except ImportError:
+            continue
+    return None
+
+
+def require(device_type: str) -> tuple[str, Any]:
+    """The 8-bit implementation to use; InvalidSetting naming the packages when none is importable."""
+    found = backend(device_type)
+    if found is None:
+        where = "" if device_type == "cuda" else " (bitsandbytes' 8-bit optimizers need CUDA)"
+        raise InvalidSetting(
+            "techniques: 'optimizer_8bit' needs torchao or bitsandbytes, and neither is importable" + where +
+            ". Install one (pip install 'autotune[optim8bit]', which brings torchao), or leave "
+            "'optimizer_8bit' out of techniques")
+    return found
+
+
+def supports(spec: OptimizerSpec) -> bool:
+    """Whether the user's optimizer has an 8-bit form (Adam and AdamW do)."""
+    return spec.cls_name in _CLASSES
+
+
+def eight_bit_spec(spec: OptimizerSpec, device_type: str) -> OptimizerSpec:
+    """`spec` with its class swapped for the 8-bit one: the same groups and hyperparameters."""
+    package, module = require(device_type)
+    name = _CLASSES.get(spec.cls_name)
+    if name is None:
+        raise InvalidSetting(f"techniques: 'optimizer_8bit' has an 8-bit form of Adam and AdamW only, and the "
+                             f"optimizer is {spec.cls_name}; leave 'optimizer_8bit' out of techniques")
+    klass = getattr(module, name)
+    return OptimizerSpec(_builder(klass, eager=device_type == "cpu"), spec.groups, f"{name} ({package})")
+
+
+def _builder(klass: type, *, eager: bool) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    allowed = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        groups = [{k: v for k, v in g.items() if k == "params" or k in allowed} for g in groups]
+        opt = klass(groups)
+        if eager:
+            opt.step = _eager(opt.step)  # type: ignore[method-assign]
+        return opt
+
+    return build
+
+
+def _eager(step: Callable[..., Any]) -> Callable[..., Any]:
+    def eager_step(*args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("force_eager"):
+            return step(*args, **kwargs)
+
+    return eager_step

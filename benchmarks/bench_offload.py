@@ -1,0 +1,167 @@
+"""Optimizer offload, serial against overlapped (issue 12): where a global step's time goes.
+
+For each mode, the same plan trains `--steps` global steps through `plan.apply` (after `--warmup`), and
+each step is split at the optimizer: `backward` is from the start of the step to the moment the step
+calls the host optimizer (every micro-batch's forward and backward, the device synchronised), `tail` is
+that call to its end (the remaining CPU steps, the copies back, waiting for the worker). Serial offload
+does all of its host work in the tail; overlapped offload steps chunks during the last backward, and the
+tail keeps only what was left. Also reported: tokens/s of the whole step, the chunks the worker stepped
+before the tail began, the peak memory.
+
+    python benchmarks/bench_offload.py --workload W1 --config 0,8 --compile --steps 20 --out w1.jsonl
+    python benchmarks/bench_offload.py --workload W2 --fit --steps 20 --out w2.jsonl
+    python benchmarks/bench_offload.py --workload tiny --config 0,4 --steps 3            # CPU smoke run
+
+`--config BLOCKS,MICRO[,FRACTION]`: blocks recomputed, micro-batch, host share (default 1.0). `--fit`
+tunes the plan first (cache off; the search measures with overlap on) and trains that plan in both modes.
+Modes switch with $AUTOTUNE_OFFLOAD_OVERLAP (read when the step is built), in one process, one after the
+other, with the memory cap of the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import autotune  # noqa: E402
+from autotune.devices.placement import parse_bytes  # noqa: E402
+from autotune.plan import Plan  # noqa: E402
+from autotune.workload import batch as batches  # noqa: E402
+from autotune.workload.batching import solve_accumulation  # noqa: E402
+from workloads import build_gpt, cap_memory, environment  # noqa: E402
+
+WORKLOADS = {  # model, sequence, budget, global batch, device
+    "W1": ("gpt2-large", 1024, "24GiB", 64, "cuda"),
+    "W2": ("gpt2-xl", 1024, "16GiB", 64, "cuda"),
+    "tiny": ("tiny-gpt", 64, "4GiB", 8, "cpu"),
+}
+
+
+def make_plan(args: argparse.Namespace, device: str, budget: int, global_batch: int) -> Plan:
+    blocks, micro, *rest = (float(x) for x in args.config.split(","))
+    blocks, micro = int(blocks), int(micro)
+    steps, last = solve_accumulation(global_batch, micro)
+    return Plan(precision="bf16", checkpointing="none" if blocks == 0 else "selective", checkpointed_blocks=blocks,
+                offload="optimizer", offload_fraction=rest[0] if rest else None, compile=args.compile,
+                micro_batch_size=micro, accumulation_steps=steps, world_size=1, global_batch_size=global_batch,
+                last_micro_batch_size=last, peak_memory_bytes=0, memory_budget_bytes=budget, margin=0.1,
+                samples_per_second=0.0, device="cuda" if device.startswith("cuda") else "cpu")
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_optimizer(step: Any, device: str, record: dict[str, list[float]]) -> None:
+    """Wrap the host optimizer's `step` to time the tail and count the chunks stepped before it."""
+    host = step.optimizer
+    inner = host.step
+
+    def step_and_time() -> None:
+        sync(device)
+        record["tail_start"].append(time.perf_counter())
+        pipeline = host.pipeline
+        record["chunks_before_tail"].append(pipeline.chunks_stepped if pipeline is not None else 0)
+        inner()
+        sync(device)
+        record["tail_end"].append(time.perf_counter())
+        record["chunks_total"].append(len(pipeline.chunks) if pipeline is not None else 0)
+        if pipeline is not None:
+            pipeline.chunks_stepped = 0
+
+    host.step = step_and_time
+
+
+def run_mode(mode: str, plan: Plan, model: torch.nn.Module, batch: Any, args: argparse.Namespace,
+             device: str, seq: int) -> dict[str, Any]:
+    os.environ["AUTOTUNE_OFFLOAD_OVERLAP"] = "1" if mode == "overlap" else "0"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step = plan.apply(model, optimizer)
+    record: dict[str, list[float]] = {k: [] for k in ("tail_start", "tail_end", "chunks_before_tail", "chunks_total")}
+    timed_optimizer(step, device, record)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    totals, tails, befores = [], [], []
+    try:
+        for i in range(args.warmup + args.steps):
+            sync(device)
+            started = time.perf_counter()
+            step(batch)
+            sync(device)
+            ended = time.perf_counter()
+            if i >= args.warmup:
+                totals.append(ended - started)
+                tails.append(record["tail_end"][-1] - record["tail_start"][-1])
+                befores.append(record["chunks_before_tail"][-1])
+    finally:
+        step.close()
+    total, tail = statistics.median(totals), statistics.median(tails)
+    peak = torch.cuda.max_memory_reserved() if device.startswith("cuda") else 0
+    return {"mode": mode, "step_s": total, "backward_s": total - tail, "tail_s": tail,
+            "tail_share": tail / total, "tok_s": plan.global_batch_size * seq / total,
+            "chunks_before_tail": statistics.median(befores), "chunks": record["chunks_total"][-1],
+            "peak_reserved_gib": peak / 2**30, "recoveries": len(step.recoveries), "steps": len(totals)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
+    parser.add_argument("--config", default="0,8", help="BLOCKS,MICRO[,FRACTION] (default 0,8: W1's lattice plan)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model, as W1's lattice plan does")
+    parser.add_argument("--fit", action="store_true", help="tune the plan with autotune.fit instead of --config")
+    parser.add_argument("--modes", default="serial,overlap")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    name, seq, budget, global_batch, device = WORKLOADS[args.workload]
+    cap_memory(device, budget)
+    model, example = build_gpt(name, device, seq)
+    batch = batches.resize(example, global_batch)
+    env = environment(device)
+    if args.fit:
+        started = time.perf_counter()
+        plan = autotune.fit(model, example, global_batch_size=global_batch, memory_budget=budget, device=device,
+                            cache=False)
+        print(f"fit in {time.perf_counter() - started:.0f} s: {plan.summary()}\n  {plan.reason}", flush=True)
+    else:
+        plan = make_plan(args, device, parse_bytes(budget), global_batch)
+    print(f"{args.workload}: {plan.rung.name}, micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}, "
+          f"offload fraction {plan.offload_fraction:.2f}; {env['device']}", flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        row = run_mode(mode, plan, model, batch, args, device, seq)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"  {mode:8} step {row['step_s']:7.3f} s = backward {row['backward_s']:7.3f} + tail {row['tail_s']:7.3f} s "
+              f"({row['tail_share']:5.1%});  {row['tok_s']:9,.0f} tok/s;  worker stepped "
+              f"{row['chunks_before_tail']:.0f}/{row['chunks']} chunks before the tail;  peak "
+              f"{row['peak_reserved_gib']:.2f} GiB", flush=True)
+    if len(rows) == 2:
+        print(f"  tail cut {rows[0]['tail_s'] / max(rows[1]['tail_s'], 1e-9):.2f}x, tok/s "
+              f"{rows[1]['tok_s'] / rows[0]['tok_s']:.2f}x", flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"workload": args.workload, "plan": plan.rung.name,
+                                    "micro": plan.micro_batch_size, "fraction": plan.offload_fraction,
+                                    "fit": args.fit, **row, **env}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
