@@ -8,6 +8,7 @@ chunk size is made tiny here so that a small model still has many chunks for the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ import autotune
 from autotune.errors import InvalidSetting
 from autotune.plan import Plan
 from autotune.techniques import offload_pipeline, optimizer_8bit, parse_techniques
-from autotune.techniques.offload import HostOptimizer, host_share
+from autotune.techniques.offload import HostOptimizer, host_share, norm_parameters
 from autotune.training.step import TrainingStep
 from autotune.workload.batching import solve_accumulation
 from autotune.workload.optimizers import OptimizerSpec
@@ -300,3 +301,69 @@ def test_8bit_state_is_chosen_when_it_is_the_only_thing_that_fits():
     assert type(step.optimizer).__name__ == "AdamW8bit"
     state = step.optimizer.state[next(m.parameters())]
     assert type(state["exp_avg"]).__name__ == "OptimState8bit"
+
+
+# -- an attempt that fails in the armed backward ----------------------------------------------------------------
+
+def host_optimizer(model: nn.Module, *, overlap: bool) -> HostOptimizer:
+    return HostOptimizer(list(model.parameters()), OptimizerSpec.from_user(None, model), torch.bfloat16,
+                         keep_fp32=norm_parameters(model), overlap=overlap)
+
+
+def backward(model: nn.Module, batch) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(*batch)
+    loss.backward()
+
+
+def test_chunks_stepped_before_an_aborted_backward_are_not_stepped_again():
+    # What TrainingStep does when the last backward runs out of memory after the worker stepped some
+    # chunks: abort(), drop the gradients, re-run the batch, step. The stepped chunks keep their update (made
+    # with the whole batch's gradient at the old weights, which stay on the device until the step), the rest
+    # are stepped with the re-run's gradients: the parameters of one serial step, each stepped once.
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    batch = batches(4, 1)[0]
+    host, serial = host_optimizer(model, overlap=True), host_optimizer(ref, overlap=False)
+    host.arm()
+    backward(model, batch)
+    host.pipeline.drain()  # the worker has stepped every chunk whose gradients all landed
+    assert host.pipeline.done
+    old = [p.detach().clone() for p in model.parameters()]
+    host.abort()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old))  # nothing written back yet
+    host.zero_grad()
+    host.arm()
+    backward(model, batch)
+    host.step()
+    backward(ref, batch)
+    serial.step()
+    assert_bitwise(model, ref)
+    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(old)
+    host.restore()
+    serial.restore()
+    assert_bitwise(model, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
+    # The CUDA path: pinned 16-bit staging, the side stream, events, copies back after backward.
+    data = [tuple(t.cuda() for t in b) for b in batches(8, 3)]
+
+    def run(overlap: bool) -> nn.Module:
+        monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+        torch.manual_seed(0)
+        model = Net(width=256).cuda()
+        plan = dataclasses.replace(make_plan(3, 8, fraction=fraction), device="cuda")
+        step = TrainingStep(plan, model, adamw(model.parameters()))
+        for b in data:
+            step(b)
+        if overlap and fraction == 1.0:
+            assert step.optimizer.pipeline.chunks_stepped > 0
+        step.close()
+        return model
+
+    assert_bitwise(run(True), run(False))
