@@ -329,3 +329,21 @@ def test_recovery_halves_no_lower_than_two_then_climbs_a_rung():
     got, step = run(dataclasses.replace(need_two, memory_budget_bytes=(plain + full) // 2), model, [batch])
     assert [r.now for r in step.recoveries] == ["fp32 at micro-batch 2", "fp32+full ckpt at micro-batch 2"]
     assert step.plan.min_micro_batch_size == 2
+
+
+def test_dropout_after_a_recovery_draws_what_a_clean_step_draws():
+    # The failed attempt consumed random numbers; the re-run draws from where it started, as a clean step would.
+    class Dropping(NormNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(super().forward(x), p=0.5, training=self.training)
+
+    torch.manual_seed(0)
+    model = Dropping().double()
+    batch = padded([8, 5, 8, 3, 64, 40, 64, 7])
+    peak = {micro: run(make_plan(micro, 8), model, [batch])[1].last_peak_bytes for micro in (2, 4)}
+    torch.manual_seed(1)
+    got, step = run(make_plan(4, 8, budget=(peak[2] + peak[4]) // 2), model, [batch])
+    assert len(step.recoveries) == 1
+    torch.manual_seed(1)
+    want, _ = run(make_plan(2, 8), model, [batch])
+    assert_same_state(got, want)

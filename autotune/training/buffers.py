@@ -36,13 +36,17 @@ class BufferGuard:
     """Copies of the buffers a step may update, and of the RNG states, taken with `save()` before an attempt
     and put back with `restore()` after one that failed."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.model = model
+        # The random streams of the step's own device only: reading every GPU's from each rank of a job
+        # would have each rank touch every card.
+        self.cuda = device.type == "cuda"
+        self.cuda_index = device.index
         self.learned: set[int] = set()
         self._live: list[torch.Tensor] = []  # the watched buffers, and their copies (kept: no allocation a step)
         self._copies: list[torch.Tensor] = []
         self._versions: dict[int, int] = {}
-        self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self._rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._too_large: set[str] = set()
         self._limit = LEARNED_SHARE * sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -54,7 +58,7 @@ class BufferGuard:
         self._copy(watched)
         ids = {id(b) for b in watched}
         self._versions = {id(b): b._version for b in buffers if id(b) not in ids}
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        cuda = torch.cuda.get_rng_state(self._cuda_device()) if self.cuda else None
         self._rng = (torch.get_rng_state(), cuda)
 
     def _copy(self, watched: list[torch.Tensor]) -> None:
@@ -75,7 +79,10 @@ class BufferGuard:
             cpu, cuda = self._rng
             torch.set_rng_state(cpu)
             if cuda is not None:
-                torch.cuda.set_rng_state_all(cuda)
+                torch.cuda.set_rng_state(cuda, self._cuda_device())
+
+    def _cuda_device(self) -> int:
+        return self.cuda_index if self.cuda_index is not None else torch.cuda.current_device()
 
     def learn(self) -> None:
         """After a clean attempt: watch from now on the buffers it changed that were not watched."""

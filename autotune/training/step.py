@@ -163,7 +163,7 @@ class TrainingStep:
         self._micro_step = -1  # the micro-batch running now, for the record of a recovery
         self._micro_size = 0  # and its number of samples
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
-        self._buffers = BufferGuard(model)
+        self._buffers = BufferGuard(model, self.placement.torch_device)
         self._applied = self._apply(plan.rung)
 
     # -- the public surface ----------------------------------------------------------------------------
