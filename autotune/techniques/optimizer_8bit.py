@@ -61,11 +61,11 @@ def supports(spec: OptimizerSpec) -> bool:
 
 def eight_bit_spec(spec: OptimizerSpec, device_type: str) -> OptimizerSpec:
     """`spec` with its class swapped for the 8-bit one: the same groups and hyperparameters."""
-    package, module = require(device_type)
     name = _CLASSES.get(spec.cls_name)
     if name is None:
         raise InvalidSetting(f"techniques: 'optimizer_8bit' has an 8-bit form of Adam and AdamW only, and the "
                              f"optimizer is {spec.cls_name}; leave 'optimizer_8bit' out of techniques")
+    package, module = require(device_type)
     klass = getattr(module, name)
     return OptimizerSpec(_builder(klass, eager=device_type == "cpu"), spec.groups, f"{name} ({package})")
 
