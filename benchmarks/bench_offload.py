@@ -139,6 +139,8 @@ def main() -> None:
         print(f"fit in {time.perf_counter() - started:.0f} s: {plan.summary()}\n  {plan.reason}", flush=True)
     else:
         plan = make_plan(args, device, parse_bytes(budget), global_batch)
+    if plan.offload != "optimizer":
+        raise SystemExit(f"the plan is {plan.rung.name}, without optimizer offload: nothing to compare")
     print(f"{args.workload}: {plan.rung.name}, micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}, "
           f"offload fraction {plan.offload_fraction:.2f}; {env['device']}", flush=True)
     rows = []

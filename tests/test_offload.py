@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -25,6 +28,7 @@ from autotune.workload.batching import solve_accumulation
 from autotune.workload.optimizers import OptimizerSpec
 
 HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 @pytest.fixture(autouse=True)
@@ -367,3 +371,18 @@ def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
         return model
 
     assert_bitwise(run(True), run(False))
+
+
+def test_bench_offload_runs_both_modes_on_the_cpu(tmp_path):
+    out = tmp_path / "offload.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_offload.py"), "--workload", "tiny",
+                           "--config", "0,4,0.5", "--steps", "1", "--warmup", "1", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["serial", "overlap"]
+    for r in rows:
+        assert r["fraction"] == 0.5 and r["steps"] == 1 and r["recoveries"] == 0
+        assert 0 < r["tail_s"] < r["step_s"] and abs(r["backward_s"] + r["tail_s"] - r["step_s"]) < 1e-9
+    assert rows[0]["chunks"] == 0 and rows[1]["chunks"] >= 1  # the serial step has no pipeline
