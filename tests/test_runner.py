@@ -21,6 +21,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
+from autotune.cache.store import PlanCache
 from autotune.supervisor import runner
 from autotune.cli.main import main
 from autotune.search.controller import Controller
@@ -288,9 +289,11 @@ def test_the_controller_only_tries_allowed_micro_batches(per_rank: int) -> None:
 
 # -- restart loops, with a fake launcher -----------------------------------------------------------------
 
-def _fake_launches(monkeypatch: pytest.MonkeyPatch, fits_in_trials: int, fits_for_real: int) -> list[tuple[bool, int]]:
+def _fake_launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fits_in_trials: int,
+                   fits_for_real: int) -> list[tuple[bool, int]]:
     """Trials fit up to `fits_in_trials`; the real run only up to `fits_for_real` (it meets longer inputs)."""
     calls: list[tuple[bool, int]] = []
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))  # zero-change plans are cached
 
     def launch(self: runner.Launcher, args: list[str], env: dict[str, str], *, trial: bool = False):
         micro = int(args[args.index("--bs") + 1])
@@ -308,7 +311,7 @@ def _fake_launches(monkeypatch: pytest.MonkeyPatch, fits_in_trials: int, fits_fo
 
 def test_zero_change_real_run_oom_retunes_below_the_failed_micro_batch(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
-    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=4)
+    calls = _fake_launches(monkeypatch, tmp_path, fits_in_trials=8, fits_for_real=4)
     script = tmp_path / "train.py"
     script.write_text("")
     result = runner.run(runner.RunOptions(script=str(script), maps=("micro_batch=--bs", "accumulation=--acc"),
@@ -317,10 +320,13 @@ def test_zero_change_real_run_oom_retunes_below_the_failed_micro_batch(monkeypat
     assert [micro for trial, micro in calls if not trial] == [8, 4]
     assert (result.plan.micro_batch_size, result.plan.accumulation_steps) == (4, 8)
     assert [a.outcome for a in result.attempts] == ["oom", "ok"]
+    with PlanCache(tmp_path / "plans.db") as cache:  # the next run starts from the safer plan, knowing why
+        (entry,) = cache.entries()
+    assert (entry.smallest_failure, entry.plan.micro_batch_size) == (8, 4)
 
 
 def test_restarts_stop_at_max_restarts_with_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls = _fake_launches(monkeypatch, fits_in_trials=32, fits_for_real=0)
+    calls = _fake_launches(monkeypatch, tmp_path, fits_in_trials=32, fits_for_real=0)
     script = tmp_path / "train.py"
     script.write_text("")
     result = runner.run(runner.RunOptions(script=str(script), maps=("micro_batch=--bs", "accumulation=--acc"),
