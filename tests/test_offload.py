@@ -386,3 +386,21 @@ def test_bench_offload_runs_both_modes_on_the_cpu(tmp_path):
         assert r["fraction"] == 0.5 and r["steps"] == 1 and r["recoveries"] == 0
         assert 0 < r["tail_s"] < r["step_s"] and abs(r["backward_s"] + r["tail_s"] - r["step_s"]) < 1e-9
     assert rows[0]["chunks"] == 0 and rows[1]["chunks"] >= 1  # the serial step has no pipeline
+
+
+def test_an_8bit_plan_follows_the_users_learning_rate():
+    pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model, batch = Wide(), torch.randn(4, 96)
+    plan = Plan.from_dict({**make_plan(2, 4).to_dict(), "offload": "none", "offload_fraction": None,
+                           "optimizer_8bit": True})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = plan.apply(model, opt)
+    step(batch)
+    assert all(float(s["step"]) == 1 for s in step.optimizer.state.values())
+    for group in opt.param_groups:  # what an LR scheduler does
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    step(batch)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(float(s["step"]) == 2 for s in step.optimizer.state.values())

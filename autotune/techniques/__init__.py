@@ -256,8 +256,9 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state, keep_fp32=norm_parameters(model),
                                      fraction=offload_fraction)
             undo.append(opt.restore)
-        elif rung.optimizer_8bit:
-            opt = optimizer_8bit.eight_bit_spec(spec, placement.torch_device.type).build(trainable)
+        elif rung.optimizer_8bit:  # a given 8-bit optimizer is kept (recovery); the user's FP32 one is not
+            opt = (optimizer if optimizer_8bit.is_eight_bit(optimizer)
+                   else optimizer_8bit.eight_bit_spec(spec, placement.torch_device.type).build(trainable))
         else:
             opt = optimizer if optimizer is not None else spec.build(trainable)
         return AppliedRung(rung=rung, model=model, optimizer=opt, scaler=scaler,

@@ -54,6 +54,11 @@ def require(device_type: str) -> tuple[str, Any]:
     return found
 
 
+def is_eight_bit(optimizer: Any) -> bool:
+    """Whether `optimizer` is one of the 8-bit classes this knob builds."""
+    return optimizer is not None and type(optimizer).__name__ in _CLASSES.values()
+
+
 def supports(spec: OptimizerSpec) -> bool:
     """Whether the user's optimizer has an 8-bit form (Adam and AdamW do)."""
     return spec.cls_name in _CLASSES
@@ -89,3 +94,18 @@ def _eager(step: Callable[..., Any]) -> Callable[..., Any]:
             return step(*args, **kwargs)
 
     return eager_step
+
+
+def sync_hyperparameters(user: torch.optim.Optimizer, eight: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
+    """Copy lr, betas, eps, weight decay from the user's groups (an LR scheduler writes there) into the 8-bit
+    optimizer's, which `eight_bit_spec(spec)` built from the same groups (empty ones left out). torchao keeps
+    `lr` as a tensor and refuses a float in its place, so a tensor is filled, not replaced."""
+    for j, theirs in zip(spec.group_indices(), eight.param_groups):
+        mine = user.param_groups[j]
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key not in mine or key not in theirs:
+                continue
+            if isinstance(theirs[key], torch.Tensor):
+                theirs[key].fill_(float(mine[key]))
+            else:
+                theirs[key] = mine[key]

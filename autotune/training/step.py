@@ -56,6 +56,7 @@ from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
 from ..settings import FitSettings
 from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, ladder, parse_techniques,
                           serve_dtypes)
+from ..techniques import optimizer_8bit
 from ..techniques.offload import HostOptimizer
 from ..techniques.sharding import is_sharded
 
@@ -155,6 +156,7 @@ class TrainingStep:
         # rung builds when none was given. None only when a rung built a HostOptimizer from scratch.
         self._device_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self._link: OffloadLink | None = None
+        self._eight_bit: Any = None  # the 8-bit optimizer of an 8-bit plan (techniques.optimizer_8bit)
         self._grow_cap = plan.micro_batch_size  # growing back never goes past what the tuning chose
         self._grow_wait = grow_after or 0
         self._clean_steps = 0
@@ -225,6 +227,9 @@ class TrainingStep:
         self._micro_step = -1
         if self._link is not None:
             self._link.sync_hyperparameters()  # before backward: overlapped offload steps during the last one
+        elif self._applied.rung.optimizer_8bit and self._device_optimizer is not None:
+            # The user's optimizer is not stepped under an 8-bit plan; its LR (a scheduler's) still rules.
+            optimizer_8bit.sync_hyperparameters(self._device_optimizer, self._applied.optimizer, self.spec)
         with self._memory_guard(batch):
             weights, failure = self._guarded_accumulate(batch, n)
             # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
@@ -469,9 +474,12 @@ class TrainingStep:
     # -- rungs ---------------------------------------------------------------------------------------
     def _apply(self, rung: Rung) -> AppliedRung:
         fraction = self.plan.offload_fraction if rung == self.plan.rung and self.plan.offload_fraction else 1.0
+        given = self._eight_bit if rung.optimizer_8bit and self._eight_bit is not None else self._device_optimizer
         applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks,
-                             optimizer=self._device_optimizer, offload_fraction=fraction)
-        if isinstance(applied.optimizer, HostOptimizer):
+                             optimizer=given, offload_fraction=fraction)
+        if rung.optimizer_8bit:
+            self._eight_bit = applied.optimizer  # its 8-bit state carries across rungs (recovery)
+        elif isinstance(applied.optimizer, HostOptimizer):
             if self._device_optimizer is not None:
                 self._link = OffloadLink(self._device_optimizer, applied.optimizer)
         elif self._device_optimizer is None:
