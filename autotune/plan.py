@@ -231,7 +231,9 @@ class Plan:
         mfu = f"; MFU {self.mfu:.1%}" if self.mfu is not None else ""
         trained = (f"; a real run trained at {self.measured_samples_per_second:,.1f} samples/s"
                    if self.measured_samples_per_second is not None else "")
-        return (f"{self.rung.name}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
+        share = (f" of {self.offload_fraction:.0%} of the parameters"
+                 if self.offload == "optimizer" and self.offload_fraction < 1 else "")
+        return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
                 f"peak {self.peak_memory_bytes / 2**30:.2f} of {self.memory_budget_bytes / 2**30:.2f} GiB{mfu}{trained}")
 

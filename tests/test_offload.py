@@ -404,3 +404,8 @@ def test_an_8bit_plan_follows_the_users_learning_rate():
     step(batch)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(float(s["step"]) == 2 for s in step.optimizer.state.values())
+
+
+def test_a_partial_plan_says_its_share():
+    assert "bf16+optimizer offload of 40% of the parameters, micro-batch 3" in make_plan(3, 8, fraction=0.4).summary()
+    assert "bf16+optimizer offload, micro-batch 3" in make_plan(3, 8).summary()
