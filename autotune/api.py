@@ -23,17 +23,19 @@ from .search.controller import Controller, Lattice, SearchResult
 from .search.offload_share import choose_offload_fraction
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
-from .devices.placement import Placement, default_budget, parse_bytes, refuse_meta, resolve_device
+from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import InvalidSetting
 from .workload.losses import resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan, Trial
+from .sizes import format_bytes, parse_bytes
 from .settings import FitSettings
+from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
 from .techniques import anchors, drop_rungs_over, eight_bit_anchors, find_blocks, parse_techniques, resident_floor, serve_dtypes
 from .techniques.offload import norm_parameters
 from .techniques.compile import unavailable as compile_unavailable
-from .search.trial import TrialRunner, Workload
+from .search.trial import TrialRunner, Workload, noise_note
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ def fit(
     retune: bool | None = None,
     trial_steps: int | None = None,
     max_trials: int | None = None,
+    progress: bool | None = None,
 ) -> Plan:
     """Find the fastest plan that fits: precision, checkpointing, offload, micro-batch and accumulation.
 
@@ -75,6 +78,8 @@ def fit(
         retune: ignore a cached plan and tune again.
         trial_steps: measured optimizer steps per trial (after one warm-up step).
         max_trials: stop the search after this many trials.
+        progress: None (default): a live line per trial on a terminal, else plain lines through the
+            `autotune` logger; True: always a line per trial on stderr; False: nothing.
 
     Returns:
         The `Plan`, with `source` "tuned" or "cache".
@@ -122,10 +127,10 @@ def fit(
     if settings.max_micro_batch is not None:
         bound = min(bound or settings.max_micro_batch, settings.max_micro_batch)
 
-    log.info("autotune: tuning on %s with a %.2f GiB budget (%s), global batch %d over %d rank(s)",
-             placement.name, budget / 2**30, budget_source, global_batch, world)
+    log.info("autotune: tuning on %s with a %s budget (%s), global batch %d over %d rank(s)",
+             placement.name, format_bytes(budget), budget_source, global_batch, world)
     plan = _tune(model, batch, optimizer, loss_fn, settings, placement, budget, allowed, global_batch,
-                 per_rank, world, bound)
+                 per_rank, world, bound, progress_for(progress) if distributed.is_writer() else None)
     # A plan carries its key only when it is cached: a recovery during training writes back by key.
     plan = dataclasses.replace(plan, key=key if store is not None else "")
     if store is not None and distributed.is_writer():
@@ -138,13 +143,14 @@ def fit(
 
 def _budget(settings: FitSettings, placement: Placement) -> tuple[int, str]:
     if settings.memory_budget is not None:
-        return parse_bytes(settings.memory_budget), "memory_budget"
+        budget = check_budget(parse_bytes(settings.memory_budget), placement.total_bytes, placement.name)
+        return budget, "memory_budget"
     return default_budget(placement)
 
 
 def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings,
           placement: Placement, budget: int, allowed: frozenset[str], global_batch: int, per_rank: int,
-          world: int, bound: int | None) -> Plan:
+          world: int, bound: int | None, progress: Progress | None = None) -> Plan:
     spec = OptimizerSpec.from_user(optimizer, model)
     peak = device_peak(placement.name, placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
     blocks = find_blocks(model)
@@ -175,13 +181,17 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
         flops = flops_per_sample(model, work.batch, work.loss_fn, placement)
         runner = TrialRunner(work, agree=distributed.agree_trial)
+        longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
+        if progress is not None:
+            runner, longer = progress.watch(runner), progress.watch(longer, "re-measure")  # type: ignore[assignment]
         controller = Controller(runner, per_rank=per_rank, limit_bytes=limit, max_micro=bound,
-                                max_trials=settings.max_trials, world_size=world,
-                                remeasure=lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps))
+                                max_trials=settings.max_trials, world_size=world, remeasure=longer)
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
         best, fraction = _offload_share(result, runner, model, spec, limit, world)
     finally:
+        if progress is not None:
+            progress.close()
         if home != placement.torch_device:
             model.to(home)
         snapshot.restore()
@@ -191,6 +201,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     first = [n for n in result.notes if n.startswith("micro-batch 1 skipped")]
     rest = [n for n in [*notes, *result.notes, *compile_notes] if n not in first]
     reason = result.reason + "".join(f"; {n}" for n in [*first, *rest][:2 + len(first)])
+    if noise_note(result.trials):  # after the notes, never cut: the one thing that says how far to trust this
+        reason += f"; {noise_note(result.trials)}"
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
                 offload_fraction=fraction, optimizer_8bit=best.rung.optimizer_8bit,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,

@@ -67,7 +67,8 @@ def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
 
 
 def trial_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name.startswith(("autotune.search.controller", "autotune.search.trial"))]
+    return [r for r in caplog.records if r.name.startswith(("autotune.search.controller", "autotune.search.trial",
+                                                            "autotune.progress"))]
 
 
 # -- the key ---------------------------------------------------------------------------------------------------

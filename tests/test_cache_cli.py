@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -15,6 +18,8 @@ from autotune.cache import store as cache_module
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 from autotune.cli.cache import cache as cache_group
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +94,22 @@ def test_export_then_import(filled: Path, tmp_path: Path) -> None:
     result = run("--cache", str(tmp_path / "new.db"), "import", str(out))
     assert result.exit_code == 0 and "imported 3 plan(s)" in result.output
     assert {e.key for e in PlanCache(tmp_path / "new.db").entries()} == {sample(i)[0].key for i in range(3)}
+
+
+def test_export_to_stdout_piped_into_import_from_stdin(filled: Path, tmp_path: Path) -> None:
+    """`-` is standard output / input, through a real pipe between two processes; no file named `-` appears."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "autotune", "cache", "--cache"]
+    exporter = subprocess.Popen([*command, str(filled), "export", "-"], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    importer = subprocess.run([*command, str(tmp_path / "new.db"), "import", "-"], cwd=tmp_path, env=env,
+                              stdin=exporter.stdout, capture_output=True, text=True, timeout=120)
+    exporter.stdout.close()
+    assert exporter.wait(timeout=120) == 0, exporter.stderr.read()
+    assert b"exported 3 plan(s) to standard output" in exporter.stderr.read()
+    assert importer.returncode == 0 and "imported 3 plan(s)" in importer.stdout, importer.stderr
+    assert {e.key for e in PlanCache(tmp_path / "new.db").entries()} == {sample(i)[0].key for i in range(3)}
+    assert not (tmp_path / "-").exists()
 
 
 def test_import_lists_rejected_rows_and_fails(filled: Path, tmp_path: Path) -> None:

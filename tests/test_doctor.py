@@ -47,8 +47,8 @@ def test_gpus_are_listed_with_memory_bf16_and_processes(monkeypatch: pytest.Monk
     assert result.exit_code == 0, result.output
     out = result.output
     assert "NVIDIA 570.86" in out and "CUDA up to 12.8" in out
-    assert "NVIDIA H200: 141.0 GiB total, 100.0 GiB free" in out and "bf16 yes" in out
-    assert "4242 python (40.0 GiB)" in out
+    assert "NVIDIA H200: 141.00 GiB total, 100.00 GiB free" in out and "bf16 yes" in out
+    assert "4242 python (40.00 GiB)" in out
     assert "Tesla V100" in out and "bf16 no" in out
     assert "verdict    ready: 2 GPU(s)" in out
     assert "without bf16 support" in out  # the V100: a warning, not a failure

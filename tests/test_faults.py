@@ -266,7 +266,7 @@ def test_a_disk_already_full_when_the_cache_opens_is_named_full(tmp_path: Path) 
         plan, caught = fit_counting_warnings(disk / "plans.db")
     assert plan.source == "tuned"
     assert len(caught) == 1, [str(w.message) for w in caught]
-    assert "the disk (or the database's page limit) is full (0.0 MiB free" in str(caught[0].message)
+    assert "the disk (or the database's page limit) is full (0 KiB free" in str(caught[0].message)
 
 
 def test_a_negative_budget_is_called_negative() -> None:

@@ -8,8 +8,10 @@ classification, the restart loop) is also tested in-process with fakes, which is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -79,6 +81,12 @@ def gone(p: psutil.Process) -> bool:
         return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process runs use this test's cache, never the user's (zero-change plans are cached too)."""
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
 
 
 # -- end to end ------------------------------------------------------------------------------------------
@@ -345,3 +353,98 @@ def test_an_oom_before_fit_reported_a_plan_is_not_restarted(monkeypatch: pytest.
     result = runner.run(runner.RunOptions(script=str(script)))
     assert result.exit_code == 3 and "before autotune.fit reported a plan" in result.message
     assert len(result.attempts) == 1
+
+
+# -- zero-change plans in the cache ----------------------------------------------------------------------
+
+def _zero_change_options(script: Path, *args: str, **kw: object) -> runner.RunOptions:
+    return runner.RunOptions(script=str(script), script_args=args, maps=("micro_batch=--bs", "accumulation=--acc"),
+                             global_batch_size=32, device="cpu", budget="1GiB", **kw)  # type: ignore[arg-type]
+
+
+def test_a_zero_change_plan_is_cached_and_the_second_launch_runs_no_trial(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=8)
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    first = runner.run(_zero_change_options(script, "--lr", "0.1", "--bs", "2"))
+    tuned = sum(trial for trial, _ in calls)
+    assert first.exit_code == 0 and tuned >= 2 and first.plan.source == "tuned" and len(first.plan.key) == 64
+    calls.clear()
+    # The mapped flag's own value is autotune's to set, so it is not part of the key.
+    second = runner.run(_zero_change_options(script, "--lr", "0.1", "--bs", "4"))
+    assert second.exit_code == 0 and [c for c in calls if c[0]] == [], calls
+    assert second.plan.source == "cache" and second.plan.key == first.plan.key
+    assert [micro for _, micro in calls] == [first.plan.micro_batch_size]  # the real run, with the cached plan
+    calls.clear()
+    again = runner.run(_zero_change_options(script, "--lr", "0.1", retune=True))
+    assert sum(trial for trial, _ in calls) == tuned and again.plan.source == "tuned"
+
+
+@pytest.mark.parametrize("change", ["arguments", "script", "knobs", "budget"])
+def test_another_script_argument_knob_or_budget_is_another_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               change: str) -> None:
+    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=8)
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    first = runner.run(_zero_change_options(script, "--lr", "0.1"))
+    calls.clear()
+    options = _zero_change_options(script, "--lr", "0.2" if change == "arguments" else "0.1")
+    if change == "script":
+        script.write_text("print('training a larger model')\n")
+    if change == "knobs":
+        options = dataclasses.replace(options, maps=(*options.maps, "checkpointing=--ckpt"))
+    if change == "budget":
+        options = dataclasses.replace(options, budget="512MiB")
+    second = runner.run(options)
+    assert second.plan.source == "tuned" and second.plan.key != first.plan.key
+    assert any(trial for trial, _ in calls)
+
+
+def test_an_oom_in_a_zero_change_real_run_is_remembered_by_the_next_launch(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=4)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    first = runner.run(_zero_change_options(script))
+    assert [micro for trial, micro in calls if not trial] == [8, 4] and first.exit_code == 0
+    calls.clear()
+    second = runner.run(_zero_change_options(script))
+    assert calls == [(False, 4)], calls  # the safe plan, straight from the cache: no trial, no OOM
+    assert second.plan.source == "cache"
+    calls.clear()
+    third = runner.run(_zero_change_options(script, retune=True))  # retuned, it still stays below the OOM
+    assert third.plan.micro_batch_size <= 4 and all(m <= 4 for _, m in calls), calls
+
+
+def test_with_the_cache_off_every_launch_tunes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=8)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for _ in range(2):
+        calls.clear()
+        result = runner.run(_zero_change_options(script, cache="off"))
+        assert result.plan.source == "tuned" and result.plan.key == "" and any(t for t, _ in calls)
+    assert not (tmp_path / "plans.db").exists()
+
+
+def _readme_main_command() -> list[str]:
+    """The README's main command, as a user would paste it, less the install step."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- main-command -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    command = shlex.split(block.replace("\\\n", " "))
+    return command[command.index("autotune") + 1:]
+
+
+@pytest.mark.slow
+def test_the_readme_main_command_launched_twice_tunes_once(tmp_path: Path) -> None:
+    args = _readme_main_command()
+    assert args[0] == "run" and "--map" in args, args
+    first = autotune_run(tmp_path, "--json", *args[1:])
+    assert first.returncode == 0, first.stderr
+    plan = json.loads(first.stdout)
+    assert plan["source"] == "tuned" and len(plan["key"]) == 64 and len(plan["trials"]) >= 2
+    second = autotune_run(tmp_path, *args[1:])
+    assert second.returncode == 0, second.stderr
+    assert "plan (cached)" in second.stderr and plan["key"][:12] in second.stderr
+    assert "autotune: trial" in first.stderr and "autotune: trial" not in second.stderr, second.stderr

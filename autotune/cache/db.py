@@ -27,6 +27,7 @@ from sqlite_utils import Database
 
 from .rows import CacheEntry, Failure, PlanRow
 from ..plan import Plan
+from ..sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +367,7 @@ def message(problem: str, path: Path, detail: str, timeout: float) -> str:
     """What went wrong with the cache at `path`, and the fix."""
     free = free_bytes(path) if problem == "full" else 0
     fix = _FIXES[problem].format(timeout=timeout, path=path, env=CACHE_ENV, team=TEAM_DIR_ENV,
-                                 free=f"{free / 2**20:,.1f} MiB" if free < 2**40 else "plenty")
+                                 free=format_bytes(free) if free < 2**40 else "plenty")
     return f"plan cache {path} ({detail}): {fix}."
 
 

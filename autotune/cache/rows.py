@@ -11,6 +11,7 @@ Each failure is a rejected row with its line number and reason; nothing a file h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +21,7 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TextIO
 
 from .key import check_parts, plan_key
 from ..plan import Plan
@@ -196,8 +197,10 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
         raise ValueError(f"plan.micro_batch_size {plan.micro_batch_size} is over the key's max_micro_batch {cap}")
 
 
-def read_rows(path: str | Path) -> Iterator[tuple[int, PlanRow | None, str]]:
+def read_rows(path: str | Path | BinaryIO) -> Iterator[tuple[int, PlanRow | None, str]]:
     """Yield (line number, row or None, reason it was rejected) for each non-blank line of `path`.
+
+    `path` may also be an open binary stream (standard input for `autotune cache import -`).
 
     A line is read at most `MAX_LINE_BYTES` at a time, so a huge line costs no more memory than that.
     Reasons are printable: control characters from the file are escaped (`printable`).
@@ -205,7 +208,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, PlanRow | None, str]]:
     Raises:
         OSError: the file cannot be read.
     """
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         number = 0
         while True:
             raw = f.readline(MAX_LINE_BYTES + 1)
@@ -259,8 +262,13 @@ def printable(text: str) -> str:
                    else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
-def write_rows(path: str | Path, rows: Iterable[PlanRow]) -> int:
-    """Write rows as JSON lines, atomically (a reader never sees half a file); returns how many."""
+def write_rows(path: str | Path | TextIO, rows: Iterable[PlanRow]) -> int:
+    """Write rows as JSON lines, atomically (a reader never sees half a file); returns how many.
+
+    `path` may also be an open text stream (standard output for `autotune cache export -`), written as is.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        return sum(1 for row in rows if path.write(row.to_json() + "\n"))
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")  # same file system: atomic rename
     count = 0

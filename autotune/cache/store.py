@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TextIO, TypeVar
 
 from sqlite_utils import Database
 
@@ -235,8 +235,9 @@ class PlanCache:
 
     # -- sharing ---------------------------------------------------------------------------------------------
 
-    def export(self, path: str | os.PathLike[str]) -> int:
-        """Write every valid plan, with its parts and failures, as JSON lines to `path`; returns how many.
+    def export(self, path: str | os.PathLike[str] | TextIO) -> int:
+        """Write every valid plan, with its parts and failures, as JSON lines to `path` (or a text stream);
+        returns how many.
 
         Raises:
             OSError: `path` cannot be written.
@@ -252,8 +253,9 @@ class PlanCache:
                 rows.append(row)
         return write_rows(path, rows)
 
-    def import_(self, path: str | os.PathLike[str]) -> ImportReport:
-        """Validate every row of an export and store the good ones (a newer local plan is kept).
+    def import_(self, path: str | os.PathLike[str] | BinaryIO) -> ImportReport:
+        """Validate every row of an export (a file, or a binary stream) and store the good ones (a newer
+        local plan is kept).
 
         Raises:
             OSError: the file cannot be read.
@@ -261,7 +263,7 @@ class PlanCache:
         results = builtins.list(read_rows(path))
         good = [row for _, row, _ in results if row is not None]
         rejected = tuple((n, why) for n, row, why in results if row is None)
-        origin = f"import:{Path(path).name}"
+        origin = f"import:{Path(path).name if isinstance(path, (str, os.PathLike)) else 'stdin'}"
         stored = self._use("import plans", lambda db: cache_db.import_rows(db, good, origin), False)
         return ImportReport(accepted=tuple(r.key for r in good) if stored else (), rejected=rejected)
 

@@ -18,6 +18,7 @@ import click
 from ..cache.rows import printable
 from ..cache.store import CacheEntry, CacheError, PlanCache, default_path
 from ..plan import Plan
+from ..sizes import format_bytes
 
 T = TypeVar("T")
 
@@ -85,39 +86,48 @@ def show(cache_path: Path | None, key: str, as_json: bool) -> None:
 
 
 @cache.command("export")
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
 @click.pass_obj
 def export_(cache_path: Path | None, file: Path) -> None:
-    """Write every cached plan, with its key parts and failures, to FILE as JSON lines.
+    """Write every cached plan, with its key parts and failures, to FILE as JSON lines (`-`: standard output).
 
     \b
-    Example:
+    Examples:
       autotune cache export /shared/team/plans-$(whoami).jsonl
+      autotune cache export - | ssh gpu-box autotune cache import -
     """
     store = _open(cache_path)
+    to_stdout = str(file) == "-"
+    target = click.get_text_stream("stdout") if to_stdout else file
     try:
-        count = _call(lambda: store.export(file))
+        count = _call(lambda: store.export(target))
     except OSError as exc:
         raise click.ClickException(f"cannot write {file}: {exc.strerror}; choose a writable path") from exc
+    if to_stdout:  # the rows are the output; the count goes to stderr
+        click.echo(f"exported {count} plan(s) to standard output", err=True)
+        return
     click.echo(f"exported {count} plan(s) to {file}; teammates can `autotune cache import {file}`, "
                "or keep it in the directory $AUTOTUNE_TEAM_DIR names")
 
 
 @cache.command("import")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True, path_type=Path))
 @click.pass_obj
 def import_(cache_path: Path | None, file: Path) -> None:
-    """Validate every row of an export FILE and store the valid ones; rejected rows are listed with the reason.
+    """Validate every row of an export FILE (`-`: standard input) and store the valid ones; rejected rows are
+    listed with the reason.
 
     A plan already cached here and newer than the imported one is kept.
 
     \b
-    Example:
+    Examples:
       autotune cache import /shared/team/plans-alice.jsonl
+      ssh gpu-box autotune cache export - | autotune cache import -
     """
     store = _open(cache_path)
+    source = click.get_binary_stream("stdin") if str(file) == "-" else file
     try:
-        report = _call(lambda: store.import_(file))
+        report = _call(lambda: store.import_(source))
     except OSError as exc:
         raise click.ClickException(f"cannot read {file}: {exc.strerror}; check the path and its permissions") from exc
     for line, why in report.rejected:
@@ -206,7 +216,7 @@ def _one(store: PlanCache, key: str, *, team: bool) -> CacheEntry:
 
 def _list_row(entry: CacheEntry) -> list[str]:
     plan = entry.plan
-    return [entry.key[:12], _model(entry.parts), _gpu(entry.parts), _bytes(entry.parts.get("budget_bytes", 0)),
+    return [entry.key[:12], _model(entry.parts), _gpu(entry.parts), format_bytes(entry.parts.get("budget_bytes", 0)),
             _plan_cell(plan) if plan else "-", _rate(plan) if plan else "-", _mfu(plan.mfu if plan else None),
             _age(entry.updated), _status(entry)]
 
@@ -235,8 +245,8 @@ def _describe_parts(parts: dict[str, Any]) -> list[str]:
         f"model     {_model(parts)} parameters, structure {parts.get('model', {}).get('digest', '')[:12]}",
         (f"batch     {batch} per sample; global batch {parts.get('global_batch_size')} over "
          f"{parts.get('world_size')} rank(s)"),
-        f"device    {_gpu(parts)}, {_bytes(device.get('total_bytes', 0))}",
-        (f"budget    {_bytes(parts.get('budget_bytes', 0))}, margin {parts.get('margin', 0):.0%}; allowed: "
+        f"device    {_gpu(parts)}, {format_bytes(device.get('total_bytes', 0))}",
+        (f"budget    {format_bytes(parts.get('budget_bytes', 0))}, margin {parts.get('margin', 0):.0%}; allowed: "
          f"{', '.join(parts.get('techniques', []))}"),
         (f"runtime   torch {runtime.get('torch')}, CUDA {runtime.get('cuda') or 'none'}; optimizer "
          f"{parts.get('optimizer', {}).get('class')}; loss {parts.get('loss')}"),
@@ -244,7 +254,7 @@ def _describe_parts(parts: dict[str, Any]) -> list[str]:
 
 
 def _describe_plan(plan: Plan) -> list[str]:
-    trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, _bytes(t.peak_bytes),
+    trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, format_bytes(t.peak_bytes),
                f"{t.samples_per_second:,.1f}" if t.fits else t.note, _mfu(plan.trial_mfu(t))] for t in plan.trials]
     flops = f"{plan.flops_per_sample / 1e9:,.1f} GFLOPs" if plan.flops_per_sample is not None else "not counted"
     return [f"plan      {plan.summary()}", f"why       {plan.reason}",
@@ -298,10 +308,6 @@ def _count(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f}{unit}"
     return f"{n:.0f}"
-
-
-def _bytes(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _age(when: float) -> str:

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..supervisor.environment import Environment, inspect_environment
-from ..devices.placement import format_bytes
+from ..sizes import format_bytes
 
 
 @click.command()
@@ -38,7 +38,7 @@ def format_report(env: Environment) -> str:
     lines = [f"autotune {v['autotune']} · Python {v['python']} · {v['platform']}",
              f"torch      {v['torch']} (CUDA build: {v['torch_cuda_build']}; cuDNN: {v['cudnn']})"]
     lines += _gpu_lines(env)
-    lines.append(f"host       {_gib(env.host_total_bytes)} memory, {_gib(env.host_available_bytes)} available; "
+    lines.append(f"host       {format_bytes(env.host_total_bytes)} memory, {format_bytes(env.host_available_bytes)} available; "
                  f"{env.cpus} CPUs")
     lines += _cache_lines(env)
     lines += [f"problem    {p}" for p in env.problems]
@@ -60,9 +60,9 @@ def _gpu_lines(env: Environment) -> list[str]:
     for g in d.gpus:
         cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
         bf16 = {True: "yes", False: "no (fp16 with loss scaling instead)", None: "unknown"}[g.bf16]
-        lines.append(f"GPU {g.index:<6} {g.name}: {_gib(g.total_bytes)} total, {_gib(g.free_bytes)} free; "
+        lines.append(f"GPU {g.index:<6} {g.name}: {format_bytes(g.total_bytes)} total, {format_bytes(g.free_bytes)} free; "
                      f"compute capability {cc}; bf16 {bf16}")
-        procs = ", ".join(f"{p.pid} {p.name or '?'} ({_gib(p.used_bytes) if p.used_bytes is not None else '?'})"
+        procs = ", ".join(f"{p.pid} {p.name or '?'} ({format_bytes(p.used_bytes) if p.used_bytes is not None else '?'})"
                           for p in g.processes)
         lines.append(f"           processes: {procs or 'none'}")
     lines.append(f"torch sees {env.torch_gpu_count} GPU(s)")
@@ -86,6 +86,3 @@ def _verdict(env: Environment) -> str:
     return ("verdict    ready, on the CPU: no usable GPU, so autotune runs the same search under a simulated "
             "memory ceiling (device='cpu'); memory figures are real, speed figures are the CPU's")
 
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"

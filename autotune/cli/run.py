@@ -16,7 +16,7 @@ from ..supervisor.flags import PRESETS
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..plan import Plan, Trial
 from ..plotting import PlotUnavailable, draw_search, require_matplotlib
-from ..devices.placement import format_bytes
+from ..sizes import format_bytes
 from ..supervisor.runner import (
     DEFAULT_GRACE,
     DEFAULT_MAX_RESTARTS,
@@ -69,6 +69,7 @@ def _presets_help() -> str:
 @click.option("--grace-period", type=click.FloatRange(min=0), default=DEFAULT_GRACE, show_default=True,
               help="Seconds between forwarding SIGINT/SIGTERM to the job and killing it.")
 @click.option("--tune-only", is_flag=True, help="Stop once the plan is chosen; do not train.")
+@click.option("--retune", is_flag=True, help="Tune again even when the plan cache holds a plan for this job.")
 @click.option("--json", "json_output", is_flag=True, help="Print the plan as JSON on stdout (the job's own "
               "stdout goes to stderr).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Launch through torch.distributed.run with "
@@ -96,7 +97,8 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
     options as AUTOTUNE_* environment variables (cooperative mode); a script that knows nothing of
     autotune is tuned through its own flags with --map (zero-change mode). Exit codes: 0 success, the
     script's own code when it fails for a reason other than memory, 2 usage error, 3 nothing fits or
-    restarts spent, 4 no usable GPU, 124 a trial timed out, 130/143 interrupted.
+    restarts spent, 4 no usable GPU, 5 the script ran but nothing was tuned (it never called
+    autotune.fit and no --map was given), 124 a trial timed out, 130/143 interrupted.
     """
     _configure_logging(verbose, quiet)
     picture = _Picture(plot_path, os.path.basename(script)) if plot_path else None
@@ -108,7 +110,7 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
     try:
         # The remaining options are named as RunOptions' fields.
         opts = RunOptions(script=script, script_args=script_args, json_output=json_output, verbose=verbose > 0,
-                          **options)  # type: ignore[arg-type]
+                          progress=quiet == 0, **options)  # type: ignore[arg-type]
         result = run_script(opts, on_plan=lambda plan: _on_plan(plan, json_output, picture))
     except InvalidSetting as exc:
         raise click.UsageError(str(exc)) from exc
@@ -163,7 +165,8 @@ class _Picture:
 
 
 def _show_plan(plan: Plan) -> None:
-    click.echo(format_trials(plan.trials, plan), err=True)
+    if plan.source != "cache":  # a cached plan's trials ran in an earlier launch: the plan line says so
+        click.echo(format_trials(plan.trials, plan), err=True)
     click.echo(format_plan(plan), err=True)
 
 
@@ -197,7 +200,10 @@ def format_trials(trials: Sequence[Trial], plan: Plan | None = None) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    """The chosen plan and why, in two lines."""
+    """The chosen plan and why, in two lines; a cached plan names its key and how to tune again."""
+    if plan.source == "cache":
+        return (f"plan (cached): {plan.summary()}\nwhy: {plan.reason}\n"
+                f"from an earlier tune, cache key {plan.key[:12]}; --retune tunes again")
     return f"plan ({plan.source}): {plan.summary()}\nwhy: {plan.reason}"
 
 

@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from ..sizes import format_bytes
+
 _state = threading.local()
 
 
@@ -114,8 +116,8 @@ class SimulatedCeiling(TorchDispatchMode):
             self.peak_bytes = self.current_bytes
         if self.current_bytes > self.limit_bytes:
             raise torch.OutOfMemoryError(
-                f"simulated ceiling: {self.current_bytes / 2**20:.1f} MiB live, over the "
-                f"{self.limit_bytes / 2**20:.1f} MiB budget (autotune's CPU stand-in for CUDA out of memory)")
+                f"simulated ceiling: {format_bytes(self.current_bytes)} live, over the "
+                f"{format_bytes(self.limit_bytes)} budget (autotune's CPU stand-in for CUDA out of memory)")
 
     # -- the dispatch hook ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,45 +19,9 @@ import torch
 
 from .ceiling import SimulatedCeiling
 from ..errors import DeviceError, InvalidSetting
+from ..sizes import format_bytes, parse_bytes  # noqa: F401 - re-exported: where callers found them first
 
 log = logging.getLogger(__name__)
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}
-
-
-def format_bytes(n: int) -> str:
-    """"12 KiB" below a MiB, "512.0 MiB" below a GiB, "23.50 GiB" from there."""
-    if n < 2**20:
-        return f"{n / 2**10:,.0f} KiB"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int:
-    """Bytes from an int or a string such as "24GiB", "16 GB", "512MiB" or "1.5g" (k/m/g/t are binary)."""
-    if isinstance(value, bool):
-        raise InvalidSetting(f"{setting} must be bytes or a string like '24GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise InvalidSetting(f"{setting} must be positive, got {value!r}")
-        return int(value)
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if match and match.group(2).lower() in _UNITS:
-            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            if number >= 1:
-                return int(number)
-            raise InvalidSetting(f"{setting}={value!r} is {'negative' if number < 0 else 'under one byte'}: "
-                                 "a budget must be positive, e.g. '24GiB'.")
-    raise InvalidSetting(
-        f"{setting}={value!r} is not a size autotune understands; write bytes as an integer or a number "
-        "with a unit, e.g. '24GiB', '16GB', '512MiB' or 25769803776.")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
@@ -123,6 +86,20 @@ def default_budget(placement: Placement) -> tuple[int, str]:
     if fraction < 1.0:
         return int(min(free, fraction * total)), f"per-process memory fraction {fraction:g} of {placement.name}"
     return int(free), f"free memory on {placement.name}"
+
+
+def check_budget(budget: int, total_bytes: int, device_name: str, setting: str = "memory_budget") -> int:
+    """`budget`, unless it is more than the device has: then an `InvalidSetting` naming the device's size.
+
+    A budget over the device would make every plan "fit" on paper and run out of memory in training. On
+    the CPU the simulated ceiling stands in for a GPU in host RAM, so host RAM is the device's size there.
+    """
+    if total_bytes and budget > total_bytes:
+        raise InvalidSetting(f"{setting} {format_bytes(budget)} is over the device's memory: {device_name} has "
+                             f"{format_bytes(total_bytes)}{' of host RAM' if 'cpu' in device_name else ''}; pass "
+                             f"at most {format_bytes(total_bytes)}, or leave {setting} out to use what the device "
+                             "can give")
+    return budget
 
 
 def _memory_fraction(index: int) -> float:

@@ -31,9 +31,16 @@ from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.losses import LossFn, label_counts, takes_num_items
 from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung, Trial
+from ..sizes import format_bytes
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 
 log = logging.getLogger(__name__)
+
+# Whole-step times whose (max - min) / median is over this are noisy: steady CPU or GPU steps differ by a
+# few percent, while a step that lost its core to another process takes 2-10x as long.
+NOISY_SPREAD = 0.5
+MAX_STEPS_FACTOR = 3  # a noisy CPU trial runs up to this many times its measured steps
+NOISY = "noisy timings"  # how a trial's note says so (the plan's reason counts these)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +80,7 @@ class TrialRunner:
         micro_batch = batches.resize(work.batch, micro)
         meter = MemoryMeter(work.placement, work.budget_bytes)
         applied: AppliedRung | None = None
-        timings: tuple[float, float, float] | None = None
+        timings: tuple[float, float, float, str] | None = None
         failure = ""
         compile_failed = False
         try:
@@ -108,38 +115,63 @@ class TrialRunner:
         return self.agree(trial)
 
 
-def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float, float]:
-    """Median (forward+backward seconds, optimizer seconds) over the measured steps, and the warm-up
-    steps' time beyond them (compile time, on a compiled configuration)."""
+def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float, float, str]:
+    """Median (forward+backward seconds, optimizer seconds) over the measured steps, the warm-up steps' time
+    beyond them (compile time, on a compiled configuration), and a note when the timings stayed noisy.
+
+    On the CPU, timings whose spread is wide (another process competing for the cores: on a busy 2-core
+    machine micro-batch 1 once "measured" 15x micro-batch 2) earn more measured steps, up to
+    `MAX_STEPS_FACTOR` times as many, so the median rests on more than two or three readings.
+    """
     work.model.train()
-    step_times: list[float] = []
-    opt_times: list[float] = []
-    warmup = 0.0
     counts = label_counts(work.model, micro_batch)
     tokens = None if counts is None else float(counts.sum())
     num_items = takes_num_items(work.model)
+    step = lambda: _timed_step(applied, micro_batch, work, tokens, num_items)  # noqa: E731
+    warmup = sum(sum(step()) for _ in range(work.warmup_steps))
+    times = [step() for _ in range(measured)]
+    while work.placement.simulated and spread(times) > NOISY_SPREAD and len(times) < MAX_STEPS_FACTOR * measured:
+        times.append(step())
+    step_s, opt_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+    noisy = spread(times) > NOISY_SPREAD
+    note = f"{NOISY} (step times spread {spread(times):.0%} over {len(times)} steps)" if noisy else ""
+    return step_s, opt_s, max(0.0, warmup - work.warmup_steps * (step_s + opt_s)), note
+
+
+def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
+                num_items: bool) -> tuple[float, float]:
+    """One optimizer step at one micro-batch: (forward+backward seconds, optimizer seconds)."""
     size = batches.batch_size(micro_batch)
-    for i in range(work.warmup_steps + measured):
-        t0 = now(work.placement)
-        # The same loss the training step computes (num_items_in_batch included), one micro-batch a step.
-        weights = LossWeights(size, 1, total=tokens)
-        with applied.autocast():
-            loss = weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights, size,
-                                 expected=tokens, num_items=num_items)
-        if loss is not None:
-            applied.backward(loss, last=True)  # one micro-batch a step: under optimizer offload, overlapped
-        del loss, weights
-        t1 = now(work.placement)
-        applied.optimizer_step()
-        applied.zero_grad()
-        t2 = now(work.placement)
-        if i >= work.warmup_steps:
-            step_times.append(t1 - t0)
-            opt_times.append(t2 - t1)
-        else:
-            warmup += t2 - t0
-    step_s, opt_s = statistics.median(step_times), statistics.median(opt_times)
-    return step_s, opt_s, max(0.0, warmup - work.warmup_steps * (step_s + opt_s))
+    t0 = now(work.placement)
+    # The same loss the training step computes (num_items_in_batch included), one micro-batch a step.
+    weights = LossWeights(size, 1, total=tokens)
+    with applied.autocast():
+        loss = weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights, size,
+                             expected=tokens, num_items=num_items)
+    if loss is not None:
+        applied.backward(loss, last=True)  # one micro-batch a step: under optimizer offload, overlapped
+    del loss, weights
+    t1 = now(work.placement)
+    applied.optimizer_step()
+    applied.zero_grad()
+    return t1 - t0, now(work.placement) - t1
+
+
+def spread(times: list[tuple[float, float]]) -> float:
+    """(slowest - fastest) / median of whole steps: 0 for steady timings, 1 when one step took twice another."""
+    totals = sorted(a + b for a, b in times)
+    if len(totals) < 2 or totals[len(totals) // 2] <= 0:
+        return 0.0
+    return (totals[-1] - totals[0]) / statistics.median(totals)
+
+
+def noise_note(trials: list[Trial]) -> str:
+    """A clause for the plan's reason when some fitting trials' timings stayed noisy, else ""."""
+    noisy = [t for t in trials if t.fits and NOISY in t.note]
+    if not noisy:
+        return ""
+    return (f"timings were noisy in {len(noisy)} of {sum(t.fits for t in trials)} trials (another process "
+            "competing for the CPU?), so the pick between close configurations may not hold")
 
 
 def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
@@ -162,17 +194,17 @@ def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
 
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
-                timings: tuple[float, float, float] | None, failure: str, seconds: float,
+                timings: tuple[float, float, float, str] | None, failure: str, seconds: float,
                 compile_failed: bool = False) -> Trial:
     if timings is None:
         return Trial(rung=rung, micro_batch_size=micro, outcome="error" if compile_failed else "oom",
                      peak_bytes=peak, seconds=seconds, alloc_retries=retries, note=failure[:200])
-    step_s, opt_s, compile_s = timings
+    step_s, opt_s, compile_s, noisy = timings
     per_step = global_step_seconds(step_s, opt_s, work.per_rank, micro)
     rate = work.per_rank * work.world_size / per_step if per_step > 0 else 0.0
     outcome = "ok" if peak <= work.limit_bytes else "over_budget"
-    note = "" if outcome == "ok" else (f"peak {peak / 2**30:.2f} GiB is above the {work.limit_bytes / 2**30:.2f} "
-                                       "GiB limit (budget less margin)")
+    note = noisy if outcome == "ok" else (f"peak {format_bytes(peak)} is above the {format_bytes(work.limit_bytes)} "
+                                          "limit (budget less margin)")
     return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, seconds=seconds,
                  step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
                  alloc_retries=retries, compile_seconds=compile_s if rung.compile else 0.0, note=note)

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..plan import Plan
 from .measure import PeakMeter, StepWatch, clock
+from ..sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def memory_ceiling(device: str, budget: int | None) -> Iterator[Any]:
     index = index if index < torch.cuda.device_count() else 0
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
-    log.info("memory ceiling %.2f GiB of %.2f GiB on cuda:%d", budget / 2**30, total / 2**30, index)
+    log.info("memory ceiling %s of %s on cuda:%d", format_bytes(budget), format_bytes(total), index)
     yield None
 
 

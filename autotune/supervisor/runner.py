@@ -16,7 +16,7 @@ set beside the plan's claim (`claims.py`) and stored on the cached plan.
 Every job runs in a process group of its own (`process.py`); SIGINT and SIGTERM are forwarded to it.
 `run` returns a `RunResult` whose `exit_code` follows DESIGN.md: 0 success, the script's own code for a
 failure that is not about memory (never retried), 3 when nothing fits or the restarts are spent,
-128 + signal when interrupted, and 124 when a zero-change trial outlived --trial-timeout. Settings
+5 when the job ran but nothing was tuned (no `fit`, no `--map`), 128 + signal when interrupted, and 124 when a zero-change trial outlived --trial-timeout. Settings
 errors raise `InvalidSetting` (exit 2), a missing GPU `DeviceError` (exit 4), for the CLI to map.
 """
 
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from . import agent
 from ..workload.batching import per_rank_batch
-from ..devices.placement import format_bytes, parse_bytes
+from ..sizes import format_bytes, parse_bytes
+from ..search.progress import PROGRESS_ENV, progress_for
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..plan import Plan
 from .process import Child, SignalForwarder
@@ -53,6 +54,9 @@ DEFAULT_MAX_RESTARTS = 3
 DEFAULT_TRIAL_TIMEOUT = 600.0
 DEFAULT_GRACE = 10.0
 EXIT_NO_FIT = 3
+# The job ran but nothing was tuned: a cooperative script that never called autotune.fit, run without --map.
+# Not 0, since `autotune run` did not do what it was asked (as pytest exits 5 when it collected no tests).
+EXIT_NOTHING_TUNED = 5
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +80,8 @@ class RunOptions:
     device: str | None = None
     grace_period: float = DEFAULT_GRACE  # seconds between a polite signal and SIGKILL
     verbose: bool = False  # show zero-change trials' own output
+    retune: bool = False  # tune again even when the cache holds a plan for this workload
+    progress: bool = True  # a line per trial on stderr (live on a terminal); off with -q
 
     def __post_init__(self) -> None:
         if not os.path.isfile(self.script):
@@ -234,6 +240,10 @@ def _cooperative_env(opts: RunOptions) -> dict[str, str]:
     env = {ENV[name]: str(value) for name, value in given.items() if value is not None}
     if opts.tune_only:
         env[agent.TUNE_ONLY_ENV] = "1"
+    if opts.retune:
+        env[ENV["retune"]] = "1"
+    if opts.progress and sys.stderr.isatty():  # the job's stderr is our pipe, echoed to this terminal
+        env[PROGRESS_ENV] = "live"
     return env
 
 
@@ -252,6 +262,8 @@ def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
         plan = verdict.plan or plan
         _warn_if_ranks_alone(opts, verdict.plan)
         attempts.append(_attempt(number, verdict, verdict.plan))
+        if verdict.kind == "ok" and plan is None and verdict.autotune_error is None:
+            return _nothing_tuned(opts, verdict, attempts)
         if verdict.kind != "oom":
             if verdict.plan is not None:
                 plan = _record_run(opts, claims.judge(verdict.plan, verdict.records))
@@ -306,7 +318,7 @@ def _record_run(opts: RunOptions, plan: Plan) -> Plan:
 
 def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan], None] | None) -> RunResult:
     tuner, cache = _tuner(opts, launcher)
-    plan = cache.first_plan(tuner)
+    plan = cache.first_plan(tuner, retune=opts.retune)
     if on_plan is not None:
         on_plan(plan)
     if opts.tune_only:
@@ -370,7 +382,7 @@ def _tuner(opts: RunOptions, launcher: Launcher) -> tuple[ScriptTuner, ScriptCac
                           trial_steps=opts.trial_steps or DEFAULT_MEASURED_STEPS, env=env)
     tuner = ScriptTuner(trials=trials, rungs=rungs, notes=notes, global_batch_size=global_batch,
                         budget_bytes=target.budget_bytes, margin=margin, device=target.kind, device_name=target.name,
-                        compile=compiled)
+                        compile=compiled, progress=progress_for(None) if opts.progress else None)
     parts = script_parts(script=opts.script, script_args=opts.script_args, flags=flags, global_batch_size=global_batch,
                          world_size=world, device_kind=target.kind, device_name=target.name,
                          total_bytes=target.total_bytes, budget_bytes=target.budget_bytes, margin=margin,
@@ -395,6 +407,15 @@ def _finish(verdict: Verdict, plan: Plan | None, attempts: list[Attempt]) -> Run
     message = "" if verdict.kind == "ok" else (
         f"the script failed ({verdict.note}); not an out-of-memory error, so it is not retried")
     return RunResult(exit_code=verdict.exit_code, plan=plan, attempts=attempts, message=message)
+
+
+def _nothing_tuned(opts: RunOptions, verdict: Verdict, attempts: list[Attempt]) -> RunResult:
+    name = os.path.basename(opts.script)
+    log.warning("nothing was tuned: %s finished without calling autotune.fit, and no --map was given", name)
+    return RunResult(exit_code=EXIT_NOTHING_TUNED, attempts=attempts, message=(
+        f"nothing was tuned (exit {EXIT_NOTHING_TUNED}): {name} ran to the end (exit {verdict.exit_code}) without "
+        "calling autotune.fit. Call autotune.fit(model, batch) in the script (cooperative mode), or name the "
+        "flags that carry its batch size with --map micro_batch=FLAG --map accumulation=FLAG (zero-change mode)."))
 
 
 def _spent(opts: RunOptions, plan: Plan | None, attempts: list[Attempt]) -> RunResult:

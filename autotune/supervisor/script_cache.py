@@ -94,10 +94,12 @@ class ScriptCache:
         return self.store.max_safe_micro_batch(self.key) if self.store is not None else None
 
     def save(self, plan: Plan) -> Plan:
-        """Store a freshly tuned plan; returns it with its key."""
+        """Store a freshly tuned plan; returns it with its key (none with the cache off: `Plan.key` is "" for a
+        plan that was never cached)."""
+        if self.store is None:
+            return plan
         plan = dataclasses.replace(plan, key=self.key)
-        if self.store is not None:
-            self.store.put(plan, self.parts)
+        self.store.put(plan, self.parts)
         return plan
 
     def record_run(self, plan: Plan) -> None:
@@ -110,12 +112,13 @@ class ScriptCache:
             self.store.mark_unsafe(self.key, micro_batch_size=plan.micro_batch_size,
                                    note=f"OOM in the real run (autotune run, attempt {attempt + 1}): {note}"[:500])
 
-    def first_plan(self, tuner: Any) -> Plan:
+    def first_plan(self, tuner: Any, *, retune: bool = False) -> Plan:
         """The cached plan when its last run confirmed its claim (or none ran yet); else a tune of `tuner` (a
-        `ScriptTuner`), which scores a cached plan's configuration at the rate its run really trained at."""
-        cached = self.plan()
+        `ScriptTuner`), which scores a cached plan's configuration at the rate its run really trained at.
+        With `retune` (`autotune run --retune`) the cached plan is passed over."""
+        cached = None if retune else self.plan()
         if cached is not None and not claims.plan_disagrees(cached):
-            log.info("plan from the cache (%s; `autotune cache clear`, or --cache off, to re-tune)", self.key[:12])
+            log.debug("plan from the cache (%s)", self.key[:12])
             return dataclasses.replace(cached, source="cache")
         if cached is not None:
             measured = cached.measured_samples_per_second or 0.0

@@ -25,9 +25,12 @@ from .flags import FlagMap
 from .agent import STEPS_ENV
 from ..workload.batching import global_step_seconds
 from ..search.controller import Controller, Lattice
-from ..devices.placement import parse_bytes
+from ..search.progress import Progress
+from ..search.trial import NOISY, NOISY_SPREAD, noise_note, spread
+from ..devices.placement import check_budget
 from ..errors import DeviceError, InvalidSetting
 from ..plan import Plan, Rung, Trial
+from ..sizes import format_bytes, parse_bytes
 from .process import ChildExit
 from .verdict import Verdict
 
@@ -90,11 +93,13 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
     if kind == "cpu":
         # The simulated ceiling stands in for a GPU's memory, not its speed; bf16 autocast is several
         # times slower than fp32 on most CPUs, so measuring it there would only mislead.
-        return Target(kind="cpu", name="cpu (simulated ceiling)", apply_budget=True,
-                      budget_bytes=given or psutil.virtual_memory().available,
+        name, host = "cpu (simulated ceiling)", psutil.virtual_memory().total
+        return Target(kind="cpu", name=name, apply_budget=True,
+                      budget_bytes=check_budget(given, host, name, "--budget") if given else
+                      psutil.virtual_memory().available,
                       bf16_off="slow on the CPU (the simulated ceiling models memory, not speed)",
                       compile_off="compiling on the CPU takes longer than the trials it would speed up",
-                      total_bytes=psutil.virtual_memory().total)
+                      total_bytes=host)
     if not kind.startswith("cuda"):
         raise InvalidSetting(f"--device {device!r}: pass 'cuda' or 'cpu'")
     if not torch.cuda.is_available():
@@ -107,6 +112,8 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
     else:  # NVML could not say: ask CUDA (this costs a context in the supervisor)
         name, (free, total) = torch.cuda.get_device_name(index), torch.cuda.mem_get_info(index)
         bf16 = torch.cuda.get_device_capability(index) >= (8, 0)
+    if given:
+        check_budget(given, total, name, "--budget")
     return Target(kind="cuda", name=name, budget_bytes=given or free, apply_budget=given is not None,
                   bf16_off="" if bf16 else f"{name} has no bf16 support", total_bytes=int(total))
 
@@ -155,7 +162,7 @@ class ScriptTrials:
 
     def _run(self, rung: Rung, micro: int) -> Trial:
         args = self.flags.apply(self.script_args, micro=micro, accumulation=1, rung=rung)
-        log.info("trial %d: %s at micro-batch %d (%d optimizer steps)...", len(self._memo) + 1, rung.name, micro,
+        log.debug("trial %d: %s at micro-batch %d (%d optimizer steps)...", len(self._memo) + 1, rung.name, micro,
                  1 + self.trial_steps)
         log.debug("trial command: %s", shlex.join(args))
         ended = self.launch(args, {**self.env, STEPS_ENV: str(1 + self.trial_steps)})
@@ -183,8 +190,10 @@ class ScriptTrials:
         per_step = global_step_seconds(step_s, opt_s, self.per_rank, micro)
         rate = self.per_rank * self.world_size / per_step if per_step > 0 else 0.0
         fits = peak <= self.limit_bytes
-        note = "" if fits else (f"peak {peak / 2**20:,.1f} MiB is above the {self.limit_bytes / 2**20:,.1f} MiB "
-                                "limit (budget less margin)")
+        wide = max(spread(list(zip(m["step_seconds"], m["optimizer_seconds"]))) for m in measured)
+        noisy = f"{NOISY} (step times spread {wide:.0%})" if wide > NOISY_SPREAD else ""
+        note = noisy if fits else (f"peak {format_bytes(peak)} is above the {format_bytes(self.limit_bytes)} "
+                                   "limit (budget less margin)")
         if (rung, micro) in self.known:
             note = f"samples/s as a real run trained (the trial estimated {rate:,.1f})" + (f"; {note}" if note else "")
             rate = self.known[(rung, micro)]
@@ -206,11 +215,20 @@ class ScriptTuner:
     device: str  # "cuda" | "cpu"
     device_name: str
     compile: bool = False  # the search may try the script compiled (`compile_searched`)
+    progress: Progress | None = None  # tells a person each trial as it runs (search/progress.py)
 
     def tune(self, max_micro: int | None = None) -> Plan:
         """The best plan with micro-batch at most `max_micro`; raises `NoFeasiblePlan` when nothing fits."""
         t = self.trials
-        controller = Controller(t, per_rank=t.per_rank, limit_bytes=t.limit_bytes, max_micro=max_micro,
+        try:
+            return self._tune(self.progress.watch(t) if self.progress else t, max_micro)
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+
+    def _tune(self, runner: Callable[[Rung, int], Trial], max_micro: int | None) -> Plan:
+        t = self.trials
+        controller = Controller(runner, per_rank=t.per_rank, limit_bytes=t.limit_bytes, max_micro=max_micro,
                                 world_size=t.world_size, sizes=divisors(t.per_rank))
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.best
@@ -221,7 +239,8 @@ class ScriptTuner:
                     last_micro_batch_size=best.micro_batch_size, peak_memory_bytes=best.peak_bytes,
                     memory_budget_bytes=self.budget_bytes, margin=self.margin,
                     samples_per_second=best.samples_per_second, device=self.device, device_name=self.device_name,
-                    source="tuned", reason=result.reason + "".join(f"; {n}" for n in notes[:2]),
+                    source="tuned", reason=result.reason + "".join(f"; {n}" for n in notes[:2])
+                    + (f"; {noise_note(result.trials)}" if noise_note(result.trials) else ""),
                     trials=tuple(result.trials), compile=best.rung.compile)
 
     def arguments(self, plan: Plan) -> list[str]:

@@ -24,7 +24,8 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from ..devices.placement import Placement, format_bytes
+from ..devices.placement import Placement
+from ..sizes import format_bytes
 from ..errors import InvalidSetting
 from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung

@@ -54,6 +54,7 @@ from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
 from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
 from ..settings import FitSettings
+from ..sizes import format_bytes
 from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, ladder, parse_techniques,
                           serve_dtypes)
 from ..techniques import optimizer_8bit
@@ -571,7 +572,7 @@ def _exhausted(failed: list[Trial], shapes: dict[str, list[int]], plan: Plan) ->
     tried = ", ".join(f"{t.rung.name} at micro-batch {t.micro_batch_size}" for t in failed)
     shape = "; ".join(f"{path} {tuple(s)}" for path, s in shapes.items())
     return (f"a micro-batch of [{shape}] does not fit in the memory budget of "
-            f"{plan.memory_budget_bytes / 2**20:.1f} MiB: out of memory at {tried}, and no higher rung is "
+            f"{format_bytes(plan.memory_budget_bytes)}: out of memory at {tried}, and no higher rung is "
             "allowed. Shorten the inputs, raise memory_budget, or allow more techniques "
             "(techniques=('bf16', 'checkpointing', 'offload')).")
 

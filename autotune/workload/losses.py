@@ -42,7 +42,11 @@ def default_loss(model: torch.nn.Module, batch: Any, num_items_in_batch: float |
     `num_items_in_batch` is passed on to the model only when given (see `takes_num_items`).
     """
     extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
-    out = call_model(model, batch, **extra)
+    try:
+        out = call_model(model, batch, **extra)
+    except TypeError as exc:
+        _explain_unpacking(model, batch, exc)
+        raise
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
@@ -54,6 +58,27 @@ def default_loss(model: torch.nn.Module, batch: Any, num_items_in_batch: float |
             "loss_fn=lambda model, batch: ... returning a scalar, e.g. "
             "loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])")
     return loss
+
+
+def _explain_unpacking(model: torch.nn.Module, batch: Any, exc: TypeError) -> None:
+    """An `(x, y)` batch the model's forward cannot take as `model(x, y)`: say so, and what loss_fn to pass.
+
+    Only a call the forward's signature refuses is explained; a `TypeError` raised inside a forward that
+    accepted its arguments is the model's own and goes on untouched.
+    """
+    if not isinstance(batch, (list, tuple)):
+        return
+    try:
+        inspect.signature(model.forward).bind(*batch)
+    except TypeError:
+        kinds = ", ".join(type(b).__name__ for b in batch)
+        raise InvalidSetting(
+            f"loss_fn: the batch is a {type(batch).__name__} of {len(batch)} ({kinds}), so the default loss calls "
+            f"model(*batch), which {type(model).__name__}.forward does not take ({exc}). Pass a loss_fn, e.g. "
+            "loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), or a dict batch whose keys "
+            "the model takes and whose output has .loss (Hugging Face style)") from exc
+    except ValueError:  # no signature to read (a builtin): nothing to add
+        return
 
 
 def resolve(loss_fn: LossFn | None) -> LossFn:

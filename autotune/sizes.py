@@ -1,0 +1,47 @@
+"""Byte sizes, read and written one way everywhere: `parse_bytes("24GiB")`, `format_bytes(n)`.
+
+It sits on the floor of the package (beside `plan.py` and `errors.py`) so that every part, the plan's
+summary included, prints sizes alike: "40.0 MiB" below a GiB, "23.50 GiB" from there, never "0.04 GiB".
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import InvalidSetting
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+
+
+def format_bytes(n: int | float) -> str:
+    """"12 KiB" below a MiB, "512.0 MiB" below a GiB, "23.50 GiB" from there."""
+    if n < 2**20:
+        return f"{n / 2**10:,.0f} KiB"
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int:
+    """Bytes from an int or a string such as "24GiB", "16 GB", "512MiB" or "1.5g" (k/m/g/t are binary)."""
+    if isinstance(value, bool):
+        raise InvalidSetting(f"{setting} must be bytes or a string like '24GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise InvalidSetting(f"{setting} must be positive, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS:
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if number >= 1:
+                return int(number)
+            raise InvalidSetting(f"{setting}={value!r} is {'negative' if number < 0 else 'under one byte'}: "
+                                 "a budget must be positive, e.g. '24GiB'.")
+    raise InvalidSetting(
+        f"{setting}={value!r} is not a size autotune understands; write bytes as an integer or a number "
+        "with a unit, e.g. '24GiB', '16GB', '512MiB' or 25769803776.")
