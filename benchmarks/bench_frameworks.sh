@@ -4,8 +4,8 @@
 # the plan's claimed samples/s beside what the real run measured (the agent's median whole optimizer step).
 #
 # On the GPU machine (lightning, jsonargparse[signatures], transformers, accelerate installed: pip install -e ".[test]"):
-#   bash benchmarks/bench_frameworks.sh                       # both, 20 steps each
-#   ONLY=lightning bash benchmarks/bench_frameworks.sh        # or ONLY=hf
+#   bash benchmarks/bench_frameworks.sh                       # both, 20 steps each (up to TIMEOUT=560 s each)
+#   ONLY=lightning bash benchmarks/bench_frameworks.sh        # or ONLY=hf: one per call, under 10 minutes
 #   TECHNIQUES=bf16,checkpointing,compile bash benchmarks/bench_frameworks.sh   # let the search try --torch_compile
 #
 # Lightning: the examples' GPT at GPT-2 medium's shape (24 layers, 1024 wide, 16 heads, seq 1024), global batch 32,
@@ -24,7 +24,7 @@ ONLY=${ONLY:-}
 #   STEPS=6 bash benchmarks/bench_frameworks.sh
 read -r -a LIGHTNING <<< "${LIGHTNING:-32 10GiB --model.layers 24 --model.width 1024 --model.heads 16 --data.seq_len 1024 --data.vocab_size 50257}"
 read -r -a HF <<< "${HF:-64 24GiB --model_size gpt2-large --seq_len 1024}"
-TIMEOUT=${TIMEOUT:-1500}  # seconds per framework: tune + train
+TIMEOUT=${TIMEOUT:-560}  # seconds per framework, tune + train: one framework per call fits a 10-minute command
 export AUTOTUNE_TECHNIQUES=${TECHNIQUES:-bf16,checkpointing}
 if command -v autotune >/dev/null 2>&1; then AUTOTUNE=(autotune); else AUTOTUNE=(python -m autotune); fi
 out=${OUTDIR:-"benchmarks/out/frameworks-$(date +%Y%m%dT%H%M%S)"}
@@ -43,7 +43,9 @@ run_one() {  # name, then the `autotune run` arguments
 }
 
 if [ -z "$ONLY" ] || [ "$ONLY" = lightning ]; then
-  python -c "import lightning, jsonargparse" || { echo "needs lightning and jsonargparse[signatures]" >&2; exit 4; }
+  python -c "import lightning, jsonargparse, docstring_parser" || { echo "needs lightning and jsonargparse[signatures]; on a \
+machine without an index: pip install --target gpu_deps 'jsonargparse[signatures]' elsewhere, bring gpu_deps along, \
+PYTHONPATH=gpu_deps" >&2; exit 4; }
   run_one lightning --preset lightning-cli --global-batch-size "${LIGHTNING[0]}" --budget "${LIGHTNING[1]}" \
     --map checkpointing=--model.gradient_checkpointing=true \
     examples/train_lightning.py fit --trainer.max_steps "$STEPS" "${LIGHTNING[@]:2}"
@@ -78,5 +80,8 @@ for name in ("lightning", "hf-trainer"):
     print(f"| {name} | {rc} | {shape} | {len(plan['trials'])} | {claimed:,.1f} | "
           f"{measured and f'{measured:,.1f}' or '-'} | {ratio} |")
 print()
-print(f"device: {open(f'{out}/doctor.txt').read().splitlines()[0] if os.path.exists(f'{out}/doctor.txt') else '?'}")
+doctor = open(f"{out}/doctor.txt").read().splitlines() if os.path.exists(f"{out}/doctor.txt") else []
+for line in doctor:  # which GPU and torch produced the rows
+    if line.startswith(("GPU", "torch")):
+        print(f"    {line}")
 PY
