@@ -409,3 +409,40 @@ def test_an_8bit_plan_follows_the_users_learning_rate():
 def test_a_partial_plan_says_its_share():
     assert "bf16+optimizer offload of 40% of the parameters, micro-batch 3" in make_plan(3, 8, fraction=0.4).summary()
     assert "bf16+optimizer offload, micro-batch 3" in make_plan(3, 8).summary()
+
+
+class SharedReentrant(nn.Module):
+    """One weight used by two regions of reentrant checkpointing: its gradient is accumulated by two nested
+    backwards, so it is 'final' twice in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 16)
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.shared, torch.tanh(self.first(x)), use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
+        return ((self.head(h).squeeze(-1) - y) ** 2).mean()
+
+
+def test_a_gradient_that_grows_after_it_was_final_is_never_used_silently():
+    batch = batches(4, 1)[0]
+    torch.manual_seed(0)
+    model = SharedReentrant()
+    ref = copy.deepcopy(model)
+    host, serial = host_optimizer(model, overlap=True), host_optimizer(ref, overlap=False)
+    host.arm()
+    backward(model, batch)
+    backward(ref, batch)
+    serial.step()
+    try:
+        host.step()
+    except RuntimeError as exc:  # the worker had stepped the shared weight on its first half
+        assert "use_reentrant=False" in str(exc) and "AUTOTUNE_OFFLOAD_OVERLAP=0" in str(exc)
+    else:  # it had not: the weight was copied again and stepped after backward, as the serial step does
+        assert_bitwise(model, ref)
+    assert host.pipeline.disabled  # no more overlap for this model
+    host.arm()
+    assert not host.pipeline.armed

@@ -235,8 +235,12 @@ class HostOptimizer:
     def step(self) -> None:
         pipeline = self.pipeline
         if pipeline is not None and pipeline.armed:
-            pipeline.finish()
-        landed = pipeline.landed if pipeline is not None else set()
+            try:
+                pipeline.finish()
+            except BaseException:
+                pipeline.reset()
+                raise
+        landed = pipeline.landed - pipeline.refired if pipeline is not None else set()
         done = {i for c in pipeline.done for i in pipeline.chunks[c]} if pipeline is not None else set()
         with host_memory():  # host-side copies: on the simulated device, not device memory
             for i in self.host_index:

@@ -114,6 +114,8 @@ class OffloadPipeline:
         self.landed: set[int] = set()  # host positions whose gradient reached the host this step
         self.done: set[int] = set()  # chunks stepped: kept across an aborted attempt (see `abort`)
         self.chunks_stepped = 0  # by the worker, since this pipeline started: what the benchmark reports
+        self.refired: set[int] = set()  # positions whose gradient grew after it was taken (see `_refired`)
+        self.disabled = False  # no more overlap for this optimizer: a gradient once grew after it was final
         self._pending = [0] * len(chunks)  # gradients still missing per chunk
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -123,9 +125,12 @@ class OffloadPipeline:
     # -- the step's side --------------------------------------------------------------------------------
     def arm(self, defer: bool) -> None:
         """The next backward is the last of this optimizer step: copy (and unless `defer`, step) as it goes."""
+        if self.disabled:
+            return
         self._ensure_worker()
         self.armed, self.defer = True, defer
         self.landed = set()
+        self.refired = set()
         self._pending = [0 if c in self.done else len(chunk) for c, chunk in enumerate(self.chunks)]
 
     def drain(self) -> None:
@@ -145,6 +150,7 @@ class OffloadPipeline:
             self.drain()
         finally:
             self.landed = set()
+            self.refired = set()
 
     def finish(self) -> None:
         """After backward: let the worker finish what landed (stepping the chunks it completes), then
@@ -153,11 +159,19 @@ class OffloadPipeline:
             self.drain()
         finally:
             self.armed = False
+        early = sorted(i for i in self.refired if self._chunk_of[i] in self.done)
+        if early:
+            raise RuntimeError(
+                f"autotune: overlapped optimizer offload stepped parameter(s) {early} on a gradient that grew "
+                "again later in the same backward (a weight shared by several regions of reentrant activation "
+                "checkpointing, use_reentrant=True). Use use_reentrant=False, or set AUTOTUNE_OFFLOAD_OVERLAP=0 "
+                "for the serial optimizer offload.")
 
     def reset(self) -> None:
         """The optimizer step is complete: forget this step's bookkeeping."""
         self.armed = False
         self.landed = set()
+        self.refired = set()
         self.done = set()
 
     def close(self) -> None:
@@ -172,7 +186,10 @@ class OffloadPipeline:
     # -- backward's side ----------------------------------------------------------------------------------
     def _hook_for(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            if not self.armed or i in self.landed or self._chunk_of[i] in self.done or p.grad is None:
+            if not self.armed or self._chunk_of[i] in self.done and i not in self.landed or p.grad is None:
+                return
+            if i in self.landed:
+                self._refired(i)
                 return
             self.landed.add(i)
             event = None
@@ -186,6 +203,15 @@ class OffloadPipeline:
             self._queue.put((i, event))
 
         return hook
+
+    def _refired(self, i: int) -> None:
+        """A gradient taken as final grew again in the same backward: a weight shared by two regions of
+        reentrant checkpointing (`use_reentrant=True`), whose nested backwards each accumulate it. The step
+        copies it again after backward, no chunk is stepped during backward from now on (`disabled`), and
+        if its chunk was stepped already the step fails (`finish`) rather than train on part of a gradient."""
+        self.defer = True
+        self.disabled = True
+        self.refired.add(i)
 
     # -- the worker thread --------------------------------------------------------------------------------
     def _ensure_worker(self) -> None:
