@@ -9,12 +9,22 @@ saving old moments. `OffloadLink` prevents each of these with the optimizer's pu
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import is_oom
 from ..techniques.offload import HostOptimizer
+from ..sizes import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+def _empty_device_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class OffloadLink:
@@ -58,9 +68,33 @@ class OffloadLink:
             handle.remove()
         self.handles = []
         state = self._state_dict(self.user, self.user.state_dict())
-        self.user.load_state_dict(state)
+        try:
+            self.user.load_state_dict(state)
+        except Exception as exc:  # noqa: BLE001 - only an OOM is handled; anything else propagates
+            if not is_oom(exc):
+                raise
+            self._keep_on_host(exc)
         self.host = None
         self.pairs = []
+
+    def _keep_on_host(self, exc: BaseException) -> None:
+        """The state did not fit on the device beside the model (that is why the plan offloaded it): hand
+        it to the user's optimizer where it is, on the host, and say so, rather than fail in `close()`.
+
+        W2 (GPT-2 XL, 16 GiB on an H200) met this: AdamW's moments are 12 GB, the budget 16 GiB.
+        """
+        self.user.state.clear()  # what load_state_dict placed before the OOM
+        _empty_device_cache()
+        nbytes = 0
+        for _, p, opt, key in self.pairs:
+            if key in opt.state:
+                self.user.state[p] = dict(opt.state[key])
+                nbytes += sum(v.numel() * v.element_size() for v in opt.state[key].values()
+                              if isinstance(v, torch.Tensor))
+        log.warning("step.close(): the optimizer state (%s) did not fit on the device beside the model (%s), so "
+                    "it stays on the host in your optimizer; stepping that optimizer outside the plan needs it on "
+                    "the device (free memory first, then optimizer.load_state_dict(optimizer.state_dict())).",
+                    format_bytes(nbytes), str(exc).splitlines()[0][:120])
 
     def _refuse_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         raise RuntimeError("autotune: this optimizer's state lives on the host under the plan's optimizer "
