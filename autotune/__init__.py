@@ -9,6 +9,7 @@ from .api import fit
 from .cache import PlanCache
 from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
 from .plan import Plan, Rung, Trial
+from .workload.batch import Shared
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "Plan",
     "PlanCache",
     "Rung",
+    "Shared",
     "Trial",
     "fit",
     "is_oom",

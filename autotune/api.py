@@ -32,7 +32,8 @@ from .sizes import format_bytes, parse_bytes
 from .settings import FitSettings
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
-from .techniques import anchors, drop_rungs_over, eight_bit_anchors, find_blocks, parse_techniques, resident_floor, serve_dtypes
+from .techniques import (anchors, drop_rungs_over, eight_bit_anchors, find_blocks, parse_techniques, profile_blocks,
+                         resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters
 from .techniques.compile import unavailable as compile_unavailable
 from .search.trial import TrialRunner, Workload, noise_note
@@ -153,20 +154,9 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
           world: int, bound: int | None, progress: Progress | None = None) -> Plan:
     spec = OptimizerSpec.from_user(optimizer, model)
     peak = device_peak(placement.name, placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
-    blocks = find_blocks(model)
-    rungs, notes = anchors(allowed, placement, blocks)
-    rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
-    notes += more
-    rungs, dtype_notes = serve_dtypes(rungs, model)  # a rung that cannot train the model's dtypes is never tried
-    notes = dtype_notes + notes
     limit = int((1 - settings.margin) * budget)
     dropped: list[str] = []
-    floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]
     compile_notes: list[str] = []
-    lattice = Lattice(blocks=len(blocks.blocks) if blocks is not None else 0,
-                      compile=_compile_allowed(allowed, placement, compile_notes), floors=dict(zip(rungs, floors)))
-    if world == 1:  # sharded ranks hold only a share of the floor: there the trials decide
-        rungs, dropped = drop_rungs_over(rungs, floors, limit)
     home = _device_of(model)
     snapshot = Snapshot.take(model, optimizer)
     try:
@@ -174,9 +164,23 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
             model.to(placement.torch_device)
         # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
         # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
-        example = batches.detached(batches.to_device(batch, placement.torch_device))
+        example, loss = batches.detached(batches.to_device(batch, placement.torch_device)), resolve_loss(loss_fn)
+        # Which blocks, and in which order, by the activations they hold: one forward, so in the snapshot.
+        blocks = (profile_blocks(model, example, loss, placement) if "checkpointing" in allowed
+                  else find_blocks(model))  # sharding's units; and the model's own checkpointing, reported
+        rungs, notes = anchors(allowed, placement, blocks)
+        rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
+        notes += more
+        rungs, dtype_notes = serve_dtypes(rungs, model)  # a rung that cannot train the model's dtypes is never tried
+        notes = dtype_notes + notes
+        floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]
+        lattice = Lattice(blocks=len(blocks.blocks) if blocks is not None else 0,
+                          shares=blocks.shares() if blocks is not None else None,
+                          compile=_compile_allowed(allowed, placement, compile_notes), floors=dict(zip(rungs, floors)))
+        if world == 1:  # sharded ranks hold only a share of the floor: there the trials decide
+            rungs, dropped = drop_rungs_over(rungs, floors, limit)
         work = Workload(model=model, batch=example,
-                        loss_fn=resolve_loss(loss_fn), spec=spec, placement=placement, budget_bytes=budget,
+                        loss_fn=loss, spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
         flops = flops_per_sample(model, work.batch, work.loss_fn, placement)
@@ -206,6 +210,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
                 offload_fraction=fraction, optimizer_8bit=best.rung.optimizer_8bit,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
+                block_paths=tuple(blocks.paths) if blocks is not None else (),
                 compile_seconds=sum(t.compile_seconds for t in result.trials),
                 micro_batch_size=sizes[0], accumulation_steps=len(sizes),
                 world_size=world, global_batch_size=global_batch, last_micro_batch_size=sizes[-1],

@@ -156,6 +156,8 @@ class Plan:
     techniques: tuple[str, ...] | None = None  # what fit was allowed: recovery climbs only within it
     # (None for a plan made by hand: the step's `techniques`, else all)
     optimizer_8bit: bool = False  # the optimizer keeps 8-bit state (techniques=(..., "optimizer_8bit"))
+    block_paths: tuple[str, ...] = ()  # the repeated blocks (module paths), in the order checkpointing
+    # recomputes them: the first checkpointed_blocks are; () where unknown (found again from the model)
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -169,6 +171,10 @@ class Plan:
             raise ValueError(f"Plan.offload_fraction {fraction} disagrees with offload {self.offload!r}: "
                              "only optimizer offload puts a share of the parameters on the host")
         _check_choice("Plan.sharding", self.sharding, SHARDING)
+        if isinstance(self.block_paths, list):  # as JSON gives it back
+            object.__setattr__(self, "block_paths", tuple(self.block_paths))
+        if not isinstance(self.block_paths, tuple) or not all(isinstance(p, str) for p in self.block_paths):
+            raise ValueError(f"Plan.block_paths must be a tuple of module paths, got {self.block_paths!r}")
         _check_non_negative_number("Plan.compile_seconds", self.compile_seconds)
         for name in ("flops_per_sample", "mfu", "measured_samples_per_second"):
             if getattr(self, name) is not None:
@@ -249,6 +255,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["trials"] = [t.to_dict() for t in self.trials]
+        d["block_paths"] = list(self.block_paths)  # as JSON will give it back
         return d
 
     @classmethod

@@ -56,6 +56,8 @@ class Lattice:
     blocks: int = 0
     compile: bool = False
     floors: dict[Rung, int] = field(default_factory=dict)
+    shares: tuple[float, ...] | None = None  # share of the recompute's saving the first k blocks give, k=0..N
+    # (blocks are recomputed largest first, so more than k/N); None: k/N
 
 
 @dataclass(kw_only=True)
@@ -331,7 +333,8 @@ class Controller:
         for micro in self._sizes():
             if compiled is not None and micro > 1 and self.per_rank % micro == 1:
                 continue  # a last micro-batch of one sample is a shape compile specializes: a recompile
-            k = _blocks_needed(floor, s0, sn, n, micro, self.limit, compiled.memory if compiled else 1.0)
+            k = _blocks_needed(floor, s0, sn, n, micro, self.limit, compiled.memory if compiled else 1.0,
+                               self.lattice.shares)
             if k is None:
                 continue
             label = "none" if k == 0 else "full" if k == self.lattice.blocks else "selective"
@@ -633,7 +636,11 @@ class Controller:
             top = max(plain, key=lambda t: t.samples_per_second)
             return (f"{head}: {best.samples_per_second / top.samples_per_second:.2f}x the fastest plan without "
                     f"checkpointing, offload or compile (micro-batch {top.micro_batch_size}){second}")
-        return f"{head}: nothing lighter fits under the limit ({format_bytes(self.limit)}){second}"
+        if runner_up is not None:  # say what happened to the others: they fitted, only slower
+            return (f"{head}: none without checkpointing, offload or compile fits under the limit "
+                    f"({format_bytes(self.limit)}); {runner_up.rung.name} at micro-batch "
+                    f"{runner_up.micro_batch_size} fitted but {margin:.2f}x slower")
+        return f"{head}: nothing lighter fits under the limit ({format_bytes(self.limit)})"
 
     def _nothing_fits(self, rungs: Sequence[Rung]) -> str:
         ran = [t for t in self.trials if t.peak_bytes]
@@ -682,11 +689,13 @@ def _ruled_out(candidate: tuple[Rung, int, float], missed: Rung, micro: int) -> 
     return same and (rung.checkpointed_blocks or 0) <= (missed.checkpointed_blocks or 0) and m >= micro
 
 
-def _blocks_needed(floor: float, s0: float, sn: float, n: int, micro: int, limit: int, compiled: float) -> int | None:
+def _blocks_needed(floor: float, s0: float, sn: float, n: int, micro: int, limit: int, compiled: float,
+                   shares: tuple[float, ...] | None = None) -> int | None:
     """The fewest of `n` blocks to recompute so `micro` samples fit: each recomputed block drops its share of
-    (s0 - sn) bytes per sample; compile scales what the non-recomputed blocks keep. None if even all fail."""
+    (s0 - sn) bytes per sample (`shares[k]` for the first k, by the activations they hold; else k/n);
+    compile scales what the non-recomputed blocks keep. None if even all fail."""
     for k in range(n + 1):
-        frac = k / n if n else 0.0
+        frac = (shares[k] if shares is not None and len(shares) == n + 1 else k / n) if n else 0.0
         per_sample = compiled * (1 - frac) * s0 + frac * sn if compiled < 1 else (1 - frac) * s0 + frac * sn
         if floor + micro * per_sample <= limit:
             return k

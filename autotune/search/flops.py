@@ -35,7 +35,7 @@ def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: P
     since the count runs the model's own forward (dropout draws, batch norm statistics).
     """
     n = min(COUNT_SAMPLES, batches.batch_size(batch))
-    part = batches.resize(batch, n)
+    part = batches.unwrap(batches.resize(batch, n))  # as the model gets it: `Shared` tensors plain
     total: float | None = None
     try:
         total = _count(model, part, loss_fn)

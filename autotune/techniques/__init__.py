@@ -27,11 +27,12 @@ from torch import nn
 from ..devices.placement import Placement
 from ..sizes import format_bytes
 from ..errors import InvalidSetting
+from ..workload import batch as batches
 from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung
 from . import checkpointing, optimizer_8bit
 from . import compile as compiling
-from .checkpointing import BlockGroup, find_blocks
+from .blocks import BlockGroup, find_blocks, profile_blocks
 from .offload import HostOptimizer, device_dtype, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
@@ -39,7 +40,8 @@ TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit")
 DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile")  # 8-bit state changes the numerics: opt-in
 
 __all__ = ["TECHNIQUES", "DEFAULT_TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count", "drop_rungs_over", "dtype_conflict",
-           "eight_bit_anchors", "ladder", "resident_floor", "parse_techniques", "serve_dtypes", "find_blocks", "BlockGroup"]
+           "eight_bit_anchors", "ladder", "resident_floor", "parse_techniques", "serve_dtypes", "find_blocks", "profile_blocks",
+           "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
@@ -64,10 +66,12 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
     notes: list[str] = []
     n = len(blocks.blocks) if blocks is not None else 0
     counts = [0]
-    if "checkpointing" in allowed:
+    if blocks is not None and blocks.library:  # said whether checkpointing is allowed or not: it is on
+        notes.append(f"{blocks.library}; autotune recomputes no block on top of it")
+    elif "checkpointing" in allowed:
         if blocks is None:
-            notes.append("checkpointing skipped: no repeated blocks (same-class children of a ModuleList "
-                         "or Sequential) found in the model")
+            notes.append("checkpointing skipped: no repeated blocks (two or more same-class modules with "
+                         "children of their own, in a ModuleList, a Sequential or as attributes) found in the model")
         else:
             counts += [(n + 1) // 2, n] if n >= 4 else [n]
     rungs = [_rung(precision, k, n, "none", compile) for k in counts]
@@ -195,10 +199,11 @@ class AppliedRung:
     _undo: list[Callable[[], None]]
 
     def inputs(self, micro_batch: Any) -> Any:
-        """The micro-batch as the model should get it: under compile, with a dynamic batch dimension."""
+        """The micro-batch as the model should get it: `Shared` tensors unwrapped; under compile, with a
+        dynamic batch dimension (on the per-sample tensors only)."""
         if self.rung.compile:
             compiling.mark_batch_dynamic(micro_batch)
-        return micro_batch
+        return batches.unwrap(micro_batch)
 
     def backward(self, loss: torch.Tensor, *, last: bool = False, defer: bool = False) -> None:
         """Backward of one micro-batch. `last`: the optimizer steps right after it, so under optimizer
@@ -243,7 +248,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
     try:
         scaler = make_scaler(rung.precision, placement)
         count = block_count(rung, blocks)
-        if rung.checkpointing != "none":
+        if rung.checkpointing != "none" and not (blocks is not None and blocks.library):
+            # (where the model's library checkpoints already, its blocks are recomputed once, by it)
             if blocks is None:
                 raise InvalidSetting("checkpointing needs repeated blocks and none were found in the model")
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",

@@ -1,11 +1,12 @@
 """The checkpointing rung: recompute the model's repeated blocks in backward instead of storing them.
 
-Blocks are found automatically: the largest group of same-class children of an `nn.ModuleList` or
-`nn.Sequential` (a transformer's layers, a ResNet stage's bottlenecks, Hugging Face decoder layers).
-Any number of them, 0..N, may be recomputed (`install(blocks, count)`): the search picks the count from
-the bytes per sample measured with none and with all of them recomputed; "selective" is any count
-between, "full" all of them. Checkpointing is non-reentrant
-(`use_reentrant=False`): it supports keyword arguments and restores the dropout RNG on recompute.
+Blocks are found automatically (`blocks.py`): every group of same-class children holding activations (a
+transformer's layers, a T5 encoder's and decoder's blocks, a ResNet's bottlenecks in every stage, blocks
+held as attributes). Any number of them, 0..N over all groups, may be recomputed (`install(blocks,
+count)`), those holding the most activation memory first: the search picks the count from the bytes per
+sample measured with none and with all of them recomputed; "selective" is any count between, "full" all.
+Checkpointing is non-reentrant (`use_reentrant=False`): it supports keyword arguments and restores the
+dropout RNG on recompute.
 
 Guards (PEERS.md lesson 8): a block's BatchNorm running statistics are saved before the recompute and
 put back after it, so they are updated once per forward, as without checkpointing; the block's own
@@ -15,9 +16,7 @@ forward hooks run once, because the block's `forward` is what is wrapped, not it
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,53 +24,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..devices.placement import Placement
+from .blocks import BlockGroup, find_blocks
 from .offload import to_device, to_host
 
-
-@dataclass(kw_only=True, slots=True)
-class BlockGroup:
-    """The repeated blocks of a model: where they live and what they are."""
-
-    path: str  # e.g. "transformer.h"
-    blocks: list[nn.Module] = field(default_factory=list)
-
-    @property
-    def kind(self) -> str:
-        return type(self.blocks[0]).__name__ if self.blocks else ""
-
-
-def find_blocks(model: nn.Module) -> BlockGroup | None:
-    """The model's repeated blocks, or None when it has none (then checkpointing cannot apply).
-
-    Among every `ModuleList`/`Sequential` in the model, the same-class children with the most parameters
-    in total win; at least two blocks are needed.
-    """
-    best: BlockGroup | None = None
-    best_params = 0
-    for path, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        by_class: dict[type, list[nn.Module]] = defaultdict(list)
-        for child in container.children():
-            by_class[type(child)].append(child)
-        for blocks in by_class.values():
-            if len(blocks) < 2:
-                continue
-            n_params = sum(p.numel() for b in blocks for p in b.parameters())
-            if n_params > best_params:
-                best, best_params = BlockGroup(path=path, blocks=blocks), n_params
-    return best
+__all__ = ["BlockGroup", "chosen_blocks", "find_blocks", "install"]
 
 
 def chosen_blocks(blocks: BlockGroup, count: int) -> list[nn.Module]:
-    """`count` of the blocks, spread evenly over the depth (every other block when count is half).
-
-    Which blocks are recomputed does not change the bytes saved (repeated blocks hold the same activations),
-    but spreading them keeps the live activations of the non-recomputed ones from bunching up in backward.
-    """
-    n = len(blocks.blocks)
-    count = max(0, min(count, n))
-    return [blocks.blocks[(i * n) // count] for i in range(count)] if count else []
+    """The first `count` blocks: `BlockGroup` holds them in the order they are recomputed (`blocks.py`)."""
+    return list(blocks.blocks[:max(0, count)])
 
 
 def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement) -> Callable[[], None]:

@@ -140,7 +140,7 @@ class TrainingStep:
         self._num_items = takes_num_items(model)  # the default loss passes it num_items_in_batch
         self.placement = _placement(plan, model)
         self.spec = OptimizerSpec.from_user(optimizer, model)
-        self.blocks = find_blocks(model)
+        self.blocks = find_blocks(model, plan.block_paths)  # the blocks, and their order, the plan was tuned with
         if plan.checkpointed_blocks is None:  # the label's default, as a count: recovery compares counts
             self.plan = dataclasses.replace(plan, checkpointed_blocks=block_count(plan.rung, self.blocks))
         why = dtype_conflict(self.plan.rung, model)

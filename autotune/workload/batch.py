@@ -3,12 +3,19 @@
 Everything here treats the batch as a tree whose tensor leaves share dimension 0; non-tensor leaves
 (a string, a flag) pass through unchanged. A mapping is any `collections.abc.Mapping`, not only a `dict`:
 a tokenizer returns a `BatchEncoding` (a `UserDict`), and that is the batch people pass first.
+
+A tensor that is not per-sample (an attention bias or a lookup table every sample uses) is marked
+`Shared(tensor)`: it is never sliced, repeated or counted as a batch, whatever its first dimension, moves
+to the device with the batch, and reaches the model (and a `loss_fn`) as the plain tensor. Without the
+mark, a tensor whose dimension 0 happens to equal the batch size would be split across micro-batches like
+the samples, and one whose dimension 0 differs is refused.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +25,23 @@ from ..errors import InvalidSetting
 Batch = Any  # Tensor | tuple | list | Mapping of those
 
 
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """A tensor of the batch that every sample shares: passed whole to every micro-batch, never sliced.
+
+    >>> batch = {"input_ids": ids, "labels": ids, "bias": autotune.Shared(alibi)}  # alibi: (heads, T, T)
+    """
+
+    tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, torch.Tensor):
+            raise InvalidSetting(f"autotune.Shared marks a tensor; got {type(self.tensor).__name__}")
+
+
 def _leaves(batch: Batch) -> list[torch.Tensor]:
+    if isinstance(batch, Shared):
+        return []  # not a batch: no dimension 0 to agree on, nothing to slice
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
@@ -28,15 +51,18 @@ def _leaves(batch: Batch) -> list[torch.Tensor]:
     return []
 
 
-def _map(batch: Batch, fn: Any) -> Batch:
+def _map(batch: Batch, fn: Any, shared: Any = None) -> Batch:
+    """`batch` with `fn` applied to every per-sample tensor and `shared` to every `Shared` one (None: kept)."""
+    if isinstance(batch, Shared):
+        return batch if shared is None else shared(batch)
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return _rebuild(batch, {k: _map(v, fn) for k, v in batch.items()})
+        return _rebuild(batch, {k: _map(v, fn, shared) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_map(v, fn) for v in batch))
+        return type(batch)(*(_map(v, fn, shared) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_map(v, fn) for v in batch)
+        return type(batch)(_map(v, fn, shared) for v in batch)
     return batch
 
 
@@ -64,7 +90,8 @@ def batch_size(batch: Batch, setting: str = "batch") -> int:
     sizes = {t.shape[0] for t in leaves}
     if len(sizes) > 1:
         raise InvalidSetting(f"{setting}'s tensors disagree on the batch dimension (dim 0 sizes {sorted(sizes)}); "
-                             "every tensor must have the batch first")
+                             "every tensor must have the batch first, or, if every sample uses it whole (a mask, "
+                             "a bias, a table), be marked autotune.Shared(tensor)")
     size = sizes.pop()
     if size == 0:
         raise InvalidSetting(f"{setting} is empty (batch dimension 0); pass at least one example")
@@ -85,14 +112,22 @@ def resize(batch: Batch, n: int) -> Batch:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    return _map(batch, lambda t: t.to(device, non_blocking=True))
+    return _map(batch, lambda t: t.to(device, non_blocking=True),
+                lambda s: Shared(s.tensor.to(device, non_blocking=True)))
+
+
+def unwrap(batch: Batch) -> Batch:
+    """The batch as the model gets it: every `Shared` tensor as the plain tensor."""
+    return _map(batch, lambda t: t, lambda s: s.tensor)
 
 
 def detached(batch: Batch) -> Batch:
     """The batch with every tensor detached from the caller's: new leaves on the same storage, with the
     same `requires_grad`, so backward fills their `.grad`, not the caller's."""
-    return _map(batch, lambda t: t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or
-                t.is_complex() else t.detach())
+    def detach(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else t.detach()
+
+    return _map(batch, detach, lambda s: Shared(detach(s.tensor)))
 
 
 def signature(batch: Batch) -> list[tuple[str, tuple[int, ...], str]]:
@@ -100,7 +135,9 @@ def signature(batch: Batch) -> list[tuple[str, tuple[int, ...], str]]:
     out: list[tuple[str, tuple[int, ...], str]] = []
 
     def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, Shared):  # the whole shape: it is not per-sample
+            out.append((f"{path}(shared)", tuple(obj.tensor.shape), str(obj.tensor.dtype).replace("torch.", "")))
+        elif isinstance(obj, torch.Tensor):
             out.append((path, tuple(obj.shape[1:]), str(obj.dtype).replace("torch.", "")))
         elif isinstance(obj, Mapping):
             for k in sorted(obj, key=str):
