@@ -7,6 +7,7 @@ torchvision-style ResNet. Plus the reason texts, sizes in their unit, and the sh
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -210,6 +211,22 @@ def test_a_resnet_gets_every_stage_recomputed_early_stages_first():
     assert shares is not None and shares[2] > 2 / 8 and shares[-1] == 1.0
     # The profile is one forward: the caller's snapshot restores what it touched; here it was BN statistics.
     assert any(not torch.equal(a, b) for a, b in zip(stats, model.buffers()))
+
+
+def test_the_profile_leaves_no_activation_alive():
+    # A pack hook that returned the saved tensor itself leaked the whole forward graph (a saved output
+    # points at its own grad_fn): the first trial then measured the profile's activations as its own.
+    torch.manual_seed(0)
+    model, batch = AttributeBlocks(), torch.randn(4, 8)
+
+    def alive() -> set[int]:
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None}
+
+    before = alive()
+    blocks = profile_blocks(model, batch, resolve(None), CPU)
+    assert blocks is not None and sum(blocks.held) > 0
+    assert alive() - before == set()
 
 
 def test_the_controller_needs_fewer_blocks_when_the_first_ones_hold_the_most():
