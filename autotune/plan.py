@@ -242,7 +242,8 @@ class Plan:
                  if self.offload == "optimizer" and self.offload_fraction < 1 else "")
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
-                f"peak {format_bytes(self.peak_memory_bytes)} of {format_bytes(self.memory_budget_bytes)}{mfu}{trained}")
+                f"peak {format_bytes(self.peak_memory_bytes)} of {format_bytes(self.memory_budget_bytes)}"
+                f"{mfu}{trained}")
 
     def trial_mfu(self, trial: Trial) -> float | None:
         """A trial's MFU, from the plan's: the same FLOPs per sample on the same GPU, so it scales with

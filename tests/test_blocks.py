@@ -48,7 +48,8 @@ def tiny_t5() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(config).double()
     g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(1, 64, (4, 10), generator=g), "labels": torch.randint(1, 64, (4, 7), generator=g)}
+    batch = {"input_ids": torch.randint(1, 64, (4, 10), generator=g),
+             "labels": torch.randint(1, 64, (4, 7), generator=g)}
     return model, batch
 
 
@@ -60,6 +61,7 @@ def _grads(model: nn.Module, batch) -> list[torch.Tensor]:
 
 def test_t5_gets_its_encoder_and_its_decoder_blocks_both_recomputed():
     model, batch = tiny_t5()
+    assert len(find_blocks(model).paths) == 5  # found from the structure alone too (a plan built by hand)
     blocks = profile_blocks(model, batch, resolve(None), CPU)
     assert blocks is not None
     assert sorted(blocks.paths) == ["decoder.block.0", "decoder.block.1", "decoder.block.2",

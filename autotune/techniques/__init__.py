@@ -39,9 +39,9 @@ from .precision import autocast_factory, choose_precision, make_scaler
 TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit")
 DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile")  # 8-bit state changes the numerics: opt-in
 
-__all__ = ["TECHNIQUES", "DEFAULT_TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count", "drop_rungs_over", "dtype_conflict",
-           "eight_bit_anchors", "ladder", "resident_floor", "parse_techniques", "serve_dtypes", "find_blocks", "profile_blocks",
-           "BlockGroup"]
+__all__ = ["TECHNIQUES", "DEFAULT_TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count",
+           "drop_rungs_over", "dtype_conflict", "eight_bit_anchors", "ladder", "resident_floor", "parse_techniques",
+           "serve_dtypes", "find_blocks", "profile_blocks", "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:

@@ -57,7 +57,8 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     function."""
     _raise_cache_limits()
     whole = regions() == "whole" and checkpointed == 0  # read first: a bad setting fails on every model
-    targets = [model] if blocks is None or not blocks.blocks or whole else list(blocks.blocks)  # none: the library's own
+    # No blocks (none found, or the model's library checkpoints its own): the whole model.
+    targets = [model] if blocks is None or not blocks.blocks or whole else list(blocks.blocks)
     for module in targets:
         module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
     restore_cache = _no_kv_cache(model) if targets[0] is not model else (lambda: None)
