@@ -364,7 +364,7 @@ def _zero_change_options(script: Path, *args: str, **kw: object) -> runner.RunOp
 
 def test_a_zero_change_plan_is_cached_and_the_second_launch_runs_no_trial(monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path) -> None:
-    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=8)
+    calls = _fake_launches(monkeypatch, tmp_path, fits_in_trials=8, fits_for_real=8)
     script = tmp_path / "train.py"
     script.write_text("print('training')\n")
     first = runner.run(_zero_change_options(script, "--lr", "0.1", "--bs", "2"))
@@ -384,7 +384,7 @@ def test_a_zero_change_plan_is_cached_and_the_second_launch_runs_no_trial(monkey
 @pytest.mark.parametrize("change", ["arguments", "script", "knobs", "budget"])
 def test_another_script_argument_knob_or_budget_is_another_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                change: str) -> None:
-    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=8)
+    calls = _fake_launches(monkeypatch, tmp_path, fits_in_trials=8, fits_for_real=8)
     script = tmp_path / "train.py"
     script.write_text("print('training')\n")
     first = runner.run(_zero_change_options(script, "--lr", "0.1"))
@@ -403,7 +403,7 @@ def test_another_script_argument_knob_or_budget_is_another_key(monkeypatch: pyte
 
 def test_an_oom_in_a_zero_change_real_run_is_remembered_by_the_next_launch(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
-    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=4)
+    calls = _fake_launches(monkeypatch, tmp_path, fits_in_trials=8, fits_for_real=4)
     script = tmp_path / "train.py"
     script.write_text("")
     first = runner.run(_zero_change_options(script))
@@ -418,7 +418,7 @@ def test_an_oom_in_a_zero_change_real_run_is_remembered_by_the_next_launch(monke
 
 
 def test_with_the_cache_off_every_launch_tunes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls = _fake_launches(monkeypatch, fits_in_trials=8, fits_for_real=8)
+    calls = _fake_launches(monkeypatch, tmp_path, fits_in_trials=8, fits_for_real=8)
     script = tmp_path / "train.py"
     script.write_text("")
     for _ in range(2):

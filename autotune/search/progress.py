@@ -123,4 +123,5 @@ def describe(trial: Trial) -> str:
     head = f"{trial.rung.name} at micro-batch {trial.micro_batch_size}: {trial.outcome}"
     if trial.outcome == "ok":
         return f"{head}, peak {format_bytes(trial.peak_bytes)}, {trial.samples_per_second:,.1f} samples/s"
-    return f"{head}{', ' + trial.note[:100] if trial.note else ''}"
+    note = trial.note if len(trial.note) <= 90 else trial.note[:87].rstrip() + "..."
+    return f"{head}{', ' + note if note else ''}"
