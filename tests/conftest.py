@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,3 +20,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def autotune_logger_as_found() -> Iterator[None]:
+    """`autotune run` invoked in-process (click's test runner) gives the `autotune` logger its own handler and
+    turns propagation off; put it back after each test, so a later test's caplog still sees autotune's records."""
+    logger = logging.getLogger("autotune")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
