@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import warnings
 
 import pytest
@@ -129,6 +130,24 @@ def test_blocks_held_as_attributes_get_checkpointing():
         assert _wrapped(model) == set(plan.block_paths[:plan.checkpointed_blocks])
         step(batch)
     assert not _wrapped(model)
+
+
+def test_block_paths_survive_json_and_a_model_that_lacks_them_is_searched_again(caplog):
+    torch.manual_seed(0)
+    model = AttributeBlocks()
+    plan = Plan(precision="fp32", checkpointing="selective", checkpointed_blocks=2, offload="none", micro_batch_size=4,
+                accumulation_steps=1, world_size=1, global_batch_size=4, last_micro_batch_size=4, peak_memory_bytes=0,
+                memory_budget_bytes=2**30, margin=0.1, samples_per_second=1.0, device="cpu",
+                block_paths=("b4", "b1", "b2", "b3"))
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and again.block_paths == ("b4", "b1", "b2", "b3")
+    with again.apply(model) as step:  # the plan's order, not the structure's: b4 and b1
+        assert _wrapped(model) == {"b4", "b1"}
+        step(torch.randn(4, 8))
+    renamed = dataclasses.replace(plan, block_paths=("module.b4", "module.b1", "module.b2", "module.b3"))
+    with caplog.at_level("WARNING"), renamed.apply(model):
+        assert len(_wrapped(model)) == 2  # found again from the model, two of its four blocks
+    assert "block_paths name module.b4" in caplog.text
 
 
 # -- a model whose library checkpoints already --------------------------------------------------------------
