@@ -240,7 +240,10 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
     budget = int((on_host + on_device) / 2 / 0.9)  # the limit (90% of it) halfway between the two
     plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",
                         cache=False, techniques=("bf16", "offload"), max_trials=8)
-    assert plan.offload == "optimizer" and plan.micro_batch_size == 4
+    # Which micro-batch wins is a timing (2 and 4 trade places on a loaded 2-core machine); at every size
+    # the plain rung is over the limit (it is at micro-batch 1) and full offload leaves room, so the share is
+    # partial whichever wins.
+    assert plan.offload == "optimizer"
     assert 0 < plan.offload_fraction < 1, plan.reason
     limit = 0.9 * budget
     assert plan.peak_memory_bytes <= limit
