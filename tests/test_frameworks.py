@@ -260,6 +260,8 @@ def test_run_help_lists_the_presets_with_examples() -> None:
     for name, preset in PRESETS.items():
         assert f"{name}: " in result.output and preset.example in result.output.replace("\n      ", " ")
     assert "bf16=--trainer.precision=bf16-mixed" in result.output
+    unknown = CliRunner().invoke(main, ["run", "--preset", "deepspeed", "tests/scripts/exit7.py"])
+    assert unknown.exit_code == 2 and "hf-trainer" in unknown.output  # a usage error naming the presets
 
 
 # -- what the cache keeps of a run's measurement (scripted launcher) -----------------------------------------
