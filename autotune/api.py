@@ -23,8 +23,9 @@ from .search.controller import Controller, Lattice, SearchResult
 from .search.offload_share import choose_offload_fraction
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
+from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
-from .errors import InvalidSetting
+from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from .workload.losses import resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan, Trial
@@ -103,14 +104,31 @@ def fit(
                                    margin=margin, device=device, cache=cache, techniques=techniques,
                                    measured_steps=trial_steps, max_trials=max_trials, retune=retune)
     placement = resolve_device(settings.device)
+    store = plan_cache.open_cache(settings.cache)
+    try:
+        plan = _fit(model, batch, optimizer, loss_fn, settings, placement, store, progress)
+    finally:
+        if store is not None and store is not settings.cache:
+            store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
+    if plan.source == "tuned":
+        log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
+                 time.perf_counter() - started, len(plan.trials))
+    agent.report_plan(plan)
+    return plan
+
+
+def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings, placement: Placement,
+         store: plan_cache.PlanCache | None, progress: Any) -> Plan:
+    """The cached plan when one still fits, else a search (whose result, or its failure, is cached)."""
     example_size = batches.batch_size(batch)
     world = distributed.world_size()
     global_batch = settings.global_batch_size or example_size * world
     per_rank = per_rank_batch(global_batch, world)
-    budget, budget_source = _budget(settings, placement)
-    budget = distributed.smallest(budget)  # every rank searches under the same limit, so all decide alike
+    budget_now, budget_source = _budget(settings, placement)
+    budget_now = distributed.smallest(budget_now)  # every rank searches under the same limit, so all decide alike
+    # A default budget is a moving reading; the key holds it rounded to a stable step (devices/headroom.py).
+    budget = budget_now if settings.memory_budget is not None else stable_budget(budget_now, placement.total_bytes)
     allowed = parse_techniques(settings.techniques)
-    store = plan_cache.open_cache(settings.cache)
     parts = plan_cache.key_parts(model=model, batch=batch, global_batch_size=global_batch, world_size=world,
                                  placement=placement, budget_bytes=budget, techniques=allowed,
                                  margin=settings.margin, optimizer=optimizer, loss_fn=loss_fn,
@@ -118,28 +136,61 @@ def fit(
     key = plan_cache.plan_key(parts)
 
     if store is not None and not settings.retune:
-        hit = store.get(key)
+        hit = _cached(store, parts, settings, placement, budget_now)
         if hit is not None:
-            log.info("plan cache hit %s: %s", key[:12], hit.summary())
-            plan = dataclasses.replace(hit, source="cache", trials=hit.trials)
-            agent.report_plan(plan)
-            return plan
+            return hit
+        _raise_if_nothing_fits(store, key)
     bound = store.max_safe_micro_batch(key) if store is not None else None
     if settings.max_micro_batch is not None:
         bound = min(bound or settings.max_micro_batch, settings.max_micro_batch)
 
     log.info("autotune: tuning on %s with a %s budget (%s), global batch %d over %d rank(s)",
              placement.name, format_bytes(budget), budget_source, global_batch, world)
-    plan = _tune(model, batch, optimizer, loss_fn, settings, placement, budget, allowed, global_batch,
-                 per_rank, world, bound, progress_for(progress) if distributed.is_writer() else None)
-    # A plan carries its key only when it is cached: a recovery during training writes back by key.
-    plan = dataclasses.replace(plan, key=key if store is not None else "")
+    try:
+        plan = _tune(model, batch, optimizer, loss_fn, settings, placement, budget, allowed, global_batch,
+                     per_rank, world, bound, progress_for(progress) if distributed.is_writer() else None)
+    except NoFeasiblePlan as exc:
+        if store is not None and distributed.is_writer():
+            store.record_nothing_fits(parts, str(exc), exc.trials)
+        raise
+    # A plan carries its key only when it is cached: a recovery during training writes back by key, to `store`.
+    plan = dataclasses.replace(plan, key=key if store is not None else "", cache=store)
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
-    log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
-             time.perf_counter() - started, len(plan.trials))
-    agent.report_plan(plan)
     return plan
+
+
+def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSettings, placement: Placement,
+            budget_now: int) -> Plan | None:
+    """The cached plan for `parts`, if one still fits today's memory.
+
+    Under a default budget, the plans of the neighbouring budget steps serve too when their peak fits under
+    today's reading less the margin. Under an explicit `memory_budget` the user's figure stands, and a plan
+    whose peak no longer fits the memory usable now is served with a warning naming both figures.
+    """
+    explicit = settings.memory_budget is not None
+    budgets = [parts["budget_bytes"]] if explicit else neighbour_budgets(parts["budget_bytes"], placement.total_bytes)
+    for budget in budgets:
+        key = plan_cache.plan_key({**parts, "budget_bytes": budget})
+        hit = store.get(key)
+        if hit is None or not (explicit or fits(hit.peak_memory_bytes, settings.margin, budget_now)):
+            continue
+        log.info("plan cache hit %s: %s", key[:12], hit.summary())
+        if explicit:
+            short = shortfall(hit.peak_memory_bytes, placement, "the cached plan")
+            if short is not None:
+                log.warning("autotune: %s", short)
+        return dataclasses.replace(hit, source="cache", cache=store)
+    return None
+
+
+def _raise_if_nothing_fits(store: plan_cache.PlanCache, key: str) -> None:
+    """Raise the cached `NoFeasiblePlan` of an earlier search under `key`, if there was one."""
+    record = store.nothing_fits(key)
+    if record is not None:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.time))
+        raise NoFeasiblePlan(f"{record.message} (found by a search on {when}, cached under key {key[:12]}; pass "
+                             "retune=True to search again)", trials=record.trials)
 
 
 def _budget(settings: FitSettings, placement: Placement) -> tuple[int, str]:
@@ -159,6 +210,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     compile_notes: list[str] = []
     home = _device_of(model)
     snapshot = Snapshot.take(model, optimizer)
+    poisoned = False
     try:
         if home != placement.torch_device:
             model.to(placement.torch_device)
@@ -193,12 +245,15 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
         best, fraction = _offload_share(result, runner, model, spec, limit, world)
+    except DeviceError as error:
+        poisoned = True
+        _put_back_noting(error, model, home, snapshot)
+        raise
     finally:
         if progress is not None:
             progress.close()
-        if home != placement.torch_device:
-            model.to(home)
-        snapshot.restore()
+        if not poisoned:
+            _put_back(model, home, snapshot)
     sizes = split_sizes(per_rank, best.micro_batch_size, result.smallest)  # balanced when a 1 would be left
     tokens = batches.tokens_per_sample(batch)
     # Why micro-batch 1 was skipped comes first (it shapes the split), then why rungs were left out.
@@ -239,6 +294,25 @@ def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, 
     if chosen is not best:
         result.reason = f"{result.reason}; {notes[0]}"
     return chosen, fraction
+
+
+def _put_back(model: nn.Module, home: torch.device, snapshot: Snapshot) -> None:
+    """The model back on its own device, with the weights, optimizer state and RNG it came with."""
+    if _device_of(model) != home:
+        model.to(home)
+    snapshot.restore()
+
+
+def _put_back_noting(error: DeviceError, model: nn.Module, home: torch.device, snapshot: Snapshot) -> None:
+    """`_put_back` after a poisoned CUDA context: it calls CUDA, which fails again, and that failure must not
+    replace the `DeviceError` that says why. It is logged and noted on the error instead."""
+    try:
+        _put_back(model, home, snapshot)
+    except Exception as exc:  # noqa: BLE001 - the DeviceError is what the user must see
+        text = f"restoring the model afterwards failed too ({type(exc).__name__}: {exc}); restart the process"
+        log.warning("autotune: %s", text)
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(text)
 
 
 def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str]) -> bool:

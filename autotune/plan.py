@@ -21,6 +21,7 @@ OFFLOAD = ("none", "activations", "optimizer")
 SHARDING = ("none", "fsdp2")
 OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager
 SOURCES = ("tuned", "cache")
+_LOCAL_FIELDS = ("cache",)  # Plan fields that live in this process only (see Plan.cache)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,6 +160,9 @@ class Plan:
     block_paths: tuple[str, ...] = ()  # the repeated blocks (module paths), in the order checkpointing
     # recomputes them: the first checkpointed_blocks are; () where unknown (found again from the model)
     format_version: int = PLAN_FORMAT_VERSION
+    # The `PlanCache` `fit` read or wrote this plan in: where a recovery during training records the OOM and
+    # the safer plan (never another cache). Local to this process: not stored, compared, printed or read back.
+    cache: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.rung  # validates the knobs together  # noqa: B018
@@ -254,7 +258,7 @@ class Plan:
         return self.mfu * trial.samples_per_second / self.samples_per_second
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LOCAL_FIELDS}
         d["trials"] = [t.to_dict() for t in self.trials]
         d["block_paths"] = list(self.block_paths)  # as JSON will give it back
         return d
@@ -264,7 +268,7 @@ class Plan:
         """Rebuild a plan from `to_dict` output; unknown fields and bad values raise `ValueError`."""
         if not isinstance(d, dict):
             raise ValueError(f"a plan must be a dict, got {type(d).__name__}")
-        _check_known_fields("Plan", d, cls)
+        _check_known_fields("Plan", d, cls, local=_LOCAL_FIELDS)
         d = dict(d)
         trials = d.get("trials", [])
         if not isinstance(trials, (list, tuple)):
@@ -297,8 +301,8 @@ def _check_non_negative_number(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a non-negative number, got {value!r}")
 
 
-def _check_known_fields(kind: str, d: dict[str, Any], cls: type) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
+def _check_known_fields(kind: str, d: dict[str, Any], cls: type, local: tuple[str, ...] = ()) -> None:
+    known = {f.name for f in dataclasses.fields(cls)} - set(local)  # a row never names a local field
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"unknown {kind} field(s): {', '.join(unknown)}")

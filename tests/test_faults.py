@@ -275,3 +275,57 @@ def test_a_negative_budget_is_called_negative() -> None:
 
     with pytest.raises(InvalidSetting, match="memory_budget='-1GiB' is negative"):
         parse_bytes("-1GiB")
+
+
+# -- tests independent of order (issue 20.6) ------------------------------------------------------------------
+
+def test_an_in_process_run_command_leaves_autotunes_logger_as_it_found_it() -> None:
+    import logging
+
+    logger = logging.getLogger("autotune")
+    before = (logger.handlers[:], logger.level, logger.propagate)
+    result = CliRunner().invoke(main, ["run", "--map", "micro_batch=--bs", str(SCRIPTS / "exit7.py")])
+    assert result.exit_code == 2, result.output  # it ran far enough to set up its logging, then failed
+    assert (logger.handlers, logger.level, logger.propagate) == before
+
+
+# -- connections and "nothing fits" (issue 20.5) --------------------------------------------------------------
+
+def open_files_under(directory: Path) -> list[str]:
+    import psutil
+
+    return [f.path for f in psutil.Process().open_files() if f.path.startswith(str(directory))]
+
+
+def test_no_connection_outlives_fit(tmp_path: Path) -> None:
+    model, batch = tiny_workload()
+    plans = [fit(model, batch, tmp_path / "plans.db", max_trials=2) for _ in range(30)]  # kept: nothing is collected
+    assert [p.source for p in plans] == ["tuned"] + ["cache"] * 29
+    assert open_files_under(tmp_path) == []
+
+
+def test_nothing_fits_is_cached_so_a_retry_learns_it_at_once_and_retune_searches_again(tmp_path: Path) -> None:
+    import time
+
+    from autotune.errors import NoFeasiblePlan
+
+    model, batch = tiny_workload()
+    cache = tmp_path / "plans.db"
+    settings = dict(global_batch_size=8, device="cpu", memory_budget="64KiB", cache=cache, trial_steps=1)
+    with pytest.raises(NoFeasiblePlan) as searched:
+        autotune_fit(model, batch, **settings)
+    assert searched.value.trials and "cached under key" not in str(searched.value)
+    started = time.perf_counter()
+    with pytest.raises(NoFeasiblePlan, match="cached under key .*retune=True to search again") as cached:
+        autotune_fit(model, batch, **settings)
+    assert time.perf_counter() - started < 1.0
+    assert str(searched.value) in str(cached.value) and cached.value.trials == searched.value.trials
+    with pytest.raises(NoFeasiblePlan) as again:
+        autotune_fit(model, batch, retune=True, **settings)
+    assert "cached under key" not in str(again.value)
+
+
+def autotune_fit(model: torch.nn.Module, batch: object, **settings: Any) -> Any:
+    import autotune
+
+    return autotune.fit(model, batch, **settings)

@@ -25,13 +25,13 @@ from pathlib import Path
 import psutil
 from sqlite_utils import Database
 
-from .rows import CacheEntry, Failure, PlanRow
-from ..plan import Plan
+from .rows import CacheEntry, Failure, NothingFits, PlanRow
+from ..plan import Plan, Trial
 from ..sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the nothing_fits table
 APPLICATION_ID = 0x41545043  # "ATPC" in the SQLite header: this file is an autotune plan cache
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 FULL_BELOW_BYTES = 2**20  # an I/O error with less free space than this on the cache's file system is "full"
@@ -183,7 +183,13 @@ def _create_v1(db: Database) -> None:
     db["failures"].create_index(["key", "micro_batch_size", "time"], unique=True)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_create_v1]  # MIGRATIONS[v] upgrades schema v to v + 1
+def _create_v2(db: Database) -> None:
+    # A search that found nothing under its budget, so a retry (or a teammate's fit) answers at once.
+    db["nothing_fits"].create({"key": str, "parts": str, "message": str, "trials": str, "time": float}, pk="key",
+                              not_null=["parts", "message"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_create_v1, _create_v2]  # MIGRATIONS[v]: schema v to v + 1
 
 
 @contextlib.contextmanager
@@ -243,17 +249,40 @@ def import_rows(db: Database, rows: Iterable[PlanRow], origin: str) -> bool:
     return True
 
 
+def record_nothing_fits(db: Database, row: NothingFits) -> None:
+    """Remember that nothing fits under `row.key` (one statement; a newer search replaces an older one)."""
+    db.execute("INSERT OR REPLACE INTO nothing_fits (key, parts, message, trials, time) VALUES (?, ?, ?, ?, ?)",
+               [row.key, json.dumps(row.parts, sort_keys=True), row.message,
+                json.dumps([t.to_dict() for t in row.trials]), row.time])
+
+
+def nothing_fits(db: Database, key: str) -> NothingFits | None:
+    """The record that nothing fits under `key`, or None (also when the row no longer validates)."""
+    found = db.execute("SELECT parts, message, trials, time FROM nothing_fits WHERE key = ?", [key]).fetchone()
+    if found is None:
+        return None
+    parts, text, trials, when = found
+    try:
+        return NothingFits(key=key, parts=_load_json(parts), message=text,
+                           trials=tuple(Trial.from_dict(t) for t in json.loads(trials or "[]")), time=when or 0.0)
+    except (ValueError, TypeError) as exc:  # hand-edited or another format: never trusted, a miss
+        log.debug("plan cache: ignoring unreadable 'nothing fits' record %s: %s", key[:12], exc)
+        return None
+
+
 def delete(db: Database, key: str) -> bool:
     with immediate(db):
         gone = db.execute("DELETE FROM plans WHERE key = ?", [key]).rowcount
-        db.execute("DELETE FROM failures WHERE key = ?", [key])
+        for table in ("failures", "nothing_fits"):
+            db.execute(f"DELETE FROM {table} WHERE key = ?", [key])
     return gone > 0
 
 
 def clear(db: Database) -> int:
     with immediate(db):
         gone = db.execute("DELETE FROM plans").rowcount
-        db.execute("DELETE FROM failures")
+        for table in ("failures", "nothing_fits"):
+            db.execute(f"DELETE FROM {table}")
     return gone
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from .key import check_parts, plan_key
-from ..plan import Plan
+from ..plan import Plan, Trial
 
 EXPORT_SCHEMA = 1
 ROW_FIELDS = ("schema", "key", "parts", "plan", "failures", "updated")
@@ -69,6 +69,17 @@ class Failure:
         if "micro_batch_size" not in d:
             raise ValueError("a failure needs micro_batch_size")
         return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NothingFits:
+    """A search that found no configuration under its budget: its key, the key's parts, why, and its trials."""
+
+    key: str
+    parts: dict[str, Any]
+    message: str  # the NoFeasiblePlan message: what was tried, the smallest peak against the budget
+    trials: tuple[Trial, ...] = ()
+    time: float = 0.0  # unix seconds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,6 +7,7 @@ key is `cache_key`; the JSON-lines rows of export / import / team directory are 
 
 Failures are kept: an OOM seen in real training against a plan (`mark_unsafe`) means `get` never returns
 that plan again, and `max_safe_micro_batch` bounds the next search below the smallest failing micro-batch.
+A search that found nothing under its budget is kept too (`record_nothing_fits`), so a retry learns it at once.
 After a local miss, `get` reads the team's exports in `$AUTOTUNE_TEAM_DIR` (read-only).
 
 The cache never breaks training. A locked (past the timeout), corrupt, unwritable or full database, or
@@ -36,12 +37,13 @@ from sqlite_utils import Database
 from . import db as cache_db
 from .db import CACHE_ENV, TEAM_DIR_ENV, filesystem_type, is_network_filesystem
 from .key import check_parts, key_parts, plan_key
-from .rows import CacheEntry, Failure, PlanRow, TeamDir, check_plan_matches, printable, read_rows, write_rows
+from .rows import (CacheEntry, Failure, NothingFits, PlanRow, TeamDir, check_plan_matches, printable, read_rows,
+                   write_rows)
 from ..errors import AutotuneError, InvalidSetting
-from ..plan import Plan
+from ..plan import Plan, Trial
 
-__all__ = ["CacheEntry", "CacheError", "CacheWarning", "ImportReport", "PlanCache", "default_path", "filesystem_type",
-           "is_network_filesystem", "key_parts", "open_cache", "plan_key"]
+__all__ = ["CacheEntry", "CacheError", "CacheWarning", "ImportReport", "NothingFits", "PlanCache", "default_path",
+           "filesystem_type", "is_network_filesystem", "key_parts", "open_cache", "plan_key"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -224,6 +226,25 @@ class PlanCache:
         shapes = json.loads(json.dumps(shapes, default=str)) if shapes is not None else None  # torch.Size -> list
         failure = Failure(micro_batch_size=micro_batch_size, shapes=shapes, note=str(note), time=time.time())
         self._use("record the failure", lambda db: cache_db.insert_failures(db, key, [failure]), None)
+
+    def nothing_fits(self, key: str) -> NothingFits | None:
+        """The record that an earlier search under `key` found no configuration that fits, or None."""
+        return self._use("read a 'nothing fits' record", lambda db: cache_db.nothing_fits(db, key), None)
+
+    def record_nothing_fits(self, parts: dict[str, Any], message: str, trials: tuple[Trial, ...] = ()) -> str:
+        """Remember that nothing fits the workload of `parts`, so the next `fit` says so in milliseconds.
+
+        Returns:
+            The key it is recorded under.
+
+        Raises:
+            ValueError: `parts` are malformed.
+        """
+        check_parts(parts)
+        row = NothingFits(key=plan_key(parts), parts=parts, message=str(message), trials=tuple(trials),
+                          time=time.time())
+        self._use("record that nothing fits", lambda db: cache_db.record_nothing_fits(db, row), None)
+        return row.key
 
     def delete(self, key: str) -> bool:
         """Forget the plan and the failures under `key`; True if a plan was there."""

@@ -127,8 +127,14 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
 
 
 def _configure_logging(verbose: int, quiet: int) -> None:
-    """Progress lines on stderr: INFO by default, DEBUG with -v, WARNING with -q, ERROR with -qq."""
-    configure_logging(logging.DEBUG if verbose else (logging.INFO, logging.WARNING, logging.ERROR)[min(quiet, 2)])
+    """Progress lines on stderr: INFO by default, DEBUG with -v, WARNING with -q, ERROR with -qq.
+
+    For this command only: the logger is put back when it ends (exit codes included), so an in-process
+    caller's logging is as it was.
+    """
+    restore = configure_logging(logging.DEBUG if verbose else (logging.INFO, logging.WARNING,
+                                                                logging.ERROR)[min(quiet, 2)])
+    click.get_current_context().call_on_close(restore)
 
 
 def _fail(message: str, code: int) -> None:

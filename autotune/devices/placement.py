@@ -218,6 +218,20 @@ def _nvml_index(index: int) -> int:
     return index
 
 
+def release_memory(placement: Placement, *, reset_peak: bool = False) -> None:
+    """Wait for queued work and give the allocator's cached blocks back (after a trial or a failed step).
+
+    A no-op on the simulated device. Never call it after a device-side assert or an illegal address: on a
+    poisoned context every CUDA call fails again, and its error would hide the first one.
+    """
+    if placement.simulated:
+        return
+    torch.cuda.synchronize(placement.index)
+    torch.cuda.empty_cache()
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats(placement.index)
+
+
 def synchronize(placement: Placement) -> None:
     if not placement.simulated:
         torch.cuda.synchronize(placement.index)

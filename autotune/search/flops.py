@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..devices.peaks import DevicePeak
 from ..devices.placement import Placement
-from ..errors import is_oom
+from ..errors import DeviceError, is_device_poisoned, is_oom
 from ..workload import batch as batches
 from ..workload.losses import LossFn, split_loss
 
@@ -40,6 +40,9 @@ def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: P
     try:
         total = _count(model, part, loss_fn)
     except Exception as exc:  # noqa: BLE001 - an OOM only leaves MFU unknown; anything else is the model's own
+        if is_device_poisoned(exc):  # no clean-up: every CUDA call would fail again and hide this error
+            raise DeviceError(f"CUDA error while counting the model's FLOPs: {exc}. The CUDA context is unusable; "
+                              "restart the process.") from exc
         if not is_oom(exc):
             raise
         log.info("counting FLOPs at micro-batch %d ran out of memory; the plan will have no MFU", n)

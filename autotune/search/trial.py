@@ -20,12 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..workload import batch as batches
 from ..workload.batching import global_step_seconds
-from ..devices.placement import MemoryMeter, Placement, now
+from ..devices.placement import MemoryMeter, Placement, now, release_memory
 from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.losses import LossFn, label_counts, takes_num_items
@@ -83,6 +82,7 @@ class TrialRunner:
         timings: tuple[float, float, float, str] | None = None
         failure = ""
         compile_failed = False
+        poisoned = False
         try:
             try:
                 with meter.watching(work.model, micro_batch):
@@ -91,6 +91,7 @@ class TrialRunner:
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps)
             except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
                 if is_device_poisoned(exc):
+                    poisoned = True  # clean-up must make no CUDA call: it would fail too and hide this error
                     raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
                                       "The CUDA context is unusable; restart the process.") from exc
                 if micro == 1 and needs_more_samples(exc):
@@ -105,7 +106,7 @@ class TrialRunner:
             # peak now, before clean-up resets the allocator's statistics.
             reading = meter.read()
         finally:
-            _clean_up(work, applied)
+            _clean_up(work, applied, device_calls=not poisoned)
         del micro_batch
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
                             time.perf_counter() - started, compile_failed)
@@ -174,11 +175,16 @@ def noise_note(trials: list[Trial]) -> str:
             "competing for the CPU?), so the pick between close configurations may not hold")
 
 
-def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
+def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool = True) -> None:
     """Undo the rung and give every byte of the trial back before the next one measures its peak.
 
     The trial's optimizer (and its state: 8 bytes a parameter for AdamW) must be dropped before
     `empty_cache()`: freed later, its blocks would stay cached and count in the next trial's reserved peak.
+    After a poisoned context (`device_calls=False`) no CUDA call is made; a context found poisoned here
+    (an asynchronous error surfacing at the synchronize) is a `DeviceError`, like one in the trial.
+
+    Raises:
+        DeviceError: the synchronize or `empty_cache()` reported a poisoned context.
     """
     if applied is not None:
         applied.remove()
@@ -187,10 +193,15 @@ def _clean_up(work: Workload, applied: AppliedRung | None) -> None:
     for p in work.model.parameters():
         p.grad = None
     gc.collect()
-    if not work.placement.simulated:
-        torch.cuda.synchronize(work.placement.index)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(work.placement.index)
+    if not device_calls:
+        return
+    try:
+        release_memory(work.placement, reset_peak=True)
+    except Exception as exc:  # noqa: BLE001 - classified here; anything else propagates untouched
+        if is_device_poisoned(exc):
+            raise DeviceError(f"CUDA error while cleaning up after a trial: {exc}. The CUDA context is unusable; "
+                              "restart the process.") from exc
+        raise
 
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,

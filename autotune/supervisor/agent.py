@@ -257,18 +257,27 @@ def autotune_exit_code(exc: BaseException) -> int | None:
     return None
 
 
-def configure_logging(level: int | str) -> None:
+def configure_logging(level: int | str) -> Callable[[], None]:
     """Send autotune's own logger (never the root logger) to stderr at `level`, as "autotune: ..." lines.
 
-    Used by the CLI and, at the CLI's verbosity, inside the jobs it starts.
+    Used by the CLI and, at the CLI's verbosity, inside the jobs it starts. Returns a function that puts
+    the logger back as it was: a command invoked in-process (click's test runner, a notebook) must not
+    leave the logger at its level, detached from the root logger and writing to a stream since closed.
     """
     logger = logging.getLogger("autotune")
+    before = (logger.handlers[:], logger.level, logger.propagate)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_Prefixed())
         logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False  # a script that configures the root logger would print each line twice
+
+    def restore() -> None:
+        logger.handlers[:], logger.propagate = before[0], before[2]
+        logger.setLevel(before[1])
+
+    return restore
 
 
 class _Prefixed(logging.Formatter):

@@ -21,9 +21,9 @@ optimizer and GradScaler untouched; buffers the failed attempt updated (BatchNor
 the random streams are put back first (`buffers.py`), so the re-run leaves no trace of it. At micro-batch 1
 (2 for a model whose batch statistics need two samples, `plan.min_micro_batch_size`) the step moves up a
 rung (checkpointing, then offload) within the techniques `fit` was given; past the top it raises
-`NoFeasiblePlan`. Each recovery marks the old plan unsafe in the plan
-cache and stores the new one. On the simulated CPU device the step enforces the same ceiling the trials
-did (`SimulatedCeiling` over the plan's budget), so all of this runs without a GPU.
+`NoFeasiblePlan`. Each recovery marks the old plan unsafe in the plan cache it came from (`plan.cache`) and
+stores the new one there. On the simulated CPU device the step enforces the same ceiling the trials did
+(`SimulatedCeiling` over the plan's budget), so all of this runs without a GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from . import distributed
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import smallest_micro_batch, solve_accumulation, split_sizes
 from ..devices.ceiling import SimulatedCeiling
+from ..devices.headroom import shortfall
 from ..devices.placement import Placement, refuse_meta, resolve_device
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
 from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
@@ -139,6 +140,9 @@ class TrainingStep:
         self.loss_fn = resolve(loss_fn)
         self._num_items = takes_num_items(model)  # the default loss passes it num_items_in_batch
         self.placement = _placement(plan, model)
+        short = shortfall(plan.peak_memory_bytes, self.placement, "the plan")  # memory taken since tuning?
+        if short is not None:
+            log.warning("autotune: %s", short)
         self.spec = OptimizerSpec.from_user(optimizer, model)
         self.blocks = find_blocks(model, plan.block_paths)  # the blocks, and their order, the plan was tuned with
         if plan.checkpointed_blocks is None:  # the label's default, as a count: recovery compares counts
@@ -583,27 +587,30 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _tell_cache(old: Plan, new: Plan | None, shapes: dict[str, list[int]], note: str) -> None:
-    """Mark `old` unsafe for `shapes` and store `new` under its key, in the cache `fit` would use.
+    """Mark `old` unsafe for `shapes` and store `new` under its key, in the cache the plan came from.
 
-    The cache is the default one ($AUTOTUNE_CACHE, "off" honoured as in `fit`). Calls only what
-    `autotune.cache.store` provides (`open_cache`, `mark_unsafe`, `replace`), and whatever the cache does
-    (locked, corrupt, missing), training goes on.
+    That is `old.cache`, the `PlanCache` `fit` used (a path or a store the user passed), never another; a
+    plan without one (built by hand, read from JSON) goes to the default cache ($AUTOTUNE_CACHE, "off"
+    honoured as in `fit`). The store is closed afterwards (it reopens when used again): recoveries are rare,
+    and training should hold no connection between them. Whatever the cache does, training goes on.
     """
     if not old.key or not distributed.is_writer():
         return
     try:
-        from ..cache import store as cache
-
-        setting = FitSettings.resolve(cache=None).cache  # $AUTOTUNE_CACHE: a path, False for "off", or None
-        opener: Callable[[Any], Any] | None = getattr(cache, "open_cache", None)
-        store = opener(setting) if callable(opener) else None
+        store = old.cache if old.cache is not None else _default_cache()
         if store is None:
             return
-        mark = getattr(store, "mark_unsafe", None)
-        if callable(mark):
-            mark(old.key, micro_batch_size=old.micro_batch_size, shapes=shapes, note=note[:200])
-        swap = getattr(store, "replace", None)
-        if new is not None and callable(swap):
-            swap(old.key, new)
+        try:
+            store.mark_unsafe(old.key, micro_batch_size=old.micro_batch_size, shapes=shapes, note=note[:200])
+            if new is not None:
+                store.replace(old.key, new)
+        finally:
+            store.close()
     except Exception as exc:  # noqa: BLE001 - the cache must never break training
         log.warning("autotune: could not record the OOM in the plan cache (%s); training goes on", exc)
+
+
+def _default_cache() -> Any:
+    from ..cache import store as cache  # the cache sits beside training, imported only when a recovery writes
+
+    return cache.open_cache(FitSettings.resolve(cache=None).cache)  # a path, False for "off", or None
