@@ -120,23 +120,29 @@ def test_a_cached_plan_or_an_applied_one_that_no_longer_fits_is_warned_about_wit
 
 # -- a poisoned CUDA context (issue 20.3) ------------------------------------------------------------------------
 
-class PoisonedAfter(nn.Module):
-    """The tiny GPT, whose forward raises CUDA's illegal-address error from the `calls`-th call on."""
+class PoisonedInTrials(nn.Module):
+    """The tiny GPT, whose forward raises CUDA's illegal-address error once a trial's steps run (the forwards
+    that profile blocks and count FLOPs before the trials pass)."""
 
-    def __init__(self, calls: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.gpt, _ = tiny_workload()
-        self.calls, self.seen = calls, 0
+        self.poisoned = False
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.seen += 1
-        if self.seen >= self.calls:
+        if self.poisoned:
             raise RuntimeError(ILLEGAL_ADDRESS)  # what torch raises (torch.AcceleratorError is a RuntimeError)
         return self.gpt(idx, targets)
 
 
 def test_a_device_error_survives_clean_up_that_would_call_cuda_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = PoisonedInTrials()
     cleanups: list[object] = []
+    run_steps = trial_module._run_steps
+
+    def poisoned_steps(*args: object, **kwargs: object) -> object:  # the real steps, on a context gone bad
+        model.poisoned = True
+        return run_steps(*args, **kwargs)
 
     def release_memory(placement: object, reset_peak: bool = False) -> None:  # as CUDA would, once poisoned
         cleanups.append(placement)
@@ -145,11 +151,12 @@ def test_a_device_error_survives_clean_up_that_would_call_cuda_again(monkeypatch
     def restore(self: Snapshot) -> None:  # copying the weights back onto a poisoned device fails too
         raise RuntimeError(ILLEGAL_ADDRESS)
 
+    monkeypatch.setattr(trial_module, "_run_steps", poisoned_steps)
     monkeypatch.setattr(trial_module, "release_memory", release_memory)
     monkeypatch.setattr(Snapshot, "restore", restore)
     _, batch = tiny_workload()
     with pytest.raises(DeviceError, match="during a trial of .*illegal memory access") as raised:
-        autotune.fit(PoisonedAfter(calls=2), batch, device="cpu", memory_budget="64MiB", cache=False)
+        autotune.fit(model, batch, device="cpu", memory_budget="64MiB", cache=False)
     assert cleanups == [], "no CUDA call after a poisoned context"
     assert any("restoring the model afterwards failed too" in n for n in getattr(raised.value, "__notes__", []))
 
