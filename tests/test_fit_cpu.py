@@ -59,8 +59,10 @@ def _fit(model, batch, budget, **kw):
 
 def test_shrinking_budget_pushes_the_model_up_the_ladder(gpt, peaks):
     model, batch = gpt
-    roomy = _fit(model, batch, peaks["bf16"] * 3)
-    # Nothing forces a climb: plain bf16 wins, and the search grew it to the whole per-rank batch.
+    # Nothing forces a climb: plain bf16 fits, and the search grows it to the whole per-rank batch. Only bf16
+    # is allowed here: on the CPU, optimizer offload steps on the same cores and ties plain bf16 within
+    # timing noise, so which of the two wins at a roomy budget is a coin toss on a loaded machine.
+    roomy = _fit(model, batch, peaks["bf16"] * 3, techniques=("bf16",))
     assert roomy.rung == Rung()
     assert any(t.fits and t.rung == Rung() and t.micro_batch_size == 8 for t in roomy.trials)
     # Which micro-batch wins is measured: on a CPU a tiny model's throughput is nearly flat, so the pick is
