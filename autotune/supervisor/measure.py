@@ -69,6 +69,7 @@ class StepWatch:
         self.closure_steps = 0  # measured steps whose forward and backward ran inside step(closure)
         self._primary: int | None = None  # id() of the optimizer whose steps count
         self._depth = 0  # nesting of step() calls in progress
+        self._outermost: int | None = None  # id() of the optimizer whose step() opened the nesting
         self._entered = 0.0  # when the outermost step() began
         self._in_closure = 0.0  # seconds spent in its closure so far
         self._last_end: float | None = None
@@ -98,9 +99,12 @@ class StepWatch:
     def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if threading.get_ident() != self._thread:
             return None
+        if self._depth and id(optimizer) == self._outermost:
+            self._depth = 0  # its last step() raised (and the loop went on): no post hook closed it
         self._depth += 1
         if self._depth > 1:
             return None
+        self._outermost = id(optimizer)
         self._in_closure = 0.0
         self._entered = self.now()
         # args[0] is the optimizer itself; a closure comes as step(closure) or step(closure=...).
