@@ -150,7 +150,8 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
         plan = _tune(model, batch, optimizer, loss_fn, settings, placement, budget, allowed, global_batch,
                      per_rank, world, bound, progress_for(progress) if distributed.is_writer() else None)
     except NoFeasiblePlan as exc:
-        if store is not None and distributed.is_writer():
+        # Cached only when the search ran to its end: one cut short by max_trials may find a plan with more.
+        if store is not None and distributed.is_writer() and len(exc.trials) < settings.max_trials:
             store.record_nothing_fits(parts, str(exc), exc.trials)
         raise
     # A plan carries its key only when it is cached: a recovery during training writes back by key, to `store`.

@@ -329,3 +329,17 @@ def autotune_fit(model: torch.nn.Module, batch: object, **settings: Any) -> Any:
     import autotune
 
     return autotune.fit(model, batch, **settings)
+
+
+def test_a_search_cut_short_by_max_trials_is_not_cached_as_nothing_fits(tmp_path: Path) -> None:
+    from autotune.errors import NoFeasiblePlan
+
+    model, batch = tiny_workload()
+    settings = dict(global_batch_size=8, device="cpu", memory_budget="135KiB", cache=tmp_path / "plans.db",
+                    trial_steps=1)  # a search of 2 trials that finds nothing
+    with pytest.raises(NoFeasiblePlan) as short:
+        autotune_fit(model, batch, max_trials=1, **settings)
+    assert len(short.value.trials) == 1
+    with pytest.raises(NoFeasiblePlan) as full:  # more trials: the search runs again, not the cached refusal
+        autotune_fit(model, batch, **settings)
+    assert "cached under key" not in str(full.value) and len(full.value.trials) > 1

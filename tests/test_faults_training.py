@@ -7,6 +7,7 @@ reading is faked at its source (the host's free memory, the CUDA clean-up call),
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from pathlib import Path
@@ -170,3 +171,30 @@ def test_a_context_found_poisoned_in_clean_up_is_a_device_error(monkeypatch: pyt
     with pytest.raises(DeviceError, match="while cleaning up after a trial.*illegal memory access") as raised:
         autotune.fit(model, batch, device="cpu", memory_budget="64MiB", cache=False)
     assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+def test_a_plan_that_carries_its_cache_can_still_be_copied_and_pickled(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    model, batch = tiny_workload()
+    plan = fit_tiny(model, batch, tmp_path / "plans.db", max_trials=1)
+    for twin in (copy.deepcopy(plan), pickle.loads(pickle.dumps(plan))):
+        assert twin == plan and twin.cache is not plan.cache and twin.cache.path == plan.cache.path
+        assert twin.cache.get(plan.key) == dataclasses.replace(plan, source="tuned", cache=None)
+
+
+def test_a_context_found_poisoned_while_training_cleans_up_after_an_oom_is_a_device_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autotune.training import step as step_module
+
+    def release_memory(placement: object, reset_peak: bool = False) -> None:
+        raise RuntimeError(ILLEGAL_ADDRESS)
+
+    model = new_model()
+    plan = autotune.fit(model, seq_batch(8, 8, seed=5), global_batch_size=8, optimizer=sgd(model.parameters()),
+                        memory_budget=200_000, device="cpu", techniques=("checkpointing",), cache=False)
+    step = plan.apply(model, sgd(model.parameters()))
+    monkeypatch.setattr(step_module, "release_memory", release_memory)
+    with pytest.raises(DeviceError, match="while cleaning up after an OOM in training.*illegal memory access"):
+        step(seq_batch(8, 64, seed=6))  # out of memory: the clean-up before the re-run finds the context poisoned

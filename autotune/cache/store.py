@@ -136,6 +136,17 @@ class PlanCache:
     def __repr__(self) -> str:
         return f"PlanCache({str(self.path)!r}{', off: ' + self.problem if self.problem else ''})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, `copy.deepcopy` of a plan that carries this cache) holds the path and settings,
+        never the connection: it opens its own when first used, as after a fork."""
+        state = dict(self.__dict__)
+        state["_db"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def __enter__(self) -> PlanCache:
         return self
 

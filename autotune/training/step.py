@@ -46,7 +46,7 @@ from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import smallest_micro_batch, solve_accumulation, split_sizes
 from ..devices.ceiling import SimulatedCeiling
 from ..devices.headroom import shortfall
-from ..devices.placement import Placement, refuse_meta, resolve_device
+from ..devices.placement import Placement, refuse_meta, release_memory, resolve_device
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
 from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
 from . import clipping
@@ -389,9 +389,13 @@ class TrainingStep:
     def _clean_up(self) -> None:
         self._drop_gradients()
         gc.collect()
-        if not self.placement.simulated:
-            torch.cuda.synchronize(self.placement.index)
-            torch.cuda.empty_cache()
+        try:
+            release_memory(self.placement)
+        except Exception as exc:  # noqa: BLE001 - classified here; anything else propagates untouched
+            if is_device_poisoned(exc):  # an asynchronous error surfacing at the synchronize
+                raise DeviceError(f"CUDA error while cleaning up after an OOM in training ({self._config()}): "
+                                  f"{exc}. The CUDA context is unusable; restart the process.") from exc
+            raise
 
     # -- recovery ------------------------------------------------------------------------------------
     def _recover(self, batch: Any, failure: str, failed: list[Trial], started: float) -> None:
