@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import sqlite3
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -45,12 +46,21 @@ def run_children(target: Any, count: int, *args: Any) -> list[int | None]:
     children = [FORK.Process(target=_guarded, args=(target, i, barrier, *args)) for i in range(count)]
     for child in children:
         child.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT  # one deadline for all: a hang costs minutes, not 16 x minutes
     for child in children:
-        child.join(timeout=JOIN_TIMEOUT)
+        child.join(timeout=max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.is_alive():
+            child.kill()  # a hung child would otherwise hold the suite (and CI) forever
+            child.join()
     return [child.exitcode for child in children]
 
 
 def _guarded(target: Any, *args: Any) -> None:
+    # A forked child must not enter an OpenMP parallel region: GNU libgomp's thread pool does not survive
+    # fork, and the child hangs on its first multi-threaded op (seen under CI's default thread count: all 16
+    # children asleep on a futex for 17 minutes). One thread keeps every op inline, as DataLoader workers do.
+    torch.set_num_threads(1)
     try:
         warnings.simplefilter("error", CacheWarning)  # any degradation of the cache fails the child
         target(*args)
