@@ -37,6 +37,7 @@ from .techniques import (anchors, drop_rungs_over, eight_bit_anchors, find_block
                          resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters
 from .techniques.compile import unavailable as compile_unavailable
+from .techniques.sharding import choose_sharding, is_sharded, reset_after_failure, sharded_copy
 from .search.trial import TrialRunner, Workload, noise_note
 
 log = logging.getLogger(__name__)
@@ -207,36 +208,46 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     spec = OptimizerSpec.from_user(optimizer, model)
     peak = device_peak(placement.name, placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
     limit = int((1 - settings.margin) * budget)
-    dropped: list[str] = []
     compile_notes: list[str] = []
+    state_tensors = state_tensors_per_parameter(spec)
+    plain = anchors(allowed, placement, find_blocks(model))[0][0]  # the first rung: nothing offloaded
+    sharding, sharding_reason = choose_sharding(model, resident_floor(plain, model, state_tensors), limit, world)
+    copied = sharding == "fsdp2" and not is_sharded(model)
     home = _device_of(model)
+    # The trials run on the model moved to the device, or, for a plan that shards it, on a sharded copy
+    # (sharding is in place and for good, and fit leaves the model as it found it) while the model waits
+    # on the host, where the trials' peaks do not count it.
+    away = torch.device("cpu") if copied else placement.torch_device
     snapshot = Snapshot.take(model, optimizer)
     poisoned = False
+    tuned = model
     try:
-        if home != placement.torch_device:
-            model.to(placement.torch_device)
+        if home != away:
+            model.to(away)
+        if copied:
+            tuned = sharded_copy(model, plain.precision)
         # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
         # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
         example, loss = batches.detached(batches.to_device(batch, placement.torch_device)), resolve_loss(loss_fn)
         # Which blocks, and in which order, by the activations they hold: one forward, so in the snapshot.
-        blocks = (profile_blocks(model, example, loss, placement) if "checkpointing" in allowed
-                  else find_blocks(model))  # sharding's units; and the model's own checkpointing, reported
+        blocks = (profile_blocks(tuned, example, loss, placement) if "checkpointing" in allowed
+                  else find_blocks(tuned))  # sharding's units; and the model's own checkpointing, reported
+        reset_after_failure(tuned)  # FSDP2: a forward with no backward (or an OOM in it) leaves blocks gathered
         rungs, notes = anchors(allowed, placement, blocks)
         rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
         notes += more
         rungs, dtype_notes = serve_dtypes(rungs, model)  # a rung that cannot train the model's dtypes is never tried
         notes = dtype_notes + notes
-        floors = [resident_floor(r, model, state_tensors_per_parameter(spec)) for r in rungs]
+        floors = [resident_floor(r, tuned, state_tensors) for r in rungs]
         lattice = Lattice(blocks=len(blocks.blocks) if blocks is not None else 0,
                           shares=blocks.shares() if blocks is not None else None,
                           compile=_compile_allowed(allowed, placement, compile_notes), floors=dict(zip(rungs, floors)))
-        if world == 1:  # sharded ranks hold only a share of the floor: there the trials decide
-            rungs, dropped = drop_rungs_over(rungs, floors, limit)
-        work = Workload(model=model, batch=example,
+        rungs, dropped = drop_rungs_over(rungs, floors, limit)  # floors count what this rank holds: its shard
+        work = Workload(model=tuned, batch=example,
                         loss_fn=loss, spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
-        flops = flops_per_sample(model, work.batch, work.loss_fn, placement)
+        flops = flops_per_sample(tuned, work.batch, work.loss_fn, placement)
         runner = TrialRunner(work, agree=distributed.agree_trial)
         longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
         if progress is not None:
@@ -245,7 +256,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                                 max_trials=settings.max_trials, world_size=world, remeasure=longer)
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
-        best, fraction = _offload_share(result, runner, model, spec, limit, world)
+        best, fraction = _offload_share(result, runner, tuned, spec, limit, world)
     except DeviceError as error:
         poisoned = True
         _put_back_noting(error, model, home, snapshot)
@@ -261,6 +272,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     first = [n for n in result.notes if n.startswith("micro-batch 1 skipped")]
     rest = [n for n in [*notes, *result.notes, *compile_notes] if n not in first]
     reason = result.reason + "".join(f"; {n}" for n in [*first, *rest][:2 + len(first)])
+    if sharding_reason:  # the first decision: it changed what every trial ran on
+        reason = f"{sharding_reason}; {reason}"
     if noise_note(result.trials):  # after the notes, never cut: the one thing that says how far to trust this
         reason += f"; {noise_note(result.trials)}"
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
@@ -274,7 +287,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                 samples_per_second=best.samples_per_second,
                 tokens_per_second=best.samples_per_second * tokens if tokens else None,
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
-                trials=tuple(result.trials), flops_per_sample=flops,
+                trials=tuple(result.trials), flops_per_sample=flops, sharding=sharding,
                 mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision),
                 min_micro_batch_size=result.smallest, techniques=tuple(sorted(allowed)))
 

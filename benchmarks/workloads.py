@@ -51,7 +51,7 @@ from autotune.search.trial import TrialRunner, Workload  # noqa: E402
 
 GRID_MICRO = (1, 2, 4, 8, 16, 32, 64)
 EXAMPLE_ROWS = 8  # rows in the example batch; trials repeat them cyclically up to any micro-batch
-GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25)}  # layers, width, heads
+GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25)}  # layers, width, heads
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

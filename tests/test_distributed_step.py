@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SCENARIOS = ("mean-uneven", "tokens-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
-             "sharded-mean-uneven", "sharded-tokens-uneven")
+             "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven")
 # Gradient clipping over the global batch (test_clipping.py has one process): two ranks only.
 CLIP_SCENARIOS = ("clip-mean-uneven", "clip-tokens-uneven", "sharded-clip-mean-uneven", "sharded-clip-tokens-uneven")
 CLIP_NORM = 0.05  # well under these batches' gradient norms: the clipping is real
@@ -128,6 +128,39 @@ def _scenario(name: str, rank: int, world: int) -> dict:
             if rank == 1 and calls["n"] == at:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank 1)")
             return m(*b)
+    elif name == "oom-in-last-backward":
+        # Buckets of 2 KB (several per block), and a hook on the first layer's output in the last micro-batch of
+        # the first attempt: when backward reaches it, later layers' buckets are being all-reduced already (the
+        # overlap); rank 1 runs out of memory right there and must still start the buckets it has not.
+        from autotune.training import distributed
+
+        shares = _shares(world, seed=70)
+        calls = {"n": 0}
+        overlap = {"started": [], "at_bottom": -1}
+        start = distributed.OverlappedReduce._start
+        distributed.BUCKET_BYTES = 2048
+
+        def counted(self):  # noqa: ANN001
+            overlap["started"].append(self.started)
+            start(self)
+
+        distributed.OverlappedReduce._start = counted
+
+        def at_bottom(grad):
+            overlap["at_bottom"] = len(overlap["started"])
+            if rank == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected in backward)")
+            return grad
+
+        def loss_fn(m, b):  # noqa: F811 - the scenario's loss: m(*b), with a hook on the first layer's output
+            calls["n"] += 1
+            x, y = b
+            h = m.inp(x)
+            if calls["n"] == math.ceil(len(shares[rank][0]) / 2):
+                h.register_hook(at_bottom)
+            for block in m.blocks:
+                h = block(h)
+            return ((m.head(h).squeeze(-1) - y) ** 2).mean()
     elif name == "longer-input-on-one-rank":
         # rank 1's sequences are 8x longer: micro-batch 2 runs out of memory there under the simulated
         # ceiling, and fits everywhere at micro-batch 1
@@ -142,7 +175,16 @@ def _scenario(name: str, rank: int, world: int) -> dict:
 
     plan = make_plan(2, sum(len(b[0]) for b in shares), budget=budget)
     train_loss = (lambda m, b: m(*b)) if sharded and loss_fn is token_loss else loss_fn
-    got, step, loss = _train(plan, model, shares[rank], train_loss, sharded=sharded, max_norm=max_norm)
+    try:
+        got, step, loss = _train(plan, model, shares[rank], train_loss, sharded=sharded, max_norm=max_norm)
+    finally:
+        if name == "oom-in-last-backward":
+            distributed.OverlappedReduce._start, distributed.BUCKET_BYTES = start, 25 * 2**20
+    if name == "oom-in-last-backward":
+        buckets = max(overlap["started"]) + 1
+        assert buckets > 4 and overlap["started"].count(0) == 2, overlap  # every bucket, in both attempts
+        if rank == 0:  # backward had started buckets before it reached the first layer
+            assert 0 < overlap["at_bottom"] < buckets, overlap
     want, want_loss, want_norm = _reference(model, shares, None if loss_fn is None or name.startswith("oom")
                                             else loss_fn, max_norm)
     assert_same_training(model, got, want)
@@ -214,7 +256,8 @@ def test_step_on_two_ranks_equals_one_full_batch_step(two_ranks, name):
     assert all(r["micro"] == 2 and not r["recoveries"] for r in results)
 
 
-@pytest.mark.parametrize("name", ["oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank"])
+@pytest.mark.parametrize("name", ["oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
+                                  "oom-in-last-backward"])
 def test_oom_on_one_rank_is_recovered_on_every_rank(two_ranks, name):
     results = _check(two_ranks, name)
     # every rank re-ran the same batch at the smaller micro-batch; only rank 1 saw the OOM itself

@@ -17,12 +17,14 @@ of its own, with its own tests, and `placement.py` stays about facts.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -68,6 +70,11 @@ class SimulatedCeiling(TorchDispatchMode):
         self._live: dict[int, tuple[int, weakref.finalize]] = {}
         self._host_depth = 0
         self._outer: SimulatedCeiling | None = None
+        # FSDP2 frees an all-gathered block by resizing its storage to 0 bytes (`storage.resize_(0)`, no
+        # operator the hook sees) while autograd still holds the tensor: once a sharded model is seen, a
+        # new peak re-reads the live storages' sizes before it counts (`_recount`).
+        self._resized_in_place = False
+        self._padded: dict[int, int] = {}  # storage key -> the largest rank's bytes, for a shard counted so
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def track(self, obj: Any) -> None:
@@ -79,6 +86,14 @@ class SimulatedCeiling(TorchDispatchMode):
         self.peak_bytes = self.current_bytes
 
     def _count(self, t: torch.Tensor) -> None:
+        shard_bytes = 0
+        if isinstance(t, DTensor):
+            # An FSDP2 shard: this rank holds its local tensor only. The DTensor wrapper's own storage is
+            # sized like the global tensor (world x the bytes held), so count the local one. `_local_tensor`,
+            # not `to_local()`: this runs inside the dispatch hook, where an op would dispatch again.
+            shard_bytes = _largest_shard_bytes(t)
+            t = t._local_tensor
+            self._resized_in_place = True
         if self._host_depth or t.device.type != "cpu" or t.is_sparse or t.is_nested:
             return
         if is_traceable_wrapper_subclass(t):
@@ -95,6 +110,12 @@ class SimulatedCeiling(TorchDispatchMode):
             return
         key = storage._cdata
         nbytes = storage.nbytes()
+        if shard_bytes and nbytes == t.numel() * t.element_size():
+            # A shard in a storage of its own (optimizer state): counted at the largest rank's size, as FSDP
+            # pads its own buffers. Uneven shards (a dimension smaller than the world) would otherwise let
+            # one rank run out of memory inside a forward where the others go on into a collective.
+            nbytes = max(nbytes, shard_bytes)
+            self._padded[key] = nbytes
         seen = self._live.get(key)
         if seen is not None:
             if seen[0] != nbytes:  # resized in place (out= ops, resize_)
@@ -107,11 +128,23 @@ class SimulatedCeiling(TorchDispatchMode):
         self.current_bytes += nbytes
 
     def _release(self, key: int) -> None:
+        self._padded.pop(key, None)
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current_bytes -= entry[0]
 
+    def _recount(self) -> None:
+        """Re-read every live storage's size: those resized outside an operator (FSDP2's frees)."""
+        for key, (nbytes, finalizer) in list(self._live.items()):
+            alive = finalizer.peek()
+            size = max(alive[0].nbytes(), self._padded.get(key, 0)) if alive is not None else nbytes
+            if size != nbytes:
+                self.current_bytes += size - nbytes
+                self._live[key] = (size, finalizer)
+
     def _check(self) -> None:
+        if self._resized_in_place and self.current_bytes > self.peak_bytes:
+            self._recount()
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
         if self.current_bytes > self.limit_bytes:
@@ -147,7 +180,18 @@ class SimulatedCeiling(TorchDispatchMode):
         for _, finalizer in self._live.values():
             finalizer.detach()
         self._live.clear()
+        self._padded.clear()
         self.current_bytes = 0
+
+
+def _largest_shard_bytes(t: DTensor) -> int:
+    """Bytes of the largest rank's shard of `t`: dimension d of a `Shard(d)` placement split by ceiling."""
+    shape = list(t.shape)
+    for size, placement in zip(t.device_mesh.shape, t.placements):
+        if placement.is_shard():
+            dim = placement.dim  # type: ignore[attr-defined]
+            shape[dim] = -(-shape[dim] // size)
+    return math.prod(shape) * t.element_size()
 
 
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..techniques.offload import local_part
+
 
 @dataclass(kw_only=True, slots=True)
 class Snapshot:
@@ -29,7 +31,10 @@ class Snapshot:
     @classmethod
     def take(cls, model: nn.Module, optimizer: Any = None) -> Snapshot:
         with torch.no_grad():
-            tensors = [(t, t.detach().to("cpu", copy=True)) for t in [*model.parameters(), *model.buffers()]]
+            # An FSDP2 shard is saved and restored as this rank's local tensor (a plain tensor on the host);
+            # any other tensor as itself (restore() may give it new data of the first dtype before copying).
+            live = [local_part(t) for t in [*model.parameters(), *model.buffers()]]
+            tensors = [(t, t.to("cpu", copy=True)) for t in live]
         user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         snapshot = cls(
             tensors=tensors,

@@ -32,6 +32,7 @@ from ..workload.optimizers import OptimizerSpec
 from ..plan import Rung, Trial
 from ..sizes import format_bytes
 from ..techniques import AppliedRung, BlockGroup, apply_rung
+from ..techniques.sharding import reset_after_failure
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool
     Raises:
         DeviceError: the synchronize or `empty_cache()` reported a poisoned context.
     """
+    reset_after_failure(work.model)  # FSDP2: a step that failed left blocks unsharded
     if applied is not None:
         applied.remove()
         applied.optimizer = None

@@ -23,6 +23,7 @@ from typing import Any, ContextManager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..devices.placement import Placement
 from ..sizes import format_bytes
@@ -33,7 +34,7 @@ from ..plan import Rung
 from . import checkpointing, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup, find_blocks, profile_blocks
-from .offload import HostOptimizer, device_dtype, norm_parameters
+from .offload import HostOptimizer, device_dtype, local_part, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
 TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit")
@@ -118,18 +119,29 @@ def _rung(precision: str, k: int, n: int, offload: str, compile: bool) -> Rung:
 
 def resident_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
     """Bytes the rung keeps on the device before any activation exists: weights, gradients and optimizer
-    state on the lower rungs; 16-bit weights and gradients under optimizer offload. A lower bound."""
+    state on the lower rungs; 16-bit weights and gradients under optimizer offload. A lower bound.
+
+    An FSDP2 rank holds only its shard of each parameter (and of its gradient and state); under optimizer
+    offload a shard keeps its FP32 weight and gradient (see `HostOptimizer`).
+    """
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     if rung.offload == "optimizer":  # each weight and gradient at its device dtype: 2 bytes from FP32
         def size(p: nn.Parameter) -> int:
-            return p.numel() * torch.empty((), dtype=device_dtype(p, torch.bfloat16)).element_size()
+            if isinstance(p, DTensor):  # an FSDP2 shard keeps its dtype (see HostOptimizer)
+                return _held(p) * p.element_size()
+            return _held(p) * torch.empty((), dtype=device_dtype(p, torch.bfloat16)).element_size()
         return sum(size(p) for p in params) + sum(size(p) for p in trainable)
-    weights = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(p.numel() * p.element_size() for p in trainable)
+    weights = sum(_held(p) * p.element_size() for p in params)
+    grads = sum(_held(p) * p.element_size() for p in trainable)
     if rung.optimizer_8bit:
-        return weights + grads + state_tensors * optimizer_8bit.STATE_BYTES * sum(p.numel() for p in trainable)
+        return weights + grads + state_tensors * optimizer_8bit.STATE_BYTES * sum(_held(p) for p in trainable)
     return weights + (1 + state_tensors) * grads
+
+
+def _held(p: torch.Tensor) -> int:
+    """Elements of `p` this rank holds: its local shard under FSDP2, else all of them."""
+    return local_part(p.detach()).numel()
 
 
 def eight_bit_anchors(rungs: list[Rung], allowed: frozenset[str], spec: OptimizerSpec,

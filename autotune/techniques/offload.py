@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..devices.ceiling import host_memory
 from ..workload.optimizers import OptimizerSpec
@@ -35,6 +36,15 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         host.copy_(t.detach(), non_blocking=True)
         return host
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter or gradient (a DTensor), viewing its storage; else `t`.
+
+    Host copies are plain tensors: copying a DTensor into one raises "mixed torch.Tensor and DTensor",
+    and each rank only ever updates its own shard.
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +124,11 @@ class HostOptimizer:
     Parameters in `keep_fp32` (normalization layers': see `norm_parameters`) keep FP32 device weights:
     BatchNorm needs its weight in the dtype of its FP32 running statistics (cuDNN and the CPU kernel both
     refuse a 16-bit weight beside them), and norm weights are a negligible share of the memory.
+
+    FSDP2-sharded parameters (DTensors) keep their FP32 shards too: FSDP casts them to 16 bits itself when
+    it all-gathers (`MixedPrecisionPolicy`) and assigns FP32 reduced gradients to them, which a 16-bit
+    shard refuses. Their masters copy this rank's shard only (`local_part`), so the host holds 1/world of
+    the FP32 weights and optimizer state, and the device saves the optimizer state.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], spec: OptimizerSpec, dtype: torch.dtype,
@@ -125,7 +140,7 @@ class HostOptimizer:
         self.dtype = dtype
         self.dtypes = [p.dtype for p in self.params]  # each comes back in its own dtype (restore)
         self.scaler = scaler
-        kept = {id(p) for p in keep_fp32}
+        kept = {id(p) for p in keep_fp32} | {id(p) for p in self.params if isinstance(p, DTensor)}
         self.host_index = host_share([p.numel() for p in self.params], fraction)
         host = set(self.host_index)
         self.device_index = [i for i in range(len(self.params)) if i not in host]
@@ -167,7 +182,8 @@ class HostOptimizer:
     @staticmethod
     def _host_master(p: nn.Parameter) -> torch.Tensor:
         fp = master_dtype(p)
-        master = _pinned_copy(p.data.to(fp)) if p.device.type != "cpu" else p.data.detach().to(fp, copy=True)
+        weight = local_part(p.detach())
+        master = _pinned_copy(weight.to(fp)) if p.device.type != "cpu" else weight.to(fp, copy=True)
         master.grad = torch.zeros_like(master, pin_memory=p.device.type != "cpu")
         return master
 
@@ -176,7 +192,7 @@ class HostOptimizer:
         cuda = self.params[0].device.type == "cuda"
         stream = torch.cuda.Stream(self.params[0].device) if cuda else None
         if cuda:  # one pinned buffer per parameter in the device weight's dtype: gradient out, weight back
-            self._staging = {i: torch.empty(self.params[i].shape, dtype=self.params[i].dtype, pin_memory=True)
+            self._staging = {i: torch.empty(self.master[i].shape, dtype=self.params[i].dtype, pin_memory=True)
                              for i in self.host_index}
         numels = [p.numel() for p in self.params]
         self.pipeline = OffloadPipeline({i: self.params[i] for i in self.host_index},
@@ -202,10 +218,10 @@ class HostOptimizer:
         self.skip |= {i for c in self.pipeline.done for i in self.pipeline.chunks[c]}
 
     def _stage(self, i: int, grad: torch.Tensor) -> None:
-        self._staging[i].copy_(grad, non_blocking=True)  # on the side stream, in the hook (see the pipeline)
+        self._staging[i].copy_(local_part(grad), non_blocking=True)  # on the side stream, in the hook (see the pipeline)
 
     def _land(self, i: int) -> None:
-        source = self._staging[i] if self._staging else self.params[i].grad
+        source = self._staging[i] if self._staging else local_part(self.params[i].grad)
         self.master[i].grad.copy_(source)
 
     def _step_chunk(self, indices: list[int]) -> None:
@@ -260,7 +276,7 @@ class HostOptimizer:
         if grad is None:
             self.master[i].grad.zero_()
         else:
-            self.master[i].grad.copy_(grad, non_blocking=True)
+            self.master[i].grad.copy_(local_part(grad), non_blocking=True)
 
     def _update(self, stepped: set[int]) -> None:
         """Unscale and clip what was not stepped yet, step it, and bring every host weight back."""
@@ -325,7 +341,7 @@ class HostOptimizer:
             self._send_back(indices)
             return
         for i in indices:
-            self.params[i].data.copy_(self.master[i], non_blocking=True)
+            local_part(self.params[i].data).copy_(self.master[i], non_blocking=True)
 
     def _send_back(self, indices: Sequence[int]) -> None:
         """Staged weights host to device on the side stream (the simulated device has no staging)."""
@@ -334,7 +350,7 @@ class HostOptimizer:
             return
         with torch.cuda.stream(self._stream):
             for i in indices:
-                self.params[i].data.copy_(self._staging[i], non_blocking=True)
+                local_part(self.params[i].data).copy_(self._staging[i], non_blocking=True)
 
     def _unscale(self, device: list[torch.Tensor]) -> bool:
         """FP16 only: divide the gradients by the loss scale; False (and a smaller scale) on inf/NaN."""
@@ -378,6 +394,9 @@ class HostOptimizer:
             positions = [k for k, i in enumerate(order) if i in share]
             part = opt.state_dict()
             part["state"] = {n: state[k] for n, k in enumerate(positions) if k in state}
+            if opt is self.optimizer:  # the host masters are plain tensors: a shard's state as its local part
+                part["state"] = {n: {name: local_part(v) if isinstance(v, torch.Tensor) else v
+                                     for name, v in entry.items()} for n, entry in part["state"].items()}
             with host_memory() if opt is self.optimizer else contextlib.nullcontext():
                 opt.load_state_dict(part)
 
@@ -399,7 +418,7 @@ class HostOptimizer:
             self.pipeline = None
         for i, master in [*self.master.items(), *self.device_master.items()]:
             p = self.params[i]
-            if master is not p:
+            if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place
                 p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=True)
         for p in self.params:
             p.grad = None

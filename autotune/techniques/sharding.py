@@ -1,8 +1,9 @@
 """The rungs for several GPUs: the model replicated (data parallel) while it fits, FSDP2 sharding when it does not.
 
-Replicated: every rank holds the whole model and `TrainingStep` sums the ranks' gradients once per optimizer
-step, after the ranks agreed that none ran out of memory (`distributed.reduce_gradients`): no DDP wrapper,
-so no collective starts inside a backward that another rank may never reach.
+Replicated: every rank holds the whole model and `TrainingStep` sums the ranks' gradients in buckets while the
+last micro-batch's backward runs, after the ranks agreed that none ran out of memory so far, and every rank
+starts every bucket even when its backward ran out of memory (`distributed.OverlappedReduce`): no DDP
+wrapper, whose hooks would leave the other ranks waiting in a collective that a failed rank never reaches.
 
 Sharded: FSDP2 `fully_shard` on every repeated block and then on the root, so each rank holds 1/world of the
 parameters, gradients and optimizer state and all-gathers one block at a time. `MixedPrecisionPolicy`
@@ -10,15 +11,21 @@ computes in BF16 and reduces gradients in FP32; `CPUOffloadPolicy` is the offloa
 parameters, gradients and optimizer state on the host, the optimizer stepping on the CPU).
 
 `shard` works in place and cannot be undone (FSDP2 has no public "unshard for good"), and the optimizer
-must be built after it over the sharded parameters. So it is applied by the user (or `plan.apply`) before
-`fit`, not flipped on and off between trials; see README "Several GPUs".
+must be built after it over the sharded parameters. So it is not flipped on and off between trials: the
+user shards before `fit`, or `fit` decides (`choose_sharding`) and tunes on a sharded copy, and
+`plan.apply` shards the user's model and re-points the user's optimizer at the shards
+(`shard_for_training`); see README "Several GPUs".
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from ..sizes import format_bytes
 from .checkpointing import BlockGroup, find_blocks
 
 
@@ -54,3 +61,88 @@ def shard(model: nn.Module, *, precision: str = "bf16", offload: bool = False,
         fully_shard(block, mp_policy=mixed, offload_policy=policy)
     fully_shard(model, mp_policy=mixed, offload_policy=policy)
     return model
+
+
+def reset_after_failure(model: nn.Module) -> None:
+    """After a step that raised (an OOM mid-forward or mid-backward): put FSDP2 back in its idle state.
+
+    A failed step leaves blocks unsharded (the module then holds plain tensors whose storage FSDP freed),
+    all-gathers pending and per-iteration trackers set, and the next forward or optimizer would use them.
+    `FSDPModule.reset_iter_state` (torch 2.13+) on the root waits for the collectives in flight, reshards
+    every group and drops the failed iteration's gradient reductions; older torch reshards each module.
+    A model that is not sharded is left alone.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        return
+    root = units[0]  # modules() starts at the model: the outermost FSDP module is the root
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+        return
+    for unit in units:
+        unit.reshard()
+
+
+def choose_sharding(model: nn.Module, replicated_floor: int, limit_bytes: int, world: int) -> tuple[str, str]:
+    """("fsdp2" or "none", the reason): shard when the replicated model cannot hold its own state.
+
+    `replicated_floor` is what every rank keeps with the model replicated and nothing offloaded (weights,
+    gradients and optimizer state: `resident_floor` of the plain rung). Over the limit, no micro-batch fits
+    replicated without optimizer offload, and sharding divides that floor by the world size while the
+    GPU keeps the optimizer step (offload would move it to the host and copy every gradient over PCIe).
+    One rank has nothing to shard over; a model the user sharded already stays as it is.
+    """
+    if is_sharded(model):
+        return "fsdp2", "sharded with FSDP2 before fit"
+    if world < 2 or replicated_floor <= limit_bytes:
+        return "none", ""
+    return "fsdp2", (f"sharded with FSDP2 over {world} ranks: replicated, weights, gradients and optimizer state "
+                     f"need {format_bytes(replicated_floor)} per rank, over the {format_bytes(limit_bytes)} limit")
+
+
+def sharded_copy(model: nn.Module, precision: str) -> nn.Module:
+    """A sharded deep copy of `model`, for the trials: `fit` must leave the user's model as it found it.
+
+    Copy a model that is on the host (`fit` moves it there first): FSDP2 moves each shard to the mesh's
+    device, so the device never holds a second whole model.
+    """
+    return shard(copy.deepcopy(model), precision=precision)
+
+
+def shard_for_training(model: nn.Module, optimizer: object, *, precision: str) -> None:
+    """`plan.apply` under a sharded plan: shard `model` in place and re-point `optimizer` at the shards.
+
+    The user's optimizer object is kept (an LR scheduler holds it, and so may a checkpointing callback):
+    each group's parameters are swapped for their shards in place, hyperparameters and groups untouched,
+    and any state it holds is cut to this rank's shard of each tensor.
+    """
+    old = {id(p): name for name, p in model.named_parameters()}
+    shard(model, precision=precision)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _repoint(optimizer, old, dict(model.named_parameters()))
+
+
+def _repoint(optimizer: torch.optim.Optimizer, names: dict[int, str], shards: dict[str, nn.Parameter]) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    state = optimizer.state
+    moved: dict[nn.Parameter, dict[str, object]] = {}
+    for group in optimizer.param_groups:
+        params: Sequence[nn.Parameter] = group["params"]
+        new = [shards[names[id(p)]] if id(p) in names else p for p in params]
+        for before, after in zip(params, new):
+            if before in state:
+                moved[after] = {k: _shard_like(v, after, distribute_tensor) for k, v in state[before].items()}
+        group["params"] = new
+    state.clear()
+    state.update(moved)
+
+
+def _shard_like(value: object, param: nn.Parameter, distribute) -> object:  # noqa: ANN001 - torch's function
+    """A parameter-shaped state tensor cut to this rank's shard, laid out as the parameter; else as it is."""
+    if isinstance(value, torch.Tensor) and value.shape == param.shape and hasattr(param, "device_mesh"):
+        local = value.detach().to(param.device)
+        return distribute(local, param.device_mesh, param.placements, src_data_rank=None)
+    return value

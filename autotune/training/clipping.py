@@ -7,7 +7,7 @@ after the gradients were reduced over ranks, and (FP16) after unscaling: the upd
 `clip_grad_norm_` on one full-batch step followed by the optimizer step.
 
 Where the gradient lives differs by path, the arithmetic does not:
-- replicated (one process, or data parallel after `reduce_gradients`): every rank holds the whole
+- replicated (one process, or data parallel after `OverlappedReduce`): every rank holds the whole
   gradient, so the local norm is the global one and no collective runs;
 - sharded (FSDP2): each rank holds a shard (`DTensor.to_local()`); the squares are summed over ranks;
 - optimizer offload: the device gradients (16-bit, loss-scaled under FP16) give the norm; the factor is

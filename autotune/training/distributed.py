@@ -2,12 +2,14 @@
 
 Under torchrun every rank runs the same trial; before anyone moves on, the ranks all-reduce the OOM
 flag with MAX, so a rank that ran out of memory and ranks that did not take the same branch and no
-rank is left waiting in a collective (PEERS.md lesson 10).
+rank is left waiting in a collective (PEERS.md lesson 10). In training the replicated gradients are
+summed while the last backward runs (`OverlappedReduce`), between two such agreements.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,31 +92,85 @@ def agree_oom(oom: bool) -> bool:
     return bool(flag.item())
 
 
-def reduce_gradients(model: torch.nn.Module, weights: LossWeights) -> torch.Tensor:
-    """Data parallel, model replicated: sum every rank's share of the gradient; the global mean loss.
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: big enough to keep the link busy, small enough to start early
 
-    Called once per optimizer step, after every rank has agreed that none ran out of memory: the
-    collectives run only then, so an OOM mid-step never leaves a rank inside one (DDP's hooks would
-    start the all-reduce in the last backward, where a rank that failed earlier never arrives). Each
-    rank weighted its micro-batches by its own sample (or token) count; one all-reduce of the counts
-    gives each rank the factor that makes its gradient its share of the global batch, and a SUM
-    all-reduce of the rescaled gradients (in place, no extra buffers) gives the full-batch gradient,
-    also when ranks hold different numbers of samples.
+
+class OverlappedReduce:
+    """Data parallel, model replicated: sum the ranks' gradients while the last micro-batch's backward runs.
+
+    DDP's scheme without DDP's wrapper. The trainable parameters, last first (the order backward produces
+    their gradients), are cut into buckets of about `BUCKET_BYTES`. When backward has accumulated the last
+    gradient of a bucket, its gradients are scaled by this rank's share of the global batch and all-reduced
+    (SUM, async, in place: no extra buffers), while backward goes on with the layers below. Buckets start in
+    the same order on every rank, as collectives must: a bucket ready before an earlier one waits for it.
+
+    Use it as a context around the last backward, entered only after the ranks agreed that none ran out of
+    memory so far (`TrainingStep._attempt`), so that every rank gets here. Its entry sums the sample and
+    token counts over ranks: each rank's share factor (1 when the global counts were known up front). Its
+    exit starts every bucket this rank has not started: those of parameters backward never reached, or all
+    of them on a rank whose backward ran out of memory, so no rank is left waiting in an all-reduce; the
+    ranks then agree on the OOM before anyone uses a gradient. An exception that is not an OOM only removes
+    the hooks. `wait` finishes the all-reduces and returns the global mean loss.
     """
-    totals = weights.totals(_collective_device())  # (samples, tokens, loss total) of this rank
-    dist.all_reduce(totals)
-    factor = weights.share(totals)
-    pending = []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.grad is None:  # a branch this rank did not take: the others still send theirs
-            p.grad = torch.zeros_like(p)
-        p.grad.mul_(factor)
-        pending.append(dist.all_reduce(p.grad, async_op=True))  # NCCL and gloo overlap these
-    for work in pending:
-        work.wait()
-    return weights.global_mean_loss(totals)
+
+    def __init__(self, model: torch.nn.Module, weights: LossWeights, bucket_bytes: int | None = None) -> None:
+        self.totals = weights.totals(_collective_device())  # (samples, tokens, loss total) of this rank
+        dist.all_reduce(self.totals)
+        self.factor = weights.share(self.totals)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = _buckets(params[::-1], bucket_bytes or BUCKET_BYTES)
+        self.missing = [len(b) for b in self.buckets]  # gradients each bucket still waits for
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.started = 0  # buckets started, always a prefix
+        self.works: list[Any] = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
+
+    def __enter__(self) -> OverlappedReduce:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if exc_type is None:
+            while self.started < len(self.buckets):
+                self._start()
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        self.missing[self.bucket_of[id(p)]] -= 1
+        while self.started < len(self.buckets) and self.missing[self.started] <= 0:
+            self._start()
+
+    @torch.no_grad()
+    def _start(self) -> None:
+        for p in self.buckets[self.started]:
+            if p.grad is None:  # a branch this rank did not take (or an OOM): the others still send theirs
+                p.grad = torch.zeros_like(p)
+            if self.factor != 1.0:
+                p.grad.mul_(self.factor)
+            self.works.append(dist.all_reduce(p.grad, async_op=True))
+        self.started += 1
+
+    def wait(self, weights: LossWeights) -> torch.Tensor:
+        """Wait for every all-reduce; the global mean loss."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return weights.global_mean_loss(self.totals)
+
+
+def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """`params` in order, cut into consecutive groups of about `bucket_bytes` (each holds at least one)."""
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return [b for b in buckets if b]
 
 
 def sum_over_ranks(values: list[float]) -> list[float]:

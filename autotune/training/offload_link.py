@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import is_oom
 from ..techniques.offload import HostOptimizer
@@ -102,7 +103,7 @@ class OffloadLink:
                            "step.close() hands the state back.")
 
     def _state_dict(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-        state_dict["state"] = {i: opt.state[key] for i, _, opt, key in self.pairs if key in opt.state}
+        state_dict["state"] = {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if key in opt.state}
         return state_dict
 
     def _loaded(self, optimizer: Any) -> None:
@@ -112,3 +113,14 @@ class OffloadLink:
             self.host.load_user_state({"state": state})
         self.user.state.clear()
         self.sync_hyperparameters()
+
+
+def _like_param(state: dict[str, Any], p: nn.Parameter) -> dict[str, Any]:
+    """A parameter's state as the user's optimizer holds it: for an FSDP2 shard, each plain local tensor of
+    the shard's shape (the host keeps those) wrapped as a DTensor laid out like the parameter."""
+    if not isinstance(p, DTensor):
+        return state
+    local = p.to_local().shape
+    return {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local else v
+            for k, v in state.items()}

@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, 
                           serve_dtypes)
 from ..techniques import optimizer_8bit
 from ..techniques.offload import HostOptimizer
-from ..techniques.sharding import is_sharded
+from ..techniques.sharding import is_sharded, reset_after_failure, shard_for_training
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,8 @@ class TrainingStep:
         short = shortfall(plan.peak_memory_bytes, self.placement, "the plan")  # memory taken since tuning?
         if short is not None:
             log.warning("autotune: %s", short)
+        if plan.sharding == "fsdp2" and not is_sharded(model):  # fit chose FSDP2: shard here, for good
+            _shard(plan, model, optimizer)
         self.spec = OptimizerSpec.from_user(optimizer, model)
         self.blocks = find_blocks(model, plan.block_paths)  # the blocks, and their order, the plan was tuned with
         if plan.checkpointed_blocks is None:  # the label's default, as a count: recovery compares counts
@@ -152,6 +154,9 @@ class TrainingStep:
             raise InvalidSetting(f"plan ({self.plan.rung.name}) cannot train this model: {why.split(': ', 1)[1]}; "
                                  "tune again with autotune.fit on this model, or use a plan with optimizer offload")
         self._sharded = distributed.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
+        self._replicated = distributed.active() and not self._sharded  # autotune reduces them (OverlappedReduce)
+        self._last_loss: torch.Tensor | None = None  # the last micro-batch's loss, until its backward
+        self._last_index = 0
         self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks, model)
         self.grow_after = grow_after
         self.recoveries: list[Recovery] = []
@@ -236,14 +241,22 @@ class TrainingStep:
             # The user's optimizer is not stepped under an 8-bit plan; its LR (a scheduler's) still rules.
             optimizer_8bit.sync_hyperparameters(self._device_optimizer, self._applied.optimizer, self.spec)
         with self._memory_guard(batch):
-            weights, failure = self._guarded_accumulate(batch, n)
+            weights, failure = self._guarded(self._accumulate, batch, n)
             # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
             # torch.distributed no collective runs between the first micro-batch and this point (the counts
             # are summed before it, where every rank arrives), so a rank that failed early and
             # ranks that ran every micro-batch meet here, and all of them re-run the batch.
             if distributed.agree_oom(bool(failure)):
+                self._last_loss = None  # another rank failed: this rank's last graph is dropped unused
                 return float("nan"), failure or "another rank ran out of memory"
-            loss = self._finish(weights)
+            # The last micro-batch's backward runs only now: replicated ranks all-reduce their gradients while it
+            # runs (`distributed.OverlappedReduce`), and a rank that runs out of memory in it still starts every
+            # all-reduce, so the ranks meet again here and agree before anyone uses a gradient.
+            with self._reduction(weights) as reduction:
+                _, failure = self._guarded(self._last_backward, weights)
+            if distributed.agree_oom(bool(failure)):
+                return float("nan"), failure or "another rank ran out of memory"
+            loss = self._finish(weights, reduction)
             self._clip()
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step(self)
@@ -253,11 +266,11 @@ class TrainingStep:
         self._drop_gradients()  # set_to_none: see _drop_gradients
         return float(loss), ""
 
-    def _guarded_accumulate(self, batch: Any, n: int) -> tuple[LossWeights | None, str]:
-        # The micro-steps' tensors live in _accumulate's frame; returning from here releases the
+    def _guarded(self, run: Callable[..., Any], *args: Any) -> tuple[Any, str]:
+        # The micro-steps' tensors live in `run`'s frame; returning from here releases the
         # exception, its traceback, and with them that frame (pytorch #27600).
         try:
-            return self._accumulate(batch, n), ""
+            return run(*args), ""
         except Exception as exc:  # noqa: BLE001 - classified here; anything not an OOM propagates untouched
             if is_device_poisoned(exc):
                 raise DeviceError(f"CUDA error in a training step ({self._config()}): {exc}. The CUDA context "
@@ -270,7 +283,8 @@ class TrainingStep:
             return None, _first_line(exc)
 
     def _accumulate(self, batch: Any, n: int) -> LossWeights:
-        """Forward and backward over every micro-batch; the weights, which `_finish` turns into the loss."""
+        """Forward and backward over every micro-batch but the last one's backward (`_last_backward`); the
+        weights, which `_finish` turns into the loss."""
         applied = self._applied
         sizes = split_sizes(n, self.plan.micro_batch_size, self.plan.min_micro_batch_size)
         counts = label_counts(self.model, batch)  # label tokens per sample, counted before the first forward
@@ -284,9 +298,10 @@ class TrainingStep:
             with applied.autocast():
                 loss = weighted_loss(self.loss_fn, self.model, micro, weights, size, expected=expected,
                                      num_items=self._num_items)
-            if loss is not None:
-                last = index == len(sizes) - 1 and self._overlap_allowed(weights)
-                applied.backward(loss, last=last, defer=self.max_grad_norm is not None)
+            if index == len(sizes) - 1:
+                self._last_loss, self._last_index = loss, index  # its graph, kept for _last_backward
+            elif loss is not None:
+                applied.backward(loss)
             del loss, micro  # free the graph's last references before the next forward
         self._micro_step = -1  # all ran: an OOM reported now came from another rank
         return weights
@@ -299,17 +314,29 @@ class TrainingStep:
         return (not distributed.active() and not self._sharded and self.before_optimizer_step is None
                 and not weights.needs_correction())
 
-    def _finish(self, weights: LossWeights) -> torch.Tensor:
+    def _reduction(self, weights: LossWeights) -> ContextManager[distributed.OverlappedReduce | None]:
+        """Replicated on several ranks: the all-reduce that overlaps the last backward; else nothing to do."""
+        return distributed.OverlappedReduce(self.model, weights) if self._replicated else contextlib.nullcontext()
+
+    def _last_backward(self, weights: LossWeights) -> None:
+        """The last micro-batch's backward; the optimizer steps right after it (overlapped offload arms here)."""
+        loss, self._last_loss = self._last_loss, None  # this frame owns the graph now: an OOM frees it with it
+        self._micro_step = self._last_index
+        if loss is not None:
+            self._applied.backward(loss, last=self._overlap_allowed(weights), defer=self.max_grad_norm is not None)
+        self._micro_step = -1
+
+    def _finish(self, weights: LossWeights, reduction: distributed.OverlappedReduce | None) -> torch.Tensor:
         """Make the accumulated gradients the whole global batch's; the mean loss over it, detached.
 
         One process: the token-count correction. Under torch.distributed (the model replicated): every
-        rank's share rescaled and summed over ranks (`distributed.reduce_gradients`), so the update equals
-        one full-batch step on one process and every rank returns the same loss.
+        rank's share rescaled and summed over ranks during the last backward (`distributed.OverlappedReduce`),
+        so the update equals one full-batch step on one process and every rank returns the same loss.
         """
         if self._sharded:
             return distributed.finish_sharded(self.model, weights)
-        if distributed.active():
-            return distributed.reduce_gradients(self.model, weights)
+        if reduction is not None:
+            return reduction.wait(weights)
         weights.correct(self.model)
         return weights.mean_loss()
 
@@ -387,6 +414,7 @@ class TrainingStep:
                 ceiling.close()  # detach finalizers: storages that outlive the step must not pin the ceiling
 
     def _clean_up(self) -> None:
+        reset_after_failure(self.model)  # FSDP2: the failed attempt left blocks unsharded
         self._drop_gradients()
         gc.collect()
         try:
@@ -565,6 +593,13 @@ def _placement(plan: Plan, model: nn.Module) -> Placement:
         raise InvalidSetting(f"the plan was made for device {plan.device!r} but the model is on {device}; move the "
                              f"model with model.to({plan.device!r}) before creating the optimizer")
     return resolve_device(device)
+
+
+def _shard(plan: Plan, model: nn.Module, optimizer: Any) -> None:
+    if not distributed.active():
+        raise InvalidSetting("the plan shards the model with FSDP2 (plan.sharding='fsdp2') but torch.distributed "
+                             "is not initialised: launch with torchrun as when tuning, or tune again on one process")
+    shard_for_training(model, optimizer, precision=plan.precision)
 
 
 def _describe(plan: Plan) -> str:

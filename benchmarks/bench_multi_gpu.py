@@ -1,0 +1,232 @@
+"""Several GPUs (issue 16): replicated scaling, a sharded plan chosen by `fit`, and every rung on FSDP2 shards.
+
+Run under torchrun, one process per GPU (`bench_multi_gpu.sh` runs the three cases and the one-GPU baseline):
+
+    python benchmarks/bench_multi_gpu.py --case replicated --model gpt2-medium --budget 16GiB      # 1 GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py --case replicated --model gpt2-medium --budget 16GiB
+    torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py --case needs-sharding --model gpt2-xl --budget 16GiB
+    torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py --case presharded --model gpt2-large --budget 10GiB
+    torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py --case presharded --model tiny-gpt --device cpu \
+        --budget 12MiB --seq 32 --global-batch-size 8          # a CPU dry run (gloo)
+
+Cases:
+    replicated      `fit` then `--steps` training steps with `plan.apply` on the model as given; tokens/s of the
+                    whole global batch. Beside the one-GPU run at the same per-GPU budget this is the scaling.
+    needs-sharding  the model handed to `fit` unsharded; its replicated floor is over the limit, so the plan must
+                    say sharding="fsdp2" and `plan.apply` shards it; then `--steps` steps.
+    presharded      `shard(model)` before `fit`; then every rung of the ladder at micro-batch 1 for a few steps
+                    with its peak beside the arithmetic (this rank's shard of weights, gradients, AdamW state).
+
+Every rank runs the same thing; rank 0 prints a JSON line per result (and appends it to `--out`). Each GPU is
+capped at `--budget` with `torch.cuda.set_per_process_memory_fraction`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import autotune  # noqa: E402
+from autotune.devices.placement import parse_bytes  # noqa: E402
+from autotune.errors import is_oom  # noqa: E402
+from autotune.plan import Plan  # noqa: E402
+from autotune.techniques import TECHNIQUES, find_blocks, ladder  # noqa: E402
+from autotune.devices.placement import resolve_device  # noqa: E402
+from autotune.techniques.sharding import is_sharded, shard  # noqa: E402
+from autotune.training import distributed  # noqa: E402
+from autotune.workload.batching import solve_accumulation  # noqa: E402
+from workloads import build_gpt, cap_memory  # noqa: E402
+
+
+def main() -> None:
+    args = _parse()
+    world, rank = _init(args.device)
+    device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"
+    cap_memory(device, args.budget)
+    if args.bucket_mb:
+        distributed.BUCKET_BYTES = int(args.bucket_mb * 2**20)
+    try:
+        result = {"replicated": run_replicated, "needs-sharding": run_replicated,
+                  "presharded": run_presharded}[args.case](args, device, world, rank)
+    except Exception as exc:  # noqa: BLE001 - a failed case is a result too, with its traceback
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    result = {"case": args.case, "model": args.model, "world_size": world, "budget": args.budget,
+              "bucket_bytes": distributed.BUCKET_BYTES,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", **result}
+    if rank == 0:
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int) -> dict[str, Any]:
+    """`fit` on the model as given, then training steps; for needs-sharding the plan must shard it."""
+    model, example = build_gpt(args.model, device, args.seq)
+    started = time.perf_counter()
+    plan = autotune.fit(model, example, global_batch_size=args.global_batch_size, memory_budget=args.budget,
+                        device=args.device, cache=False)
+    tune_s = time.perf_counter() - started
+    agreed = _same_on_every_rank(plan.to_dict())
+    out = {"plan": plan.summary(), "sharding": plan.sharding, "reason": plan.reason, "tune_seconds": tune_s,
+           "trials": len(plan.trials), "ooms": sum(t.outcome == "oom" for t in plan.trials), "ranks_agree": agreed}
+    if args.case == "needs-sharding" and plan.sharding != "fsdp2":
+        return {**out, "error": "the plan did not shard a model whose replicated floor is over the limit"}
+    step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    out.update(_train(step, args, device, rank, world))
+    out["sharded_after_apply"] = is_sharded(model)
+    return out
+
+
+def run_presharded(args: argparse.Namespace, device: str, world: int, rank: int) -> dict[str, Any]:
+    """`shard` before `fit`; then every rung of the ladder on the shards, each with its peak."""
+    model, example = build_gpt(args.model, device, args.seq)
+    params = sum(p.numel() for p in model.parameters())
+    blocks = find_blocks(model)
+    block = sum(p.numel() for p in blocks.blocks[0].parameters()) if blocks is not None else 0
+    root = params - block * (len(blocks.blocks) if blocks is not None else 0)
+    shard(model)
+    started = time.perf_counter()
+    try:
+        plan = autotune.fit(model, example, global_batch_size=args.global_batch_size, memory_budget=args.budget,
+                            device=args.device, cache=False)
+        fitted: dict[str, Any] = {"plan": plan.summary(), "reason": plan.reason, "trials": [
+            [t.rung.name, t.micro_batch_size, t.outcome, t.peak_bytes] for t in plan.trials]}
+    except autotune.NoFeasiblePlan as exc:
+        fitted = {"plan": None, "no_feasible_plan": str(exc)[:2000]}
+    fitted["tune_seconds"] = time.perf_counter() - started
+    rungs, _ = ladder(frozenset(TECHNIQUES) - {"compile"}, resolve_device(device), find_blocks(model))
+    each = [_one_rung(model, rung, args, device, world, rank) for rung in rungs]
+    # What a rank holds before any activation: its shard of FP32 weights, gradients and two AdamW moments.
+    # Beside it, while a unit (a block, or the root with the embeddings) runs: its BF16 all-gather (twice with
+    # FSDP's prefetch of the next), its unsharded BF16 gradient and the FP32 copy reduce-scattered.
+    arithmetic = 16 * params / world
+    transient = (2 * 2 + 2 + 4) * max(block, root)
+    return {**fitted, "parameters": params, "block_parameters": block, "root_parameters": root,
+            "arithmetic_floor_bytes": arithmetic, "arithmetic_transient_bytes": transient, "rungs": each}
+
+
+def _one_rung(model: torch.nn.Module, rung: Any, args: argparse.Namespace, device: str, world: int,
+              rank: int) -> dict[str, Any]:
+    """A few steps of `rung` at micro-batch 1 on the sharded model: ok with its peak, or oom; never an error."""
+    per_rank = args.global_batch_size // world
+    steps, last = solve_accumulation(per_rank, 1)
+    plan = Plan(precision=rung.precision, checkpointing=rung.checkpointing, offload=rung.offload,
+                checkpointed_blocks=rung.checkpointed_blocks, micro_batch_size=1, accumulation_steps=steps,
+                world_size=world, global_batch_size=args.global_batch_size, last_micro_batch_size=last,
+                peak_memory_bytes=0, memory_budget_bytes=parse_bytes(args.budget), margin=0.1,
+                samples_per_second=0.0, device=args.device, sharding="fsdp2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with plan.apply(model, optimizer) as step:
+            step.rungs = [rung]  # recovery may not climb: each rung is measured as itself (an OOM at 1 raises)
+            timing = _train(step, dataclasses.replace(args, steps=args.rung_steps), device, rank, world)
+        outcome = "oom" if step.recoveries else "ok"
+    except Exception as exc:  # noqa: BLE001 - an OOM is a measurement; anything else is reported as an error
+        if not is_oom(exc) and not isinstance(exc, autotune.NoFeasiblePlan):
+            return {"rung": rung.name, "outcome": "error", "error": f"{type(exc).__name__}: {exc}"[:1000],
+                    "traceback": traceback.format_exc()[-2000:]}
+        outcome, timing = "oom", {}
+    if args.device == "cuda":
+        peak = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
+    else:
+        peak = {"simulated_peak": step.last_peak_bytes}
+    return {"rung": rung.name, "outcome": outcome, **peak, **timing}
+
+
+def _train(step: Any, args: argparse.Namespace, device: str, rank: int, world: int) -> dict[str, Any]:
+    """`args.steps` optimizer steps over random token batches of this rank's share; tokens/s of the global batch."""
+    per_rank = args.global_batch_size // world
+    g = torch.Generator().manual_seed(1000 + rank)
+    times, losses = [], []
+    for _ in range(args.steps):
+        ids = torch.randint(0, 50257 if args.model.startswith("gpt2") else 128, (per_rank, args.seq), generator=g)
+        batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
+        _sync(device)
+        t0 = time.perf_counter()
+        losses.append(step(batch))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    measured = times[1:] or times  # the first step builds the optimizer state
+    seconds = statistics.median(measured)
+    return {"steps": args.steps, "step_seconds": seconds, "tokens_per_second": args.global_batch_size * args.seq / seconds,
+            "last_loss": losses[-1], "recoveries": len(step.recoveries), "final_plan": step.plan.summary()}
+
+
+def _same_on_every_rank(obj: Any) -> bool:
+    if not dist.is_initialized():
+        return True
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, json.dumps(obj, sort_keys=True))
+    return all(x == everyone[0] for x in everyone)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _init(device: str) -> tuple[int, int]:
+    if "RANK" not in os.environ:
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        return 1, 0
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return dist.get_world_size(), dist.get_rank()
+
+
+@dataclasses.dataclass
+class Args:
+    case: str
+    model: str
+    budget: str
+    device: str
+    seq: int
+    global_batch_size: int
+    steps: int
+    rung_steps: int
+    out: str
+    bucket_mb: float
+
+
+def _parse() -> Args:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", choices=("replicated", "needs-sharding", "presharded"), required=True)
+    p.add_argument("--model", default="gpt2-medium", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny-gpt")
+    p.add_argument("--budget", default="16GiB", help="memory ceiling per GPU")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--global-batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20, help="training steps after fit")
+    p.add_argument("--rung-steps", type=int, default=3, help="presharded: steps per rung")
+    p.add_argument("--bucket-mb", type=float, default=0, help="replicated: gradient bucket size (default DDP's 25); "
+                   "a size above the model's gradients starts the all-reduce only when backward ends: no overlap")
+    p.add_argument("--out", default="", help="append the JSON lines here")
+    a = p.parse_args()
+    return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,
+                global_batch_size=a.global_batch_size, steps=a.steps, rung_steps=a.rung_steps, out=a.out,
+                bucket_mb=a.bucket_mb)
+
+
+if __name__ == "__main__":
+    main()

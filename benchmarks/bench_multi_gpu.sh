@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 16 on one host with 2 GPUs, in one call: the three measurements and the one-GPU baseline.
+#   bash benchmarks/bench_multi_gpu.sh [OUT.jsonl]
+#   CASES="xl large" bash benchmarks/bench_multi_gpu.sh     # some of them (a call is limited in time)
+# single      replicated GPT-2 medium at 16 GiB, global batch 64, on one GPU (the baseline)
+# replicated  the same on two GPUs: the scaling is its tokens/s over single's
+# xl          GPT-2 XL at 16 GiB per GPU handed to fit unsharded: the plan must shard it; then STEPS steps
+# nooverlap   replicated with one bucket of 100 GB: the all-reduce starts when backward ends (not run by default;
+#             beside 'replicated' it is the overlap's gain)
+# large       GPT-2 large sharded before fit at 10 GiB per GPU: fit, then every rung at micro-batch 1 with its peak
+# Each line of OUT is one JSON result (benchmarks/data/multi_gpu.jsonl by default); a case that fails
+# records its error and the next one still runs.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-benchmarks/data/multi_gpu.jsonl}
+STEPS=${STEPS:-20}
+CASES=${CASES:-single replicated xl large}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} AUTOTUNE_CACHE=off
+B=benchmarks/bench_multi_gpu.py
+TR="torchrun --standalone --nproc-per-node 2"
+echo "# $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) cases: $CASES" >&2
+for case in $CASES; do
+  case $case in
+    single) CUDA_VISIBLE_DEVICES=0 python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
+    replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
+    nooverlap) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --bucket-mb 100000 --out "$OUT" ;;
+    xl) $TR $B --case needs-sharding --model gpt2-xl --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
+    large) $TR $B --case presharded --model gpt2-large --budget 10GiB --out "$OUT" ;;
+    *) echo "unknown case $case (single, replicated, nooverlap, xl, large)" >&2; exit 2 ;;
+  esac
+done
