@@ -7,6 +7,7 @@ trials that snapshot the model, optimizer and RNG first and restore them in `fin
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from typing import Any
@@ -155,6 +156,12 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
         if store is not None and distributed.is_writer() and len(exc.trials) < settings.max_trials:
             store.record_nothing_fits(parts, str(exc), exc.trials)
         raise
+    if plan.sharding == "fsdp2" and not is_sharded(model):
+        # The sharded copy the trials ran on holds reference cycles (FSDP's hooks): free its device shards
+        # now, before the model is trained beside them.
+        gc.collect()
+        if placement.kind == "cuda":
+            torch.cuda.empty_cache()
     # A plan carries its key only when it is cached: a recovery during training writes back by key, to `store`.
     plan = dataclasses.replace(plan, key=key if store is not None else "", cache=store)
     if store is not None and distributed.is_writer():
