@@ -38,7 +38,7 @@ from .techniques import (anchors, drop_rungs_over, eight_bit_anchors, find_block
                          resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters
 from .techniques.compile import unavailable as compile_unavailable
-from .techniques.sharding import choose_sharding, is_sharded, reset_after_failure, sharded_copy
+from .techniques.sharding import choose_sharding, is_sharded, sharded_copy
 from .search.trial import TrialRunner, Workload, noise_note
 
 log = logging.getLogger(__name__)
@@ -237,9 +237,10 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
         example, loss = batches.detached(batches.to_device(batch, placement.torch_device)), resolve_loss(loss_fn)
         # Which blocks, and in which order, by the activations they hold: one forward, so in the snapshot.
-        blocks = (profile_blocks(tuned, example, loss, placement) if "checkpointing" in allowed
+        # Not under FSDP2 (the profile reads parameter storages, which shards wrap): structural order there.
+        profiled = "checkpointing" in allowed and not is_sharded(tuned)
+        blocks = (profile_blocks(tuned, example, loss, placement) if profiled
                   else find_blocks(tuned))  # sharding's units; and the model's own checkpointing, reported
-        reset_after_failure(tuned)  # FSDP2: a forward with no backward (or an OOM in it) leaves blocks gathered
         rungs, notes = anchors(allowed, placement, blocks)
         rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
         notes += more

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..sizes import format_bytes
-from .checkpointing import BlockGroup, find_blocks
+from .blocks import BlockGroup, find_blocks
 
 
 def is_sharded(model: nn.Module) -> bool:
