@@ -233,6 +233,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
             model.to(away)
         if copied:
             tuned = sharded_copy(model, plain.precision)
+        if is_sharded(tuned):
+            distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
         # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
         # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
         example, loss = batches.detached(batches.to_device(batch, placement.torch_device)), resolve_loss(loss_fn)

@@ -15,17 +15,20 @@ cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/data/multi_gpu.jsonl}
 STEPS=${STEPS:-20}
 CASES=${CASES:-single replicated xl large}
+CASE_S=${CASE_S:-0}  # a time limit per case in seconds (0: none): one slow case cannot eat a whole call
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} AUTOTUNE_CACHE=off
 B=benchmarks/bench_multi_gpu.py
-TR="torchrun --standalone --nproc-per-node 2"
+LIMIT=(); [ "$CASE_S" -gt 0 ] && LIMIT=(timeout --signal=INT --kill-after=15 "$CASE_S")
+TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
 echo "# $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) cases: $CASES" >&2
 for case in $CASES; do
   case $case in
-    single) CUDA_VISIBLE_DEVICES=0 python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
+    single) CUDA_VISIBLE_DEVICES=0 ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     nooverlap) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --bucket-mb 100000 --out "$OUT" ;;
     xl) $TR $B --case needs-sharding --model gpt2-xl --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     large) $TR $B --case presharded --model gpt2-large --budget 10GiB --out "$OUT" ;;
     *) echo "unknown case $case (single, replicated, nooverlap, xl, large)" >&2; exit 2 ;;
   esac
+  echo "# case $case exit $?" >&2
 done

@@ -9,13 +9,19 @@
 #   w1warm   issue 11: the same fit again with the compile cache warm (no training)
 #   offload  issue 12: benchmarks/bench_offload.py (serial vs overlapped optimizer offload on W1, W2 tok/s)
 #   frameworks  issue 13: benchmarks/bench_frameworks.sh (Lightning and HF Trainer under autotune run)
+#   grid     issue 11: the expert grid on W1 (compile x blocks recomputed {0, N/2, N} x offload), its best trained
+#   w2       issues 11, 12: W2 (GPT-2 XL, 16 GiB) autotune.fit cold, then 20 steps (bench_peers)
+#   w3       issue 11: W3 (ResNet-152, 12 GiB) the peers' grid and autotune.fit cold, 30 steps each (bench_peers)
+#   blocks   issues 17, 21: benchmarks/bench_blocks.py on W3's ResNet-152 (which blocks to recompute)
+# W1_STEPS sets w1cold's training steps (20). benchmarks/gpu_two_streams.sh runs two of these side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/session-$(date +%Y%m%dT%H%M%S)}
 mkdir -p "$OUT"
 PARTS=${PARTS:-"w1cold w1warm offload frameworks"}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-w1}
-declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=${OFFLOAD_S:-150} [frameworks]=${FRAMEWORKS_S:-150})
+declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=${OFFLOAD_S:-150} [frameworks]=${FRAMEWORKS_S:-150}
+                 [grid]=${GRID_S:-330} [w2]=${W2_S:-240} [w3]=${W3_S:-200} [blocks]=${BLOCKS_S:-120})
 
 part() {  # name, then the command
     local name=$1; shift
@@ -29,13 +35,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 for p in $PARTS; do
     case $p in
-        w1cold) part w1cold env TORCH_LOGS=recompiles python benchmarks/bench_lattice.py --method fit --steps 20 --out "$OUT/w1.jsonl" ;;
+        w1cold) part w1cold env TORCH_LOGS=recompiles python benchmarks/bench_lattice.py --method fit --steps "${W1_STEPS:-20}" --out "$OUT/w1.jsonl" ;;
         w1warm) part w1warm python benchmarks/bench_lattice.py --method fit --steps 0 --out "$OUT/w1.jsonl" ;;
         offload) part offload bash -c "python benchmarks/bench_offload.py --workload W1 --config 0,8 --compile --steps 6 --out $OUT/offload.jsonl; python benchmarks/bench_offload.py --workload W2 --config 48,8 --steps 4 --out $OUT/offload.jsonl" ;;
+        grid) part grid python benchmarks/bench_lattice.py --method grid --steps 20 --out "$OUT/w1grid.jsonl" ;;
+        w2) part w2 python benchmarks/bench_peers.py --workload W2 --methods autotune-cold --steps 20 --deadline $((LIMIT[w2] - 30)) --out "$OUT/w2.jsonl" ;;
+        w3) part w3 python benchmarks/bench_peers.py --workload W3 --methods grid,autotune-cold --steps 30 --deadline $((LIMIT[w3] - 30)) --out "$OUT/w3.jsonl" ;;
+        blocks) part blocks python benchmarks/bench_blocks.py --device cuda --out "$OUT/blocks.jsonl" ;;
         frameworks) part frameworks env OUTDIR="$OUT/frameworks" ONLY="${FRAMEWORKS_ONLY:-}" STEPS=20 TIMEOUT="${LIMIT[frameworks]}" bash benchmarks/bench_frameworks.sh ;;
     esac
 done
 echo "== summary"; cat "$OUT/gpu.txt" "$OUT/summary.txt"
-grep -h "^fit:\|^train \|Recompiling" "$OUT"/w1*.log 2>/dev/null | cut -c1-220 | head -12
+grep -h "^fit:\|^train \|Recompiling" "$OUT"/w1*.log "$OUT"/grid.log 2>/dev/null | cut -c1-220 | head -12
 grep -h "step .*tail\|tail cut\|^W[12]" "$OUT"/offload.log 2>/dev/null | cut -c1-200
 grep -h "^|" "$OUT"/frameworks/summary.md 2>/dev/null

@@ -18,10 +18,13 @@ def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> N
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import autotune
     from gpt import GPT, GPTConfig, random_batch
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    from ranks import join
+
+    join(rank, WORLD, init_file)
     try:
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=64, n_layer=4, n_embd=32, n_head=4, seq_len=32)

@@ -202,7 +202,9 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, scenarios: t
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from ranks import join
+
+    join(rank, world, init_file)
     results = {}
     try:
         for name in scenarios:

@@ -181,7 +181,9 @@ def _rank_main(rank: int, world: int, init_file: str, out: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ["AUTOTUNE_CACHE"] = "off"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from ranks import join
+
+    join(rank, world, init_file)
     try:
         model, batch = tiny_llama(), padded_lm_batch()
         want = full_batch_step(model, batch)

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SCENARIOS = ("presharded-fit", "rungs-on-shards", "sharded-when-needed")
-TIMEOUT_S = 900  # a guard against a collective left waiting; 4 ranks take ~80 s on a busy 2-core machine
+SCENARIOS = ("presharded-fit", "one-rank-oom", "rungs-on-shards", "sharded-when-needed")
+TIMEOUT_S = 600  # a guard against a hang outside a collective (those time out on the ranks: ranks.py); 4 ranks take ~80 s on a busy 2-core machine
 WIDTH = 64  # Net(width=64, depth=4): 132k parameters, each block 33k, so the budgets are about the weights
 
 
@@ -166,7 +166,41 @@ def _sharded_when_needed(rank: int, world: int) -> dict:
     return {"loss": loss, "micro": plan.micro_batch_size, "params": [float(p.detach().sum()) for p in full.parameters()]}
 
 
-_RUN = {"presharded-fit": _presharded_fit, "rungs-on-shards": _rungs_on_shards,
+def _one_rank_out_of_memory(rank: int, world: int) -> dict:
+    """Only the last rank runs out of memory, mid-forward, at a step the others can take: its samples are 8x
+    longer. Without the check-ins before FSDP's collectives (`distributed.guard_collectives`) the others wait
+    in the next all-gather for a rank that has left the step, until gloo's timeout; with them, every rank
+    leaves at the same collective and all re-run the batch at a smaller micro-batch, together."""
+    import autotune
+    from autotune.techniques.sharding import shard
+    from test_step import Net, seq_batch
+
+    torch.manual_seed(0)
+    model = shard(Net(width=WIDTH))
+    short = seq_batch(16, 16, seed=rank, dtype=torch.float32)
+    plan = autotune.fit(model, short, global_batch_size=16 * world, memory_budget=2**30, device="cpu",
+                        cache=False, trial_steps=1, techniques=("bf16",))
+    roomy = dataclasses.replace(plan, micro_batch_size=16, accumulation_steps=1, last_micro_batch_size=16)
+    probe = roomy.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    probe(short)
+    fits_short = probe.last_peak_bytes  # the short samples' peak at micro-batch 16, the same on every rank
+    probe.close()
+
+    torch.manual_seed(0)
+    model = shard(Net(width=WIDTH))
+    tight = dataclasses.replace(roomy, memory_budget_bytes=int(1.5 * fits_short))
+    step = tight.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = seq_batch(16, 128 if rank == world - 1 else 16, seed=rank, dtype=torch.float32)
+    losses = [step(batch) for _ in range(2)]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert step.recoveries, "no rank ran out of memory: the long samples did not bind"
+    failed = [r.failed for r in step.recoveries]
+    return {"loss": 0.0, "params": [float(p.detach().full_tensor().sum()) for p in model.parameters()],
+            "failed": failed, "micro": step.plan.micro_batch_size,
+            "notes": [str(r) for r in step.recoveries]}
+
+
+_RUN = {"presharded-fit": _presharded_fit, "one-rank-oom": _one_rank_out_of_memory, "rungs-on-shards": _rungs_on_shards,
         "sharded-when-needed": _sharded_when_needed}
 
 
@@ -175,7 +209,9 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from ranks import join
+
+    join(rank, world, init_file)
     results = {}
     try:
         for name in SCENARIOS:
@@ -226,6 +262,13 @@ def test_presharded_model_fits_and_steps_at_a_roomy_and_a_tight_budget(ranks):
     # settles on depends on measured speed; every rung steps on shards in the next test).
     assert any(o in ("oom", "over_budget") for o in tight["outcomes"]), tight["trials"]
     assert tight["recovered"]  # and training at it recovered from OOMs inside FSDP on every rank
+
+
+def test_one_rank_out_of_memory_inside_fsdp_stops_every_rank_and_all_recover_together(ranks):
+    results = _check(ranks, "one-rank-oom")
+    # Every rank re-ran the batch at the same smaller micro-batch: the OOM of one was the OOM of all.
+    assert all(r["failed"] == results[0]["failed"] for r in results), [r["notes"] for r in results]
+    assert all(r["micro"] == results[0]["micro"] < 16 for r in results), [r["micro"] for r in results]
 
 
 def test_every_rung_steps_exactly_on_a_sharded_model(ranks):

@@ -33,6 +33,7 @@ from ..plan import Rung, Trial
 from ..sizes import format_bytes
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import reset_after_failure
+from ..training import distributed
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class TrialRunner:
         poisoned = False
         try:
             try:
-                with meter.watching(work.model, micro_batch):
+                with meter.watching(work.model, micro_batch), distributed.armed():  # a trial may run out of memory
                     applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
                                          offload_fraction=offload_fraction)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps)
@@ -132,7 +133,9 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     step = lambda: _timed_step(applied, micro_batch, work, tokens, num_items)  # noqa: E731
     warmup = sum(sum(step()) for _ in range(work.warmup_steps))
     times = [step() for _ in range(measured)]
-    while work.placement.simulated and spread(times) > NOISY_SPREAD and len(times) < MAX_STEPS_FACTOR * measured:
+    # Not under torch.distributed: each rank would judge its own spread and run its own number of steps (a
+    # sharded model's steps are collectives); the ranks' MAX of the step time is the agreed figure there.
+    while work.placement.simulated and not distributed.active() and spread(times) > NOISY_SPREAD and len(times) < MAX_STEPS_FACTOR * measured:
         times.append(step())
     step_s, opt_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
     noisy = spread(times) > NOISY_SPREAD

@@ -64,6 +64,8 @@ from ..techniques.sharding import is_sharded, reset_after_failure, shard_for_tra
 
 log = logging.getLogger(__name__)
 
+ARMED_STEPS = 3  # sharded: steps of a plan (or after an OOM) that check in before each FSDP collective
+
 StepHook = Callable[["TrainingStep"], Any]  # before_optimizer_step / after_optimizer_step: fn(step)
 
 
@@ -155,6 +157,8 @@ class TrainingStep:
                                  "tune again with autotune.fit on this model, or use a plan with optimizer offload")
         self._sharded = distributed.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
         self._replicated = distributed.active() and not self._sharded  # autotune reduces them (OverlappedReduce)
+        if self._sharded:
+            distributed.guard_collectives(model)  # ranks that leave an OOM'd step at the same collective
         self._last_loss: torch.Tensor | None = None  # the last micro-batch's loss, until its backward
         self._last_index = 0
         self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks, model)
@@ -207,6 +211,7 @@ class TrainingStep:
                 break
             if isinstance(self._applied.optimizer, HostOptimizer):
                 self._applied.optimizer.abort()  # chunks stepped during the failed backward stay stepped
+            self._clean_steps = 0  # the re-run checks in (`_oom_likely`): this batch just ran out of memory
             self._clean_up()  # out here, not in an except block: nothing pins the failed step's tensors
             self._buffers.restore()  # the re-run starts where the failed attempt did: no trace of it left
             if self._too_few:
@@ -240,7 +245,7 @@ class TrainingStep:
         elif self._applied.rung.optimizer_8bit and self._device_optimizer is not None:
             # The user's optimizer is not stepped under an 8-bit plan; its LR (a scheduler's) still rules.
             optimizer_8bit.sync_hyperparameters(self._device_optimizer, self._applied.optimizer, self.spec)
-        with self._memory_guard(batch):
+        with self._memory_guard(batch), distributed.armed(self._sharded and self._oom_likely()):
             weights, failure = self._guarded(self._accumulate, batch, n)
             # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
             # torch.distributed no collective runs between the first micro-batch and this point (the counts
@@ -265,6 +270,11 @@ class TrainingStep:
             self.after_optimizer_step(self)
         self._drop_gradients()  # set_to_none: see _drop_gradients
         return float(loss), ""
+
+    def _oom_likely(self) -> bool:
+        """A plan's first steps, those after a recovery, and a grown micro-batch still on trial: where ranks
+        check in before each FSDP collective (`distributed.armed`); every rank decides alike (agreed history)."""
+        return self._clean_steps < ARMED_STEPS or self._probing
 
     def _guarded(self, run: Callable[..., Any], *args: Any) -> tuple[Any, str]:
         # The micro-steps' tensors live in `run`'s frame; returning from here releases the
