@@ -15,13 +15,14 @@ cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/data/multi_gpu.jsonl}
 STEPS=${STEPS:-20}
 CASES=${CASES:-single replicated xl large}
-CASE_S=${CASE_S:-0}  # a time limit per case in seconds (0: none): one slow case cannot eat a whole call
+CASE_S=${CASE_S:-0}  # a time limit per case in seconds (0: none): one slow case cannot eat a whole call; S_xl=170 sets one
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} AUTOTUNE_CACHE=off
 B=benchmarks/bench_multi_gpu.py
-LIMIT=(); [ "$CASE_S" -gt 0 ] && LIMIT=(timeout --signal=INT --kill-after=15 "$CASE_S")
-TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
 echo "# $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) cases: $CASES" >&2
 for case in $CASES; do
+  v="S_$case"; lim=${!v:-$CASE_S}
+  LIMIT=(); [ "$lim" -gt 0 ] && LIMIT=(timeout --signal=INT --kill-after=15 "$lim")
+  TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
   case $case in
     single) CUDA_VISIBLE_DEVICES=0 ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
