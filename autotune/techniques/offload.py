@@ -171,7 +171,12 @@ class HostOptimizer:
         self._staging: dict[int, torch.Tensor] = {}  # CUDA only: pinned buffers in the device weights' dtype
         self._stream: Any = None
         self._views: dict[tuple[int, ...], torch.optim.Optimizer] = {}
-        if (overlap_default() if overlap is None else overlap) and self.host_index:
+        # Not over FSDP2 shards: FSDP assigns their reduced gradients on its own stream after each block's
+        # reduce-scatter, not through the autograd accumulation the pipeline's hooks follow, and the overlapped
+        # step's weight copies crashed there on two H200s (`CUDA error: invalid argument` sending a staged
+        # shard back); the serial step copies each shard's master back in place.
+        sharded = any(isinstance(p, DTensor) for p in self.params)
+        if (overlap_default() if overlap is None else overlap) and self.host_index and not sharded:
             self._start_pipeline()
 
     @property
