@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import sys
@@ -53,6 +54,9 @@ from workloads import build_gpt, cap_memory  # noqa: E402
 def main() -> None:
     args = _parse()
     world, rank = _init(args.device)
+    if rank == 0:  # fit's progress, one line per trial (AUTOTUNE_PROGRESS=lines), so a crash shows where it was
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        os.environ.setdefault("AUTOTUNE_PROGRESS", "lines")
     device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"
     cap_memory(device, args.budget)
     if args.bucket_mb:
