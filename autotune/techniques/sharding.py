@@ -68,8 +68,11 @@ def reset_after_failure(model: nn.Module) -> None:
 
     A failed step leaves blocks unsharded (the module then holds plain tensors whose storage FSDP freed),
     all-gathers pending and per-iteration trackers set, and the next forward or optimizer would use them.
-    `FSDPModule.reset_iter_state` (torch 2.13+) on the root waits for the collectives in flight, reshards
-    every group and drops the failed iteration's gradient reductions; older torch reshards each module.
+    First the device finishes every collective in flight (the ranks left the step at the same collective:
+    `distributed.check_in`, so every collective issued was issued by all). Then `FSDPModule.reset_iter_state`
+    (torch 2.13+) on the root reshards every group and drops the failed iteration's trackers and gradient
+    reductions; on older torch `_reset_iter_state` does the same through FSDP's own fields (on two H200s
+    with torch 2.11, resharding alone after an OOM was followed by an illegal memory access on both ranks).
     A model that is not sharded is left alone.
     """
     from torch.distributed.fsdp import FSDPModule
@@ -77,12 +80,46 @@ def reset_after_failure(model: nn.Module) -> None:
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         return
+    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if device is not None:
+        torch.cuda.synchronize(device)
     root = units[0]  # modules() starts at the model: the outermost FSDP module is the root
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
-        return
-    for unit in units:
-        unit.reshard()
+    else:
+        _reset_iter_state(root)
+
+
+def _reset_iter_state(root: nn.Module) -> None:
+    """`reset_iter_state` for torch before 2.13: the same fields, after the device has synchronized."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = root._get_fsdp_state()
+    comm = state._comm_ctx
+    comm.all_gather_state = None
+    for name in ("reduce_scatter_states", "post_forward_order"):
+        getattr(comm, name, []).clear()
+    getattr(comm, "_last_post_reduce_events", {}).clear()
+    for each in state._state_ctx.all_states:
+        each._modules_to_run_forward.clear()
+        each._training_state = TrainingState.IDLE
+        groups = getattr(each, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(each, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            result = group._all_gather_result
+            if result is not None and isinstance(getattr(result, "all_gather_work", None), torch.distributed.Work):
+                result.all_gather_work.wait()
+            for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state", "_partial_reduce_output",
+                         "_reshard_after_forward_event"):
+                if hasattr(group, name):
+                    setattr(group, name, None)
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
 
 
 def choose_sharding(model: nn.Module, replicated_floor: int, limit_bytes: int, world: int) -> tuple[str, str]:
