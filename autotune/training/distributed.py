@@ -38,7 +38,11 @@ def is_writer() -> bool:
     return rank() == 0
 
 
-_OUTCOME_CODE = {"ok": 0, "over_budget": 1, "oom": 2}
+# Worse outcomes have higher codes, so MAX over ranks is the worst. "error" (compile failed on a rank) is the
+# worst: every rank must then leave compile, or the ranks' searches part ways.
+_OUTCOME_CODE = {"ok": 0, "over_budget": 1, "oom": 2, "error": 3}
+_ANOTHER_RANK = {"oom": "another rank ran out of memory", "over_budget": "another rank's peak was over the limit",
+                 "error": "compile failed on another rank"}
 
 
 def agree_trial(trial: Trial) -> Trial:
@@ -51,20 +55,28 @@ def agree_trial(trial: Trial) -> Trial:
     if not active():
         return trial
     agree_oom(trial.outcome == "oom")  # ends the check-ins of ranks a sharded trial's OOM left mid-step
-    # One MAX all-reduce; the rate goes in negated, so MAX gives the slowest rank's rate.
-    figures = [float(_OUTCOME_CODE[trial.outcome]), float(trial.peak_bytes), trial.step_seconds,
-               trial.optimizer_seconds, float(trial.alloc_retries), -trial.samples_per_second, trial.seconds]
-    agreed = torch.tensor(figures, dtype=torch.float64, device=_collective_device())
+    agreed = torch.tensor(trial_figures(trial), dtype=torch.float64, device=_collective_device())
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    code, peak, step_s, opt_s, retries, neg_rate, seconds = agreed.tolist()
+    return merged_trial(trial, agreed.tolist())
+
+
+def trial_figures(trial: Trial) -> list[float]:
+    """What `agree_trial` all-reduces with MAX; the rate goes in negated, so MAX gives the slowest rank's."""
+    return [float(_OUTCOME_CODE[trial.outcome]), float(trial.peak_bytes), trial.step_seconds,
+            trial.optimizer_seconds, float(trial.alloc_retries), -trial.samples_per_second, trial.seconds,
+            trial.compile_seconds]
+
+
+def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
+    """This rank's `trial` with the figures agreed over ranks (`trial_figures`, MAX over ranks)."""
+    code, peak, step_s, opt_s, retries, neg_rate, seconds, compile_s = agreed
     outcome = next(k for k, v in _OUTCOME_CODE.items() if v == int(code))
-    ran = outcome != "oom"
-    note = trial.note
-    if outcome != trial.outcome:
-        note = "another rank ran out of memory" if not ran else "another rank's peak was over the limit"
+    ran = outcome in ("ok", "over_budget")
+    note = trial.note if outcome == trial.outcome else _ANOTHER_RANK[outcome]
     return dataclasses.replace(trial, outcome=outcome, peak_bytes=int(peak), step_seconds=step_s if ran else 0.0,
                                optimizer_seconds=opt_s if ran else 0.0, alloc_retries=int(retries),
-                               samples_per_second=-neg_rate if ran else 0.0, seconds=seconds, note=note)
+                               samples_per_second=-neg_rate if ran else 0.0, seconds=seconds,
+                               compile_seconds=compile_s, note=note)
 
 
 def _collective_device() -> torch.device:
