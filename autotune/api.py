@@ -18,6 +18,7 @@ from torch import nn
 from .supervisor import agent
 from .workload import batch as batches
 from .cache import store as plan_cache
+from .cache.rows import printable
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import Controller, Lattice, SearchResult
@@ -194,12 +195,16 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
 
 
 def _raise_if_nothing_fits(store: plan_cache.PlanCache, key: str) -> None:
-    """Raise the cached `NoFeasiblePlan` of an earlier search under `key`, if there was one."""
+    """Raise the cached `NoFeasiblePlan` of an earlier search under `key` (here, imported, or a teammate's in
+    the team directory), if there was one; the message names where the record came from."""
     record = store.nothing_fits(key)
-    if record is not None:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.time))
-        raise NoFeasiblePlan(f"{record.message} (found by a search on {when}, cached under key {key[:12]}; pass "
-                             "retune=True to search again)", trials=record.trials)
+    if record is None:
+        return
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.time))
+    where = record.origin if record.origin.startswith("team:") else f"{store.path} ({record.origin})"
+    # The message may come from a teammate's file: control characters are escaped before anyone prints it.
+    raise NoFeasiblePlan(printable(f"{record.message} (found by a search on {when}, cached under key {key[:12]} "
+                                   f"in {where}; pass retune=True to search again)"), trials=record.trials)
 
 
 def _budget(settings: FitSettings, placement: Placement) -> tuple[int, str]:

@@ -90,7 +90,7 @@ def test_show_takes_a_key_prefix(filled: Path) -> None:
 def test_export_then_import(filled: Path, tmp_path: Path) -> None:
     out = tmp_path / "team.jsonl"
     result = run("--cache", str(filled), "export", str(out))
-    assert result.exit_code == 0 and "exported 3 plan(s)" in result.output
+    assert result.exit_code == 0 and "exported 3 row(s)" in result.output
     result = run("--cache", str(tmp_path / "new.db"), "import", str(out))
     assert result.exit_code == 0 and "imported 3 plan(s)" in result.output
     assert {e.key for e in PlanCache(tmp_path / "new.db").entries()} == {sample(i)[0].key for i in range(3)}
@@ -106,7 +106,7 @@ def test_export_to_stdout_piped_into_import_from_stdin(filled: Path, tmp_path: P
                               stdin=exporter.stdout, capture_output=True, text=True, timeout=120)
     exporter.stdout.close()
     assert exporter.wait(timeout=120) == 0, exporter.stderr.read()
-    assert b"exported 3 plan(s) to standard output" in exporter.stderr.read()
+    assert b"exported 3 row(s) to standard output" in exporter.stderr.read()
     assert importer.returncode == 0 and "imported 3 plan(s)" in importer.stdout, importer.stderr
     assert {e.key for e in PlanCache(tmp_path / "new.db").entries()} == {sample(i)[0].key for i in range(3)}
     assert not (tmp_path / "-").exists()

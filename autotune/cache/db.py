@@ -31,7 +31,7 @@ from ..sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: the nothing_fits table
+SCHEMA_VERSION = 3  # 2: the nothing_fits table; 3: its origin column
 APPLICATION_ID = 0x41545043  # "ATPC" in the SQLite header: this file is an autotune plan cache
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 FULL_BELOW_BYTES = 2**20  # an I/O error with less free space than this on the cache's file system is "full"
@@ -189,7 +189,13 @@ def _create_v2(db: Database) -> None:
                               not_null=["parts", "message"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_create_v1, _create_v2]  # MIGRATIONS[v]: schema v to v + 1
+def _add_origin_v3(db: Database) -> None:
+    # Where a "nothing fits" record came from (a search here, an import), named when `fit` serves it.
+    db.execute("ALTER TABLE nothing_fits ADD COLUMN origin TEXT")
+
+
+# MIGRATIONS[v]: schema v to v + 1
+MIGRATIONS: list[Callable[[Database], None]] = [_create_v1, _create_v2, _add_origin_v3]
 
 
 @contextlib.contextmanager
@@ -240,30 +246,70 @@ def insert_failures(db: Database, key: str, failures: Iterable[Failure]) -> None
                                      "shapes": None if f.shapes is None else json.dumps(f.shapes), "time": f.time})
 
 
-def import_rows(db: Database, rows: Iterable[PlanRow], origin: str) -> bool:
-    """Store validated rows and their failures in one transaction; True once committed."""
+def import_rows(db: Database, plans: Iterable[PlanRow], refusals: Iterable[NothingFits], origin: str) -> bool:
+    """Store validated rows in one transaction, plans (and their failures) first; True once committed."""
     with immediate(db):
-        for row in rows:
+        for row in plans:
             upsert(db, row, origin)
             insert_failures(db, row.key, row.failures)
+        for refusal in refusals:
+            db.execute(_IMPORT_NOTHING_FITS, _nothing_fits_params(refusal, origin))
     return True
 
 
+# An imported "nothing fits" record is stored only where this cache holds no plan for its key and no newer
+# record of its own. A plan is a configuration measured to fit, which beats a search that found none (a
+# refusal would also hide it once an OOM in training marks the plan unsafe: the next search must then run,
+# bounded below that OOM, not be refused). Between two refusals the newer one is kept: both say the same,
+# and the newer message and trials describe the latest search.
+_IMPORT_NOTHING_FITS = """
+INSERT INTO nothing_fits (key, parts, message, trials, time, origin)
+SELECT :key, :parts, :message, :trials, :time, :origin WHERE NOT EXISTS (SELECT 1 FROM plans WHERE key = :key)
+ON CONFLICT(key) DO UPDATE SET parts = excluded.parts, message = excluded.message, trials = excluded.trials,
+    time = excluded.time, origin = excluded.origin
+WHERE excluded.time > nothing_fits.time
+"""
+
+
+def _nothing_fits_params(row: NothingFits, origin: str) -> dict[str, object]:
+    return {"key": row.key, "parts": json.dumps(row.parts, sort_keys=True), "message": row.message,
+            "trials": json.dumps([t.to_dict() for t in row.trials]), "time": row.time, "origin": origin}
+
+
 def record_nothing_fits(db: Database, row: NothingFits) -> None:
-    """Remember that nothing fits under `row.key` (one statement; a newer search replaces an older one)."""
-    db.execute("INSERT OR REPLACE INTO nothing_fits (key, parts, message, trials, time) VALUES (?, ?, ?, ?, ?)",
-               [row.key, json.dumps(row.parts, sort_keys=True), row.message,
-                json.dumps([t.to_dict() for t in row.trials]), row.time])
+    """Remember that nothing fits under `row.key` (one statement; a new search here replaces any record)."""
+    db.execute("INSERT OR REPLACE INTO nothing_fits (key, parts, message, trials, time, origin) "
+               "VALUES (:key, :parts, :message, :trials, :time, :origin)", _nothing_fits_params(row, "search"))
 
 
-def nothing_fits(db: Database, key: str) -> NothingFits | None:
-    """The record that nothing fits under `key`, or None (also when the row no longer validates)."""
-    found = db.execute("SELECT parts, message, trials, time FROM nothing_fits WHERE key = ?", [key]).fetchone()
-    if found is None:
-        return None
-    parts, text, trials, when = found
+_NOTHING_FITS_COLUMNS = "key, parts, message, trials, time, origin"
+_NO_PLAN = "NOT EXISTS (SELECT 1 FROM plans WHERE plans.key = nothing_fits.key)"  # a plan beats a refusal
+
+
+def nothing_fits(db: Database, key: str) -> tuple[NothingFits | None, bool]:
+    """(the record that nothing fits under `key`, whether a plan is stored under `key`), in one read.
+
+    Where a plan is stored the record is None: a plan, safe or not, says something fits (see
+    `_IMPORT_NOTHING_FITS`). An unreadable record is None too.
+    """
+    planned, *found = db.execute(
+        f"SELECT EXISTS (SELECT 1 FROM plans WHERE key = :key), n.* FROM (SELECT 1) LEFT JOIN "
+        f"(SELECT {_NOTHING_FITS_COLUMNS} FROM nothing_fits WHERE key = :key) AS n", {"key": key}).fetchone()
+    if planned or found[0] is None:
+        return None, bool(planned)
+    return _load_nothing_fits(*found), False
+
+
+def all_nothing_fits(db: Database) -> list[NothingFits]:
+    """Every readable record under a key that holds no plan, newest first (what an export shares)."""
+    rows = db.execute(f"SELECT {_NOTHING_FITS_COLUMNS} FROM nothing_fits WHERE {_NO_PLAN} ORDER BY time DESC")
+    return [record for record in (_load_nothing_fits(*row) for row in rows) if record is not None]
+
+
+def _load_nothing_fits(key: str, parts: str, text: str, trials: str, when: float | None,
+                       origin: str | None) -> NothingFits | None:
     try:
-        return NothingFits(key=key, parts=_load_json(parts), message=text,
+        return NothingFits(key=key, parts=_load_json(parts), message=text, origin=origin or "search",
                            trials=tuple(Trial.from_dict(t) for t in json.loads(trials or "[]")), time=when or 0.0)
     except (ValueError, TypeError) as exc:  # hand-edited or another format: never trusted, a miss
         log.debug("plan cache: ignoring unreadable 'nothing fits' record %s: %s", key[:12], exc)

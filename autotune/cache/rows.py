@@ -1,10 +1,14 @@
-"""Plan rows as JSON lines: what `autotune cache export` writes, and what `import` and a team directory read.
+"""Cache rows as JSON lines: what `autotune cache export` writes, and what `import` and a team directory read.
 
-A row holds a plan, the key parts it was tuned for, and the OOMs seen against it in real training.
+A row is of one of two kinds. A plan row holds a plan, the key parts it was tuned for, and the OOMs seen
+against it in real training; it has no "kind" field (so an older autotune still reads it), or
+`"kind": "plan"`. A "nothing fits" row (`"kind": "nothing_fits"`) holds a search that found no configuration
+under its budget: the key parts, the search's message and its trials, so a teammate's `fit` refuses in
+milliseconds instead of repeating the search.
 Every row read from a file is validated before it is used: known fields only, types and ranges
-(`Plan.from_dict`, `check_parts`), the plan consistent with its parts, and the key recomputed from the
-parts. JSON is parsed, never executed; nothing is unpickled. Files come from teammates and may be
-damaged or hostile, so reading is bounded before parsing: a line is read at most `MAX_LINE_BYTES` at a
+(`Plan.from_dict`, `Trial.from_dict`, `check_parts`), a plan consistent with its parts, and the key
+recomputed from the parts. JSON is parsed, never executed; nothing is unpickled. Files come from teammates
+and may be damaged or hostile, so reading is bounded before parsing: a line is read at most `MAX_LINE_BYTES` at a
 time (a longer one is skipped, never held whole), must be UTF-8, and may nest at most `MAX_DEPTH` deep.
 Each failure is a rejected row with its line number and reason; nothing a file holds raises.
 """
@@ -27,7 +31,10 @@ from .key import check_parts, plan_key
 from ..plan import Plan, Trial
 
 EXPORT_SCHEMA = 1
-ROW_FIELDS = ("schema", "key", "parts", "plan", "failures", "updated")
+ROW_FIELDS = ("schema", "key", "parts", "plan", "failures", "updated")  # a plan row; "kind" optional
+PLAN_KIND, NOTHING_FITS_KIND = "plan", "nothing_fits"  # the values of a row's "kind"
+NOTHING_FITS_FIELDS = ("schema", "kind", "key", "parts", "message", "trials", "time")
+MAX_MESSAGE_CHARS = 16_384  # a NoFeasiblePlan message lists every trial in ~40 characters; 400 trials fit
 FAILURE_FIELDS = ("micro_batch_size", "shapes", "note", "time")
 MAX_LINE_BYTES = 4 * 2**20  # a plan with a few dozen trials is a few KiB; a larger line is not ours
 MAX_LINE_CHARS = MAX_LINE_BYTES  # the same bound for a line already in memory
@@ -79,7 +86,35 @@ class NothingFits:
     parts: dict[str, Any]
     message: str  # the NoFeasiblePlan message: what was tried, the smallest peak against the budget
     trials: tuple[Trial, ...] = ()
-    time: float = 0.0  # unix seconds
+    time: float = 0.0  # unix seconds the search ended
+    origin: str = ""  # where this copy came from: "search" (here), "import:<file>" or "team:<dir>"; not exported
+
+    def to_json(self) -> str:
+        """One line of JSON (no newline), tagged with the export schema version and its kind."""
+        return json.dumps({"schema": EXPORT_SCHEMA, "kind": NOTHING_FITS_KIND, "key": self.key, "parts": self.parts,
+                           "message": self.message, "trials": [t.to_dict() for t in self.trials],
+                           "time": self.time}, sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> NothingFits:
+        """Validate a decoded "nothing fits" row, as strictly as a plan row (`PlanRow.from_dict`).
+
+        Raises:
+            ValueError: the reason the row is rejected (first problem found).
+        """
+        _check_fields(d, NOTHING_FITS_FIELDS, NOTHING_FITS_FIELDS, NOTHING_FITS_KIND)
+        _check_key(d)
+        message = d["message"]
+        if not isinstance(message, str) or not message.strip():
+            raise ValueError("message must be a non-empty string (the search's NoFeasiblePlan message)")
+        if len(message) > MAX_MESSAGE_CHARS:
+            raise ValueError(f"message is {len(message):,} characters, over the {MAX_MESSAGE_CHARS:,} a "
+                             "'nothing fits' row may have")
+        if not isinstance(d["trials"], list):
+            raise ValueError("trials must be a list")
+        trials = tuple(_trial_from(i, t) for i, t in enumerate(d["trials"]))
+        _check_time("time", d["time"])
+        return cls(key=d["key"], parts=d["parts"], message=message, trials=trials, time=float(d["time"]))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,40 +135,21 @@ class PlanRow:
 
     @classmethod
     def from_json(cls, line: str) -> PlanRow:
-        """Parse and validate one exported line.
+        """Parse and validate one exported plan line.
 
         Raises:
-            ValueError: the reason the row is rejected (first problem found).
+            ValueError: the reason the row is rejected (first problem found), also when it is not a plan row.
         """
-        if len(line) > MAX_LINE_CHARS:
-            raise ValueError(f"line is {len(line):,} characters, over the {MAX_LINE_CHARS:,} a plan row may have")
-        try:
-            d = json.loads(line, parse_constant=_reject_constant, parse_float=_finite_float)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
-        except RecursionError:  # the C parser gives up near Python's recursion limit (about 1000 levels)
-            raise ValueError(f"JSON nested deeper than the {MAX_DEPTH} levels a plan row may have") from None
-        if _depth(d) > MAX_DEPTH:
-            raise ValueError(f"JSON nested deeper than the {MAX_DEPTH} levels a plan row may have")
-        return cls.from_dict(d)
+        row = parse_row(line)
+        if not isinstance(row, PlanRow):
+            raise ValueError("a 'nothing fits' row, not a plan row")
+        return row
 
     @classmethod
     def from_dict(cls, d: Any) -> PlanRow:
-        """Validate a decoded row; see `from_json`."""
-        if not isinstance(d, dict):
-            raise ValueError(f"a row must be an object, got {type(d).__name__}")
-        unknown, missing = sorted(set(d) - set(ROW_FIELDS)), sorted(set(ROW_FIELDS) - set(d))
-        if unknown or missing:
-            raise ValueError(f"unknown field(s): {', '.join(unknown)}" if unknown
-                             else f"missing field(s): {', '.join(missing)}")
-        if d["schema"] != EXPORT_SCHEMA:
-            raise ValueError(f"export schema {d['schema']!r} is not {EXPORT_SCHEMA}; export it again with this "
-                             "autotune, or upgrade autotune")
-        check_parts(d["parts"])
-        expected = plan_key(d["parts"])
-        if d["key"] != expected:
-            raise ValueError(f"key {str(d['key'])[:16]!r}... does not match its parts (they hash to "
-                             f"{expected[:16]}...): the row was edited or damaged")
+        """Validate a decoded plan row; see `from_json`."""
+        _check_fields(d, ROW_FIELDS + ("kind",), ROW_FIELDS, PLAN_KIND)
+        _check_key(d)
         plan = _plan_from(d["plan"])
         check_plan_matches(plan, d["key"], d["parts"])
         if not isinstance(d["failures"], list):
@@ -208,7 +224,57 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
         raise ValueError(f"plan.micro_batch_size {plan.micro_batch_size} is over the key's max_micro_batch {cap}")
 
 
-def read_rows(path: str | Path | BinaryIO) -> Iterator[tuple[int, PlanRow | None, str]]:
+def parse_row(line: str) -> PlanRow | NothingFits:
+    """Parse and validate one exported line, a plan row or a "nothing fits" row by its "kind".
+
+    Raises:
+        ValueError: the reason the row is rejected (first problem found).
+    """
+    if len(line) > MAX_LINE_CHARS:
+        raise ValueError(f"line is {len(line):,} characters, over the {MAX_LINE_CHARS:,} a row may have")
+    try:
+        d = json.loads(line, parse_constant=_reject_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:  # the C parser gives up near Python's recursion limit (about 1000 levels)
+        raise ValueError(f"JSON nested deeper than the {MAX_DEPTH} levels a row may have") from None
+    if _depth(d) > MAX_DEPTH:
+        raise ValueError(f"JSON nested deeper than the {MAX_DEPTH} levels a row may have")
+    kind = d.get("kind", PLAN_KIND) if isinstance(d, dict) else PLAN_KIND
+    if kind == NOTHING_FITS_KIND:
+        return NothingFits.from_dict(d)
+    if kind != PLAN_KIND:
+        raise ValueError(f"kind {str(kind)[:40]!r} is neither {PLAN_KIND!r} nor {NOTHING_FITS_KIND!r}; export it "
+                         "again with this autotune, or upgrade autotune")
+    return PlanRow.from_dict(d)
+
+
+def _check_fields(d: Any, allowed: tuple[str, ...], required: tuple[str, ...], kind: str) -> None:
+    """A row is an object of `kind` (a plan row may leave "kind" out), with known fields only, every required
+    one, and this export schema."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a row must be an object, got {type(d).__name__}")
+    unknown, missing = sorted(set(d) - set(allowed)), sorted(set(required) - set(d))
+    if unknown or missing:
+        raise ValueError(f"unknown field(s): {', '.join(unknown)}" if unknown
+                         else f"missing field(s): {', '.join(missing)}")
+    if d["schema"] != EXPORT_SCHEMA:
+        raise ValueError(f"export schema {d['schema']!r} is not {EXPORT_SCHEMA}; export it again with this "
+                         "autotune, or upgrade autotune")
+    if d.get("kind", PLAN_KIND) != kind:
+        raise ValueError(f"kind {str(d['kind'])[:40]!r} is not {kind!r}")
+
+
+def _check_key(d: dict[str, Any]) -> None:
+    """The row's parts are well formed and hash to its key: an edited or damaged row is never trusted."""
+    check_parts(d["parts"])
+    expected = plan_key(d["parts"])
+    if d["key"] != expected:
+        raise ValueError(f"key {str(d['key'])[:16]!r}... does not match its parts (they hash to "
+                         f"{expected[:16]}...): the row was edited or damaged")
+
+
+def read_rows(path: str | Path | BinaryIO) -> Iterator[tuple[int, PlanRow | NothingFits | None, str]]:
     """Yield (line number, row or None, reason it was rejected) for each non-blank line of `path`.
 
     `path` may also be an open binary stream (standard input for `autotune cache import -`).
@@ -232,11 +298,11 @@ def read_rows(path: str | Path | BinaryIO) -> Iterator[tuple[int, PlanRow | None
             yield number, row, printable(why)
 
 
-def _parse_line(raw: bytes, f: Any, *, first: bool) -> tuple[PlanRow | None, str]:
+def _parse_line(raw: bytes, f: Any, *, first: bool) -> tuple[PlanRow | NothingFits | None, str]:
     """One line read by `read_rows`: (row, "") or (None, why); (None, "") for a blank line."""
     if len(raw) > MAX_LINE_BYTES:
         size = len(raw) + _skip_rest_of_line(f)
-        return None, f"line is {size:,} bytes or more, over the {MAX_LINE_BYTES:,} a plan row may have"
+        return None, f"line is {size:,} bytes or more, over the {MAX_LINE_BYTES:,} a row may have"
     if first and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte order mark, as some editors save
     if not raw.strip():
@@ -246,7 +312,7 @@ def _parse_line(raw: bytes, f: Any, *, first: bool) -> tuple[PlanRow | None, str
     except UnicodeDecodeError as exc:
         return None, f"not UTF-8 (invalid byte {raw[exc.start]:#04x} at byte {exc.start + 1})"
     try:
-        return PlanRow.from_json(text), ""
+        return parse_row(text), ""
     except ValueError as exc:
         return None, str(exc) or type(exc).__name__
 
@@ -273,7 +339,7 @@ def printable(text: str) -> str:
                    else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
-def write_rows(path: str | Path | TextIO, rows: Iterable[PlanRow]) -> int:
+def write_rows(path: str | Path | TextIO, rows: Iterable[PlanRow | NothingFits]) -> int:
     """Write rows as JSON lines, atomically (a reader never sees half a file); returns how many.
 
     `path` may also be an open text stream (standard output for `autotune cache export -`), written as is.
@@ -296,70 +362,23 @@ def write_rows(path: str | Path | TextIO, rows: Iterable[PlanRow]) -> int:
     return count
 
 
-class TeamDir:
-    """Plan rows from a read-only directory of exports (`$AUTOTUNE_TEAM_DIR/*.jsonl`), loaded on first use.
-
-    Several rows for one key merge: the newest plan wins, and every failure seen by anyone is kept.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path).expanduser()
-        self.problems: list[str] = []  # one line per unreadable file or file with rejected rows
-        self._rows: dict[str, PlanRow] | None = None
-
-    def lookup(self, key: str) -> PlanRow | None:
-        """The team's row for `key`, or None."""
-        return self.rows().get(key)
-
-    def rows(self) -> dict[str, PlanRow]:
-        """Every valid row, by key."""
-        if self._rows is None:
-            self._rows = self._load()
-        return self._rows
-
-    def _load(self) -> dict[str, PlanRow]:
-        merged: dict[str, PlanRow] = {}
-        try:
-            files = sorted(self.path.glob(TEAM_FILE_GLOB)) if self.path.is_dir() else None
-        except OSError as exc:
-            files, detail = None, f": {exc.strerror}"
-        else:
-            detail = ""
-        if files is None:
-            self.problems.append(f"team directory {self.path} ($AUTOTUNE_TEAM_DIR) is not a readable directory"
-                                 f"{detail}")
-            return merged
-        for file in files:
-            try:
-                results = list(read_rows(file))
-            except OSError as exc:  # a directory named *.jsonl, no permission, an I/O error: skip the file
-                self.problems.append(f"skipped team file {file}: cannot read it ({exc.strerror or exc})")
-                continue
-            rejected = [(n, why) for n, row, why in results if row is None]
-            if rejected:
-                n, why = rejected[0]
-                self.problems.append(f"{len(rejected)} row(s) of team file {file} rejected (line {n}: {why}); "
-                                     f"see all with `autotune cache import {file}`")
-            for _, row, _ in results:
-                if row is not None:
-                    merged[row.key] = _merge(merged.get(row.key), row)
-        return merged
-
-
-def _merge(old: PlanRow | None, new: PlanRow) -> PlanRow:
-    if old is None:
-        return new
-    newest = new if new.updated >= old.updated else old
-    seen = {(f.micro_batch_size, f.time, f.note): f for f in old.failures + new.failures}  # de-duplicated
-    failures = tuple(seen.values())
-    return dataclasses.replace(newest, failures=failures)
-
-
 def _plan_from(d: Any) -> Plan:
     try:
         return Plan.from_dict(d)
     except (TypeError, ValueError) as exc:  # TypeError: a required field is missing
         raise ValueError(f"plan: {exc}") from None
+
+
+def _trial_from(i: int, d: Any) -> Trial:
+    try:
+        if not isinstance(d, dict):
+            raise ValueError(f"must be an object, got {type(d).__name__}")
+        trial = Trial.from_dict(d)
+    except (TypeError, ValueError) as exc:  # TypeError: a rung field unknown, or a required one missing
+        raise ValueError(f"trials[{i}]: {exc}") from None
+    if not isinstance(trial.note, str):  # printed by `autotune run` when the refusal is served
+        raise ValueError(f"trials[{i}]: note must be a string, got {type(trial.note).__name__}")
+    return trial
 
 
 def _check_time(name: str, value: Any) -> None:
@@ -368,13 +387,13 @@ def _check_time(name: str, value: Any) -> None:
 
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a plan row may hold")
+    raise ValueError(f"{name} is not a number a row may hold")
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e999 parses as infinity, which no plan field may hold
-        raise ValueError(f"{text[:20]} is not a number a plan row may hold")
+        raise ValueError(f"{text[:20]} is not a number a row may hold")
     return value
 
 

@@ -7,8 +7,10 @@ key is `cache_key`; the JSON-lines rows of export / import / team directory are 
 
 Failures are kept: an OOM seen in real training against a plan (`mark_unsafe`) means `get` never returns
 that plan again, and `max_safe_micro_batch` bounds the next search below the smallest failing micro-batch.
-A search that found nothing under its budget is kept too (`record_nothing_fits`), so a retry learns it at once.
-After a local miss, `get` reads the team's exports in `$AUTOTUNE_TEAM_DIR` (read-only).
+A search that found nothing under its budget is kept too (`record_nothing_fits`), so a retry learns it at once;
+it is exported beside the plans, so a teammate learns it too. After a local miss, `get` and `nothing_fits`
+read the team's exports in `$AUTOTUNE_TEAM_DIR` (read-only). A plan for a key beats a "nothing fits" record
+for it, wherever either came from.
 
 The cache never breaks training. A locked (past the timeout), corrupt, unwritable or full database, or
 one on a network file system, gives one `CacheWarning`, and the cache carries on without its database
@@ -37,8 +39,9 @@ from sqlite_utils import Database
 from . import db as cache_db
 from .db import CACHE_ENV, TEAM_DIR_ENV, filesystem_type, is_network_filesystem
 from .key import check_parts, key_parts, plan_key
-from .rows import (CacheEntry, Failure, NothingFits, PlanRow, TeamDir, check_plan_matches, printable, read_rows,
+from .rows import (CacheEntry, Failure, NothingFits, PlanRow, check_plan_matches, parse_row, printable, read_rows,
                    write_rows)
+from .team import TeamDir
 from ..errors import AutotuneError, InvalidSetting
 from ..plan import Plan, Trial
 
@@ -64,10 +67,13 @@ _warned: set[tuple[str, str]] = set()  # (path, problem) already reported in thi
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ImportReport:
-    """What `PlanCache.import_` did: keys stored, and (line number, reason) for every rejected row."""
+    """What `PlanCache.import_` did: the keys of the valid plan rows and of the valid "nothing fits" rows
+    (stored, unless this cache holds a newer plan, or a plan or newer record for a refusal's key), and
+    (line number, reason) for every rejected row."""
 
     accepted: tuple[str, ...]
     rejected: tuple[tuple[int, str], ...]
+    nothing_fits: tuple[str, ...] = ()
 
 
 def default_path() -> Path:
@@ -191,7 +197,7 @@ class PlanCache:
         found = self._use("list plans", lambda db: cache_db.entries(db, prefix), [])
         if team and self.team is not None:
             have = {e.key for e in found}
-            found += [CacheEntry.from_row(row, f"team:{self.team.path}") for key, row in self._team_rows().items()
+            found += [CacheEntry.from_row(row, self.team.origin) for key, row in self._team_rows().items()
                       if key.startswith(prefix) and key not in have]
         return found
 
@@ -239,8 +245,18 @@ class PlanCache:
         self._use("record the failure", lambda db: cache_db.insert_failures(db, key, [failure]), None)
 
     def nothing_fits(self, key: str) -> NothingFits | None:
-        """The record that an earlier search under `key` found no configuration that fits, or None."""
-        return self._use("read a 'nothing fits' record", lambda db: cache_db.nothing_fits(db, key), None)
+        """The record that an earlier search under `key` found no configuration that fits, or None.
+
+        This cache's record, else (after a local miss) the team directory's; its `origin` says which:
+        "search", "import:<file>" or "team:<dir>". None where a plan is stored for `key`, here or in the
+        team directory: a plan is a configuration measured to fit, and beats a search that found none.
+        """
+        record, planned = self._use("read a 'nothing fits' record", lambda db: cache_db.nothing_fits(db, key),
+                                    (None, False))
+        if record is not None or planned or self.team is None:
+            return record
+        team = self._team(lambda t: t.nothing_fits()).get(key)
+        return None if team is None or self._team_row(key) is not None else team
 
     def record_nothing_fits(self, parts: dict[str, Any], message: str, trials: tuple[Trial, ...] = ()) -> str:
         """Remember that nothing fits the workload of `parts`, so the next `fit` says so in milliseconds.
@@ -268,13 +284,13 @@ class PlanCache:
     # -- sharing ---------------------------------------------------------------------------------------------
 
     def export(self, path: str | os.PathLike[str] | TextIO) -> int:
-        """Write every valid plan, with its parts and failures, as JSON lines to `path` (or a text stream);
-        returns how many.
+        """Write every valid plan, with its parts and failures, and every "nothing fits" record (under a key
+        without a plan) as JSON lines to `path` (or a text stream); returns how many rows.
 
         Raises:
             OSError: `path` cannot be written.
         """
-        rows = []
+        rows: builtins.list[PlanRow | NothingFits] = []
         for entry in self.entries():
             try:
                 row = entry.to_row()
@@ -283,21 +299,30 @@ class PlanCache:
                 continue
             if row is not None:
                 rows.append(row)
+        for record in self._use("list 'nothing fits' records", cache_db.all_nothing_fits, []):
+            try:  # only what an import would accept: the same validation, on the row as written
+                rows.append(parse_row(record.to_json()))
+            except ValueError as exc:
+                log.warning("plan cache: not exporting 'nothing fits' %s: %s", record.key[:12], exc)
         return write_rows(path, rows)
 
     def import_(self, path: str | os.PathLike[str] | BinaryIO) -> ImportReport:
         """Validate every row of an export (a file, or a binary stream) and store the good ones (a newer
-        local plan is kept).
+        local plan is kept; a "nothing fits" record is kept out by a local plan or a newer local record).
 
         Raises:
             OSError: the file cannot be read.
         """
         results = builtins.list(read_rows(path))
-        good = [row for _, row, _ in results if row is not None]
+        plans = [row for _, row, _ in results if isinstance(row, PlanRow)]
+        refusals = [row for _, row, _ in results if isinstance(row, NothingFits)]
         rejected = tuple((n, why) for n, row, why in results if row is None)
         origin = f"import:{Path(path).name if isinstance(path, (str, os.PathLike)) else 'stdin'}"
-        stored = self._use("import plans", lambda db: cache_db.import_rows(db, good, origin), False)
-        return ImportReport(accepted=tuple(r.key for r in good) if stored else (), rejected=rejected)
+        stored = self._use("import plans", lambda db: cache_db.import_rows(db, plans, refusals, origin), False)
+        if not stored:
+            return ImportReport(accepted=(), rejected=rejected)
+        return ImportReport(accepted=tuple(r.key for r in plans), rejected=rejected,
+                            nothing_fits=tuple(r.key for r in refusals))
 
     # -- the database, and what to do when it fails -------------------------------------------------------
 
@@ -357,18 +382,23 @@ class PlanCache:
             raise CacheError(message)
         _warn_once(str(self.path), problem, message)
 
-    def _team_rows(self) -> dict[str, PlanRow]:
+    def _team(self, read: Callable[[TeamDir], dict[str, T]]) -> dict[str, T]:
+        """What `read` gets from the team directory; {} without one, or when it fails (said once)."""
         if self.team is None:
             return {}
         try:
-            rows = self.team.rows()
+            found = read(self.team)
         except Exception as exc:  # noqa: BLE001 - the team directory never fails a fit (DESIGN.md section 5)
             self.team.problems.append(f"team directory {self.team.path} ($AUTOTUNE_TEAM_DIR) skipped: "
                                       f"{type(exc).__name__}: {exc}")
-            self.team._rows = rows = {}
+            self.team.forget()
+            found = {}
         for problem in self.team.problems:
             _warn_once(str(self.team.path), problem, printable(problem))
-        return rows
+        return found
+
+    def _team_rows(self) -> dict[str, PlanRow]:
+        return self._team(lambda t: t.rows())
 
     def _team_row(self, key: str) -> PlanRow | None:
         return self._team_rows().get(key)

@@ -89,7 +89,8 @@ def show(cache_path: Path | None, key: str, as_json: bool) -> None:
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
 @click.pass_obj
 def export_(cache_path: Path | None, file: Path) -> None:
-    """Write every cached plan, with its key parts and failures, to FILE as JSON lines (`-`: standard output).
+    """Write every cached plan, with its key parts and failures, to FILE as JSON lines (`-`: standard output),
+    and every "nothing fits" record (a search that found no configuration), so teammates skip that search.
 
     \b
     Examples:
@@ -104,10 +105,10 @@ def export_(cache_path: Path | None, file: Path) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot write {file}: {exc.strerror}; choose a writable path") from exc
     if to_stdout:  # the rows are the output; the count goes to stderr
-        click.echo(f"exported {count} plan(s) to standard output", err=True)
+        click.echo(f"exported {count} row(s) to standard output", err=True)
         return
-    click.echo(f"exported {count} plan(s) to {file}; teammates can `autotune cache import {file}`, "
-               "or keep it in the directory $AUTOTUNE_TEAM_DIR names")
+    click.echo(f"exported {count} row(s) (plans and 'nothing fits' records) to {file}; teammates can "
+               f"`autotune cache import {file}`, or keep it in the directory $AUTOTUNE_TEAM_DIR names")
 
 
 @cache.command("import")
@@ -117,7 +118,8 @@ def import_(cache_path: Path | None, file: Path) -> None:
     """Validate every row of an export FILE (`-`: standard input) and store the valid ones; rejected rows are
     listed with the reason.
 
-    A plan already cached here and newer than the imported one is kept.
+    A plan already cached here and newer than the imported one is kept. A "nothing fits" record is stored
+    unless a plan, or a newer record, is cached here for its key.
 
     \b
     Examples:
@@ -132,7 +134,8 @@ def import_(cache_path: Path | None, file: Path) -> None:
         raise click.ClickException(f"cannot read {file}: {exc.strerror}; check the path and its permissions") from exc
     for line, why in report.rejected:
         click.echo(f"rejected line {line}: {why}", err=True)
-    click.echo(f"imported {len(report.accepted)} plan(s) from {file} into {store.path}")
+    refusals = f" and {len(report.nothing_fits)} 'nothing fits' record(s)" if report.nothing_fits else ""
+    click.echo(f"imported {len(report.accepted)} plan(s){refusals} from {file} into {store.path}")
     if report.rejected:
         raise click.ClickException(f"{len(report.rejected)} row(s) of {file} were rejected (listed above) and the "
                                    "valid rows imported; ask for a fresh `autotune cache export` to replace the file")

@@ -14,6 +14,7 @@ import click
 from ..supervisor.agent import configure_logging
 from ..supervisor.flags import PRESETS
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
+from ..cache.rows import printable
 from ..plan import Plan, Trial
 from ..plotting import PlotUnavailable, draw_search, require_matplotlib
 from ..sizes import format_bytes
@@ -201,7 +202,7 @@ def format_trials(trials: Sequence[Trial], plan: Plan | None = None) -> str:
         if plan is not None and mfu:
             share = plan.trial_mfu(t)
             row += f" {f'{share:.1%}' if share is not None else '-':>6}"
-        rows.append(f"{row}  {t.note[:70]}")
+        rows.append(printable(f"{row}  {t.note[:70]}"))  # a cached refusal's trials may be a teammate's
     return "\n".join(rows)
 
 
