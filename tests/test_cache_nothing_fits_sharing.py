@@ -241,3 +241,36 @@ def test_cli_import_counts_refusals(alice: tuple[NoFeasiblePlan, Path], tmp_path
     result = CliRunner().invoke(main, ["cache", "--cache", str(tmp_path / "bob.db"), "import",
                                        str(tmp_path / "alice.jsonl")], catch_exceptions=False)
     assert result.exit_code == 0 and "imported 0 plan(s) and 1 'nothing fits' record(s)" in result.output
+
+
+def cache_cli(*args: str) -> Any:
+    return CliRunner().invoke(main, ["cache", *args], catch_exceptions=False)
+
+
+def test_cache_list_show_and_delete_see_refusals_here_and_in_the_team_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan, parts = sample(0)
+    mine = tmp_path / "mine.db"
+    PlanCache(mine).record_nothing_fits(parts, "nothing fits\x1b[2J under 1 GiB", plan.trials)
+    team = tmp_path / "team"
+    team.mkdir()
+    theirs_plan, theirs_parts = sample(1)
+    carol = PlanCache(tmp_path / "carol.db")
+    carol.record_nothing_fits(theirs_parts, "carol: nothing fits")
+    carol.export(team / "carol.jsonl")
+    monkeypatch.setenv("AUTOTUNE_TEAM_DIR", str(team))
+
+    listed = cache_cli("--cache", str(mine), "list")
+    assert "no cached plans in" in listed.output and "searches that found nothing fits" in listed.output
+    (row,) = [line for line in listed.output.splitlines() if line.startswith(plan.key[:12])]
+    assert row.split()[-1] == "search" and theirs_plan.key[:12] not in listed.output
+    with_team = json.loads(cache_cli("--cache", str(mine), "list", "--team", "--json").output)
+    assert [(e["key"], e["status"], e["origin"]) for e in with_team] == [
+        (plan.key, "nothing fits", "search"), (theirs_plan.key, "nothing fits", f"team:{team}")]
+
+    shown = cache_cli("--cache", str(mine), "show", plan.key[:10]).output
+    assert "status    nothing fits" in shown and "nothing fits\\x1b[2J under 1 GiB" in shown and "\x1b" not in shown
+    assert "simulated OOM" in shown  # its trials
+
+    assert cache_cli("--cache", str(mine), "delete", plan.key[:10]).exit_code == 0
+    assert PlanCache(mine).nothing_fits(plan.key) is None

@@ -300,9 +300,11 @@ def nothing_fits(db: Database, key: str) -> tuple[NothingFits | None, bool]:
     return _load_nothing_fits(*found), False
 
 
-def all_nothing_fits(db: Database) -> list[NothingFits]:
-    """Every readable record under a key that holds no plan, newest first (what an export shares)."""
-    rows = db.execute(f"SELECT {_NOTHING_FITS_COLUMNS} FROM nothing_fits WHERE {_NO_PLAN} ORDER BY time DESC")
+def all_nothing_fits(db: Database, prefix: str = "") -> list[NothingFits]:
+    """Every readable record under a key that starts with `prefix` and holds no plan, newest first (what an
+    export shares, and `autotune cache list` shows)."""
+    rows = db.execute(f"SELECT {_NOTHING_FITS_COLUMNS} FROM nothing_fits WHERE {_NO_PLAN} AND "
+                      "substr(key, 1, length(:prefix)) = :prefix ORDER BY time DESC", {"prefix": prefix})
     return [record for record in (_load_nothing_fits(*row) for row in rows) if record is not None]
 
 

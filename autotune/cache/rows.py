@@ -89,6 +89,12 @@ class NothingFits:
     time: float = 0.0  # unix seconds the search ended
     origin: str = ""  # where this copy came from: "search" (here), "import:<file>" or "team:<dir>"; not exported
 
+    def to_dict(self) -> dict[str, Any]:
+        """As `autotune cache list --json` prints it: beside the plans, with status "nothing fits"."""
+        return {"key": self.key, "status": "nothing fits", "origin": self.origin, "updated": self.time,
+                "parts": self.parts, "plan": None, "message": self.message,
+                "trials": [t.to_dict() for t in self.trials]}
+
     def to_json(self) -> str:
         """One line of JSON (no newline), tagged with the export schema version and its kind."""
         return json.dumps({"schema": EXPORT_SCHEMA, "kind": NOTHING_FITS_KIND, "key": self.key, "parts": self.parts,

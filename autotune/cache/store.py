@@ -201,6 +201,17 @@ class PlanCache:
                       if key.startswith(prefix) and key not in have]
         return found
 
+    def nothing_fits_entries(self, prefix: str = "", *, team: bool = False) -> builtins.list[NothingFits]:
+        """"Nothing fits" records whose key starts with `prefix` and holds no plan, newest first; with `team`,
+        the team directory's too (under keys without a record or plan here, or a plan there)."""
+        prefix = prefix.lower()
+        found = self._use("list 'nothing fits' records", lambda db: cache_db.all_nothing_fits(db, prefix), [])
+        if team and self.team is not None:
+            skip = {r.key for r in found} | {e.key for e in self.entries(prefix, team=True)}
+            found += [r for key, r in self._team(lambda t: t.nothing_fits()).items()
+                      if key.startswith(prefix) and key not in skip]
+        return found
+
     def list(self) -> builtins.list[CacheEntry]:
         """Every plan in this cache, newest first."""
         return self.entries()
@@ -299,7 +310,7 @@ class PlanCache:
                 continue
             if row is not None:
                 rows.append(row)
-        for record in self._use("list 'nothing fits' records", cache_db.all_nothing_fits, []):
+        for record in self.nothing_fits_entries():
             try:  # only what an import would accept: the same validation, on the row as written
                 rows.append(parse_row(record.to_json()))
             except ValueError as exc:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..cache.rows import printable
+from ..cache.rows import NothingFits, printable
 from ..cache.store import CacheEntry, CacheError, PlanCache, default_path
 from ..plan import Plan
 from ..sizes import format_bytes
@@ -46,11 +46,12 @@ def cache(ctx: click.Context, cache_path: Path | None) -> None:
 
 
 @cache.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Print the plans as a JSON list.")
-@click.option("--team", is_flag=True, help="Also list the plans in $AUTOTUNE_TEAM_DIR.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plans (and 'nothing fits' records) as a JSON list.")
+@click.option("--team", is_flag=True, help="Also list the plans and 'nothing fits' records in $AUTOTUNE_TEAM_DIR.")
 @click.pass_obj
 def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
-    """List cached plans: model, GPU, budget, plan, tokens/s, age and status.
+    """List cached plans: model, GPU, budget, plan, tokens/s, age and status; then the searches that found
+    nothing fits (`fit` refuses those at once; retune=True searches again).
 
     \b
     Examples:
@@ -58,14 +59,19 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
       autotune cache list --json | jq '.[].plan.micro_batch_size'
     """
     store = _open(cache_path)
-    found = _call(lambda: store.entries(team=team))
+    found, refused = _call(lambda: (store.entries(team=team), store.nothing_fits_entries(team=team)))
     if as_json:
-        click.echo(json.dumps([e.to_dict() for e in found], indent=2))
-    elif not found:
-        click.echo(f"no cached plans in {store.path}")
-    else:
+        click.echo(json.dumps([e.to_dict() for e in [*found, *refused]], indent=2))
+        return
+    if found:
         headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "TOKENS/S", "MFU", "AGE", "STATUS"]
         click.echo(_table(headers, [_list_row(e) for e in found]))
+    else:
+        click.echo(f"no cached plans in {store.path}")
+    if refused:
+        click.echo("\nsearches that found nothing fits (fit refuses at once; retune=True searches again):")
+        click.echo(_table(["KEY", "MODEL", "GPU", "BUDGET", "TRIALS", "AGE", "ORIGIN"],
+                          [_refusal_row(r) for r in refused]))
 
 
 @cache.command()
@@ -73,7 +79,8 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan, its key parts and failures as JSON.")
 @click.pass_obj
 def show(cache_path: Path | None, key: str, as_json: bool) -> None:
-    """Show one cached plan in full: what it was tuned for, the plan, why, its trials and failures.
+    """Show one cached plan in full: what it was tuned for, the plan, why, its trials and failures (or a
+    search that found nothing fits: its message and trials).
 
     KEY may be the first few characters of the key, as `autotune cache list` prints it.
 
@@ -145,7 +152,8 @@ def import_(cache_path: Path | None, file: Path) -> None:
 @click.argument("key")
 @click.pass_obj
 def delete(cache_path: Path | None, key: str) -> None:
-    """Forget one cached plan (and the failures recorded against it); KEY may be a prefix.
+    """Forget one cached plan (and the failures recorded against it), or a 'nothing fits' record; KEY may be
+    a prefix.
 
     \b
     Example:
@@ -203,15 +211,15 @@ def _call(action: Callable[[], T]) -> T:
         raise CacheUnusable(str(exc)) from exc
 
 
-def _one(store: PlanCache, key: str, *, team: bool) -> CacheEntry:
-    matches = _call(lambda: store.entries(key, team=team))
+def _one(store: PlanCache, key: str, *, team: bool) -> CacheEntry | NothingFits:
+    matches = _call(lambda: [*store.entries(key, team=team), *store.nothing_fits_entries(key, team=team)])
     if not matches:
-        raise click.ClickException(f"no cached plan has a key starting with {key!r}; run `autotune cache list` "
-                                   "to see the keys")
+        raise click.ClickException(f"no cached plan or 'nothing fits' record has a key starting with {key!r}; run "
+                                   "`autotune cache list` to see the keys")
     if len(matches) > 1:
         keys = ", ".join(e.key[:12] for e in matches[:5])
-        raise click.ClickException(f"{len(matches)} plans have keys starting with {key!r} ({keys}...); give more "
-                                   "of the key")
+        raise click.ClickException(f"{len(matches)} cached rows have keys starting with {key!r} ({keys}...); give "
+                                   "more of the key")
     return matches[0]
 
 
@@ -224,8 +232,16 @@ def _list_row(entry: CacheEntry) -> list[str]:
             _age(entry.updated), _status(entry)]
 
 
-def _describe(entry: CacheEntry) -> str:
+def _refusal_row(record: NothingFits) -> list[str]:
+    return [record.key[:12], _model(record.parts), _gpu(record.parts),
+            format_bytes(record.parts.get("budget_bytes", 0)), str(len(record.trials)), _age(record.time),
+            record.origin]
+
+
+def _describe(entry: CacheEntry | NothingFits) -> str:
     # Every field may come from a teammate's file: each line is printed with control characters escaped.
+    if isinstance(entry, NothingFits):
+        return _describe_refusal(entry)
     lines = [f"key       {entry.key}", f"status    {_status(entry)}",
              f"origin    {entry.origin}, updated {_age(entry.updated)} ago", *_describe_parts(entry.parts)]
     if entry.plan is None:
@@ -237,6 +253,16 @@ def _describe(entry: CacheEntry) -> str:
         lines += [f"  micro-batch {f.micro_batch_size}, {_age(f.time)} ago"
                   + (f", shapes {json.dumps(f.shapes)}" if f.shapes else "") + (f": {f.note}" if f.note else "")
                   for f in entry.failures]
+    return "\n".join(printable(line) for line in lines)
+
+
+def _describe_refusal(record: NothingFits) -> str:
+    trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, format_bytes(t.peak_bytes) if t.peak_bytes else "-",
+               t.note] for t in record.trials]
+    lines = [f"key       {record.key}", "status    nothing fits: fit refuses at once; retune=True searches again",
+             f"origin    {record.origin}, found {_age(record.time)} ago", *_describe_parts(record.parts),
+             f"why       {record.message}", "", "trials:",
+             *_indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "NOTE"], trials)).split("\n")]
     return "\n".join(printable(line) for line in lines)
 
 
