@@ -19,6 +19,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
 SHARDING = ("none", "fsdp2")
+NOISY = "noisy timings"  # how a trial's note says its step times spread wide (the plan's reason counts these)
 OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager
 SOURCES = ("tuned", "cache")
 _LOCAL_FIELDS = ("cache",)  # Plan fields that live in this process only (see Plan.cache)

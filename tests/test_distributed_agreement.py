@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from autotune.plan import Rung, Trial
+from autotune.plan import NOISY, Rung, Trial
 from autotune.training import distributed
 
 
@@ -41,6 +41,14 @@ def test_the_slowest_rank_and_the_fullest_gpu_make_the_agreed_trial():
     assert (merged.outcome, merged.peak_bytes, merged.step_seconds, merged.samples_per_second) == \
         ("over_budget", 3 * 2**30, 0.8, 5.0)
     assert merged.note == "another rank's peak was over the limit"
+
+
+def test_noisy_timings_on_one_rank_are_counted_on_every_rank():
+    """The plan's reason counts noisy trials; counted per rank, the ranks' plans differed in their reason."""
+    mine, theirs = _trial("ok"), _trial("ok", note=f"{NOISY} (step times spread 80% over 9 steps)")
+    agreed = [max(a, b) for a, b in zip(distributed.trial_figures(mine), distributed.trial_figures(theirs))]
+    assert NOISY in distributed.merged_trial(mine, agreed).note
+    assert distributed.merged_trial(theirs, agreed).note == theirs.note
 
 
 @pytest.fixture

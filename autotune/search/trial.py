@@ -29,7 +29,7 @@ from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, nee
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.losses import LossFn, label_counts, takes_num_items
 from ..workload.optimizers import OptimizerSpec
-from ..plan import Rung, Trial
+from ..plan import NOISY, Rung, Trial
 from ..sizes import format_bytes
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import reset_after_failure
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 # few percent, while a step that lost its core to another process takes 2-10x as long.
 NOISY_SPREAD = 0.5
 MAX_STEPS_FACTOR = 3  # a noisy CPU trial runs up to this many times its measured steps
-NOISY = "noisy timings"  # how a trial's note says so (the plan's reason counts these)
 
 
 @dataclass(kw_only=True, slots=True)
