@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from autotune.cache.store import PlanCache
-from autotune.supervisor import runner
+from autotune.supervisor import claims, runner
 from autotune.cli.main import main
 from autotune.search.controller import Controller
 from autotune.errors import InvalidSetting
@@ -450,5 +450,12 @@ def test_the_readme_main_command_launched_twice_tunes_once(tmp_path: Path) -> No
     assert plan["source"] == "tuned" and len(plan["key"]) == 64 and len(plan["trials"]) >= 2
     second = autotune_run(tmp_path, *args[1:])
     assert second.returncode == 0, second.stderr
+    assert "autotune: trial" in first.stderr
+    # Which path the second launch takes is decided by the first run's own measurement, read here rather than
+    # assumed: a real run whose rate is off its claim by more than the noise band (a loaded CI machine did
+    # that once in three runs) re-tunes by design, scoring that configuration at its measured rate.
+    if claims.disagrees(plan["samples_per_second"], plan["measured_samples_per_second"]):
+        assert "re-tuning, with that configuration scored at the measured rate" in second.stderr, second.stderr
+        return
     assert "plan (cached)" in second.stderr and plan["key"][:12] in second.stderr
-    assert "autotune: trial" in first.stderr and "autotune: trial" not in second.stderr, second.stderr
+    assert "autotune: trial" not in second.stderr, second.stderr
