@@ -23,3 +23,49 @@ def join(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios, run) -> None:
+    """A spawned rank's body: join, run each scenario (`run(name, rank, world)` -> dict), and write
+    rank<N>.json with {"ok": ..., **result} or the traceback, a barrier after each scenario."""
+    import json
+    import os
+    import traceback
+
+    os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
+    join(rank, world, init_file)
+    results = {}
+    try:
+        for name in scenarios:
+            try:
+                results[name] = {"ok": True, **run(name, rank, world)}
+            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+                results[name] = {"ok": False, "error": traceback.format_exc()}
+            dist.barrier()  # a scenario that failed on one rank must not leave the next one out of step
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def spawn(rank_main, world: int, timeout_s: int, *args) -> list[dict]:
+    """Spawn `world` ranks of `rank_main(rank, world, init_file, out_dir, *args)`; their JSON results.
+    Ranks that do not finish within `timeout_s` are killed and the test fails."""
+    import json
+    import os
+    import tempfile
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(rank_main, args=(world, os.path.join(tmp, "init"), tmp, *args), nprocs=world,
+                                 join=False, start_method="spawn")
+        for _ in range(timeout_s):
+            if ctx.join(timeout=1):
+                break
+        else:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish within {timeout_s} s (a collective left waiting?)")
+        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]

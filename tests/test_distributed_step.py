@@ -10,15 +10,10 @@ not finish in time is killed and fails the tests: nothing waits forever in a col
 from __future__ import annotations
 
 import copy
-import json
 import os
-import tempfile
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SCENARIOS = ("mean-uneven", "tokens-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
              "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven")
@@ -201,36 +196,15 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, scenarios: t
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
-    from ranks import join
+    from ranks import run_scenarios
 
-    join(rank, world, init_file)
-    results = {}
-    try:
-        for name in scenarios:
-            try:
-                results[name] = {"ok": True, **_scenario(name, rank, world)}
-            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
-                results[name] = {"ok": False, "error": traceback.format_exc()}
-            dist.barrier()  # a scenario that failed on one rank must not leave the next one out of step
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    run_scenarios(rank, world, init_file, out_dir, scenarios, _scenario)
 
 
 def _spawn(world: int, scenarios: tuple[str, ...] = SCENARIOS) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "init"), tmp, scenarios), nprocs=world,
-                                 join=False, start_method="spawn")
-        for _ in range(TIMEOUT_S):
-            if ctx.join(timeout=1):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world} ranks did not finish within {TIMEOUT_S} s (a collective left waiting?)")
-        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+    from ranks import spawn
+
+    return spawn(_rank_main, world, TIMEOUT_S, scenarios)
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import os
-import tempfile
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SCENARIOS = ("presharded-fit", "one-rank-oom", "rungs-on-shards", "sharded-when-needed")
 TIMEOUT_S = 600  # a guard against a hang outside a collective (those time out on the ranks: ranks.py); 4 ranks take ~80 s on a busy 2-core machine
@@ -208,36 +203,15 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
-    from ranks import join
+    from ranks import run_scenarios
 
-    join(rank, world, init_file)
-    results = {}
-    try:
-        for name in SCENARIOS:
-            try:
-                results[name] = {"ok": True, **_RUN[name](rank, world)}
-            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
-                results[name] = {"ok": False, "error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    run_scenarios(rank, world, init_file, out_dir, SCENARIOS, lambda name, r, w: _RUN[name](r, w))
 
 
 def _spawn(world: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world,
-                                 join=False, start_method="spawn")
-        for _ in range(TIMEOUT_S):
-            if ctx.join(timeout=1):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world} ranks did not finish within {TIMEOUT_S} s (a collective left waiting?)")
-        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+    from ranks import spawn
+
+    return spawn(_rank_main, world, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
