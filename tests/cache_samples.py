@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 from torch import nn
 
 import autotune
+from autotune.cache import store as cache_module
 from autotune.cache.store import key_parts, plan_key
 from autotune.devices.placement import Placement
 from autotune.plan import Plan, Rung, Trial
@@ -50,3 +52,12 @@ def fit(model: nn.Module, batch: object, cache: object, **kwargs: object) -> Pla
     """The real `autotune.fit` on the CPU under the simulated ceiling, with short trials."""
     return autotune.fit(model, batch, global_batch_size=GLOBAL_BATCH, device="cpu", memory_budget=BUDGET,
                         cache=cache, trial_steps=2, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cache setting from the environment, and each test counts its own cache warnings (autouse in every
+    module that imports it)."""
+    for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
+        monkeypatch.delenv(name, raising=False)
+    cache_module._warned.clear()

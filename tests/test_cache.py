@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_samples import TINY, fit, sample, tiny_workload
+from cache_samples import TINY, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
 from gpt import GPT, random_batch
 
 from autotune.cache import store as cache_module
@@ -48,13 +48,6 @@ from autotune.plan import Plan
 
 WORKERS = 16
 PLANS_PER_WORKER = 20
-
-
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
-        monkeypatch.delenv(name, raising=False)
-    cache_module._warned.clear()  # each test counts its own warnings
 
 
 @contextlib.contextmanager

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cache_samples import sample, tiny_workload
+from cache_samples import clean_environment, sample, tiny_workload  # noqa: F401 - autouse fixture
 from click.testing import CliRunner
 
 import autotune
-from autotune.cache import store as cache_module
 from autotune.cache.key import plan_key
 from autotune.cache.store import CacheWarning, PlanCache
 from autotune.cli.main import main
@@ -30,13 +29,6 @@ from autotune.errors import NoFeasiblePlan
 
 NOTHING_FITS = dict(global_batch_size=8, device="cpu", memory_budget="64KiB", trial_steps=1)
 FAST = 1.0  # seconds: a refusal served from a cache; the search it replaces runs trials
-
-
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
-        monkeypatch.delenv(name, raising=False)
-    cache_module._warned.clear()  # each test counts its own warnings
 
 
 @pytest.fixture

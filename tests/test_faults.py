@@ -21,20 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_samples import fit, sample, tiny_workload
+from cache_samples import clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
 from click.testing import CliRunner
 
-from autotune.cache import store as cache_module
 from autotune.cache.rows import MAX_LINE_BYTES, read_rows
 from autotune.cache.store import CacheWarning, PlanCache
 from autotune.cli.main import main
-
-
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
-        monkeypatch.delenv(name, raising=False)
-    cache_module._warned.clear()  # each test counts its own warnings
 
 
 @contextlib.contextmanager
