@@ -13,6 +13,7 @@
 #   w2       issues 11, 12: W2 (GPT-2 XL, 16 GiB) autotune.fit cold, then 20 steps (bench_peers)
 #   w3       issue 11: W3 (ResNet-152, 12 GiB) the peers' grid and autotune.fit cold, 30 steps each (bench_peers)
 #   blocks   issues 17, 21: benchmarks/bench_blocks.py on W3's ResNet-152 (which blocks to recompute)
+#   ckpt     issues 11, 12: W2 at full recompute + optimizer offload, 8 x 8, compiled per block, then eager
 # W1_STEPS sets w1cold's training steps (20). benchmarks/gpu_two_streams.sh runs two of these side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 PARTS=${PARTS:-"w1cold w1warm offload frameworks"}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-w1}
 declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=${OFFLOAD_S:-150} [frameworks]=${FRAMEWORKS_S:-150}
-                 [grid]=${GRID_S:-330} [w2]=${W2_S:-240} [w3]=${W3_S:-200} [blocks]=${BLOCKS_S:-120})
+                 [grid]=${GRID_S:-330} [w2]=${W2_S:-240} [w3]=${W3_S:-200} [blocks]=${BLOCKS_S:-120} [ckpt]=${CKPT_S:-200})
 
 part() {  # name, then the command
     local name=$1; shift
@@ -41,11 +42,12 @@ for p in $PARTS; do
         grid) part grid python benchmarks/bench_lattice.py --method grid --steps 20 --out "$OUT/w1grid.jsonl" ;;
         w2) part w2 python benchmarks/bench_peers.py --workload W2 --methods autotune-cold --steps 20 --deadline $((LIMIT[w2] - 30)) --out "$OUT/w2.jsonl" ;;
         w3) part w3 python benchmarks/bench_peers.py --workload W3 --methods grid,autotune-cold --steps 30 --deadline $((LIMIT[w3] - 30)) --out "$OUT/w3.jsonl" ;;
+        ckpt) part ckpt bash -c "python benchmarks/bench_offload.py --workload W2 --config 48,8 --compile --modes serial --steps 3 --out $OUT/ckpt.jsonl; python benchmarks/bench_offload.py --workload W2 --config 48,8 --modes serial --steps 3 --out $OUT/ckpt.jsonl" ;;
         blocks) part blocks python benchmarks/bench_blocks.py --device cuda --out "$OUT/blocks.jsonl" ;;
         frameworks) part frameworks env OUTDIR="$OUT/frameworks" ONLY="${FRAMEWORKS_ONLY:-}" STEPS=20 TIMEOUT="${LIMIT[frameworks]}" bash benchmarks/bench_frameworks.sh ;;
     esac
 done
 echo "== summary"; cat "$OUT/gpu.txt" "$OUT/summary.txt"
 grep -h "^fit:\|^train \|Recompiling" "$OUT"/w1*.log "$OUT"/grid.log 2>/dev/null | cut -c1-220 | head -12
-grep -h "step .*tail\|tail cut\|^W[12]" "$OUT"/offload.log 2>/dev/null | cut -c1-200
+grep -h "step .*tail\|tail cut\|^W[12]\|Error" "$OUT"/offload.log "$OUT"/ckpt.log 2>/dev/null | cut -c1-200
 grep -h "^|" "$OUT"/frameworks/summary.md 2>/dev/null
