@@ -190,6 +190,24 @@ def test_token_weighted_loss_with_padding_equals_full_batch_step(micro):
     assert math.isclose(losses[0], want_losses[0], rel_tol=TOL)
 
 
+def test_loss_weights_keep_counts_known_on_the_host_there():
+    # A count put on the device is a copy from pageable memory that waits for the device's queue: two per
+    # micro-batch drained it on an H100 (benchmarks/profile_step.py). A loss on the meta device stands in
+    # for a device: counts that came from the host must stay there, and the arithmetic must still work.
+    from autotune.workload.accumulation import LossWeights
+
+    for divided in (True, False):
+        weights = LossWeights(8, 2, total=100.0)
+        for count in (40.0, 60.0):
+            loss = torch.ones((), device="meta", requires_grad=True)
+            out = (weights.weigh_divided(loss, count) if divided
+                   else weights.weigh(loss, count, 4, expected=count, mean=True))
+            assert out.device.type == "meta"
+        assert weights.count_total.device.type == "cpu" and weights.estimate.device.type == "cpu"
+        assert float(weights.count_total) == 100.0 and not weights.needs_correction()
+        assert weights.mean_loss().device.type == "meta"
+
+
 def test_dict_batch_and_checkpointing_rungs_stay_exact():
     model = new_model()
     x, y = seq_batch(6, 5, seed=3)

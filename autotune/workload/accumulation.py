@@ -24,7 +24,11 @@ class LossWeights:
     count x the number of micro-batches is an estimate (which keeps the gradients' magnitude near a mean
     loss's, as 16-bit ranges want) and `correct` multiplies the gradients by estimate / total at the end.
     Exact either way, because the gradient is linear in the weights. Counts are kept in float64 so that
-    summing them is exact.
+    summing them is exact, and on the host when they came from the host: a Python number put on the device
+    is a copy from pageable memory, which waits for everything queued before it. Two of those per
+    micro-batch drained the device's queue twice a micro-batch (W1 on an H100, benchmarks/profile_step.py),
+    so the host's launches stopped overlapping the device's work; a 0-dim host tensor in an operation with
+    a device tensor goes in as a scalar argument, no copy.
     """
 
     def __init__(self, n: int, steps: int, *, divisor: float | None = None, estimate: float | None = None,
@@ -58,11 +62,10 @@ class LossWeights:
         if not by_tokens:
             self._add(loss.detach().double() * size, None)
             return loss * (size / self.divisor)  # scale the loss by its share of the samples
-        count = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach()
+        count = _float64(count)
         if self.estimate is None:
             known = self.total is not None and (expected is None or float(count) == float(expected))
             self.estimate = torch.tensor(self.total, dtype=torch.float64) if known else count.clamp(min=1) * self.steps
-        self.estimate = self.estimate.to(loss.device)
         if mean:
             if float(count) == 0:  # every label padded: a mean of nothing is NaN, and its share is 0
                 self._add(loss.detach().new_zeros(()), count)
@@ -75,9 +78,8 @@ class LossWeights:
         """A loss the model already divided by the known `total` (`num_items_in_batch`): backward as it is."""
         assert self.total is not None  # the step passes num_items_in_batch only when it knows the total
         self.by_tokens = True
-        count_t = torch.tensor(count, dtype=torch.float64, device=loss.device)
-        self.estimate = torch.tensor(self.total, dtype=torch.float64, device=loss.device)
-        self._add(loss.detach().double() * self.estimate, count_t)
+        self.estimate = torch.tensor(self.total, dtype=torch.float64)
+        self._add(loss.detach().double() * self.total, _float64(count))
         return loss
 
     def _add(self, loss: torch.Tensor, count: torch.Tensor | None) -> None:
@@ -114,8 +116,9 @@ class LossWeights:
     def totals(self, device: torch.device) -> torch.Tensor:
         """(samples, tokens, loss total) of this rank as float64, to be summed over ranks."""
         assert self.loss_total is not None
-        count = self.count_total if self.by_tokens and self.count_total is not None else self.loss_total.new_zeros(())
-        return torch.stack([self.loss_total.new_tensor(float(self.n)), count.double(), self.loss_total]).to(device)
+        count = self.count_total if self.by_tokens and self.count_total is not None else torch.zeros((), dtype=torch.float64)
+        return torch.stack([torch.tensor(float(self.n), dtype=torch.float64, device=device),
+                            count.double().to(device), self.loss_total.to(device)])
 
     def share(self, totals: torch.Tensor) -> float:
         """The factor that turns this rank's accumulated gradients into its share of the global gradient.
@@ -133,6 +136,14 @@ class LossWeights:
         """The loss over the whole global batch, from `totals()` summed over ranks."""
         samples, tokens, loss = totals.double().unbind()
         return loss / (tokens.clamp(min=1) if self.by_tokens else samples)
+
+
+def _float64(count: Any) -> torch.Tensor:
+    """A count as a float64 tensor where it already is: a device tensor stays (a loss_fn's own count),
+    a Python number becomes a host scalar (see `LossWeights`)."""
+    if isinstance(count, torch.Tensor):
+        return count.detach().to(torch.float64)
+    return torch.tensor(float(count), dtype=torch.float64)
 
 
 def weighted_loss(loss_fn: LossFn, model: nn.Module, micro: Any, weights: LossWeights, size: int, *,
