@@ -148,6 +148,8 @@ class Plan:
     compile_seconds: float = 0.0  # tuning time spent compiling, included in the tune's wall time
     offload_fraction: float | None = None  # share of parameters whose FP32 master and optimizer state live
     # on the host: None resolves to 1.0 under optimizer offload, else 0.0
+    offload_overlap: bool | None = None  # optimizer offload steps the host during the last backward: fit
+    # measures it both ways and keeps the faster; None (a plan made by hand, an older row) leaves it on
     sharding: str = "none"  # "none" | "fsdp2"
     flops_per_sample: float | None = None  # forward+backward FLOPs of one sample, counted, not estimated
     mfu: float | None = None  # achieved FLOPs/s over the device's peak; None where the peak is unknown
@@ -175,6 +177,8 @@ class Plan:
         if (fraction > 0) != (self.offload == "optimizer"):
             raise ValueError(f"Plan.offload_fraction {fraction} disagrees with offload {self.offload!r}: "
                              "only optimizer offload puts a share of the parameters on the host")
+        if self.offload_overlap is not None and not isinstance(self.offload_overlap, bool):
+            raise ValueError(f"Plan.offload_overlap must be True, False or None, got {self.offload_overlap!r}")
         _check_choice("Plan.sharding", self.sharding, SHARDING)
         if isinstance(self.block_paths, list):  # as JSON gives it back
             object.__setattr__(self, "block_paths", tuple(self.block_paths))
@@ -245,6 +249,7 @@ class Plan:
                    if self.measured_samples_per_second is not None else "")
         share = (f" of {self.offload_fraction:.0%} of the parameters"
                  if self.offload == "optimizer" and self.offload_fraction < 1 else "")
+        share += " (serial)" if self.offload_overlap is False else ""
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
                 f"peak {format_bytes(self.peak_memory_bytes)} of {format_bytes(self.memory_budget_bytes)}"

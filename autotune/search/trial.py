@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 # Whole-step times whose (max - min) / median is over this are noisy: steady CPU or GPU steps differ by a
 # few percent, while a step that lost its core to another process takes 2-10x as long.
 NOISY_SPREAD = 0.5
+OVERLAPPED = "overlapped optimizer offload"  # the note of a trial whose measured steps overlapped it
 MAX_STEPS_FACTOR = 3  # a noisy CPU trial runs up to this many times its measured steps
 
 
@@ -74,7 +75,7 @@ class TrialRunner:
         self.agree = agree
 
     def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None,
-                 offload_fraction: float = 1.0) -> Trial:
+                 offload_fraction: float = 1.0, overlap: bool = False) -> Trial:
         work = self.work
         started = time.perf_counter()
         micro_batch = batches.resize(work.batch, micro)
@@ -89,7 +90,7 @@ class TrialRunner:
                 with meter.watching(work.model, micro_batch), distributed.armed():  # a trial may run out of memory
                     applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
                                          offload_fraction=offload_fraction)
-                    timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps)
+                    timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap)
             except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
                 if is_device_poisoned(exc):
                     poisoned = True  # clean-up must make no CUDA call: it would fail too and hide this error
@@ -111,15 +112,25 @@ class TrialRunner:
         del micro_batch
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
                             time.perf_counter() - started, compile_failed)
-        if offload_fraction < 1.0:
-            share = f"offload fraction {offload_fraction:.2f}"
-            trial = dataclasses.replace(trial, note=f"{share}; {trial.note}" if trial.note else share)
+        tags = [f"offload fraction {offload_fraction:.2f}"] if offload_fraction < 1.0 else []
+        tags += [OVERLAPPED] if overlap else []
+        if tags:
+            trial = dataclasses.replace(trial, note="; ".join([*tags, trial.note] if trial.note else tags))
         return self.agree(trial)
 
 
-def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int) -> tuple[float, float, float, str]:
+def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int,
+               overlap: bool = False) -> tuple[float, float, float, str]:
     """Median (forward+backward seconds, optimizer seconds) over the measured steps, the warm-up steps' time
     beyond them (compile time, on a compiled configuration), and a note when the timings stayed noisy.
+
+    Under optimizer offload a trial's one micro-batch is also the last, whose backward the host optimizer
+    may overlap; in training only the last of k is. The warm-up steps overlap (their peak, which the meter
+    sees, is the last backward's), the measured ones do not unless `overlap`: the search's k x step +
+    optimizer is then what training does for k - 1 of them. Measured with every step overlapped, the host
+    optimizer's threads slowed a launch-bound compiled backward and the estimate fell 12-23% under the
+    trained rate (GPT-2 large and medium on an H100, benchmarks/bench_trial_accuracy.py), which ranked
+    compiled configurations too low.
 
     On the CPU, timings whose spread is wide (another process competing for the cores: on a busy 2-core
     machine micro-batch 1 once "measured" 15x micro-batch 2) earn more measured steps, up to
@@ -129,13 +140,13 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     counts = label_counts(work.model, micro_batch)
     tokens = None if counts is None else float(counts.sum())
     num_items = takes_num_items(work.model)
-    step = lambda: _timed_step(applied, micro_batch, work, tokens, num_items)  # noqa: E731
-    warmup = sum(sum(step()) for _ in range(work.warmup_steps))
-    times = [step() for _ in range(measured)]
+    step = lambda armed: _timed_step(applied, micro_batch, work, tokens, num_items, armed)  # noqa: E731
+    warmup = sum(sum(step(True)) for _ in range(work.warmup_steps))
+    times = [step(overlap) for _ in range(measured)]
     # Not under torch.distributed: each rank would judge its own spread and run its own number of steps (a
     # sharded model's steps are collectives); the ranks' MAX of the step time is the agreed figure there.
     while work.placement.simulated and not distributed.active() and spread(times) > NOISY_SPREAD and len(times) < MAX_STEPS_FACTOR * measured:
-        times.append(step())
+        times.append(step(overlap))
     step_s, opt_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
     noisy = spread(times) > NOISY_SPREAD
     note = f"{NOISY} (step times spread {spread(times):.0%} over {len(times)} steps)" if noisy else ""
@@ -143,7 +154,7 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
 
 
 def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
-                num_items: bool) -> tuple[float, float]:
+                num_items: bool, armed: bool) -> tuple[float, float]:
     """One optimizer step at one micro-batch: (forward+backward seconds, optimizer seconds)."""
     size = batches.batch_size(micro_batch)
     t0 = now(work.placement)
@@ -153,7 +164,7 @@ def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: 
         loss = weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights, size,
                              expected=tokens, num_items=num_items)
     if loss is not None:
-        applied.backward(loss, last=True)  # one micro-batch a step: under optimizer offload, overlapped
+        applied.backward(loss, last=armed)  # armed: the host optimizer steps during it (see `_run_steps`)
     del loss, weights
     t1 = now(work.placement)
     applied.optimizer_step()

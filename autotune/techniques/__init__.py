@@ -250,11 +250,12 @@ class AppliedRung:
 
 def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Placement,
                blocks: BlockGroup | None, *, optimizer: torch.optim.Optimizer | None = None,
-               offload_fraction: float = 1.0) -> AppliedRung:
+               offload_fraction: float = 1.0, overlap: bool | None = None) -> AppliedRung:
     """Put `rung` on `model`; the optimizer is `optimizer` if given, else a fresh one from `spec`.
 
     Under optimizer offload the returned optimizer is a `HostOptimizer` built from `spec` (with
-    `optimizer`'s state, when given, moved into it), holding `offload_fraction` of the parameters on the host.
+    `optimizer`'s state, when given, moved into it), holding `offload_fraction` of the parameters on the host,
+    stepping them during the last backward unless `overlap` is False (`Plan.offload_overlap`).
     """
     undo: list[Callable[[], None]] = []
     try:
@@ -273,7 +274,7 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             state = optimizer.state_dict() if optimizer is not None and optimizer.state else None
             dtype = torch.bfloat16 if rung.precision == "bf16" else torch.float16
             opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state, keep_fp32=norm_parameters(model),
-                                     fraction=offload_fraction)
+                                     fraction=offload_fraction, overlap=overlap)
             undo.append(opt.restore)
         elif rung.optimizer_8bit:  # a given 8-bit optimizer is kept (recovery); the user's FP32 one is not
             opt = (optimizer if optimizer_8bit.is_eight_bit(optimizer)

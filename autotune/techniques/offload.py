@@ -176,7 +176,8 @@ class HostOptimizer:
         # step's weight copies crashed there on two H200s (`CUDA error: invalid argument` sending a staged
         # shard back); the serial step copies each shard's master back in place.
         sharded = any(isinstance(p, DTensor) for p in self.params)
-        if (overlap_default() if overlap is None else overlap) and self.host_index and not sharded:
+        # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
+        if overlap_default() and overlap is not False and self.host_index and not sharded:
             self._start_pipeline()
 
     @property

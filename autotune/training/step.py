@@ -520,10 +520,11 @@ class TrainingStep:
 
     # -- rungs ---------------------------------------------------------------------------------------
     def _apply(self, rung: Rung) -> AppliedRung:
-        fraction = self.plan.offload_fraction if rung == self.plan.rung and self.plan.offload_fraction else 1.0
+        planned = rung == self.plan.rung
+        fraction = self.plan.offload_fraction if planned and self.plan.offload_fraction else 1.0
         given = self._eight_bit if rung.optimizer_8bit and self._eight_bit is not None else self._device_optimizer
-        applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks,
-                             optimizer=given, offload_fraction=fraction)
+        applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks, optimizer=given,
+                             offload_fraction=fraction, overlap=self.plan.offload_overlap if planned else None)
         if rung.optimizer_8bit:
             self._eight_bit = applied.optimizer  # its 8-bit state carries across rungs (recovery)
         elif isinstance(applied.optimizer, HostOptimizer):

@@ -1,0 +1,86 @@
+"""How well a trial predicts training, under optimizer offload (issues 11, 16): the search ranks by trial
+estimates, so an estimate that is off for one kind of configuration biases the pick.
+
+For one configuration (`--config BLOCKS,MICRO`, optimizer offload of every parameter, `--compile`), in one
+process: the trial runner's estimate as the search measures it (each measured step's backward armed, the
+host optimizer stepping during it), the estimate with unarmed measured steps (the optimizer after backward,
+as every micro-batch but the last in training), then `--steps` training steps through `plan.apply` with the
+overlapped and the serial optimizer offload. Printed: the four tokens/s figures.
+
+    python benchmarks/bench_trial_accuracy.py --workload M16 --config 0,8 --compile --out acc.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from autotune.devices.placement import parse_bytes, resolve_device  # noqa: E402
+from autotune.plan import Rung  # noqa: E402
+from autotune.search.trial import TrialRunner, Workload  # noqa: E402
+from autotune.techniques import AppliedRung, find_blocks  # noqa: E402
+from autotune.workload import batch as batches  # noqa: E402
+from autotune.workload.losses import resolve  # noqa: E402
+from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
+from bench_offload import WORKLOADS, make_plan, run_mode  # noqa: E402
+from workloads import build_gpt, cap_memory, environment  # noqa: E402
+
+WORKLOADS.setdefault("M16", ("gpt2-medium", 1024, "16GiB", 64, "cuda"))  # the multi-GPU issue's single-GPU case
+
+
+def trial_estimate(work: Workload, rung: Rung, micro: int, armed: bool) -> float:
+    """The runner's samples/s for `rung` at `micro`; `armed=False` runs the measured backwards unarmed."""
+    original = AppliedRung.backward
+    if not armed:
+        AppliedRung.backward = lambda self, loss, *, last=False, defer=False: original(self, loss)  # type: ignore[method-assign]
+    try:
+        trial = TrialRunner(work)(rung, micro)
+    finally:
+        AppliedRung.backward = original  # type: ignore[method-assign]
+    print(f"  trial armed={armed}: {trial.outcome}, step {trial.step_seconds:.4f} s, optimizer "
+          f"{trial.optimizer_seconds:.4f} s, peak {trial.peak_bytes / 2**30:.2f} GiB", flush=True)
+    return trial.samples_per_second if trial.fits else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="M16")
+    parser.add_argument("--config", default="0,8", help="BLOCKS,MICRO (optimizer offload of every parameter)")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    name, seq, budget, global_batch, device = WORKLOADS[args.workload]
+    cap_memory(device, budget)
+    model, example = build_gpt(name, device, seq)
+    blocks = find_blocks(model)
+    plan = make_plan(args, device, parse_bytes(budget), global_batch)
+    rung = Rung(precision="bf16", checkpointing=plan.checkpointing, checkpointed_blocks=plan.checkpointed_blocks,
+                offload="optimizer", compile=args.compile)
+    work = Workload(model=model, batch=example, loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
+                    placement=resolve_device(device), budget_bytes=parse_bytes(budget),
+                    limit_bytes=int(0.9 * parse_bytes(budget)), per_rank=global_batch, blocks=blocks)
+    print(f"{args.workload}: {rung.name} at micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}", flush=True)
+    row = {"workload": args.workload, "config": args.config, "compile": args.compile}
+    for armed in (True, False):
+        row[f"estimate_armed_{armed}"] = trial_estimate(work, rung, plan.micro_batch_size, armed) * seq
+    batch = batches.resize(example, global_batch)
+    for mode in ("overlap", "serial"):
+        row[f"trained_{mode}"] = run_mode(mode, plan, model, batch, args, device, seq)["tok_s"]
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print("  tok/s: estimate armed {estimate_armed_True:,.0f}, unarmed {estimate_armed_False:,.0f}; trained "
+          "overlapped {trained_overlap:,.0f}, serial {trained_serial:,.0f}".format(**row), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps({**row, **environment(device)}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
