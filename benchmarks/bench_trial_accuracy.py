@@ -2,9 +2,9 @@
 estimates, so an estimate that is off for one kind of configuration biases the pick.
 
 For one configuration (`--config BLOCKS,MICRO`, optimizer offload of every parameter, `--compile`), in one
-process: the trial runner's estimate as the search measures it (each measured step's backward armed, the
-host optimizer stepping during it), the estimate with unarmed measured steps (the optimizer after backward,
-as every micro-batch but the last in training), then `--steps` training steps through `plan.apply` with the
+process: the trial runner's estimate with each measured step's backward overlapped (the host optimizer
+stepping during it: what the search measured before a7da0ec), the estimate with serial measured steps (the
+optimizer after backward, as for every micro-batch but the last in training; the search's now), then `--steps` training steps through `plan.apply` with the
 overlapped and the serial optimizer offload. Printed: the four tokens/s figures.
 
     python benchmarks/bench_trial_accuracy.py --workload M16 --config 0,8 --compile --out acc.jsonl
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from autotune.devices.placement import parse_bytes, resolve_device  # noqa: E402
 from autotune.plan import Rung  # noqa: E402
 from autotune.search.trial import TrialRunner, Workload  # noqa: E402
-from autotune.techniques import AppliedRung, find_blocks  # noqa: E402
+from autotune.techniques import find_blocks  # noqa: E402
 from autotune.workload import batch as batches  # noqa: E402
 from autotune.workload.losses import resolve  # noqa: E402
 from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
@@ -34,16 +34,11 @@ from workloads import build_gpt, cap_memory, environment  # noqa: E402
 WORKLOADS.setdefault("M16", ("gpt2-medium", 1024, "16GiB", 64, "cuda"))  # the multi-GPU issue's single-GPU case
 
 
-def trial_estimate(work: Workload, rung: Rung, micro: int, armed: bool) -> float:
-    """The runner's samples/s for `rung` at `micro`; `armed=False` runs the measured backwards unarmed."""
-    original = AppliedRung.backward
-    if not armed:
-        AppliedRung.backward = lambda self, loss, *, last=False, defer=False: original(self, loss)  # type: ignore[method-assign]
-    try:
-        trial = TrialRunner(work)(rung, micro)
-    finally:
-        AppliedRung.backward = original  # type: ignore[method-assign]
-    print(f"  trial armed={armed}: {trial.outcome}, step {trial.step_seconds:.4f} s, optimizer "
+def trial_estimate(work: Workload, rung: Rung, micro: int, overlapped: bool) -> float:
+    """The runner's samples/s for `rung` at `micro`, its measured steps overlapped or serial (the search
+    measures serial steps; `fit` runs one overlapped trial of its pick to choose `plan.offload_overlap`)."""
+    trial = TrialRunner(work)(rung, micro, overlap=overlapped)
+    print(f"  trial overlapped={overlapped}: {trial.outcome}, step {trial.step_seconds:.4f} s, optimizer "
           f"{trial.optimizer_seconds:.4f} s, peak {trial.peak_bytes / 2**30:.2f} GiB", flush=True)
     return trial.samples_per_second if trial.fits else 0.0
 
@@ -69,8 +64,8 @@ def main() -> None:
                     limit_bytes=int(0.9 * parse_bytes(budget)), per_rank=global_batch, blocks=blocks)
     print(f"{args.workload}: {rung.name} at micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}", flush=True)
     row = {"workload": args.workload, "config": args.config, "compile": args.compile}
-    for armed in (True, False):
-        row[f"estimate_armed_{armed}"] = trial_estimate(work, rung, plan.micro_batch_size, armed) * seq
+    for overlapped in (True, False):
+        row[f"estimate_armed_{overlapped}"] = trial_estimate(work, rung, plan.micro_batch_size, overlapped) * seq
     batch = batches.resize(example, global_batch)
     for mode in ("overlap", "serial"):
         row[f"trained_{mode}"] = run_mode(mode, plan, model, batch, args, device, seq)["tok_s"]

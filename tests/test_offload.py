@@ -439,6 +439,23 @@ def test_bench_offload_runs_both_modes_on_the_cpu(tmp_path):
     assert rows[0]["chunks"] == 0 and rows[1]["chunks"] >= 1  # the serial step has no pipeline
 
 
+def test_bench_trial_accuracy_and_profile_step_run_on_the_cpu(tmp_path):
+    # The two scripts behind issue 12's trial-accuracy and sync-point figures, on the tiny CPU workload.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    bench = os.path.join(ROOT, "benchmarks")
+    out = tmp_path / "acc.jsonl"
+    for script, extra in (("bench_trial_accuracy.py", ["--steps", "1", "--warmup", "1"]),
+                          ("profile_step.py", ["--steps", "1", "--warmup", "1"])):
+        proc = subprocess.run([sys.executable, os.path.join(bench, script), "--workload", "tiny", "--config", "0,4",
+                               *extra, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    accuracy, profile = [json.loads(line) for line in out.read_text().splitlines()]
+    for key in ("estimate_armed_True", "estimate_armed_False", "trained_overlap", "trained_serial"):
+        assert accuracy[key] > 0, accuracy
+    assert profile["wall_s"] > 0 and profile["cpu_top"] and profile["micro"] == 4
+
+
 def test_an_8bit_plan_follows_the_users_learning_rate():
     pytest.importorskip("torchao.optim")
     torch.manual_seed(0)
