@@ -295,9 +295,18 @@ class Controller:
         ratio = (first.peak_bytes - floor) / max(1.0, eager.peak_bytes - floor)
         self._compiled = _Compiled(memory=min(1.0, max(0.05, ratio)), time=first.step_seconds / eager.step_seconds)
         sizes = [m for r, m, _ in self._candidates(rung.offload, compiled=self._compiled) if r.checkpointed_blocks == 0]
-        guess = max(sizes, default=0)
+        # No prediction at all where the eager line is unknown (GPT-2 XL at 16 GiB, H100: eager fitted one
+        # sample and ran out of memory at two, its peak unseen): one size up on compile's own terms, after
+        # which its own two points decide, as for any rung (grow, or bisect after a miss).
+        guess = max(sizes) if sizes else self._next_size(first.micro_batch_size)
         if guess > first.micro_batch_size and self._budget_left():
             self._verify(state, guess)
+
+    def _next_size(self, micro: int) -> int:
+        """The next micro-batch above `micro` that saves an accumulation step and leaves no one-sample last
+        micro-batch (a size compile specializes); `micro` when there is none."""
+        larger = [m for m in self._sizes() if m > micro and (self.per_rank % m != 1)]
+        return min(larger, default=micro)
 
     def _compile_probe(self) -> tuple[Trial, Rung, int] | None:
         """The eager trial compile is first measured beside, the compiled rung, and the size to run it at:
