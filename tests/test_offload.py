@@ -269,7 +269,7 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
 
 def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(monkeypatch):
     # Training overlaps only the last of k backwards; a trial measured with every step overlapped priced
-    # all k that way (12-23% under the trained rate on an H100). The warm-up step still overlaps: its peak
+    # all k that way (4-20% under the trained rate on an H100). The warm-up step still overlaps: its peak
     # is the last backward's, which the meter must see.
     from autotune.devices.placement import resolve_device
     from autotune.plan import Rung

@@ -128,7 +128,7 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     may overlap; in training only the last of k is. The warm-up steps overlap (their peak, which the meter
     sees, is the last backward's), the measured ones do not unless `overlap`: the search's k x step +
     optimizer is then what training does for k - 1 of them. Measured with every step overlapped, the host
-    optimizer's threads slowed a launch-bound compiled backward and the estimate fell 12-23% under the
+    optimizer's threads slowed a launch-bound compiled backward and the estimate fell 4-20% under the
     trained rate (GPT-2 large and medium on an H100, benchmarks/bench_trial_accuracy.py), which ranked
     compiled configurations too low.
 
