@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from torch import nn
 
 import autotune
 from autotune.cache import store as cache_module
-from autotune.cache.store import key_parts, plan_key
+from autotune.cache.store import CacheWarning, key_parts, plan_key
 from autotune.devices.placement import Placement
 from autotune.plan import Plan, Rung, Trial
 
@@ -61,3 +64,13 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
         monkeypatch.delenv(name, raising=False)
     cache_module._warned.clear()
+
+
+@contextlib.contextmanager
+def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """The plan cache's warnings raised inside the block (the list fills when the block ends)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found: list[warnings.WarningMessage] = []
+        yield found
+    found.extend(w for w in caught if issubclass(w.category, CacheWarning))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_samples import TINY, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
+from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
 from gpt import GPT, random_batch
 
 from autotune.cache import store as cache_module
@@ -48,15 +48,6 @@ from autotune.plan import Plan
 
 WORKERS = 16
 PLANS_PER_WORKER = 20
-
-
-@contextlib.contextmanager
-def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found: list[warnings.WarningMessage] = []
-        yield found
-    found.extend(w for w in caught if issubclass(w.category, CacheWarning))
 
 
 def trial_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -12,18 +12,16 @@ import json
 import logging
 import sqlite3
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cache_samples import clean_environment, sample, tiny_workload  # noqa: F401 - autouse fixture
+from cache_samples import cache_warnings, clean_environment, sample, tiny_workload  # noqa: F401 - autouse fixture
 from click.testing import CliRunner
 
 import autotune
 from autotune.cache.key import plan_key
-from autotune.cache.store import CacheWarning, PlanCache
+from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 from autotune.errors import NoFeasiblePlan
 
@@ -56,13 +54,18 @@ def bob_fits(cache: Path, caplog: pytest.LogCaptureFixture, **settings: Any) -> 
     return refused.value, seconds, searched
 
 
-@contextlib.contextmanager
-def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found: list[warnings.WarningMessage] = []
-        yield found
-    found.extend(w for w in caught if issubclass(w.category, CacheWarning))
+def assert_served(refused: NoFeasiblePlan, seconds: float, searched_again: list, searched: NoFeasiblePlan,
+                  where: str) -> None:
+    """Bob got Alice's refusal from `where`, fast and without a trial of his own."""
+    assert searched_again == [] and seconds < FAST
+    assert str(searched) in str(refused) and refused.trials == searched.trials
+    assert f"in {where}; pass retune=True to search again" in str(refused)
+
+
+def assert_retune_searches(cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The control: with retune=True a search runs, and the detector `bob_fits` uses sees its trials."""
+    again, _, ran = bob_fits(cache, caplog, retune=True)
+    assert ran and again.trials and "cached under key" not in str(again)
 
 
 def export_rows(cache: Path, target: Path) -> list[dict]:
@@ -82,14 +85,8 @@ def test_an_imported_refusal_makes_a_fresh_cache_fail_fast_without_a_trial(
     assert report.rejected == () and report.accepted == () and report.nothing_fits == (row["key"],)
     bob.close()
 
-    refused, seconds, searched_again = bob_fits(tmp_path / "bob.db", caplog)
-    assert searched_again == [] and seconds < FAST
-    assert str(searched) in str(refused) and refused.trials == searched.trials
-    assert f"in {tmp_path / 'bob.db'} (import:alice.jsonl); pass retune=True" in str(refused)
-
-    # A search that ran (the control): the same detector sees its trials.
-    again, _, ran = bob_fits(tmp_path / "bob.db", caplog, retune=True)
-    assert ran and again.trials and "cached under key" not in str(again)
+    assert_served(*bob_fits(tmp_path / "bob.db", caplog), searched, f"{tmp_path / 'bob.db'} (import:alice.jsonl)")
+    assert_retune_searches(tmp_path / "bob.db", caplog)
 
 
 def test_a_refusal_in_the_team_directory_is_read_after_a_local_miss_and_never_copied(
@@ -103,16 +100,13 @@ def test_a_refusal_in_the_team_directory_is_read_after_a_local_miss_and_never_co
     monkeypatch.setenv("AUTOTUNE_TEAM_DIR", str(team))
 
     with cache_warnings() as caught:
-        refused, seconds, searched_again = bob_fits(tmp_path / "bob.db", caplog)
-    assert searched_again == [] and seconds < FAST and caught == []
-    assert str(searched) in str(refused) and refused.trials == searched.trials
-    assert f"in team:{team}; pass retune=True to search again" in str(refused)
+        served = bob_fits(tmp_path / "bob.db", caplog)
+    assert_served(*served, searched, f"team:{team}")
+    assert caught == []
     with contextlib.closing(sqlite3.connect(tmp_path / "bob.db")) as conn:  # read, not copied
         assert conn.execute("SELECT count(*) FROM nothing_fits").fetchone() == (0,)
     assert {p.name: p.stat().st_mtime_ns for p in team.iterdir()} == before
-
-    again, _, ran = bob_fits(tmp_path / "bob.db", caplog, retune=True)
-    assert ran and again.trials and "cached under key" not in str(again)
+    assert_retune_searches(tmp_path / "bob.db", caplog)
 
 
 def test_a_tampered_refusal_is_rejected_and_the_search_runs(

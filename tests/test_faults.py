@@ -21,21 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_samples import clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
+from cache_samples import cache_warnings, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
 from click.testing import CliRunner
 
 from autotune.cache.rows import MAX_LINE_BYTES, read_rows
-from autotune.cache.store import CacheWarning, PlanCache
+from autotune.cache.store import PlanCache
 from autotune.cli.main import main
-
-
-@contextlib.contextmanager
-def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found: list[warnings.WarningMessage] = []
-        yield found
-    found.extend(w for w in caught if issubclass(w.category, CacheWarning))
 
 
 def cli(*args: str) -> Any:
