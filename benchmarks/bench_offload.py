@@ -44,8 +44,45 @@ from workloads import build_gpt, cap_memory, environment  # noqa: E402
 WORKLOADS = {  # model, sequence, budget, global batch, device
     "W1": ("gpt2-large", 1024, "24GiB", 64, "cuda"),
     "W2": ("gpt2-xl", 1024, "16GiB", 64, "cuda"),
+    "M16": ("gpt2-medium", 1024, "16GiB", 64, "cuda"),  # the multi-GPU issue's one-GPU case
     "tiny": ("tiny-gpt", 64, "4GiB", 8, "cpu"),
 }
+
+
+def config_parser(doc: str, *, workload: str, config: str, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The options this script, bench_trial_accuracy.py and profile_step.py share: a workload, a
+    hand-built configuration (`make_plan`), steps to time after a warm-up, a JSON-lines file."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=workload)
+    parser.add_argument("--config", default=config, help="BLOCKS,MICRO[,FRACTION]: blocks recomputed, micro-batch, "
+                        f"host share (default {config})")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model, as W1's lattice plan does")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--out", default="")
+    return parser
+
+
+@dataclasses.dataclass
+class Setup:
+    """A workload built for `--workload`, on its device, under its memory cap."""
+
+    seq: int
+    budget: str
+    global_batch: int
+    device: str
+    model: torch.nn.Module
+    example: Any
+
+    def plan(self, args: argparse.Namespace) -> Plan:
+        return make_plan(args, self.device, parse_bytes(self.budget), self.global_batch)
+
+
+def set_up(args: argparse.Namespace) -> Setup:
+    name, seq, budget, global_batch, device = WORKLOADS[args.workload]
+    cap_memory(device, budget)
+    model, example = build_gpt(name, device, seq)
+    return Setup(seq, budget, global_batch, device, model, example)
 
 
 def make_plan(args: argparse.Namespace, device: str, budget: int, global_batch: int) -> Plan:
@@ -117,20 +154,13 @@ def run_mode(mode: str, plan: Plan, model: torch.nn.Module, batch: Any, args: ar
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
-    parser.add_argument("--config", default="0,8", help="BLOCKS,MICRO[,FRACTION] (default 0,8: W1's lattice plan)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model, as W1's lattice plan does")
+    parser = config_parser(__doc__, workload="W1", config="0,8", steps=20, warmup=2)  # 0,8: W1's lattice plan
     parser.add_argument("--fit", action="store_true", help="tune the plan with autotune.fit instead of --config")
     parser.add_argument("--modes", default="serial,overlap")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default="")
     args = parser.parse_args()
-    name, seq, budget, global_batch, device = WORKLOADS[args.workload]
-    cap_memory(device, budget)
-    model, example = build_gpt(name, device, seq)
+    setup = set_up(args)
+    seq, budget, global_batch, device, model, example = (setup.seq, setup.budget, setup.global_batch, setup.device,
+                                                          setup.model, setup.example)
     batch = batches.resize(example, global_batch)
     env = environment(device)
     if args.fit:
@@ -139,7 +169,7 @@ def main() -> None:
                             cache=False)
         print(f"fit in {time.perf_counter() - started:.0f} s: {plan.summary()}\n  {plan.reason}", flush=True)
     else:
-        plan = make_plan(args, device, parse_bytes(budget), global_batch)
+        plan = setup.plan(args)
     if plan.offload != "optimizer":
         raise SystemExit(f"the plan is {plan.rung.name}, without optimizer offload: nothing to compare")
     print(f"{args.workload}: {plan.rung.name}, micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}, "

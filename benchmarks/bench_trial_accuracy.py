@@ -12,7 +12,6 @@ overlapped and the serial optimizer offload. Printed: the four tokens/s figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,51 +21,39 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from autotune.devices.placement import parse_bytes, resolve_device  # noqa: E402
-from autotune.plan import Rung  # noqa: E402
+from autotune.plan import Plan  # noqa: E402
 from autotune.search.trial import TrialRunner, Workload  # noqa: E402
 from autotune.techniques import find_blocks  # noqa: E402
 from autotune.workload import batch as batches  # noqa: E402
 from autotune.workload.losses import resolve  # noqa: E402
 from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
-from bench_offload import WORKLOADS, make_plan, run_mode  # noqa: E402
-from workloads import build_gpt, cap_memory, environment  # noqa: E402
-
-WORKLOADS.setdefault("M16", ("gpt2-medium", 1024, "16GiB", 64, "cuda"))  # the multi-GPU issue's single-GPU case
+from bench_offload import config_parser, run_mode, set_up  # noqa: E402
+from workloads import environment  # noqa: E402
 
 
-def trial_estimate(work: Workload, rung: Rung, micro: int, overlapped: bool) -> float:
-    """The runner's samples/s for `rung` at `micro`, its measured steps overlapped or serial (the search
+def trial_estimate(work: Workload, plan: Plan, overlapped: bool) -> float:
+    """The runner's samples/s for `plan`'s configuration, its measured steps overlapped or serial (the search
     measures serial steps; `fit` runs one overlapped trial of its pick to choose `plan.offload_overlap`)."""
-    trial = TrialRunner(work)(rung, micro, overlap=overlapped)
+    trial = TrialRunner(work)(plan.rung, plan.micro_batch_size, offload_fraction=plan.offload_fraction,
+                              overlap=overlapped)
     print(f"  trial overlapped={overlapped}: {trial.outcome}, step {trial.step_seconds:.4f} s, optimizer "
           f"{trial.optimizer_seconds:.4f} s, peak {trial.peak_bytes / 2**30:.2f} GiB", flush=True)
     return trial.samples_per_second if trial.fits else 0.0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="M16")
-    parser.add_argument("--config", default="0,8", help="BLOCKS,MICRO (optimizer offload of every parameter)")
-    parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    name, seq, budget, global_batch, device = WORKLOADS[args.workload]
-    cap_memory(device, budget)
-    model, example = build_gpt(name, device, seq)
-    blocks = find_blocks(model)
-    plan = make_plan(args, device, parse_bytes(budget), global_batch)
-    rung = Rung(precision="bf16", checkpointing=plan.checkpointing, checkpointed_blocks=plan.checkpointed_blocks,
-                offload="optimizer", compile=args.compile)
-    work = Workload(model=model, batch=example, loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
+    args = config_parser(__doc__, workload="M16", config="0,8", steps=8, warmup=2).parse_args()
+    setup = set_up(args)
+    seq, budget, device, model = setup.seq, setup.budget, setup.device, setup.model
+    plan = setup.plan(args)
+    work = Workload(model=model, batch=setup.example, loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
                     placement=resolve_device(device), budget_bytes=parse_bytes(budget),
-                    limit_bytes=int(0.9 * parse_bytes(budget)), per_rank=global_batch, blocks=blocks)
-    print(f"{args.workload}: {rung.name} at micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}", flush=True)
+                    limit_bytes=int(0.9 * parse_bytes(budget)), per_rank=plan.global_batch_size, blocks=find_blocks(model))
+    print(f"{args.workload}: {plan.rung.name} at micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}", flush=True)
     row = {"workload": args.workload, "config": args.config, "compile": args.compile}
     for overlapped in (True, False):
-        row[f"estimate_armed_{overlapped}"] = trial_estimate(work, rung, plan.micro_batch_size, overlapped) * seq
-    batch = batches.resize(example, global_batch)
+        row[f"estimate_armed_{overlapped}"] = trial_estimate(work, plan, overlapped) * seq
+    batch = batches.resize(setup.example, plan.global_batch_size)
     for mode in ("overlap", "serial"):
         row[f"trained_{mode}"] = run_mode(mode, plan, model, batch, args, device, seq)["tok_s"]
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -11,7 +11,6 @@ top CPU operators by self time, the synchronizing calls by where they come from.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -25,10 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from autotune.devices.placement import parse_bytes  # noqa: E402
 from autotune.workload import batch as batches  # noqa: E402
-from bench_offload import WORKLOADS, make_plan  # noqa: E402
-from workloads import build_gpt, cap_memory, environment  # noqa: E402
+from bench_offload import config_parser, set_up  # noqa: E402
+from workloads import environment  # noqa: E402
 
 
 def sync() -> None:
@@ -78,20 +76,12 @@ def profiled(step: Any, batch: Any, steps: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
-    parser.add_argument("--config", default="0,7,0.89", help="BLOCKS,MICRO[,FRACTION] as in bench_offload.py")
-    parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    name, seq, budget, global_batch, device = WORKLOADS[args.workload]
-    cap_memory(device, budget)
-    model, example = build_gpt(name, device, seq)
-    batch = batches.resize(example, global_batch)
-    plan = make_plan(args, device, parse_bytes(budget), global_batch)
-    step = plan.apply(model)
+    args = config_parser(__doc__, workload="W1", config="0,7,0.89", steps=2, warmup=3).parse_args()
+    setup = set_up(args)
+    seq, global_batch, device = setup.seq, setup.global_batch, setup.device
+    batch = batches.resize(setup.example, global_batch)
+    plan = setup.plan(args)
+    step = plan.apply(setup.model)
     try:
         for _ in range(args.warmup):
             step(batch)
