@@ -305,8 +305,13 @@ class Controller:
     def _next_size(self, micro: int) -> int:
         """The next micro-batch above `micro` that saves an accumulation step and leaves no one-sample last
         micro-batch (a size compile specializes); `micro` when there is none."""
-        larger = [m for m in self._sizes() if m > micro and (self.per_rank % m != 1)]
+        larger = [m for m in self._sizes() if m > micro and not self._one_sample_left(m)]
         return min(larger, default=micro)
+
+    def _one_sample_left(self, micro: int) -> bool:
+        """Whether splitting the per-rank batch at `micro` leaves a last micro-batch of one sample: a size
+        compile specializes, so a second graph to compile."""
+        return micro > 1 and self.per_rank % micro == 1
 
     def _compile_probe(self) -> tuple[Trial, Rung, int] | None:
         """The eager trial compile is first measured beside, the compiled rung, and the size to run it at:
@@ -318,7 +323,7 @@ class Controller:
             return None
         leader = max(bare, key=lambda t: t.samples_per_second).rung
         eager = max((t for t in bare if t.rung == leader), key=lambda t: t.micro_batch_size)
-        micro = max(m for m in range(1, eager.micro_batch_size + 1) if m == 1 or self.per_rank % m != 1)
+        micro = max(m for m in range(1, eager.micro_batch_size + 1) if not self._one_sample_left(m))
         return eager, dataclasses.replace(leader, compile=True), self._snap(micro)
 
     def _candidates(self, offload: str, compiled: _Compiled | None) -> list[tuple[Rung, int, float]]:
@@ -340,7 +345,7 @@ class Controller:
             n, sn, tn = 0, s0, t0
         out = []
         for micro in self._sizes():
-            if compiled is not None and micro > 1 and self.per_rank % micro == 1:
+            if compiled is not None and self._one_sample_left(micro):
                 continue  # a last micro-batch of one sample is a shape compile specializes: a recompile
             k = _blocks_needed(floor, s0, sn, n, micro, self.limit, compiled.memory if compiled else 1.0,
                                self.lattice.shares)
