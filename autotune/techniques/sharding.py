@@ -90,6 +90,15 @@ def reset_after_failure(model: nn.Module) -> None:
         _reset_iter_state(root)
 
 
+def param_groups(state: object) -> list:
+    """An FSDP2 state's parameter groups: `_fsdp_param_groups`, or torch <2.9's one `_fsdp_param_group`."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
 def _reset_iter_state(root: nn.Module) -> None:
     """`reset_iter_state` for torch before 2.13: the same fields, after the device has synchronized."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -103,11 +112,7 @@ def _reset_iter_state(root: nn.Module) -> None:
     for each in state._state_ctx.all_states:
         each._modules_to_run_forward.clear()
         each._training_state = TrainingState.IDLE
-        groups = getattr(each, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(each, "_fsdp_param_group", None)
-            groups = [group] if group is not None else []
-        for group in groups:
+        for group in param_groups(each):
             result = group._all_gather_result
             if result is not None and isinstance(getattr(result, "all_gather_work", None), torch.distributed.Work):
                 result.all_gather_work.wait()

@@ -183,14 +183,13 @@ def guard_collectives(model: torch.nn.Module) -> bool:
     """Put a check-in before every FSDP2 collective of `model` (idempotent); False where torch cannot."""
     from torch.distributed.fsdp import FSDPModule
 
+    from ..techniques.sharding import param_groups
+
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units or not hasattr(units[0], "set_custom_all_gather"):
         return False
     for unit in units:
-        groups = getattr(unit._get_fsdp_state(), "_fsdp_param_groups", None)
-        if groups is None:  # torch <2.9 keeps one group as `_fsdp_param_group`
-            group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
-            groups = [group] if group is not None else []
+        groups = param_groups(unit._get_fsdp_state())
         if len(groups) != 1:
             continue  # a unit without parameters runs no collective; several groups cannot take a custom comm
         group = groups[0]
