@@ -172,6 +172,30 @@ def test_cache_hit_returns_the_tuned_plan_without_running_a_trial(tmp_path: Path
     assert again.source == "tuned" and trial_records(caplog)
 
 
+def test_a_row_of_plan_format_1_is_retuned_and_never_misread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # An older autotune (plan format 1: no compile, block count, offload fraction...) wrote this cache and
+    # an export. Its rows are keyed on format 1, so this autotune's lookup misses and tunes again; its
+    # export is refused row by row, naming the format.
+    from autotune.cache import key as cache_key
+
+    model, batch = tiny_workload()
+    path = tmp_path / "plans.db"
+    with monkeypatch.context() as older:
+        older.setattr(cache_key, "PLAN_FORMAT_VERSION", 1)
+        written = fit(model, batch, path)
+        assert written.source == "tuned"
+        assert PlanCache(path).export(tmp_path / "v1.jsonl") == 1
+    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.clear()
+    again = fit(model, batch, path)
+    assert again.source == "tuned" and trial_records(caplog), "the format-1 row was served"
+    assert fit(model, batch, path).source == "cache"  # the re-tuned plan is what is cached now
+    report = PlanCache(tmp_path / "fresh.db").import_(tmp_path / "v1.jsonl")
+    assert report.accepted == () and len(report.rejected) == 1
+    assert "parts.format is 1, this autotune reads 2" in report.rejected[0][1]
+
+
 def test_an_oom_seen_in_training_makes_the_next_fit_choose_a_smaller_micro_batch(tmp_path: Path) -> None:
     model, batch = tiny_workload()
     store = PlanCache(tmp_path / "plans.db")
