@@ -49,19 +49,7 @@ CHILD_SLACK = 20.0  # seconds a child is given, past its soft stop, to write its
 
 
 # -- records ------------------------------------------------------------------------------------------
-def config_of(rung: Rung, micro: int, global_batch: int) -> dict[str, Any]:
-    """A configuration as recorded: the rung, the micro-batch, and the accumulation that keeps the global batch."""
-    from autotune.workload.batching import solve_accumulation
-
-    micro = min(micro, global_batch)
-    steps, last = solve_accumulation(global_batch, micro)
-    return {"rung": {"precision": rung.precision, "checkpointing": rung.checkpointing, "offload": rung.offload},
-            "name": rung.name, "micro_batch_size": micro, "accumulation_steps": steps, "last_micro_batch_size": last}
-
-
-def config_key(config: dict[str, Any]) -> tuple[str, str, str, int]:
-    r = config["rung"]
-    return r["precision"], r["checkpointing"], r["offload"], config["micro_batch_size"]
+config_of, config_key = wl.config_of, wl.config_key
 
 
 def append(path: str, record: dict[str, Any]) -> None:
@@ -93,7 +81,8 @@ def tune_autotune(spec: wl.Spec, args: argparse.Namespace) -> dict[str, Any]:
     if args.method == "autotune-warm" and plan.source != "cache":
         note = "cache miss: the warm run tuned again (the plan cache did not return the cold run's plan)"
     return {"trials": len(ran), "ooms": sum(t.outcome == "oom" for t in ran), "tune_seconds": seconds,
-            "config": config_of(plan.rung, plan.micro_batch_size, spec.global_batch_size), "source": plan.source,
+            "config": config_of(plan.rung, plan.micro_batch_size, spec.global_batch_size, plan.offload_fraction),
+            "source": plan.source,
             "reason": plan.reason, "tries": [_try(t) for t in ran], "note": note,
             "estimated_samples_per_second": plan.samples_per_second}
 
@@ -143,15 +132,16 @@ def tune_grid(spec: wl.Spec, args: argparse.Namespace) -> dict[str, Any]:
 def verify(spec: wl.Spec, args: argparse.Namespace) -> dict[str, Any]:
     """Time the configuration with autotune's TrialRunner, then train `--steps` steps at it."""
     config = json.loads(args.config)
-    rung, micro = Rung(**config["rung"]), config["micro_batch_size"]
+    rung, micro, share = wl.config_rung(config), config["micro_batch_size"], config.get("offload_fraction", 1.0)
     model, batch, loss_fn = wl.build(spec)
     runner, _ = wl.trial_runner(spec, model, batch, loss_fn, spec.device)
-    trial = runner(rung, micro)
+    trial = runner(rung, micro, offload_fraction=share)
     print(f"verify {rung.name} micro-batch {micro}: trial {trial.outcome}, "
           f"{trial.samples_per_second * spec.per_sample:,.0f} {spec.unit} (estimated)", flush=True)
     train = None
     if args.steps > 0:
-        train = wl.train_steps(spec, model, batch, loss_fn, spec.device, rung, micro, args.steps, args.stop_at)
+        train = wl.train_steps(spec, model, batch, loss_fn, spec.device, rung, micro, args.steps, args.stop_at,
+                               offload_fraction=share)
         print(f"verify {rung.name} micro-batch {micro}: {train['steps_done']}/{args.steps} steps, "
               f"oom={train['oom']}, {train['samples_per_second'] * spec.per_sample:,.0f} {spec.unit}", flush=True)
     return {"config": config, "methods": args.for_methods.split(","), "trial": trial.to_dict(), "train": train}

@@ -18,6 +18,9 @@ import sys
 from collections import defaultdict
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import config_key, config_rung  # noqa: E402  (adds the repository root to sys.path)
+
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 METHODS = ("autotune-cold", "autotune-warm", "accelerate", "lightning-power", "lightning-binsearch", "grid")
 AUTOTUNE = ("autotune-cold", "autotune-warm")
@@ -40,11 +43,6 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return records
 
 
-def key_of(config: dict[str, Any]) -> tuple[str, str, str, int]:
-    r = config["rung"]
-    return r["precision"], r["checkpointing"], r["offload"], config["micro_batch_size"]
-
-
 class Workload:
     """One workload's records on one device: the latest tune record per method, the best verification per
     configuration, and what was skipped or broke."""
@@ -61,14 +59,14 @@ class Workload:
         for r in records:  # later lines win: a rerun replaces an earlier run of the same method
             method = r.get("method")
             if r["kind"] in ("error", "skip") and r.get("stage") == "verify" and r.get("config"):
-                self.verify_errors[key_of(r["config"])] = r
+                self.verify_errors[config_key(r["config"])] = r
             elif r["kind"] == "tune":
                 self.tune[method] = r
                 self.problems.pop(method, None)
             elif r["kind"] in ("error", "skip") and method:
                 self.problems[method] = r
             elif r["kind"] == "verify":
-                key = key_of(r["config"])
+                key = config_key(r["config"])
                 if _steps_done(r) >= _steps_done(self.verified.get(key)):
                     self.verified[key] = r
         self.other_problems = [r for r in records if r["kind"] in ("error", "skip") and not r.get("method")
@@ -77,7 +75,7 @@ class Workload:
     # -- figures ------------------------------------------------------------------------------------
     def verification(self, method: str) -> dict[str, Any] | None:
         config = (self.tune.get(method) or {}).get("config")
-        return self.verified.get(key_of(config)) if config else None
+        return self.verified.get(config_key(config)) if config else None
 
     def train_rate(self, method: str) -> float | None:
         """Units/s of whole global steps in the verifying run, when it ran at least one step."""
@@ -168,7 +166,7 @@ def row(w: Workload, method: str) -> dict[str, str]:
             "time": _seconds(t["tune_seconds"]), "config": config,
             "rate": _num(rate) if rate else _rate_missing(w, method),
             "ratio": f"{ratio:.2f}×{' (' + how + ')' if how else ''}" if ratio else "",
-            "steps": _steps(v, w.verify_errors.get(key_of(t["config"])) if t.get("config") else None),
+            "steps": _steps(v, w.verify_errors.get(config_key(t["config"])) if t.get("config") else None),
             "at": ", ".join(x for x in (t["_at"], v["_at"] if v else "") if x)}
 
 
@@ -213,7 +211,7 @@ def behind(w: Workload) -> list[str]:
     out: list[str] = []
     cold, warm = w.tune.get("autotune-cold"), w.tune.get("autotune-warm")
     one_plan = bool(cold and warm and cold.get("config") and warm.get("config")
-                    and key_of(cold["config"]) == key_of(warm["config"]))
+                    and config_key(cold["config"]) == config_key(warm["config"]))
     for mine in AUTOTUNE:
         t = w.tune.get(mine)
         if t is None:
@@ -252,7 +250,7 @@ def _rate_behind(w: Workload, mine: str, other: str, me: str) -> list[str]:
     if not (a and b) or a >= b:
         return []
     cfg_a, cfg_b = w.tune[mine]["config"], w.tune[other]["config"]
-    same = key_of(cfg_a) == key_of(cfg_b)
+    same = config_key(cfg_a) == config_key(cfg_b)
     why = (" The same configuration, measured in two processes: run-to-run noise." if same else
            f" autotune chose {describe(cfg_a)}; {SHORT[other]}: {describe(cfg_b)}.")
     cites = ", ".join((w.verification(m) or w.tune[m])["_at"] for m in (mine, other))
@@ -319,14 +317,9 @@ def grid_table(w: Workload) -> str:
             + "\n".join(lines))
 
 
-def rung_name(r: dict[str, str]) -> str:
-    """A rung's label from its dict, as `Rung.name` writes it."""
-    parts = [r["precision"]]
-    if r["checkpointing"] != "none":
-        parts.append(f"{r['checkpointing']} ckpt")
-    if r["offload"] != "none":
-        parts.append(f"{r['offload']} offload")
-    return "+".join(parts)
+def rung_name(r: dict[str, Any]) -> str:
+    """A rung's label from its recorded dict, as `Rung.name` writes it."""
+    return config_rung({"rung": r}).name
 
 
 def facts(w: Workload) -> str:

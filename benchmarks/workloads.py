@@ -18,6 +18,7 @@ Workloads (DESIGN.md section 6, issue 6):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from importlib import metadata
 import os
@@ -290,8 +291,30 @@ def best_trial(trials: list[Trial] | list[dict[str, Any]]) -> Any:
     return max(ok, key=key) if ok else None
 
 
+def config_of(rung: Rung, micro: int, global_batch: int, offload_fraction: float = 1.0) -> dict[str, Any]:
+    """A configuration as recorded: every knob of the rung (compile and the block count included: a record
+    that kept only precision, checkpointing and offload verified a different configuration from the plan's),
+    the host share under optimizer offload, the micro-batch, and the accumulation that keeps the global batch."""
+    from autotune.workload.batching import solve_accumulation
+
+    micro = min(micro, global_batch)
+    steps, last = solve_accumulation(global_batch, micro)
+    return {"rung": dataclasses.asdict(rung), "offload_fraction": offload_fraction, "name": rung.name,
+            "micro_batch_size": micro, "accumulation_steps": steps, "last_micro_batch_size": last}
+
+
+def config_rung(config: dict[str, Any]) -> Rung:
+    """The rung of a recorded configuration (records written before every knob was kept get the defaults)."""
+    return Rung(**config["rung"])
+
+
+def config_key(config: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two recorded configurations the same one: the whole rung, the host share, the micro-batch."""
+    return (*dataclasses.astuple(config_rung(config)), config.get("offload_fraction", 1.0), config["micro_batch_size"])
+
+
 def train_steps(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, device: str, rung: Rung, micro: int,
-                steps: int, stop_at: float | None = None) -> dict[str, Any]:
+                steps: int, stop_at: float | None = None, offload_fraction: float = 1.0) -> dict[str, Any]:
     """`steps` optimizer steps over the global batch at (rung, micro): the same plain loop for every method.
 
     Each step splits the global batch into micro-batches (the last one smaller when it does not divide),
@@ -308,7 +331,8 @@ def train_steps(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, device: 
     if not placement.simulated:
         torch.cuda.reset_peak_memory_stats(placement.index)
     with emulated_ceiling(device, spec.budget, model, batch) as ceiling:
-        applied = apply_rung(model, rung, OptimizerSpec.from_user(None, model), placement, find_blocks(model))
+        applied = apply_rung(model, rung, OptimizerSpec.from_user(None, model), placement, find_blocks(model),
+                             offload_fraction=offload_fraction)
         try:
             failure, stopped = _loop(applied, model, batch, loss_fn, placement, sizes, global_batch, steps,
                                      stop_at, times)

@@ -16,6 +16,22 @@ BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 
 import render  # noqa: E402
+import workloads  # noqa: E402
+from autotune.plan import Rung  # noqa: E402
+
+
+def test_a_recorded_configuration_keeps_every_knob_the_plan_has() -> None:
+    """The verification trains what was recorded: a record that kept only precision, checkpointing and offload
+    trained W2's compiled plan without compile (and ran out of memory) and W3's 11 blocks as every other one."""
+    rung = Rung(checkpointing="selective", checkpointed_blocks=11, offload="optimizer", compile=True)
+    config = json.loads(json.dumps(workloads.config_of(rung, 7, 64, offload_fraction=0.89)))
+    assert workloads.config_rung(config) == rung and config["offload_fraction"] == 0.89
+    assert (config["accumulation_steps"], config["last_micro_batch_size"]) == (10, 1)
+    eager = workloads.config_of(Rung(checkpointing="selective", checkpointed_blocks=11, offload="optimizer"), 7, 64, 0.89)
+    assert render.config_key(config) != render.config_key(eager)
+    assert render.config_key(config) != render.config_key(workloads.config_of(rung, 7, 64, offload_fraction=1.0))
+    older = {"rung": {"precision": "bf16", "checkpointing": "full", "offload": "none"}, "micro_batch_size": 4}
+    assert render.rung_name(older["rung"]) == "bf16+full ckpt" and render.config_key(older)[-1] == 4
 
 
 def _bench(tmp_path, *args: str) -> list[dict]:
@@ -51,8 +67,8 @@ def test_autotune_and_grid_smoke_end_to_end(tmp_path):
         assert r["run_id"] == records[0]["run_id"] and r["device"].startswith("cpu") and r["smoke"]
         assert r["command"].startswith("python benchmarks/bench_peers.py --smoke")
     verified = [r for r in records if r["kind"] == "verify"]
-    answers = {render.key_of(r["config"]) for r in tune.values()}
-    assert {render.key_of(v["config"]) for v in verified} == answers  # each distinct answer once
+    answers = {render.config_key(r["config"]) for r in tune.values()}
+    assert {render.config_key(v["config"]) for v in verified} == answers  # each distinct answer once
     for v in verified:
         assert v["train"]["steps_requested"] == 1
         assert v["train"]["oom"] or v["train"]["steps_done"] == 1
@@ -81,9 +97,9 @@ def test_peers_smoke_trigger_their_own_oom_handling(tmp_path):
     # Lightning doubles from 2 until an OOM, then answers the last size that ran.
     assert [t["micro_batch_size"] for t in lit["tries"][:2]] == [2, 4] and lit["ooms"] == 1
     for r in (acc, lit):
-        assert r["answer"] and r["config"]["rung"] == {"precision": "bf16", "checkpointing": "none", "offload": "none"}
+        assert r["answer"] and workloads.config_rung(r["config"]) == Rung()
         assert r["config"]["micro_batch_size"] == min(r["answer"], r["spec"]["global_batch_size"])
-    assert len([r for r in records if r["kind"] == "verify"]) == len({render.key_of(r["config"]) for r in tune.values()})
+    assert len([r for r in records if r["kind"] == "verify"]) == len({render.config_key(r["config"]) for r in tune.values()})
 
 
 # -- the renderer on hand-made records (fast) ---------------------------------------------------------
