@@ -254,10 +254,10 @@ class Driver:
         configs = {config_key(r["config"]): r["config"] for r in mine if r["kind"] == "tune" and r.get("config")}
         for key, methods in answers.items():
             if key in done:
-                print(f"[{spec.name}] verify {configs[key]['name']} @ {key[3]}: already in --known, skipped", flush=True)
+                print(f"[{spec.name}] verify {configs[key]['name']} @ {configs[key]['micro_batch_size']}: already in --known, skipped", flush=True)
                 continue
             self.spawn(spec, "verify", ["--config", json.dumps(configs[key]), "--for-methods", ",".join(methods)],
-                       f"verify {configs[key]['name']} micro-batch {key[3]} (for {', '.join(methods)})")
+                       f"verify {configs[key]['name']} micro-batch {configs[key]['micro_batch_size']} (for {', '.join(methods)})")
 
 
 def main() -> int:
