@@ -90,6 +90,9 @@ class Trial:
     samples_per_second: float = 0.0  # estimated for a whole global step at this micro-batch
     alloc_retries: int = 0  # allocator retries (cudaFree + retry) during the measured steps
     compile_seconds: float = 0.0  # warm-up time beyond a measured step: what compiling cost this trial
+    # Replicated on several ranks: what the gradient all-reduce, overlapped with a last micro-batch's backward
+    # as in training, added to that micro-batch; counted in `optimizer_seconds` (a cost once per global step).
+    reduce_seconds: float = 0.0
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -99,7 +102,8 @@ class Trial:
         _check_choice("Trial.outcome", self.outcome, OUTCOMES)
         for name in ("peak_bytes", "alloc_retries"):
             _check_non_negative_int(f"Trial.{name}", getattr(self, name))
-        for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds"):
+        for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds",
+                     "reduce_seconds"):
             _check_non_negative_number(f"Trial.{name}", getattr(self, name))
 
     @property
