@@ -62,8 +62,8 @@ def main() -> None:
     if args.bucket_mb:
         distributed.BUCKET_BYTES = int(args.bucket_mb * 2**20)
     try:
-        result = {"replicated": run_replicated, "needs-sharding": run_replicated,
-                  "presharded": run_presharded}[args.case](args, device, world, rank)
+        result = {"replicated": run_replicated, "needs-sharding": run_replicated, "presharded": run_presharded,
+                  "link": run_link}[args.case](args, device, world, rank)
     except Exception as exc:  # noqa: BLE001 - a failed case is a result too, with its traceback
         result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
     result = {"case": args.case, "model": args.model, "world_size": world, "budget": args.budget,
@@ -90,6 +90,9 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     # The decisions must agree; a trial's note (each rank's own words on its timings) may differ.
     agreed = not [k for k in differ if k not in ("trials", "reason")]
     out = {"plan": plan.summary(), "sharding": plan.sharding, "reason": plan.reason, "tune_seconds": tune_s,
+           "estimate_tokens_per_second": plan.tokens_per_second,
+           "plan_reduce_seconds": max((t.reduce_seconds for t in plan.trials if t.rung == plan.rung
+                                       and t.micro_batch_size == plan.micro_batch_size), default=0.0),
            "trials": len(plan.trials), "ooms": sum(t.outcome == "oom" for t in plan.trials), "ranks_agree": agreed, "ranks_differ_in": differ}
     if args.case == "needs-sharding" and plan.sharding != "fsdp2":
         return {**out, "error": "the plan did not shard a model whose replicated floor is over the limit"}
@@ -158,6 +161,39 @@ def _one_rung(model: torch.nn.Module, rung: Any, args: argparse.Namespace, devic
     return {"rung": rung.name, "outcome": outcome, **peak, **timing}
 
 
+def run_link(args: argparse.Namespace, device: str, world: int, rank: int) -> dict[str, Any]:
+    """What one step's gradient all-reduce costs on this host, not overlapped: the model's gradients in FP32
+    (replicated bf16 autocast) and in BF16 (under optimizer offload), reduced as training does
+    (`OverlappedReduce`'s buckets, one all-reduce per parameter), and as one flat tensor of the same bytes."""
+    model, _ = build_gpt(args.model, device, args.seq)
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    out: dict[str, Any] = {"parameters": numel, "tensors": len(params)}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).split(".")[-1]
+        grads = [torch.ones(p.shape, dtype=dtype, device=p.device) for p in params[::-1]]  # backward's order
+        flat = torch.ones(numel, dtype=dtype, device=device)
+        buckets = distributed._buckets(grads, distributed.BUCKET_BYTES)
+
+        def bucketed() -> None:
+            works = [dist.all_reduce(g, async_op=True) for b in buckets for g in b]
+            for w in works:
+                w.wait()
+
+        for label, run in ((f"{name}_per_parameter", bucketed), (f"{name}_flat", lambda: dist.all_reduce(flat))):
+            times = []
+            for _ in range(6):
+                _sync(device)
+                t0 = time.perf_counter()
+                run()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times[1:])
+            out[label] = {"seconds": seconds, "bus_gb_s": 2 * (world - 1) / world * numel * flat.element_size() / seconds / 1e9}
+        del flat, grads, buckets
+    return out
+
+
 def _train(step: Any, args: argparse.Namespace, device: str, rank: int, world: int) -> dict[str, Any]:
     """`args.steps` optimizer steps over random token batches of this rank's share; tokens/s of the global batch."""
     per_rank = args.global_batch_size // world
@@ -219,7 +255,7 @@ class Args:
 
 def _parse() -> Args:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--case", choices=("replicated", "needs-sharding", "presharded"), required=True)
+    p.add_argument("--case", choices=("replicated", "needs-sharding", "presharded", "link"), required=True)
     p.add_argument("--model", default="gpt2-medium", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny-gpt")
     p.add_argument("--budget", default="16GiB", help="memory ceiling per GPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
