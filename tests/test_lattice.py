@@ -146,6 +146,25 @@ def test_compile_grows_along_its_own_line_when_the_eager_one_is_unknown():
     assert sum(t.outcome == "oom" for t in controller.trials) <= 3
 
 
+def test_compile_is_tried_with_the_other_offload_when_its_savings_predict_a_win():
+    # Two H100s, GPT-2 medium, 16 GiB and 32 samples per rank: eager optimizer offload led (its host step is
+    # paid once for 4 samples a micro-batch, against 2 without offload), so compile went there only, while
+    # compiled without offload 4 samples fit and the cheap device optimizer wins (the 1.885x plan on two H200s).
+    # (Activation offload is kept out of the race: the scripted GPU charges its copies no time.)
+    gpu = LatticeGPU(budget=16 * GiB, per_rank=32, floors={"none": 7.5 * GiB, "activations": 13.5 * GiB,
+                                                          "optimizer": 2.7 * GiB}, s0=2.75 * GiB, sn=1.5 * GiB,
+                     launch=0.06, sample_time=0.0035, compile_memory=0.55, compile_time=0.6,
+                     optimizer_seconds={"none": 0.06, "activations": 0.06, "optimizer": 0.45})
+    eager_none, eager_offload = gpu(_rung(0), 2), gpu(_rung(0, "optimizer"), 4)
+    assert eager_offload.samples_per_second > eager_none.samples_per_second  # the eager leader is offload's
+    gpu.calls.clear()
+    best, _, controller = _search(gpu, compile=True)
+    assert best.rung.compile and best.rung.offload == "none" and best.rung.checkpointed_blocks == 0, best
+    reachable = [r for r in _every(compiled=True) if not (r.compile and r.checkpointed_blocks)]
+    assert best.samples_per_second >= 0.97 * gpu.best_rate(reachable)
+    assert sum(t.outcome == "oom" for t in controller.trials) <= 3
+
+
 def test_a_compile_failure_leaves_the_plan_eager_with_a_note():
     gpu = LatticeGPU(budget=24 * GiB, per_rank=32, floors={"none": 4 * GiB, "activations": 4 * GiB,
                                                           "optimizer": 2 * GiB}, s0=2 * GiB, sn=0.6 * GiB,

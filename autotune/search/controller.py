@@ -106,7 +106,6 @@ class Controller:
         self.notes: list[str] = []
         self.lattice = Lattice()
         self._compiled: _Compiled | None = None  # what compile saved beside eager, once measured
-        self._compile_offload = "none"  # the offload compile was measured with (see `_place_compile`)
         self._compile_failed = False
         self.smallest = 1  # fewest samples a micro-batch may hold: 2 once batch statistics refused 1
         self.floor = 1  # the smallest micro-batch tried: no split of per_rank at it holds fewer than `smallest`
@@ -270,9 +269,9 @@ class Controller:
         saves in time and bytes; then at the largest micro-batch that saving predicts to fit, and from the
         two points on, along the compiled configuration's own memory line (grow or bisect, as any rung).
 
-        Compiled configurations keep the probe's offload and recompute no block. Another offload changes
-        the parameters' dtype, a new graph: 110 s of compile on GPT-2 large (H100), more than a whole eager
-        search. Compiled checkpoint wrappers gained nothing there (issue 11: 22,969 against 23,120 tok/s)
+        Compiled configurations recompute no block, and keep the probe's offload unless compile's measured
+        savings predict a win with the other one (`_compile_other_offload`). Compiled checkpoint wrappers
+        gained nothing (issue 11: 22,969 against 23,120 tok/s)
         and one hit an illegal memory access (torch 2.11, H100), which no process survives. One point does
         not tell compile's floor from its bytes per sample (on GPT-2 large its workspaces raised the floor
         by 1.6 GiB while each sample took 0.38x the bytes), hence the second point before any growth.
@@ -301,6 +300,24 @@ class Controller:
         guess = max(sizes) if sizes else self._next_size(first.micro_batch_size)
         if guess > first.micro_batch_size and self._budget_left():
             self._verify(state, guess)
+        self._compile_other_offload(rung.offload)
+
+    def _compile_other_offload(self, measured: str) -> None:
+        """Compile with the other of no offload and optimizer offload, where what compile saved beside the
+        probe (time and bytes per sample, as ratios) predicts it beats the best by more than noise.
+
+        Which offload leads eager need not lead compiled: compile shrinks what each sample holds, so the
+        micro-batch each offload reaches, and with it what optimizer offload's host step costs a sample,
+        changes. On two H100s (GPT-2 medium, 16 GiB per rank, 32 samples a rank) eager optimizer offload led
+        (73 against 44 samples/s) and compile went only there (85); compile without offload, the plan of
+        the 1.885x run on two H200s, was never tried. Per-block compile makes the other offload's new
+        graph (its parameters' dtype differs) seconds of compiling, not the 110 s of whole-model compile.
+        """
+        other = "none" if measured == "optimizer" else "optimizer" if measured == "none" else ""
+        if self._compiled is None or not other or not self._budget_left():
+            return
+        candidates = [c for c in self._candidates(other, compiled=self._compiled) if c[0].checkpointed_blocks == 0]
+        self._try_best(candidates, f"compile with {'optimizer offload' if other == 'optimizer' else 'no offload'}")
 
     def _next_size(self, micro: int) -> int:
         """The next micro-batch above `micro` that saves an accumulation step and leaves no one-sample last
