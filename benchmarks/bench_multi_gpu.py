@@ -99,6 +99,12 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     out.update(_train(step, args, device, rank, world))
     out["sharded_after_apply"] = is_sharded(model)
+    if args.compare_nooverlap and plan.sharding == "none" and world > 1:
+        # The same plan and process, one bucket: the all-reduce starts when backward ends. Beside the steps
+        # above, this is what overlapping it with the last backward gained.
+        buckets, distributed.BUCKET_BYTES = distributed.BUCKET_BYTES, 2**62
+        out["nooverlap"] = _train(step, args, device, rank, world)
+        distributed.BUCKET_BYTES = buckets
     return out
 
 
@@ -251,6 +257,7 @@ class Args:
     rung_steps: int
     out: str
     bucket_mb: float
+    compare_nooverlap: bool = False
 
 
 def _parse() -> Args:
@@ -265,11 +272,13 @@ def _parse() -> Args:
     p.add_argument("--rung-steps", type=int, default=3, help="presharded: steps per rung")
     p.add_argument("--bucket-mb", type=float, default=0, help="replicated: gradient bucket size (default DDP's 25); "
                    "a size above the model's gradients starts the all-reduce only when backward ends: no overlap")
+    p.add_argument("--compare-nooverlap", action="store_true",
+                   help="replicated: train the plan again with one gradient bucket (no overlap), same process")
     p.add_argument("--out", default="", help="append the JSON lines here")
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,
                 global_batch_size=a.global_batch_size, steps=a.steps, rung_steps=a.rung_steps, out=a.out,
-                bucket_mb=a.bucket_mb)
+                bucket_mb=a.bucket_mb, compare_nooverlap=a.compare_nooverlap)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 #   bash benchmarks/bench_multi_gpu.sh [OUT.jsonl]
 #   CASES="xl large" bash benchmarks/bench_multi_gpu.sh     # some of them (a call is limited in time)
 # single      replicated GPT-2 medium at 16 GiB, global batch 64, on one GPU (the baseline)
-# replicated  the same on two GPUs: the scaling is its tokens/s over single's
+# replicated  the same on two GPUs: the scaling is its tokens/s over single's; then the same plan again with one bucket
+#             (no overlap), same process: the overlap's gain
 # xl          GPT-2 XL at 16 GiB per GPU handed to fit unsharded: the plan must shard it; then STEPS steps
 # nooverlap   replicated with one bucket of 100 GB: the all-reduce starts when backward ends (not run by default;
 #             beside 'replicated' it is the overlap's gain)
@@ -27,7 +28,7 @@ for case in $CASES; do
   TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
   case $case in
     single) CUDA_VISIBLE_DEVICES=0 ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
-    replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
+    replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-nooverlap --out "$OUT" ;;
     link) nvidia-smi topo -m >&2; $TR $B --case link --model gpt2-medium --out "$OUT" ;;
     nooverlap) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --bucket-mb 100000 --out "$OUT" ;;
     xl) $TR $B --case needs-sharding --model gpt2-xl --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
