@@ -94,6 +94,9 @@ WORKLOADS = {
     "W3": Spec(name="W3", title="ResNet-152 (BatchNorm), 224x224, AdamW", model="resnet152", budget="12GiB",
                global_batch_size=256, image=224, grid_micro=GRID_MICRO + (128, 256)),
 }
+# Not one of the peers' workloads: the multi-GPU issue's one-GPU case, for bench_trial_steps.py.
+EXTRA = {"M16": Spec(name="M16", title="GPT-2 medium (355M), seq 1024, AdamW", model="gpt2-medium", budget="16GiB",
+                     global_batch_size=64, seq=1024, needs=("transformers",))}
 # CPU stand-ins: the same roles at toy size, under autotune's simulated ceiling (budgets measured so that
 # W1 needs a rung above plain BF16 to grow, W2 runs only with optimizer offload, W3 has BatchNorm).
 SMOKE = {
