@@ -21,8 +21,8 @@ from .cache import store as plan_cache
 from .cache.rows import printable
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
-from .search.controller import Controller, Lattice, SearchResult
-from .search.offload_share import choose_offload_fraction
+from .search.controller import NOISE, Controller, Lattice, SearchResult
+from .search.offload_share import choose_offload_fraction, offload_rival
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
 from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
@@ -271,7 +271,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                                 max_trials=settings.max_trials, world_size=world, remeasure=longer)
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
-        best, fraction = _offload_share(result, runner, tuned, spec, limit, world)
+        best, fraction = _offload_share(result, runner, tuned, spec, limit, world, per_rank)
         overlap = _offload_overlap(result, best, fraction, runner, world, is_sharded(tuned))
     except DeviceError as error:
         poisoned = True
@@ -309,21 +309,41 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
 
 
 def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, spec: OptimizerSpec, limit: int,
-                   world: int) -> tuple[Trial, float | None]:
+                   world: int, per_rank: int) -> tuple[Trial, float | None]:
     """Under optimizer offload, the smallest host share that fits the chosen micro-batch (one process:
-    sharded ranks hold a share of each parameter already). Adds its trials and note to `result`."""
+    sharded ranks hold a share of each parameter already). Adds its trials and note to `result`.
+
+    When the search picked a configuration without optimizer offload, its fastest offload rival is priced
+    at a share too (`offload_rival`) and replaces the pick only if it is faster by more than noise."""
     best = result.best
-    if best.rung.offload != "optimizer" or world != 1:
+    candidate = best if best.rung.offload == "optimizer" else offload_rival(result.trials, best, per_rank, NOISE)
+    if candidate is None or world != 1:
         return best, None
     params = [p for p in model.parameters() if p.requires_grad]
     chosen, fraction, ran, notes = choose_offload_fraction(
-        best, lambda f: runner(best.rung, best.micro_batch_size, offload_fraction=f), params, limit,
+        candidate, lambda f: runner(candidate.rung, candidate.micro_batch_size, offload_fraction=f), params, limit,
         state_tensors_per_parameter(spec), norm_parameters(model))
     result.trials.extend(ran)
+    if candidate is not best:
+        return _rival_or_pick(result, best, chosen if chosen is not candidate else None, fraction)
     result.notes.extend(notes)
     if chosen is not best:
         result.reason = f"{result.reason}; {notes[0]}"
     return chosen, fraction
+
+
+def _rival_or_pick(result: SearchResult, best: Trial, shared: Trial | None, fraction: float) -> tuple[Trial, float | None]:
+    """The search's pick, or the offload rival at its share where that measured faster by more than noise."""
+    if shared is None or shared.samples_per_second <= best.samples_per_second * (1 + NOISE):
+        what = (f"{shared.samples_per_second:,.1f} samples/s with {fraction:.0%} of the parameters' optimizer on "
+                "the host" if shared is not None else "no share on the device fitted")
+        result.notes.append(f"optimizer offload priced at a partial share: {what}, not faster than the pick")
+        return best, None
+    result.reason = (f"{shared.rung.name} at micro-batch {shared.micro_batch_size} with {fraction:.0%} of the "
+                     f"parameters' optimizer on the host: {shared.samples_per_second / best.samples_per_second:.2f}x "
+                     f"{best.rung.name} at micro-batch {best.micro_batch_size}, the pick with the whole optimizer "
+                     f"offloaded or none; then: {result.reason}")
+    return shared, fraction
 
 
 def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, runner: TrialRunner, world: int,

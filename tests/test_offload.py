@@ -20,7 +20,7 @@ from torch import nn
 
 import autotune
 from autotune.errors import InvalidSetting
-from autotune.plan import Plan
+from autotune.plan import Plan, Rung, Trial
 from autotune.search.trial import OVERLAPPED
 from autotune.techniques import offload_pipeline, optimizer_8bit, parse_techniques
 from autotune.techniques.offload import HostOptimizer, host_share, norm_parameters
@@ -514,3 +514,40 @@ def test_a_gradient_that_grows_after_it_was_final_is_never_used_silently():
     assert host.pipeline.disabled  # no more overlap for this model
     host.arm()
     assert not host.pipeline.armed
+
+
+def _priced(offload: str, micro: int, step: float, opt: float, *, compile: bool = True, per_rank: int = 64) -> Trial:
+    from autotune.workload.batching import global_step_seconds
+
+    rate = per_rank / global_step_seconds(step, opt, per_rank, micro)
+    return Trial(rung=Rung(offload=offload, compile=compile), micro_batch_size=micro, outcome="ok",
+                 peak_bytes=2**30, step_seconds=step, optimizer_seconds=opt, samples_per_second=rate)
+
+
+def test_an_offload_rival_is_priced_at_a_share_only_where_it_can_win():
+    """GPT-2 medium at 16 GiB on an H100: compile without offload (4 x 16) beat compile with every parameter's
+    optimizer on the host (6 x 11), which trained 1.12x faster with 65% there (RESULTS.md, third session)."""
+    from autotune.search.offload_share import offload_rival
+
+    plain = _priced("none", 4, 0.055, 0.02)  # 72 samples/s
+    full = _priced("optimizer", 6, 0.068, 0.35)  # 58: its host step is a third of the global step
+    assert full.samples_per_second < plain.samples_per_second
+    assert offload_rival([plain, full], plain, 64, 0.03) is full  # 11 micro-steps alone: 86 samples/s
+    slow = _priced("optimizer", 6, 0.09, 0.35)  # even with no host step at all: 65, not past the pick
+    assert offload_rival([plain, slow], plain, 64, 0.03) is None
+    assert offload_rival([plain, full], full, 64, 0.03) is None  # the pick is offload's already
+
+
+def test_the_rival_at_its_share_replaces_the_pick_only_when_faster_by_more_than_noise():
+    from autotune.api import _rival_or_pick
+    from autotune.search.controller import SearchResult
+
+    plain = _priced("none", 4, 0.055, 0.02)
+    for shared, wins in ((_priced("optimizer", 6, 0.068, 0.12), True), (_priced("optimizer", 6, 0.068, 0.2), False)):
+        result = SearchResult(best=plain, trials=[plain, shared], reason="pick", notes=[])
+        chosen, fraction = _rival_or_pick(result, plain, shared, 0.65)
+        assert (chosen is shared, fraction) == ((True, 0.65) if wins else (False, None)), shared.samples_per_second
+        assert result.reason.endswith("pick") and ("65% of the parameters' optimizer on the host" in result.reason) == wins
+        assert any("not faster than the pick" in n for n in result.notes) != wins
+    result = SearchResult(best=plain, trials=[plain], reason="pick", notes=[])
+    assert _rival_or_pick(result, plain, None, 1.0) == (plain, None) and "no share on the device fitted" in result.notes[0]
