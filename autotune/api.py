@@ -316,8 +316,10 @@ def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, 
     When the search picked a configuration without optimizer offload, its fastest offload rival is priced
     at a share too (`offload_rival`) and replaces the pick only if it is faster by more than noise."""
     best = result.best
+    if world != 1:
+        return best, None
     candidate = best if best.rung.offload == "optimizer" else offload_rival(result.trials, best, per_rank, NOISE)
-    if candidate is None or world != 1:
+    if candidate is None:
         return best, None
     params = [p for p in model.parameters() if p.requires_grad]
     chosen, fraction, ran, notes = choose_offload_fraction(

@@ -85,6 +85,14 @@ def _search(gpu: LatticeGPU, *, compile: bool = False, fitting_floors: bool = Fa
     return result.best, result.notes, controller
 
 
+def assert_near_the_best_reachable(gpu: LatticeGPU, best: Trial, controller: Controller) -> None:
+    """Within 3% of the fastest configuration the search may pick (compile stays off recomputed blocks: torch
+    2.11's partitioner fails there, RESULTS.md), with at most 3 OOMs on the way."""
+    reachable = [r for r in _every(compiled=True) if not (r.compile and r.checkpointed_blocks)]
+    assert best.samples_per_second >= 0.97 * gpu.best_rate(reachable)
+    assert sum(t.outcome == "oom" for t in controller.trials) <= 3
+
+
 def _every(compiled: bool = False) -> list[Rung]:
     return [_rung(k, o, c) for k in range(N + 1) for o in ("none", "optimizer")
             for c in ((False, True) if compiled else (False,))]
@@ -139,11 +147,7 @@ def test_compile_grows_along_its_own_line_when_the_eager_one_is_unknown():
                      compile_memory=0.35, compile_floor=1.5 * GiB, compile_time=0.6)
     best, _, controller = _search(gpu, compile=True, fitting_floors=True)
     assert best.rung.compile and best.micro_batch_size >= 2, (best, gpu.calls)
-    # Beside every configuration the search may pick (compile stays off recomputed blocks: torch 2.11's
-    # partitioner fails there, RESULTS.md).
-    reachable = [r for r in _every(compiled=True) if not (r.compile and r.checkpointed_blocks)]
-    assert best.samples_per_second >= 0.97 * gpu.best_rate(reachable)
-    assert sum(t.outcome == "oom" for t in controller.trials) <= 3
+    assert_near_the_best_reachable(gpu, best, controller)
 
 
 def test_compile_is_tried_with_the_other_offload_when_its_savings_predict_a_win():
@@ -160,9 +164,7 @@ def test_compile_is_tried_with_the_other_offload_when_its_savings_predict_a_win(
     gpu.calls.clear()
     best, _, controller = _search(gpu, compile=True)
     assert best.rung.compile and best.rung.offload == "none" and best.rung.checkpointed_blocks == 0, best
-    reachable = [r for r in _every(compiled=True) if not (r.compile and r.checkpointed_blocks)]
-    assert best.samples_per_second >= 0.97 * gpu.best_rate(reachable)
-    assert sum(t.outcome == "oom" for t in controller.trials) <= 3
+    assert_near_the_best_reachable(gpu, best, controller)
 
 
 def test_a_compile_failure_leaves_the_plan_eager_with_a_note():

@@ -165,13 +165,9 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
 def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
                 num_items: bool, armed: bool) -> tuple[float, float]:
     """One optimizer step at one micro-batch: (forward+backward seconds, optimizer seconds)."""
-    size = batches.batch_size(micro_batch)
     t0 = now(work.placement)
-    # The same loss the training step computes (num_items_in_batch included), one micro-batch a step.
-    weights = LossWeights(size, 1, total=tokens)
-    with applied.autocast():
-        loss = weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights, size,
-                             expected=tokens, num_items=num_items)
+    weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
+    loss = _loss(applied, micro_batch, work, weights, tokens, num_items)
     if loss is not None:
         applied.backward(loss, last=armed)  # armed: the host optimizer steps during it (see `_run_steps`)
     del loss, weights
@@ -179,6 +175,15 @@ def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: 
     applied.optimizer_step()
     applied.zero_grad()
     return t1 - t0, now(work.placement) - t1
+
+
+def _loss(applied: AppliedRung, micro_batch: Any, work: Workload, weights: LossWeights, tokens: float | None,
+          num_items: bool) -> Any:
+    """The forward: the same loss the training step computes (num_items_in_batch included), one micro-batch
+    a step."""
+    with applied.autocast():
+        return weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights,
+                             batches.batch_size(micro_batch), expected=tokens, num_items=num_items)
 
 
 class ReduceGate:
@@ -218,14 +223,11 @@ def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens
     A rank that runs out of memory here still joins every all-reduce (`OverlappedReduce` starts the buckets
     it did not reach), then raises; `agree_trial` makes that the trial's outcome on every rank.
     """
-    size = batches.batch_size(micro_batch)
     t0 = now(work.placement)
-    weights = LossWeights(size, 1, total=tokens)
+    weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
     loss, failure = None, None
     try:
-        with applied.autocast():
-            loss = weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights, size,
-                                 expected=tokens, num_items=num_items)
+        loss = _loss(applied, micro_batch, work, weights, tokens, num_items)
     except Exception as exc:  # noqa: BLE001 - an OOM is held until the ranks' all-reduces are done
         if not is_oom(exc):
             raise
