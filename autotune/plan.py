@@ -134,7 +134,7 @@ class Plan:
     accumulation_steps: int
     world_size: int
     global_batch_size: int
-    last_micro_batch_size: int  # < micro_batch_size when the per-rank batch does not divide evenly
+    last_micro_batch_size: int  # < micro_batch_size when the per-rank batch does not divide evenly (trained first: see TrainingStep._accumulate)
     peak_memory_bytes: int
     memory_budget_bytes: int
     margin: float

@@ -123,7 +123,8 @@ def timed_optimizer(step: Any, device: str, record: dict[str, list[float]]) -> N
 
 def run_mode(mode: str, plan: Plan, model: torch.nn.Module, batch: Any, args: argparse.Namespace,
              device: str, seq: int) -> dict[str, Any]:
-    os.environ["AUTOTUNE_OFFLOAD_OVERLAP"] = "1" if mode == "overlap" else "0"
+    os.environ["AUTOTUNE_OFFLOAD_OVERLAP"] = "1" if mode.endswith("overlap") else "0"
+    os.environ["AUTOTUNE_OFFLOAD_STREAM"] = "1" if mode.startswith("stream") else "0"
     # No user optimizer: the step builds AdamW from the plan, and close() has no state to hand back (W2's
     # 12 GB of moments would not fit on the device beside the model).
     step = plan.apply(model)
@@ -156,7 +157,9 @@ def run_mode(mode: str, plan: Plan, model: torch.nn.Module, batch: Any, args: ar
 def main() -> None:
     parser = config_parser(__doc__, workload="W1", config="0,8", steps=20, warmup=2)  # 0,8: W1's lattice plan
     parser.add_argument("--fit", action="store_true", help="tune the plan with autotune.fit instead of --config")
-    parser.add_argument("--modes", default="serial,overlap")
+    parser.add_argument("--modes", default="serial,overlap,stream-serial,stream-overlap",
+                        help="serial/overlap: the host share stepped by the CPU; stream-*: on the GPU, its state "
+                        "streamed (offload_stream.py); comma-separated, run in this order")
     args = parser.parse_args()
     setup = set_up(args)
     seq, budget, global_batch, device, model, example = (setup.seq, setup.budget, setup.global_batch, setup.device,
@@ -181,13 +184,14 @@ def main() -> None:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         rows.append(row)
-        print(f"  {mode:8} step {row['step_s']:7.3f} s = backward {row['backward_s']:7.3f} + tail {row['tail_s']:7.3f} s "
+        print(f"  {mode:14} step {row['step_s']:7.3f} s = backward {row['backward_s']:7.3f} + tail {row['tail_s']:7.3f} s "
               f"({row['tail_share']:5.1%});  {row['tok_s']:9,.0f} tok/s;  worker stepped "
               f"{row['chunks_before_tail']:.0f}/{row['chunks']} chunks before the tail;  peak "
               f"{row['peak_reserved_gib']:.2f} GiB", flush=True)
-    if len(rows) == 2:
-        print(f"  tail cut {rows[0]['tail_s'] / max(rows[1]['tail_s'], 1e-9):.2f}x, tok/s "
-              f"{rows[1]['tok_s'] / rows[0]['tok_s']:.2f}x", flush=True)
+    for row in rows[1:]:
+        print(f"  {row['mode']} against {rows[0]['mode']}: tail cut {rows[0]['tail_s'] / max(row['tail_s'], 1e-9):.2f}x, "
+              f"tail share cut {rows[0]['tail_share'] / max(row['tail_share'], 1e-9):.2f}x, tok/s "
+              f"{row['tok_s'] / rows[0]['tok_s']:.2f}x", flush=True)
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..devices.ceiling import host_memory
 from ..workload.optimizers import OptimizerSpec
 from .offload_pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
+from .offload_stream import DeviceStepper, stream_setting, streamable
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -176,9 +177,23 @@ class HostOptimizer:
         # step's weight copies crashed there on two H200s (`CUDA error: invalid argument` sending a staged
         # shard back); the serial step copies each shard's master back in place.
         sharded = any(isinstance(p, DTensor) for p in self.params)
+        self.stepper = self._make_stepper(sharded)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
         if overlap_default() and overlap is not False and self.host_index and not sharded:
             self._start_pipeline()
+
+    def _make_stepper(self, sharded: bool) -> DeviceStepper | None:
+        """The GPU steps the host share, its state streamed (offload_stream.py), where it can: on CUDA
+        unless $AUTOTUNE_OFFLOAD_STREAM=0 (=1 also on the CPU test device), for Adam/AdamW over contiguous
+        FP32 masters, without a GradScaler (its unscale and inf check run on the host gradients) or shards."""
+        setting = stream_setting()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        wanted = setting if setting is not None else device.type == "cuda"
+        if not wanted or not self.host_index or self.scaler is not None or sharded or streamable(self.optimizer):
+            return None
+        if any(self.master[i].dtype != torch.float32 or not self.params[i].is_contiguous() for i in self.host_index):
+            return None
+        return DeviceStepper(self.optimizer, self.master, self.params, device)
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -201,9 +216,11 @@ class HostOptimizer:
             self._staging = {i: torch.empty(self.master[i].shape, dtype=self.params[i].dtype, pin_memory=True)
                              for i in self.host_index}
         numels = [p.numel() for p in self.params]
+        # Streamed, the gradients stay on the device: the hook only marks them ready (an event on the side stream).
+        stage = (self._mark if self.stepper is not None else self._stage) if cuda else None
         self.pipeline = OffloadPipeline({i: self.params[i] for i in self.host_index},
                                         chunk_indices(self.host_index, numels), self._land, self._step_chunk,
-                                        stream=stream, stage=self._stage if cuda else None)
+                                        stream=stream, stage=stage)
         self._stream = stream
 
     def arm(self, defer: bool = False) -> None:
@@ -221,16 +238,27 @@ class HostOptimizer:
         if self.pipeline is None:
             return
         self.pipeline.abort()
+        if self.stepper is not None:
+            self.stepper.wait()  # the masters of chunks streamed before the failure are current on the host
         self.skip |= {i for c in self.pipeline.done for i in self.pipeline.chunks[c]}
 
     def _stage(self, i: int, grad: torch.Tensor) -> None:
         self._staging[i].copy_(local_part(grad), non_blocking=True)  # on the side stream, in the hook (see the pipeline)
 
+    @staticmethod
+    def _mark(i: int, grad: torch.Tensor) -> None:
+        """Streamed: nothing to copy, the pipeline's event on the side stream says the gradient is final."""
+
     def _land(self, i: int) -> None:
+        if self.stepper is not None:
+            return  # the gradient stays on the device: the stepper reads it there
         source = self._staging[i] if self._staging else local_part(self.params[i].grad)
         self.master[i].grad.copy_(source)
 
     def _step_chunk(self, indices: list[int]) -> None:
+        if self.stepper is not None:  # narrowed on the device into the staging buffers, sent back after backward
+            self.stepper.step(indices, staging=self._staging or None, landed=True)
+            return
         self._step_host(indices)
         for i in indices:
             if self._staging:
@@ -266,7 +294,7 @@ class HostOptimizer:
         done = {i for c in pipeline.done for i in pipeline.chunks[c]} if pipeline is not None else set()
         with host_memory():  # host-side copies: on the simulated device, not device memory
             for i in self.host_index:
-                if i not in landed and i not in done and i not in self.skip:
+                if i not in landed and i not in done and i not in self.skip and self.stepper is None:
                     self._copy_grad(i)
         if self.params[0].device.type == "cuda":
             torch.cuda.synchronize(self.params[0].device)
@@ -292,15 +320,16 @@ class HostOptimizer:
             if self.scaler is not None and not self._unscale(device_grads):
                 return  # non-finite gradients: skip this step, as GradScaler.step would
             rest = [i for i in self.host_index if i not in stepped]
-            if factor != 1.0:
-                for g in [self.master[i].grad for i in rest] + device_grads:
+            if factor != 1.0:  # streamed, the stepper multiplies the device gradients as it widens them
+                host = [] if self.stepper is not None else [self.master[i].grad for i in rest]
+                for g in host + device_grads:
                     g.mul_(factor)
             self._step_device()  # queued on the device, while the host steps its share
         finally:
             for master in self.device_master.values():
                 if master is not None and not isinstance(master, nn.Parameter):
                     master.grad = None  # an FP32 copy made for the step: freed before the next forward
-        self._step_host_share(stepped, rest)
+        self._step_host_share(stepped, rest, factor)
 
     def _device_grads(self) -> list[torch.Tensor]:
         """FP32 gradients of the device share, on its masters (a temporary copy of each 16-bit gradient)."""
@@ -322,20 +351,30 @@ class HostOptimizer:
             if master is not self.params[i]:
                 self.params[i].data.copy_(master)
 
-    def _step_host_share(self, stepped: set[int], rest: list[int]) -> None:
+    def _step_host_share(self, stepped: set[int], rest: list[int], factor: float) -> None:
         if self.pipeline is None and not stepped:  # the serial step, as it always was
+            if self.stepper is not None:
+                self.stepper.step(self.host_index, factor=factor)
+                self.stepper.wait()
+                return
             with host_memory():
                 self.optimizer.step()
             self._write_back(self.host_index)
             return
+        if self.stepper is not None and self._stream is not None:
+            self._stream.wait_stream(self.stepper.copy_out)  # weights narrowed during backward are on the host
         staged = {i for c in self.pipeline.done for i in self.pipeline.chunks[c]} if self.pipeline else set()
         self._send_back(sorted(staged))  # narrowed by the worker during backward
         self._write_back(sorted(stepped - staged))  # stepped by an earlier attempt of this batch
         for chunk in self.pipeline.chunks if self.pipeline else [rest]:
             todo = [i for i in chunk if i not in stepped]
-            if todo:
+            if todo and self.stepper is not None:
+                self.stepper.step(todo, factor=factor)
+            elif todo:
                 self._step_host(todo)
                 self._write_back(todo)
+        if self.stepper is not None:
+            self.stepper.wait()
         if self._stream is not None:
             torch.cuda.current_stream(self.params[0].device).wait_stream(self._stream)  # the next forward waits
 
@@ -405,6 +444,8 @@ class HostOptimizer:
                                      for name, v in entry.items()} for n, entry in part["state"].items()}
             with host_memory() if opt is self.optimizer else contextlib.nullcontext():
                 opt.load_state_dict(part)
+        if getattr(self, "stepper", None) is not None:
+            self.stepper.forget_pins()  # loaded state is pageable until the stepper pins it again
 
     def sync_hyperparameters(self, groups: Sequence[dict[str, Any]], skip: Collection[str]) -> None:
         """Copy lr, betas, weight decay... from the user's groups (one per spec group) into both shares."""
@@ -432,5 +473,6 @@ class HostOptimizer:
         self.device_master = {}
         self._staging = {}
         self._views = {}
+        self.stepper = None
         self.optimizer = None  # type: ignore[assignment]
         self.device_optimizer = None

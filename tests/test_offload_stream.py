@@ -1,0 +1,164 @@
+"""The host share of optimizer offload stepped on the device, its state streamed (offload_stream.py).
+
+On the CPU test device the "device" is the CPU, so the streamed step runs the very kernel the CPU step runs
+(torch's fused AdamW) on the same FP32 gradient: the parameters and the optimizer state must be bitwise the
+CPU step's, serial or overlapped, whole or partial share, clipped or not, and after an aborted backward.
+$AUTOTUNE_OFFLOAD_STREAM=1 turns it on here (on CUDA it is on by default).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from autotune.techniques import offload_pipeline, offload_stream
+from autotune.techniques.offload import HostOptimizer, norm_parameters
+from autotune.training.step import TrainingStep
+from autotune.workload.optimizers import OptimizerSpec
+from test_offload import Net, adamw, assert_bitwise, backward, batches, make_plan
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(offload_pipeline, "CHUNK_ELEMENTS", 200)
+    monkeypatch.setattr(offload_stream, "SEGMENT", 64)  # the largest tensors (768 elements) go in 12 segments
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
+    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+
+
+def train(plan, data, monkeypatch, *, stream: bool, overlap: bool, make_opt=adamw, **kwargs):
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_opt(model.parameters())
+    step = TrainingStep(plan, model, opt, **kwargs)
+    assert (step.optimizer.stepper is not None) == stream
+    for b in data:
+        step(b)
+    return model, step, opt
+
+
+def assert_same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys() and sa
+    for k in sa:
+        assert float(sa[k]["step"]) == float(sb[k]["step"])
+        assert torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) and torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+@pytest.mark.parametrize("fraction,clip", [(None, None), (None, 0.05), (0.5, None)], ids=["whole", "clipped", "half"])
+def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch, overlap, fraction, clip):
+    plan = make_plan(3, 8, fraction=fraction)  # 3 + 3 + 2: an uneven micro-batch
+    data = batches(8, 4)
+    cpu, c_step, c_opt = train(plan, data, monkeypatch, stream=False, overlap=False, max_grad_norm=clip)
+    streamed, s_step, s_opt = train(plan, data, monkeypatch, stream=True, overlap=overlap, max_grad_norm=clip)
+    assert_bitwise(streamed, cpu)
+    if overlap and clip is None:  # chunks were streamed by the worker during the last backward
+        assert s_step.optimizer.pipeline.chunks_stepped > 0
+    c_step.close()
+    s_step.close()
+    assert_bitwise(streamed, cpu)  # FP32 weights back from the same masters
+    assert_same_state(s_opt, c_opt)
+
+
+def test_a_grad_scaler_or_another_optimizer_keeps_the_cpu_step(monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
+    steps = []
+    for precision, make_opt in (("bf16", adamw), ("fp16", adamw),
+                                ("bf16", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))):
+        model = Net()
+        steps.append(TrainingStep(make_plan(4, 8, precision=precision), model, make_opt(model.parameters())))
+    streamed, fp16, sgd = (s.optimizer.stepper for s in steps)
+    assert streamed is not None  # the control: AdamW under bf16 streams
+    assert fp16 is None  # a GradScaler's unscale and inf check run on the host gradients
+    assert sgd is None
+    assert "SGD" in offload_stream.streamable(torch.optim.SGD(Net().parameters(), lr=0.1))
+    assert "amsgrad" in offload_stream.streamable(torch.optim.Adam(Net().parameters(), amsgrad=True))
+    for s in steps:
+        s.close()
+
+
+def host_optimizer(model, *, overlap: bool) -> HostOptimizer:
+    return HostOptimizer(list(model.parameters()), OptimizerSpec.from_user(None, model), torch.bfloat16,
+                         keep_fp32=norm_parameters(model), overlap=overlap)
+
+
+def test_segments_streamed_before_an_aborted_backward_are_not_stepped_again(monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    batch = batches(4, 1)[0]
+    host = host_optimizer(model, overlap=True)
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
+    serial = host_optimizer(ref, overlap=False)
+    assert host.stepper is not None and serial.stepper is None
+    host.arm()
+    backward(model, batch)
+    host.pipeline.drain()
+    assert host.pipeline.done
+    old = [p.detach().clone() for p in model.parameters()]
+    host.abort()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old))  # nothing written back yet
+    host.zero_grad()
+    host.arm()
+    backward(model, batch)
+    host.step()
+    backward(ref, batch)
+    serial.step()
+    assert_bitwise(model, ref)
+    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(old)
+
+
+def test_a_loaded_state_is_streamed_from_where_it_was_left(monkeypatch):
+    # A user's checkpoint loaded into the offloaded optimizer, then more steps: as the CPU step would.
+    plan = make_plan(4, 8)
+    data = batches(8, 3)
+    results = []
+    for stream in (False, True):
+        monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
+        torch.manual_seed(0)
+        model = Net()
+        first = TrainingStep(plan, model, adamw(model.parameters()))
+        first(data[0])
+        saved = copy.deepcopy(first.optimizer.state_dict())
+        first.close()
+        opt = adamw(model.parameters())
+        opt.load_state_dict(saved)
+        second = TrainingStep(plan, model, opt)
+        assert (second.optimizer.stepper is not None) == stream
+        for b in data[1:]:
+            second(b)
+        second.close()
+        results.append(model)
+    assert_bitwise(results[1], results[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(monkeypatch, overlap):
+    # Different kernels (CUDA and CPU fused AdamW): equal up to FP32 rounding, not bitwise.
+    monkeypatch.setattr(offload_stream, "SEGMENT", 4096)
+    data = [tuple(t.cuda() for t in b) for b in batches(8, 3)]
+
+    def run(stream: bool) -> torch.nn.Module:
+        monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
+        monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+        torch.manual_seed(0)
+        model = Net(width=256).cuda()
+        step = TrainingStep(dataclasses.replace(make_plan(3, 8), device="cuda"), model, adamw(model.parameters()))
+        assert (step.optimizer.stepper is not None) == stream
+        for b in data:
+            step(b)
+        step.close()
+        return model
+
+    cpu, streamed = run(False), run(True)
+    for p, q in zip(cpu.parameters(), streamed.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
