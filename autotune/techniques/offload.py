@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..devices.ceiling import host_memory
 from ..workload.optimizers import OptimizerSpec
 from .offload_pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
-from .offload_stream import DeviceStepper, stream_setting, streamable
+from .offload_stream import DeviceStepper, flat_views, stream_setting, streamable
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +147,7 @@ class HostOptimizer:
         self.device_index = [i for i in range(len(self.params)) if i not in host]
         self.fraction = sum(self.params[i].numel() for i in self.host_index) / max(1, sum(p.numel() for p in self.params))
         with host_memory():
-            self.master: dict[int, torch.Tensor] = {i: self._host_master(self.params[i]) for i in self.host_index}
+            self.master, self._flat = self._host_masters()
             slots = [self.master.get(i, p) for i, p in enumerate(self.params)]
             self.optimizer = spec.build(slots, host=True, only=host)
         # The device share: FP32 masters on the device beside the same 16-bit weights (norm weights, FP32
@@ -189,16 +189,30 @@ class HostOptimizer:
         setting = stream_setting()
         device = self.params[0].device if self.params else torch.device("cpu")
         wanted = setting if setting is not None else device.type == "cuda"
-        if not wanted or not self.host_index or self.scaler is not None or sharded or streamable(self.optimizer):
+        if not wanted or self._flat is None or self.scaler is not None or sharded or streamable(self.optimizer):
             return None
-        if any(self.master[i].dtype != torch.float32 or not self.params[i].is_contiguous() for i in self.host_index):
+        if not all(self.params[i].is_contiguous() for i in self.host_index):
             return None
-        return DeviceStepper(self.optimizer, self.master, self.params, device)
+        return DeviceStepper(self.optimizer, self._flat, self.master, self.host_index, self.params, device)
 
     @property
     def masters(self) -> list[torch.Tensor]:
         """The FP32 host masters, in the order of `host_index` (every parameter's, under full offload)."""
         return [self.master[i] for i in self.host_index]
+
+    def _host_masters(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """The host share's masters: where every one is FP32 and none is a shard, views of one pinned
+        buffer in `host_index` order (the device stepper streams ranges of it), with that buffer; else
+        one tensor each, and None."""
+        share = [self.params[i] for i in self.host_index]
+        if not share or any(master_dtype(p) != torch.float32 or isinstance(p, DTensor) for p in share):
+            return {i: self._host_master(self.params[i]) for i in self.host_index}, None
+        cuda = share[0].device.type == "cuda"
+        flat, views = flat_views([p.shape for p in share], pin=cuda)
+        for p, master in zip(share, views):
+            master.copy_(p.detach())
+            master.grad = torch.zeros_like(master, pin_memory=cuda)
+        return dict(zip(self.host_index, views)), flat
 
     @staticmethod
     def _host_master(p: nn.Parameter) -> torch.Tensor:
@@ -239,7 +253,7 @@ class HostOptimizer:
             return
         self.pipeline.abort()
         if self.stepper is not None:
-            self.stepper.wait()  # the masters of chunks streamed before the failure are current on the host
+            self.stepper.close()  # the masters of chunks streamed before the failure are current on the host
         self.skip |= {i for c in self.pipeline.done for i in self.pipeline.chunks[c]}
 
     def _stage(self, i: int, grad: torch.Tensor) -> None:
@@ -296,10 +310,14 @@ class HostOptimizer:
             for i in self.host_index:
                 if i not in landed and i not in done and i not in self.skip and self.stepper is None:
                     self._copy_grad(i)
-        if self.params[0].device.type == "cuda":
-            torch.cuda.synchronize(self.params[0].device)
+        if self.params[0].device.type == "cuda" and self.stepper is None:
+            torch.cuda.synchronize(self.params[0].device)  # the host gradients' copies have landed
         try:
             self._update(done | self.skip)
+        except BaseException:
+            if self.stepper is not None:
+                self.stepper.close()  # a step failed half-way: no copy may still run into buffers freed next
+            raise
         finally:
             self.skip = set()
             if pipeline is not None:
@@ -444,8 +462,6 @@ class HostOptimizer:
                                      for name, v in entry.items()} for n, entry in part["state"].items()}
             with host_memory() if opt is self.optimizer else contextlib.nullcontext():
                 opt.load_state_dict(part)
-        if getattr(self, "stepper", None) is not None:
-            self.stepper.forget_pins()  # loaded state is pageable until the stepper pins it again
 
     def sync_hyperparameters(self, groups: Sequence[dict[str, Any]], skip: Collection[str]) -> None:
         """Copy lr, betas, weight decay... from the user's groups (one per spec group) into both shares."""
@@ -460,6 +476,8 @@ class HostOptimizer:
     @torch.no_grad()
     def restore(self) -> None:
         """Undo the offload: the weights back on the device in the dtype they came in, host copies released."""
+        if self.stepper is not None:
+            self.stepper.close()  # nothing may still read or write its buffers once they are freed
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
@@ -473,6 +491,7 @@ class HostOptimizer:
         self.device_master = {}
         self._staging = {}
         self._views = {}
+        self._flat = None
         self.stepper = None
         self.optimizer = None  # type: ignore[assignment]
         self.device_optimizer = None

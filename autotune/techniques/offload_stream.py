@@ -8,12 +8,16 @@ them back moves 24 bytes a parameter over a link that carries about 50 GB/s each
 same share, the CPU free (benchmarks/bench_host_step.py; RESULTS.md). And it needs no CPU threads during the
 last backward, whose kernel launches the CPU worker slowed.
 
-How: a ring of device buffer sets, each holding one segment (`SEGMENT` elements of one parameter) of the
-master, both moments and the FP32 gradient. Per segment, three streams: copy in (master, moments), step
-(the gradient widened from the 16-bit device gradient, times the clipping factor, then torch's fused Adam
-or AdamW kernel, the same one torch's `fused=True` optimizers call), copy out (master, moments; and the
-16-bit weight, either into the device parameter or, during backward, into the pinned staging buffer that
-`HostOptimizer` sends back after backward). A slot is reused once its copies out are done.
+How: the masters are views of one pinned FP32 buffer (`HostOptimizer` lays them out so) and the stepper
+keeps both moments in two more, in the same order, so any run of parameters is one range of each. A ring
+of device buffer sets each holds one segment (`SEGMENT` elements, across parameter boundaries) of the
+master, both moments and the FP32 gradient. Per segment, on three streams: copy in (three ranges); step
+(each parameter's piece of its 16-bit device gradient widened into the segment, times the clipping factor,
+then torch's fused Adam or AdamW kernel over the pieces, the kernel torch's `fused=True` optimizers call);
+copy out (three ranges; and the 16-bit weights, either into the device parameters or, during backward,
+into the pinned staging buffers `HostOptimizer` sends back after backward). A slot is reused once its
+copies out are done. Per-segment work, not per-parameter, keeps the CPU's share of it small: a first
+version streamed each parameter on its own and spent as long issuing copies as the link took to carry them.
 
 The arithmetic is the host optimizer's: the same kernel, on the same FP32 gradient, with the step count
 kept in the host state (so `state_dict()` and a later CPU step see it). On the CPU test device the
@@ -27,13 +31,14 @@ gradients), or FSDP2 shards keep the CPU step.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 of them (+ the 16-bit weight)
+SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 of them (+ the 16-bit weights)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
 
 
@@ -58,30 +63,58 @@ def streamable(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def flat_views(shapes: Sequence[torch.Size], *, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One FP32 buffer (pinned when `pin`) and a view of it per shape, in order."""
+    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.float32, pin_memory=pin)
+    views, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return flat, views
+
+
+class Piece(NamedTuple):
+    index: int  # parameter position
+    lo: int  # elements [lo, hi) of the parameter
+    hi: int
+    at: int  # where the piece starts in its segment
+
+
 class DeviceStepper:
-    """Steps host masters (`masters[i]`, FP32, pinned) with `optimizer`'s state on `device`.
+    """Steps the host masters (`masters[i]`, views of the pinned FP32 buffer `flat`, in `order`) with
+    `optimizer`'s state on `device`.
 
     Args:
         optimizer: the host optimizer (Adam or AdamW) whose param groups and state hold the masters.
-        masters: host master by parameter position.
+        flat: the masters' buffer; `masters[order[k]]` follows `masters[order[k - 1]]` in it.
         params: the device parameters by position (their `.grad` is read, their `.data` written).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: dict[int, torch.Tensor],
-                 params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, flat: torch.Tensor, masters: dict[int, torch.Tensor],
+                 order: Sequence[int], params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
         self.optimizer = optimizer
+        self.flat = flat
         self.masters = masters
         self.params = params
         self.device = device
         self.cuda = device.type == "cuda"
+        self._start: dict[int, int] = {}
+        offset = 0
+        for i in order:
+            self._start[i] = offset
+            offset += masters[i].numel()
+        # The moments, laid out as the masters (host memory: 8 bytes a parameter, what torch's Adam holds).
+        self._m, self._mviews = flat_views([masters[i].shape for i in order], pin=self.cuda)
+        self._v, self._vviews = flat_views([masters[i].shape for i in order], pin=self.cuda)
+        self._moments = {i: (m, v) for i, m, v in zip(order, self._mviews, self._vviews)}
         self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        self._largest = min(SEGMENT, max(m.numel() for m in masters.values()))
+        self._largest = min(SEGMENT, offset)
         self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)] for _ in range(RING if self.cuda else 1)]
         self._narrow: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in self._slots]  # 16-bit weights going out
         self._freed: list[Any] = [None] * len(self._slots)
         self._next = 0
         self._steps: dict[int, torch.Tensor] = {}  # the step count on the device, per parameter
-        self._pinned: set[int] = set()
         if self.cuda:
             self.copy_in, self.compute, self.copy_out = (torch.cuda.Stream(device) for _ in range(3))
 
@@ -96,13 +129,14 @@ class DeviceStepper:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         for i in indices:
-            state, group = self._state(i), self._group[id(self.masters[i])]
+            state = self._state(i)
             state["step"] += 1  # the host's count, as the CPU step keeps it
-            steps = self._steps.setdefault(i, torch.zeros((), device=self.device))
-            source = self.params[i].grad
-            for start in range(0, self.masters[i].numel(), SEGMENT):
-                stop = min(start + SEGMENT, self.masters[i].numel())
-                self._segment(i, start, stop, state, group, steps, source, factor, staging, ready)
+            self._steps.setdefault(i, torch.zeros((), device=self.device))
+        with self._on("compute"):
+            for i in indices:  # the device's count (the kernel reads it; torch's Adam adds 1 before calling it)
+                self._steps[i].fill_(float(self.optimizer.state[self.masters[i]]["step"]))
+        for start, stop, pieces in self._segments(indices):
+            self._segment(start, stop, pieces, factor, staging, ready)
 
     def wait(self) -> None:
         """Block until every segment's copies out are done (host masters and moments current), and make
@@ -111,72 +145,117 @@ class DeviceStepper:
             self.copy_out.synchronize()
             torch.cuda.current_stream(self.device).wait_stream(self.compute)
 
-    def forget_pins(self) -> None:
-        """The host state was replaced (a loaded state dict): check it is pinned again before streaming."""
-        self._pinned = set()
+    def close(self) -> None:
+        """Block until nothing queued on the three streams remains (before their buffers may be freed, also
+        after a step that failed half-way)."""
+        if self.cuda:
+            for stream in (self.copy_in, self.compute, self.copy_out):
+                stream.synchronize()
 
-    # -- one segment --------------------------------------------------------------------------------------
-    def _segment(self, i: int, start: int, stop: int, state: dict[str, Any], group: dict[str, Any],
-                 steps: torch.Tensor, source: torch.Tensor | None, factor: float,
+    # -- segments -------------------------------------------------------------------------------------------
+    def _segments(self, indices: Sequence[int]) -> list[tuple[int, int, list[Piece]]]:
+        """(start, stop, pieces) over the flat layout: runs of neighbouring parameters cut every SEGMENT."""
+        out: list[tuple[int, int, list[Piece]]] = []
+        for i in sorted(indices, key=self._start.__getitem__):
+            lo, n = 0, self.masters[i].numel()
+            while lo < n:
+                here = self._start[i] + lo
+                if not out or out[-1][1] != here or out[-1][1] - out[-1][0] >= self._largest:
+                    out.append((here, here, []))
+                start, stop, pieces = out[-1]
+                take = min(n - lo, self._largest - (stop - start))
+                pieces.append(Piece(i, lo, lo + take, stop - start))
+                out[-1] = (start, stop + take, pieces)
+                lo += take
+        return out
+
+    def _segment(self, start: int, stop: int, pieces: list[Piece], factor: float,
                  staging: dict[int, torch.Tensor] | None, ready: Any) -> None:
         n = stop - start
         slot = self._next % len(self._slots)
         self._next += 1
         master, m, v, grad = (b[:n] for b in self._slots[slot])
-        host = [t.view(-1)[start:stop] for t in (self.masters[i], state["exp_avg"], state["exp_avg_sq"])]
+        host = [t[start:stop] for t in (self.flat, self._m, self._v)]
         with self._on("copy_in", wait=self._freed[slot]):
             for dst, src in zip((master, m, v), host):
                 dst.copy_(src, non_blocking=True)
             arrived = self._event("copy_in")
         with self._on("compute", wait=arrived, also=ready):
-            if source is None:
-                grad.zero_()
-            else:
-                grad.copy_(source.detach().reshape(-1)[start:stop])
-                if factor != 1.0:
-                    grad.mul_(factor)
-            steps.fill_(float(state["step"]))
-            self._kernel(group)([master], [grad], [m], [v], [], [steps], amsgrad=False, lr=float(group["lr"]),
-                                beta1=float(group["betas"][0]), beta2=float(group["betas"][1]),
-                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                                grad_scale=None, found_inf=None)
-            target = self.params[i].data.view(-1)[start:stop]
-            if staging is not None:
-                weight = self._narrow_buffer(slot, target.dtype)[:n]
-                weight.copy_(master)  # narrowed on the device: 2 bytes a parameter go out
-            else:
-                target.copy_(master)
+            self._gather_grads(grad, pieces, factor)
+            for group, members in self._by_group(pieces):
+                self._kernel(group)(*self._lists(members, master, grad, m, v), [], [self._steps[p.index] for p in members],
+                                    amsgrad=False, lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                                    beta2=float(group["betas"][1]), weight_decay=group["weight_decay"], eps=group["eps"],
+                                    maximize=group["maximize"], grad_scale=None, found_inf=None)
+            outgoing = self._narrow_weights(slot, master, pieces) if staging is not None else self._write_weights(master, pieces)
             stepped = self._event("compute")
         with self._on("copy_out", wait=stepped):
             for dst, src in zip(host, (master, m, v)):
                 dst.copy_(src, non_blocking=True)
-            if staging is not None:
-                staging[i].view(-1)[start:stop].copy_(weight, non_blocking=True)
+            for piece, weight in outgoing:
+                staging[piece.index].view(-1)[piece.lo:piece.hi].copy_(weight, non_blocking=True)
             self._freed[slot] = self._event("copy_out")
 
-    def _narrow_buffer(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
-        buffers = self._narrow[slot]
-        if dtype not in buffers:
-            buffers[dtype] = torch.empty(self._largest, dtype=dtype, device=self.device)
-        return buffers[dtype]
+    def _gather_grads(self, grad: torch.Tensor, pieces: list[Piece], factor: float) -> None:
+        for piece in pieces:
+            into = grad[piece.at:piece.at + piece.hi - piece.lo]
+            source = self.params[piece.index].grad
+            if source is None:
+                into.zero_()
+            else:
+                into.copy_(source.detach().reshape(-1)[piece.lo:piece.hi])
+        if factor != 1.0:
+            grad.mul_(factor)
+
+    @staticmethod
+    def _lists(pieces: list[Piece], *buffers: torch.Tensor) -> list[list[torch.Tensor]]:
+        return [[b[p.at:p.at + p.hi - p.lo] for p in pieces] for b in buffers]
+
+    def _by_group(self, pieces: list[Piece]) -> list[tuple[dict[str, Any], list[Piece]]]:
+        """The pieces by param group (each group's lr, betas... go to its own kernel call)."""
+        groups: dict[int, tuple[dict[str, Any], list[Piece]]] = {}  # by id: groups are dicts, unhashable
+        for piece in pieces:
+            group = self._group[id(self.masters[piece.index])]
+            groups.setdefault(id(group), (group, []))[1].append(piece)
+        return list(groups.values())
+
+    def _write_weights(self, master: torch.Tensor, pieces: list[Piece]) -> list[tuple[Piece, torch.Tensor]]:
+        for p in pieces:
+            self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
+        return []
+
+    def _narrow_weights(self, slot: int, master: torch.Tensor, pieces: list[Piece]) -> list[tuple[Piece, torch.Tensor]]:
+        """The updated weights in each parameter's device dtype, in this slot's buffers (2 bytes a
+        parameter go out for a 16-bit weight)."""
+        out = []
+        for p in pieces:
+            dtype = self.params[p.index].dtype
+            if dtype not in self._narrow[slot]:
+                self._narrow[slot][dtype] = torch.empty(self._largest, dtype=dtype, device=self.device)
+            weight = self._narrow[slot][dtype][p.at:p.at + p.hi - p.lo]
+            weight.copy_(master[p.at:p.at + p.hi - p.lo])
+            out.append((p, weight))
+        return out
 
     def _kernel(self, group: dict[str, Any]) -> Callable[..., Any]:
         decoupled = group.get("decoupled_weight_decay", type(self.optimizer).__name__ == "AdamW")
         return torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def _state(self, i: int) -> dict[str, Any]:
-        """The host state of master i, made as torch's Adam makes it (pinned, for the copies) if missing."""
-        master = self.masters[i]
-        state = self.optimizer.state[master]
+        """The host state of master i, its moments in the stepper's buffers (a loaded state dict's are
+        copied in: they arrive as separate, pageable tensors)."""
+        state = self.optimizer.state[self.masters[i]]
+        m, v = self._moments[i]
         if not state:
+            m.zero_()
+            v.zero_()
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(master, pin_memory=self.cuda)
-            state["exp_avg_sq"] = torch.zeros_like(master, pin_memory=self.cuda)
-        elif self.cuda and i not in self._pinned:  # loaded from a user's state dict: pageable memory
-            for key in ("exp_avg", "exp_avg_sq"):
-                if not state[key].is_pinned():
-                    state[key] = state[key].pin_memory()
-        self._pinned.add(i)
+        for key, mine in (("exp_avg", m), ("exp_avg_sq", v)):
+            theirs = state.get(key)
+            if theirs is not mine:
+                if theirs is not None:
+                    mine.copy_(theirs)
+                state[key] = mine
         return state
 
     # -- streams --------------------------------------------------------------------------------------------
