@@ -476,11 +476,14 @@ class HostOptimizer:
     @torch.no_grad()
     def restore(self) -> None:
         """Undo the offload: the weights back on the device in the dtype they came in, host copies released."""
-        if self.stepper is not None:
-            self.stepper.close()  # nothing may still read or write its buffers once they are freed
         if self.pipeline is not None:
-            self.pipeline.close()
+            self.pipeline.close()  # the worker joined first: it may still be queueing streamed segments
             self.pipeline = None
+        if self.stepper is not None:
+            # Nothing may still read the device gradients or write the buffers once they are freed: after an
+            # OOM in the armed backward, the worker's last segments were still queued on the streams (an
+            # illegal address in the next trial on an H100, when the freed blocks went back to the driver).
+            self.stepper.close()
         for i, master in [*self.master.items(), *self.device_master.items()]:
             p = self.params[i]
             if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place
