@@ -38,6 +38,7 @@ from .search.snapshot import Snapshot
 from .techniques import (anchors, drop_rungs_over, eight_bit_anchors, find_blocks, parse_techniques, profile_blocks,
                          resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters, overlap_default
+from .techniques.offload_stream import streams
 from .techniques.compile import unavailable as compile_unavailable
 from .techniques.sharding import choose_sharding, is_sharded, sharded_copy
 from .search.trial import TrialRunner, Workload, noise_note
@@ -272,7 +273,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
         best, fraction = _offload_share(result, runner, tuned, spec, limit, world, per_rank)
-        overlap = _offload_overlap(result, best, fraction, runner, world, is_sharded(tuned))
+        overlap = _offload_overlap(result, best, fraction, runner, work, is_sharded(tuned))
     except DeviceError as error:
         poisoned = True
         _put_back_noting(error, model, home, snapshot)
@@ -348,8 +349,8 @@ def _rival_or_pick(result: SearchResult, best: Trial, shared: Trial | None, frac
     return shared, fraction
 
 
-def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, runner: TrialRunner, world: int,
-                     sharded: bool) -> bool | None:
+def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, runner: TrialRunner,
+                     work: Workload, sharded: bool) -> bool | None:
     """Under optimizer offload on one process, whether the host steps during the last backward: one trial
     of the chosen configuration with its measured steps overlapped, against the chosen (serial) one.
 
@@ -359,7 +360,10 @@ def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, 
     compiled one, whose launches the host optimizer's threads slowed (benchmarks/bench_trial_accuracy.py).
     None where it is not a choice (no host optimizer, several ranks, FSDP2 shards, the overlap turned off).
     """
-    if best.rung.offload != "optimizer" or world != 1 or sharded or not overlap_default():
+    if best.rung.offload != "optimizer" or work.world_size != 1 or sharded or not overlap_default():
+        return None
+    if streams(work.placement.kind, work.spec.cls_name, best.rung.precision):
+        result.reason = f"{result.reason}; optimizer offload streamed: the host share's state is stepped on the GPU"
         return None
     other = runner(best.rung, best.micro_batch_size, offload_fraction=fraction or 1.0, overlap=True)
     result.trials.append(other)

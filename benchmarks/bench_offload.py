@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="tune the plan with autotune.fit instead of --config")
     parser.add_argument("--modes", default="serial,overlap,stream-serial,stream-overlap",
                         help="serial/overlap: the host share stepped by the CPU; stream-*: on the GPU, its state "
-                        "streamed (offload_stream.py); comma-separated, run in this order")
+                        "streamed (offload_stream.py; it never overlaps backward, so stream-overlap is stream-serial "
+                        "again); comma-separated, run in this order")
     args = parser.parse_args()
     setup = set_up(args)
     seq, budget, global_batch, device, model, example = (setup.seq, setup.budget, setup.global_batch, setup.device,

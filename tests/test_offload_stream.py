@@ -14,11 +14,12 @@ import dataclasses
 import pytest
 import torch
 
+import autotune
+from autotune.plan import Plan
+
 from autotune.techniques import offload_pipeline, offload_stream
-from autotune.techniques.offload import HostOptimizer, norm_parameters
 from autotune.training.step import TrainingStep
-from autotune.workload.optimizers import OptimizerSpec
-from test_offload import Net, adamw, assert_bitwise, backward, batches, make_plan
+from test_offload import Net, Wide, adamw, assert_bitwise, batches, make_plan, second_step_peak
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +51,7 @@ def assert_same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> Non
         assert torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) and torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap-asked"])
 @pytest.mark.parametrize("fraction,clip", [(None, None), (None, 0.05), (0.5, None)], ids=["whole", "clipped", "half"])
 def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch, overlap, fraction, clip):
     plan = make_plan(3, 8, fraction=fraction)  # 3 + 3 + 2: an uneven micro-batch
@@ -58,8 +59,7 @@ def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch,
     cpu, c_step, c_opt = train(plan, data, monkeypatch, stream=False, overlap=False, max_grad_norm=clip)
     streamed, s_step, s_opt = train(plan, data, monkeypatch, stream=True, overlap=overlap, max_grad_norm=clip)
     assert_bitwise(streamed, cpu)
-    if overlap and clip is None:  # chunks were streamed by the worker during the last backward
-        assert s_step.optimizer.pipeline.chunks_stepped > 0
+    assert s_step.optimizer.pipeline is None  # streamed, nothing is stepped during backward (see HostOptimizer)
     c_step.close()
     s_step.close()
     assert_bitwise(streamed, cpu)  # FP32 weights back from the same masters
@@ -81,38 +81,6 @@ def test_a_grad_scaler_or_another_optimizer_keeps_the_cpu_step(monkeypatch):
     assert "amsgrad" in offload_stream.streamable(torch.optim.Adam(Net().parameters(), amsgrad=True))
     for s in steps:
         s.close()
-
-
-def host_optimizer(model, *, overlap: bool) -> HostOptimizer:
-    return HostOptimizer(list(model.parameters()), OptimizerSpec.from_user(None, model), torch.bfloat16,
-                         keep_fp32=norm_parameters(model), overlap=overlap)
-
-
-def test_segments_streamed_before_an_aborted_backward_are_not_stepped_again(monkeypatch):
-    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
-    torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    batch = batches(4, 1)[0]
-    host = host_optimizer(model, overlap=True)
-    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
-    serial = host_optimizer(ref, overlap=False)
-    assert host.stepper is not None and serial.stepper is None
-    host.arm()
-    backward(model, batch)
-    host.pipeline.drain()
-    assert host.pipeline.done
-    old = [p.detach().clone() for p in model.parameters()]
-    host.abort()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old))  # nothing written back yet
-    host.zero_grad()
-    host.arm()
-    backward(model, batch)
-    host.step()
-    backward(ref, batch)
-    serial.step()
-    assert_bitwise(model, ref)
-    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(old)
 
 
 def test_a_loaded_state_is_streamed_from_where_it_was_left(monkeypatch):
@@ -166,3 +134,24 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
     for p0, p, q in zip(before.parameters(), cpu.parameters(), streamed.parameters()):
         assert not torch.equal(p, p0)  # the step moved it (by about lr = 1e-2 per element)
         torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+
+
+def test_a_streamed_search_skips_the_overlap_trial_and_says_so(monkeypatch):
+    # The overlap trial measures the CPU worker during the last backward; streamed there is none to measure.
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
+    torch.manual_seed(0)
+    model = Wide()
+    batch = torch.randn(4, 96)
+    on_host = second_step_peak(make_plan(4, 4), model, batch)
+    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    on_device = second_step_peak(plain, model, batch)
+    budget = int((on_host + on_device) / 2 / 0.9)  # no offload is over the limit, optimizer offload under it
+    plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",
+                        cache=False, techniques=("bf16", "offload"), max_trials=8)
+    assert plan.offload == "optimizer" and plan.offload_overlap is None, plan.reason
+    assert "optimizer offload streamed" in plan.reason
+    assert not any("overlapped" in t.note for t in plan.trials)
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")  # the control: the CPU step measures both ways
+    plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",
+                        cache=False, techniques=("bf16", "offload"), max_trials=8)
+    assert plan.offload == "optimizer" and plan.offload_overlap is not None and "streamed" not in plan.reason

@@ -179,7 +179,10 @@ class HostOptimizer:
         sharded = any(isinstance(p, DTensor) for p in self.params)
         self.stepper = self._make_stepper(sharded)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
-        if overlap_default() and overlap is not False and self.host_index and not sharded:
+        # Streamed, no pipeline: its chunks, issued from the worker during backward, crashed a recomputed
+        # backward on an H100 (an illegal address in GPT-2 large's full-checkpointing trial), and the serial
+        # streamed step already trained faster than any overlapped one (RESULTS.md, 2026-11-26, fourth session).
+        if overlap_default() and overlap is not False and self.host_index and not sharded and self.stepper is None:
             self._start_pipeline()
 
     def _make_stepper(self, sharded: bool) -> DeviceStepper | None:

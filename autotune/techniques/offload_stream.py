@@ -53,6 +53,14 @@ def stream_setting() -> bool | None:
     return None
 
 
+def streams(device_type: str, optimizer_class: str, precision: str) -> bool:
+    """Whether optimizer offload of this kind steps its host share on the device (`HostOptimizer` decides
+    the same from the built optimizer; the search asks before building one)."""
+    setting = stream_setting()
+    wanted = setting if setting is not None else device_type == "cuda"
+    return wanted and optimizer_class in ("Adam", "AdamW") and precision != "fp16"
+
+
 def streamable(optimizer: torch.optim.Optimizer) -> str | None:
     """Why `optimizer`'s host share cannot be stepped on the device, or None when it can."""
     if type(optimizer).__name__ not in ("Adam", "AdamW"):
