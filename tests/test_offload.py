@@ -408,6 +408,8 @@ def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
     # The CUDA path: pinned 16-bit staging, the side stream, events, copies back after backward.
     data = [tuple(t.cuda() for t in b) for b in batches(8, 3)]
 
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")  # the CPU step's pipeline (streamed has none: test_offload_stream.py)
+
     def run(overlap: bool) -> nn.Module:
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
         torch.manual_seed(0)
