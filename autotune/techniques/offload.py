@@ -233,8 +233,7 @@ class HostOptimizer:
             self._staging = {i: torch.empty(self.master[i].shape, dtype=self.params[i].dtype, pin_memory=True)
                              for i in self.host_index}
         numels = [p.numel() for p in self.params]
-        # Streamed, the gradients stay on the device: the hook only marks them ready (an event on the side stream).
-        stage = (self._mark if self.stepper is not None else self._stage) if cuda else None
+        stage = self._stage if cuda else None
         self.pipeline = OffloadPipeline({i: self.params[i] for i in self.host_index},
                                         chunk_indices(self.host_index, numels), self._land, self._step_chunk,
                                         stream=stream, stage=stage)
@@ -255,27 +254,16 @@ class HostOptimizer:
         if self.pipeline is None:
             return
         self.pipeline.abort()
-        if self.stepper is not None:
-            self.stepper.close()  # the masters of chunks streamed before the failure are current on the host
         self.skip |= {i for c in self.pipeline.done for i in self.pipeline.chunks[c]}
 
     def _stage(self, i: int, grad: torch.Tensor) -> None:
         self._staging[i].copy_(local_part(grad), non_blocking=True)  # on the side stream, in the hook (see the pipeline)
 
-    @staticmethod
-    def _mark(i: int, grad: torch.Tensor) -> None:
-        """Streamed: nothing to copy, the pipeline's event on the side stream says the gradient is final."""
-
     def _land(self, i: int) -> None:
-        if self.stepper is not None:
-            return  # the gradient stays on the device: the stepper reads it there
         source = self._staging[i] if self._staging else local_part(self.params[i].grad)
         self.master[i].grad.copy_(source)
 
     def _step_chunk(self, indices: list[int]) -> None:
-        if self.stepper is not None:  # narrowed on the device into the staging buffers, sent back after backward
-            self.stepper.step(indices, staging=self._staging or None, landed=True)
-            return
         self._step_host(indices)
         for i in indices:
             if self._staging:
@@ -312,7 +300,7 @@ class HostOptimizer:
         with host_memory():  # host-side copies: on the simulated device, not device memory
             for i in self.host_index:
                 if i not in landed and i not in done and i not in self.skip and self.stepper is None:
-                    self._copy_grad(i)
+                    self._copy_grad(i)  # streamed, the stepper reads the device gradients itself
         if self.params[0].device.type == "cuda" and self.stepper is None:
             torch.cuda.synchronize(self.params[0].device)  # the host gradients' copies have landed
         try:
@@ -382,20 +370,14 @@ class HostOptimizer:
                 self.optimizer.step()
             self._write_back(self.host_index)
             return
-        if self.stepper is not None and self._stream is not None:
-            self._stream.wait_stream(self.stepper.copy_out)  # weights narrowed during backward are on the host
         staged = {i for c in self.pipeline.done for i in self.pipeline.chunks[c]} if self.pipeline else set()
         self._send_back(sorted(staged))  # narrowed by the worker during backward
         self._write_back(sorted(stepped - staged))  # stepped by an earlier attempt of this batch
         for chunk in self.pipeline.chunks if self.pipeline else [rest]:
             todo = [i for i in chunk if i not in stepped]
-            if todo and self.stepper is not None:
-                self.stepper.step(todo, factor=factor)
-            elif todo:
+            if todo:
                 self._step_host(todo)
                 self._write_back(todo)
-        if self.stepper is not None:
-            self.stepper.wait()
         if self._stream is not None:
             torch.cuda.current_stream(self.params[0].device).wait_stream(self._stream)  # the next forward waits
 
@@ -480,13 +462,10 @@ class HostOptimizer:
     def restore(self) -> None:
         """Undo the offload: the weights back on the device in the dtype they came in, host copies released."""
         if self.pipeline is not None:
-            self.pipeline.close()  # the worker joined first: it may still be queueing streamed segments
+            self.pipeline.close()
             self.pipeline = None
         if self.stepper is not None:
-            # Nothing may still read the device gradients or write the buffers once they are freed: after an
-            # OOM in the armed backward, the worker's last segments were still queued on the streams (an
-            # illegal address in the next trial on an H100, when the freed blocks went back to the driver).
-            self.stepper.close()
+            self.stepper.close()  # nothing may still read the device gradients or write its buffers once freed
         for i, master in [*self.master.items(), *self.device_master.items()]:
             p = self.params[i]
             if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place

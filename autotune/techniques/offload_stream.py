@@ -5,8 +5,9 @@ the CPU costs, on W1's share (GPT-2 large, 690 M parameters, one H100 host with 
 the fused CPU AdamW is 0.14 s and the rest widening gradients, narrowing weights and copies. Streaming the
 three FP32 tensors of each segment to the GPU, stepping them there with the fused CUDA AdamW and streaming
 them back moves 24 bytes a parameter over a link that carries about 50 GB/s each way at once: 0.17 s for the
-same share, the CPU free (benchmarks/bench_host_step.py; RESULTS.md). And it needs no CPU threads during the
-last backward, whose kernel launches the CPU worker slowed.
+same share, the CPU free (benchmarks/bench_host_step.py; RESULTS.md). It runs after backward, never during
+it: issued from the offload pipeline's worker during a recomputed backward it crashed (RESULTS.md, fourth
+session), and it was no faster there.
 
 How: the masters are views of one pinned FP32 buffer (`HostOptimizer` lays them out so) and the stepper
 keeps both moments in two more, in the same order, so any run of parameters is one range of each. A ring
@@ -14,9 +15,8 @@ of device buffer sets each holds one segment (`SEGMENT` elements, across paramet
 master, both moments and the FP32 gradient. Per segment, on three streams: copy in (three ranges); step
 (each parameter's piece of its 16-bit device gradient widened into the segment, times the clipping factor,
 then torch's fused Adam or AdamW kernel over the pieces, the kernel torch's `fused=True` optimizers call);
-copy out (three ranges; and the 16-bit weights, either into the device parameters or, during backward,
-into the pinned staging buffers `HostOptimizer` sends back after backward). A slot is reused once its
-copies out are done. Per-segment work, not per-parameter, keeps the CPU's share of it small: a first
+copy out (three ranges), the 16-bit weights written into the device parameters on the step's stream. A slot
+is reused once its copies out are done. Per-segment work, not per-parameter, keeps the CPU's share of it small: a first
 version streamed each parameter on its own and spent as long issuing copies as the link took to carry them.
 
 The arithmetic is the host optimizer's: the same kernel, on the same FP32 gradient, with the step count
@@ -119,32 +119,29 @@ class DeviceStepper:
         self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self._largest = min(SEGMENT, offset)
         self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)] for _ in range(RING if self.cuda else 1)]
-        self._narrow: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in self._slots]  # 16-bit weights going out
         self._freed: list[Any] = [None] * len(self._slots)
         self._next = 0
         self._steps: dict[int, torch.Tensor] = {}  # the step count on the device, per parameter
         if self.cuda:
             self.copy_in, self.compute, self.copy_out = (torch.cuda.Stream(device) for _ in range(3))
 
-    def step(self, indices: Sequence[int], *, factor: float = 1.0,
-             staging: dict[int, torch.Tensor] | None = None, landed: bool = False) -> None:
-        """Step the masters at `indices` with their parameters' device gradients (times `factor`) and put
-        each updated weight into the device parameter, or into `staging[i]` (pinned, host) when given.
-        `landed`: the gradients are known complete (the offload pipeline's worker waited for each one);
-        otherwise the step waits for the current stream's work so far."""
+    def step(self, indices: Sequence[int], *, factor: float = 1.0) -> None:
+        """Step the masters at `indices` with their parameters' device gradients (times `factor`), after
+        the current stream's work so far (backward), and write each updated weight into its parameter."""
         ready = None
-        if self.cuda and not landed:
+        if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         for i in indices:
             state = self._state(i)
             state["step"] += 1  # the host's count, as the CPU step keeps it
-            self._steps.setdefault(i, torch.zeros((), device=self.device))
+            if i not in self._steps:
+                self._steps[i] = torch.zeros((), device=self.device)
         with self._on("compute"):
             for i in indices:  # the device's count (the kernel reads it; torch's Adam adds 1 before calling it)
                 self._steps[i].fill_(float(self.optimizer.state[self.masters[i]]["step"]))
         for start, stop, pieces in self._segments(indices):
-            self._segment(start, stop, pieces, factor, staging, ready)
+            self._segment(start, stop, pieces, factor, ready)
 
     def wait(self) -> None:
         """Block until every segment's copies out are done (host masters and moments current), and make
@@ -177,8 +174,7 @@ class DeviceStepper:
                 lo += take
         return out
 
-    def _segment(self, start: int, stop: int, pieces: list[Piece], factor: float,
-                 staging: dict[int, torch.Tensor] | None, ready: Any) -> None:
+    def _segment(self, start: int, stop: int, pieces: list[Piece], factor: float, ready: Any) -> None:
         n = stop - start
         slot = self._next % len(self._slots)
         self._next += 1
@@ -195,13 +191,12 @@ class DeviceStepper:
                                     amsgrad=False, lr=float(group["lr"]), beta1=float(group["betas"][0]),
                                     beta2=float(group["betas"][1]), weight_decay=group["weight_decay"], eps=group["eps"],
                                     maximize=group["maximize"], grad_scale=None, found_inf=None)
-            outgoing = self._narrow_weights(slot, master, pieces) if staging is not None else self._write_weights(master, pieces)
+            for p in pieces:
+                self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
             stepped = self._event("compute")
         with self._on("copy_out", wait=stepped):
             for dst, src in zip(host, (master, m, v)):
                 dst.copy_(src, non_blocking=True)
-            for piece, weight in outgoing:
-                staging[piece.index].view(-1)[piece.lo:piece.hi].copy_(weight, non_blocking=True)
             self._freed[slot] = self._event("copy_out")
 
     def _gather_grads(self, grad: torch.Tensor, pieces: list[Piece], factor: float) -> None:
@@ -226,24 +221,6 @@ class DeviceStepper:
             group = self._group[id(self.masters[piece.index])]
             groups.setdefault(id(group), (group, []))[1].append(piece)
         return list(groups.values())
-
-    def _write_weights(self, master: torch.Tensor, pieces: list[Piece]) -> list[tuple[Piece, torch.Tensor]]:
-        for p in pieces:
-            self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
-        return []
-
-    def _narrow_weights(self, slot: int, master: torch.Tensor, pieces: list[Piece]) -> list[tuple[Piece, torch.Tensor]]:
-        """The updated weights in each parameter's device dtype, in this slot's buffers (2 bytes a
-        parameter go out for a 16-bit weight)."""
-        out = []
-        for p in pieces:
-            dtype = self.params[p.index].dtype
-            if dtype not in self._narrow[slot]:
-                self._narrow[slot][dtype] = torch.empty(self._largest, dtype=dtype, device=self.device)
-            weight = self._narrow[slot][dtype][p.at:p.at + p.hi - p.lo]
-            weight.copy_(master[p.at:p.at + p.hi - p.lo])
-            out.append((p, weight))
-        return out
 
     def _kernel(self, group: dict[str, Any]) -> Callable[..., Any]:
         decoupled = group.get("decoupled_weight_decay", type(self.optimizer).__name__ == "AdamW")
