@@ -272,7 +272,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                                 max_trials=settings.max_trials, world_size=world, remeasure=longer)
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
-        best, fraction = _offload_share(result, runner, tuned, spec, limit, world, per_rank)
+        best, fraction = _offload_share(result, runner, tuned, spec, limit, is_sharded(tuned), per_rank)
         overlap = _offload_overlap(result, best, fraction, runner, work, is_sharded(tuned))
     except DeviceError as error:
         poisoned = True
@@ -310,14 +310,18 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
 
 
 def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, spec: OptimizerSpec, limit: int,
-                   world: int, per_rank: int) -> tuple[Trial, float | None]:
-    """Under optimizer offload, the smallest host share that fits the chosen micro-batch (one process:
+                   sharded: bool, per_rank: int) -> tuple[Trial, float | None]:
+    """Under optimizer offload, the smallest host share that fits the chosen micro-batch (not over FSDP2:
     sharded ranks hold a share of each parameter already). Adds its trials and note to `result`.
+
+    Replicated ranks choose it too, alike: every rank runs the same share trials, whose outcomes the ranks
+    agree on (`TrialRunner`'s `agree`), and the arithmetic is the same on each. Left at the whole model, two
+    H100s streamed all of GPT-2 medium's optimizer state every step (RESULTS.md, fourth session).
 
     When the search picked a configuration without optimizer offload, its fastest offload rival is priced
     at a share too (`offload_rival`) and replaces the pick only if it is faster by more than noise."""
     best = result.best
-    if world != 1:
+    if sharded:
         return best, None
     candidate = best if best.rung.offload == "optimizer" else offload_rival(result.trials, best, per_rank, NOISE)
     if candidate is None:

@@ -72,3 +72,53 @@ def test_ranks_with_different_ceilings_agree_on_one_plan():
     assert failed, "the 2.5 MiB ceiling should have stopped some trial"
     assert all(n.startswith("another rank") or "simulated ceiling" in n or "over the" in n for _, n in failed), notes
     assert plan["memory_budget_bytes"] == min(budgets)
+
+
+def _share_main(rank: int, init_file: str, out_dir: str, budget: int) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import autotune
+    from ranks import join
+    from test_offload import Wide
+
+    join(rank, WORLD, init_file)
+    try:
+        torch.manual_seed(0)
+        plan = autotune.fit(Wide(), torch.randn(4, 96), global_batch_size=8, memory_budget=budget, device="cpu",
+                            cache=False, techniques=("bf16", "offload"), max_trials=8)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(plan.to_dict(), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicated_ranks_choose_one_partial_offload_share():
+    # Two H100s streamed all of GPT-2 medium's optimizer state each step where a share would have fitted:
+    # replicated ranks now choose the share as one process does, together.
+    from test_offload import Wide
+
+    numel = sum(p.numel() for p in Wide().parameters())
+    # The limit just over the replicated floor (FP32 weights, gradients, AdamW moments: 16 bytes a parameter),
+    # so the model stays replicated (not sharded), plain BF16 runs out at micro-batch 1 and full optimizer
+    # offload leaves room for a share of the state on the device.
+    budget = int(16 * numel * 1.03 / 0.9)
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_share_main, args=(os.path.join(tmp, "init"), tmp, budget), nprocs=WORLD,
+                                 join=False, start_method="spawn")
+        for _ in range(300):
+            if ctx.join(timeout=1):
+                break
+        else:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks did not finish within 300 s (a collective left waiting?)")
+        plans = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
+    for p in plans:
+        for t in p["trials"]:
+            t.pop("note")
+    assert plans[0] == plans[1]  # one share, from the same trials, on both ranks
+    plan = plans[0]
+    assert plan["world_size"] == WORLD and plan["offload"] == "optimizer"
+    assert 0 < plan["offload_fraction"] < 1, plan["reason"]
+    assert plan["peak_memory_bytes"] <= 0.9 * budget
