@@ -15,9 +15,10 @@ of device buffer sets each holds one segment (`SEGMENT` elements, across paramet
 master, both moments and the FP32 gradient. Per segment, on three streams: copy in (three ranges); step
 (each parameter's piece of its 16-bit device gradient widened into the segment, times the clipping factor,
 then torch's fused Adam or AdamW kernel over the pieces, the kernel torch's `fused=True` optimizers call);
-copy out (three ranges), the 16-bit weights written into the device parameters on the step's stream. A slot
-is reused once its copies out are done. Per-segment work, not per-parameter, keeps the CPU's share of it small: a first
-version streamed each parameter on its own and spent as long issuing copies as the link took to carry them.
+copy out (three ranges), the 16-bit weights written into the device parameters on the step's stream. A
+slot is reused once its copies out are done. Per-segment work, not per-parameter, keeps the CPU's share
+small: a first version streamed each parameter on its own and spent as long issuing copies as the link
+took to carry them.
 
 The arithmetic is the host optimizer's: the same kernel, on the same FP32 gradient, with the step count
 kept in the host state (so `state_dict()` and a later CPU step see it). On the CPU test device the
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 of them (+ the 16-bit weights)
+SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
 
 
