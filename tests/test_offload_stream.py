@@ -155,3 +155,21 @@ def test_a_streamed_search_skips_the_overlap_trial_and_says_so(monkeypatch):
     plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",
                         cache=False, techniques=("bf16", "offload"), max_trials=8)
     assert plan.offload == "optimizer" and plan.offload_overlap is not None and "streamed" not in plan.reason
+
+
+def test_bench_host_step_runs_on_the_cpu(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = tmp_path / "host_step.jsonl"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_host_step.py"), "--params", "3e6",
+                           "--device", "cpu", "--repeat", "1", "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["setup"]["params"] == 3_000_000 and rows["setup"]["chunks"] == 1
+    assert 0 < rows["cpu_adamw_only"]["seconds"] and 0 < rows["cpu"]["seconds"]
+    assert "stream" not in rows  # the CPU has no link to stream over
