@@ -362,7 +362,8 @@ def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, 
     step + optimizer seconds, not whole-batch estimates. Neither wins everywhere (H100): overlap saved 2%
     of GPT-2 XL's step, where a long recomputed backward hides host work, and cost 3% of GPT-2 large's
     compiled one, whose launches the host optimizer's threads slowed (benchmarks/bench_trial_accuracy.py).
-    None where it is not a choice (no host optimizer, several ranks, FSDP2 shards, the overlap turned off).
+    None where it is not a choice (no host optimizer, several ranks, FSDP2 shards, the overlap turned off,
+    the host share streamed to the GPU: that step never overlaps backward).
     """
     if best.rung.offload != "optimizer" or work.world_size != 1 or sharded or not overlap_default():
         return None

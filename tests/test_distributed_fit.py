@@ -74,7 +74,7 @@ def test_ranks_with_different_ceilings_agree_on_one_plan():
     assert plan["memory_budget_bytes"] == min(budgets)
 
 
-def _share_main(rank: int, init_file: str, out_dir: str, budget: int) -> None:
+def _share_main(rank: int, world: int, init_file: str, out_dir: str, budget: int) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def _share_main(rank: int, init_file: str, out_dir: str, budget: int) -> None:
     from ranks import join
     from test_offload import Wide
 
-    join(rank, WORLD, init_file)
+    join(rank, world, init_file)
     try:
         torch.manual_seed(0)
         plan = autotune.fit(Wide(), torch.randn(4, 96), global_batch_size=8, memory_budget=budget, device="cpu",
@@ -96,6 +96,7 @@ def _share_main(rank: int, init_file: str, out_dir: str, budget: int) -> None:
 def test_replicated_ranks_choose_one_partial_offload_share():
     # Two H100s streamed all of GPT-2 medium's optimizer state each step where a share would have fitted:
     # replicated ranks now choose the share as one process does, together.
+    from ranks import spawn
     from test_offload import Wide
 
     numel = sum(p.numel() for p in Wide().parameters())
@@ -103,17 +104,7 @@ def test_replicated_ranks_choose_one_partial_offload_share():
     # so the model stays replicated (not sharded), plain BF16 runs out at micro-batch 1 and full optimizer
     # offload leaves room for a share of the state on the device.
     budget = int(16 * numel * 1.03 / 0.9)
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_share_main, args=(os.path.join(tmp, "init"), tmp, budget), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-        for _ in range(300):
-            if ctx.join(timeout=1):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("ranks did not finish within 300 s (a collective left waiting?)")
-        plans = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
+    plans = spawn(_share_main, WORLD, 300, budget)
     for p in plans:
         for t in p["trials"]:
             t.pop("note")

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..devices.ceiling import host_memory
 from ..workload.optimizers import OptimizerSpec
 from .offload_pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
-from .offload_stream import DeviceStepper, flat_views, stream_setting, streamable
+from .offload_stream import DeviceStepper, flat_views, stream_wanted, streamable
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -189,10 +189,8 @@ class HostOptimizer:
         """The GPU steps the host share, its state streamed (offload_stream.py), where it can: on CUDA
         unless $AUTOTUNE_OFFLOAD_STREAM=0 (=1 also on the CPU test device), for Adam/AdamW over contiguous
         FP32 masters, without a GradScaler (its unscale and inf check run on the host gradients) or shards."""
-        setting = stream_setting()
         device = self.params[0].device if self.params else torch.device("cpu")
-        wanted = setting if setting is not None else device.type == "cuda"
-        if not wanted or self._flat is None or self.scaler is not None or sharded or streamable(self.optimizer):
+        if not stream_wanted(device.type) or self._flat is None or self.scaler is not None or sharded or streamable(self.optimizer):
             return None
         if not all(self.params[i].is_contiguous() for i in self.host_index):
             return None
@@ -233,10 +231,9 @@ class HostOptimizer:
             self._staging = {i: torch.empty(self.master[i].shape, dtype=self.params[i].dtype, pin_memory=True)
                              for i in self.host_index}
         numels = [p.numel() for p in self.params]
-        stage = self._stage if cuda else None
         self.pipeline = OffloadPipeline({i: self.params[i] for i in self.host_index},
                                         chunk_indices(self.host_index, numels), self._land, self._step_chunk,
-                                        stream=stream, stage=stage)
+                                        stream=stream, stage=self._stage if cuda else None)
         self._stream = stream
 
     def arm(self, defer: bool = False) -> None:

@@ -41,9 +41,10 @@ import torch
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
+STREAMED = ("Adam", "AdamW")  # their state: two moments the shape of the parameter and a step count
 
 
-def stream_setting() -> bool | None:
+def stream_wanted(device_type: str) -> bool:
     """$AUTOTUNE_OFFLOAD_STREAM: 0 keeps the CPU step, 1 streams wherever the optimizer allows (the CPU test
     device included), unset streams on CUDA."""
     value = os.environ.get("AUTOTUNE_OFFLOAD_STREAM", "").strip().lower()
@@ -51,20 +52,18 @@ def stream_setting() -> bool | None:
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    return None
+    return device_type == "cuda"
 
 
 def streams(device_type: str, optimizer_class: str, precision: str) -> bool:
     """Whether optimizer offload of this kind steps its host share on the device (`HostOptimizer` decides
     the same from the built optimizer; the search asks before building one)."""
-    setting = stream_setting()
-    wanted = setting if setting is not None else device_type == "cuda"
-    return wanted and optimizer_class in ("Adam", "AdamW") and precision != "fp16"
+    return stream_wanted(device_type) and optimizer_class in STREAMED and precision != "fp16"
 
 
 def streamable(optimizer: torch.optim.Optimizer) -> str | None:
     """Why `optimizer`'s host share cannot be stepped on the device, or None when it can."""
-    if type(optimizer).__name__ not in ("Adam", "AdamW"):
+    if type(optimizer).__name__ not in STREAMED:
         return f"{type(optimizer).__name__} is stepped on the CPU (only Adam and AdamW stream)"
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("differentiable"):
@@ -114,9 +113,9 @@ class DeviceStepper:
             self._start[i] = offset
             offset += masters[i].numel()
         # The moments, laid out as the masters (host memory: 8 bytes a parameter, what torch's Adam holds).
-        self._m, self._mviews = flat_views([masters[i].shape for i in order], pin=self.cuda)
-        self._v, self._vviews = flat_views([masters[i].shape for i in order], pin=self.cuda)
-        self._moments = {i: (m, v) for i, m, v in zip(order, self._mviews, self._vviews)}
+        self._m, m_views = flat_views([masters[i].shape for i in order], pin=self.cuda)
+        self._v, v_views = flat_views([masters[i].shape for i in order], pin=self.cuda)
+        self._moments = {i: (m, v) for i, m, v in zip(order, m_views, v_views)}
         self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self._largest = min(SEGMENT, offset)
         self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)] for _ in range(RING if self.cuda else 1)]
