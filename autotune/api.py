@@ -39,6 +39,7 @@ from .techniques import (anchors, drop_rungs_over, eight_bit_anchors, find_block
                          resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters, overlap_default
 from .techniques.offload_stream import streams
+from .techniques import offload_partition
 from .techniques.compile import unavailable as compile_unavailable
 from .techniques.sharding import choose_sharding, is_sharded, sharded_copy
 from .search.trial import TrialRunner, Workload, noise_note
@@ -329,7 +330,8 @@ def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, 
     params = [p for p in model.parameters() if p.requires_grad]
     chosen, fraction, ran, notes = choose_offload_fraction(
         candidate, lambda f: runner(candidate.rung, candidate.micro_batch_size, offload_fraction=f), params, limit,
-        state_tensors_per_parameter(spec), norm_parameters(model))
+        state_tensors_per_parameter(spec), norm_parameters(model),
+        ranks=offload_partition.ranks(candidate.rung.precision, sharded))
     result.trials.extend(ran)
     if candidate is not best:
         return _rival_or_pick(result, best, chosen if chosen is not candidate else None, fraction)

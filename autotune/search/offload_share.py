@@ -36,10 +36,14 @@ def bytes_to_device(p: nn.Parameter, state_tensors: int, *, keep_fp32: bool) -> 
 
 
 def predict_fraction(params: Sequence[nn.Parameter], room_bytes: float, state_tensors: int,
-                     keep_fp32: Collection[nn.Parameter] = ()) -> float:
+                     keep_fp32: Collection[nn.Parameter] = (), *, ranks: int = 1) -> float:
     """The host share (0..1, by parameter count) that keeps the most leading parameters on the device
     within `room_bytes`; 1.0 when not even the first fits. The last parameter stays on the host: a plan
-    with nothing offloaded is a plan without optimizer offload, which the search measured on its own."""
+    with nothing offloaded is a plan without optimizer offload, which the search measured on its own.
+
+    `ranks` > 1: the device share is partitioned over that many replicated ranks (offload_partition.py),
+    each holding the masters and state of 1/ranks of it, so each parameter costs a rank 1/ranks as much."""
+    room_bytes *= ranks
     kept = {id(p) for p in keep_fp32}
     total = sum(p.numel() for p in params)
     used = 0
@@ -75,14 +79,14 @@ def offload_rival(trials: Sequence[Trial], best: Trial, per_rank: int, noise: fl
 
 def choose_offload_fraction(best: Trial, run: Callable[[float], Trial], params: Sequence[nn.Parameter],
                             limit_bytes: int, state_tensors: int, keep_fp32: Collection[nn.Parameter] = (),
-                            *, tries: int = 2) -> tuple[Trial, float, list[Trial], list[str]]:
+                            *, tries: int = 2, ranks: int = 1) -> tuple[Trial, float, list[Trial], list[str]]:
     """The optimizer-offload trial `best` at a smaller host share, when the arithmetic says one fits.
 
     Returns (the trial to plan from, its offload fraction, the trials run, notes). A share is kept only
     when its trial fits under the limit; after a miss, half the predicted device share is tried.
     """
     room = (limit_bytes - best.peak_bytes) * ROOM_USED
-    fraction = predict_fraction(params, room, state_tensors, keep_fp32)
+    fraction = predict_fraction(params, room, state_tensors, keep_fp32, ranks=ranks)
     ran: list[Trial] = []
     for _ in range(tries):
         if fraction >= 1.0:
@@ -93,7 +97,7 @@ def choose_offload_fraction(best: Trial, run: Callable[[float], Trial], params: 
             return trial, fraction, ran, [f"optimizer offload of {fraction:.0%} of the parameters: the rest fit "
                                           f"on the device at micro-batch {best.micro_batch_size}"]
         room /= 2
-        fraction = predict_fraction(params, room, state_tensors, keep_fp32)
+        fraction = predict_fraction(params, room, state_tensors, keep_fp32, ranks=ranks)
     note = ("optimizer offload of every parameter: no smaller share fitted" if ran else
             "optimizer offload of every parameter: no room under the limit for a share on the device")
     return best, 1.0, ran, [note]

@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from ..devices.ceiling import host_memory
 from ..workload.optimizers import OptimizerSpec
+from . import offload_partition
+from .offload_partition import Gathered, Partition
 from .offload_pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
 from .offload_stream import DeviceStepper, flat_views, stream_wanted, streamable
 
@@ -122,6 +124,10 @@ class HostOptimizer:
     last in model order, `host_share`) has its master and state on the host; the rest keep FP32 weights
     on the device and are stepped there by a device optimizer of the same kind and hyperparameters.
 
+    On replicated ranks each rank steps only its runs of both shares (`partition`, offload_partition.py):
+    `host_index` and `device_index` are this rank's, `foreign` the other ranks', whose weights arrive after
+    each step; `state_dict()` and `restore()` gather what the others hold.
+
     Parameters in `keep_fp32` (normalization layers': see `norm_parameters`) keep FP32 device weights:
     BatchNorm needs its weight in the dtype of its FP32 running statistics (cuDNN and the CPU kernel both
     refuse a 16-bit weight beside them), and norm weights are a negligible share of the memory.
@@ -142,10 +148,21 @@ class HostOptimizer:
         self.dtypes = [p.dtype for p in self.params]  # each comes back in its own dtype (restore)
         self.scaler = scaler
         kept = {id(p) for p in keep_fp32} | {id(p) for p in self.params if isinstance(p, DTensor)}
-        self.host_index = host_share([p.numel() for p in self.params], fraction)
+        sharded = any(isinstance(p, DTensor) for p in self.params)
+        numels = [p.numel() for p in self.params]
+        host_all = host_share(numels, fraction)
+        device_all = [i for i in range(len(self.params)) if i not in set(host_all)]
+        self.fraction = sum(numels[i] for i in host_all) / max(1, sum(numels))
+        # Replicated ranks each step their runs of both shares and send the weights (offload_partition.py).
+        precision = "fp16" if dtype == torch.float16 else "bf16"
+        self.partition = Partition([host_all, device_all], numels) if offload_partition.ranks(precision, sharded) > 1 else None
+        mine = self.partition.mine if self.partition is not None else list
+        self.host_index, self.device_index = mine(host_all), mine(device_all)
         host = set(self.host_index)
-        self.device_index = [i for i in range(len(self.params)) if i not in host]
-        self.fraction = sum(self.params[i].numel() for i in self.host_index) / max(1, sum(p.numel() for p in self.params))
+        self.foreign = sorted(set(range(len(self.params))) - host - set(self.device_index))  # other ranks step these
+        self.gathered = Gathered()  # their state, when gathered (`gather`)
+        self.gather_on_restore = False  # set by TrainingStep: restore() gathers the other ranks' weights and state
+        self._kept = kept
         with host_memory():
             self.master, self._flat = self._host_masters()
             slots = [self.master.get(i, p) for i, p in enumerate(self.params)]
@@ -176,13 +193,15 @@ class HostOptimizer:
         # reduce-scatter, not through the autograd accumulation the pipeline's hooks follow, and the overlapped
         # step's weight copies crashed there on two H200s (`CUDA error: invalid argument` sending a staged
         # shard back); the serial step copies each shard's master back in place.
-        sharded = any(isinstance(p, DTensor) for p in self.params)
         self.stepper = self._make_stepper(sharded)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
         # Streamed, no pipeline: its chunks, issued from the worker during backward, crashed a recomputed
         # backward on an H100 (an illegal address in GPT-2 large's full-checkpointing trial), and the serial
         # streamed step already trained faster than any overlapped one (RESULTS.md, 2026-11-26, fourth session).
-        if overlap_default() and overlap is not False and self.host_index and not sharded and self.stepper is None:
+        # Partitioned, no pipeline either: a rank whose worker ran out of memory would leave the others waiting
+        # for its weights (`Partition.agree` follows the step, not the worker).
+        if (overlap_default() and overlap is not False and self.host_index and not sharded and self.stepper is None
+                and self.partition is None):
             self._start_pipeline()
 
     def _make_stepper(self, sharded: bool) -> DeviceStepper | None:
@@ -302,6 +321,8 @@ class HostOptimizer:
             torch.cuda.synchronize(self.params[0].device)  # the host gradients' copies have landed
         try:
             self._update(done | self.skip)
+            if self.partition is not None:
+                self.partition.share_weights(self.params)  # every rank's updated weights to every other rank
         except BaseException:
             if self.stepper is not None:
                 self.stepper.close()  # a step failed half-way: no copy may still run into buffers freed next
@@ -410,21 +431,48 @@ class HostOptimizer:
             self.scaler.update(scale * self.scaler.get_backoff_factor())
         return finite
 
+    def _restore_foreign(self) -> None:
+        """The FP32 weights of the parameters other ranks stepped: gathered from them where the ranks agreed
+        to (`gather_on_restore`: TrainingStep, whose ranks close alike); in a trial, where a rank that ran out
+        of memory building its optimizer restores nothing, their 16-bit weights widened (the search puts the
+        model's own weights back when it ends)."""
+        if self.gather_on_restore:
+            current = [i for i, p in enumerate(self.params) if id(p) in self._kept]
+            self.partition.gather_weights(self.params, self.dtypes, current)
+            return
+        for i in self.foreign:
+            if id(self.params[i]) in self._kept:
+                continue
+            self.params[i].data = self.params[i].data.to(self.dtypes[i])
+
     # -- state, in the layout of the user's optimizer -----------------------------------------------------
     def owners(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
         """(optimizer, state key) of each trainable parameter in the order of the user's groups: position
         k of the user's `state_dict()["state"]`. The key is the host master, or the parameter itself for
         the share stepped on the device."""
-        out = []
+        out: list[tuple[Any, torch.Tensor]] = []
         for i in self.spec.order():
             if i in self.master:
                 out.append((self.optimizer, self.master[i]))
-            else:
+            elif i in self.device_master:
                 out.append((self.device_optimizer, self.device_master[i]))
+            else:  # stepped by another rank: its state once gathered (`gather`)
+                out.append((self.gathered, self.params[i]))
         return out
 
+    def gather(self) -> None:
+        """Partitioned: the state of the parameters other ranks step, into `self.gathered`. A collective:
+        every rank must call it (`state_dict()` does). A no-op on one rank, or once restored."""
+        if self.partition is None or self.optimizer is None:
+            return
+        states = {i: opt.state[key] for i, (opt, key) in zip(self.spec.order(), self.owners())
+                  if opt is not self.gathered and key in opt.state}
+        self.partition.gather_state(states, self.params, self.gathered)
+
     def state_dict(self) -> dict[str, Any]:
-        """The state of both shares, keyed as the user's optimizer keys it."""
+        """The state of both shares, keyed as the user's optimizer keys it (partitioned: gathered from every
+        rank, so every rank must call it)."""
+        self.gather()
         sd = self.optimizer.state_dict()
         sd["state"] = {k: opt.state[key] for k, (opt, key) in enumerate(self.owners()) if key in opt.state}
         return sd
@@ -463,10 +511,14 @@ class HostOptimizer:
             self.pipeline = None
         if self.stepper is not None:
             self.stepper.close()  # nothing may still read the device gradients or write its buffers once freed
+        if self.gather_on_restore:
+            self.gather()  # before the state goes: the user's optimizer gets every rank's back
         for i, master in [*self.master.items(), *self.device_master.items()]:
             p = self.params[i]
             if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place
                 p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=True)
+        if self.partition is not None:  # the weights other ranks held the masters of (norm weights are current)
+            self._restore_foreign()
         for p in self.params:
             p.grad = None
         self.master = {}

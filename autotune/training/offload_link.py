@@ -103,6 +103,8 @@ class OffloadLink:
                            "step.close() hands the state back.")
 
     def _state_dict(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.host is not None:
+            self.host.gather()  # partitioned over ranks: the other ranks' state (a collective)
         state_dict["state"] = {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if key in opt.state}
         return state_dict
 

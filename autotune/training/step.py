@@ -531,6 +531,7 @@ class TrainingStep:
         if rung.optimizer_8bit:
             self._eight_bit = applied.optimizer  # its 8-bit state carries across rungs (recovery)
         elif isinstance(applied.optimizer, HostOptimizer):
+            applied.optimizer.gather_on_restore = True  # partitioned over ranks: close() gathers weights and state
             if self._device_optimizer is not None:
                 self._link = OffloadLink(self._device_optimizer, applied.optimizer)
         elif self._device_optimizer is None:
