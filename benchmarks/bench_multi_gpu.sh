@@ -6,6 +6,8 @@
 # replicated  the same on two GPUs: the scaling is its tokens/s over single's; then the same plan again with one bucket
 #             (no overlap), same process: the overlap's gain
 # xl          GPT-2 XL at 16 GiB per GPU handed to fit unsharded: the plan must shard it; then STEPS steps
+# unpartitioned  replicated with every rank stepping every parameter's optimizer offload (beside 'replicated': what
+#             partitioning it over the ranks gained; techniques/offload_partition.py)
 # nooverlap   replicated with one bucket of 100 GB: the all-reduce starts when backward ends (not run by default;
 #             beside 'replicated' it is the overlap's gain)
 # link        what one step's gradient all-reduce of GPT-2 medium costs here (FP32 and BF16, per parameter and
@@ -29,13 +31,14 @@ for case in $CASES; do
   case $case in
     single) CUDA_VISIBLE_DEVICES=0 ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-nooverlap --out "$OUT" ;;
+    unpartitioned) AUTOTUNE_OFFLOAD_PARTITION=0 $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     link) nvidia-smi topo -m >&2; $TR $B --case link --model gpt2-medium --out "$OUT" ;;
     nooverlap) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --bucket-mb 100000 --out "$OUT" ;;
     xl) $TR $B --case needs-sharding --model gpt2-xl --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     # Global batch 16 and 2 steps a rung: at micro-batch 1 a rung's step is per-rank-batch forwards and backwards
     # (at 64 the five rungs did not finish in 150 s on two H200s after fit).
     large) $TR $B --case presharded --model gpt2-large --budget 10GiB --global-batch-size 16 --rung-steps 2 --out "$OUT" ;;
-    *) echo "unknown case $case (single, replicated, nooverlap, link, xl, large)" >&2; exit 2 ;;
+    *) echo "unknown case $case (single, replicated, unpartitioned, nooverlap, link, xl, large)" >&2; exit 2 ;;
   esac
   echo "# case $case exit $?" >&2
 done
