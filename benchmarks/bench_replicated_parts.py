@@ -1,0 +1,150 @@
+"""Where a replicated step's time goes (issue 16): one `fit`, then the plan trained with parts switched off.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_replicated_parts.py --model gpt2-medium --budget 16GiB
+    python benchmarks/bench_replicated_parts.py ...        # one GPU: the plan's step, timed in parts
+
+Variants, in this order, each `--steps` steps of the same plan in the same process (timing only: the
+switched-off parts leave the ranks' weights apart, which the next variant's broadcasts do not mend; the loss
+is not the point here):
+    as-planned       the plan as `plan.apply` trains it
+    after-backward   one gradient bucket: the all-reduce starts when the last backward ends (no overlap)
+    no-all-reduce    the gradients are not summed over ranks at all (what the all-reduce costs, overlapped)
+    no-weight-share  partitioned offload's weight broadcast skipped (what it costs)
+    parts            as planned, with a device synchronize around each part of the step: the micro-batches
+                     before the last, the last backward with the all-reduce, the optimizer step
+    as-planned       again: how far the first reading drifted
+Rank 0 prints one JSON line and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import autotune  # noqa: E402
+from autotune.techniques import offload_partition  # noqa: E402
+from autotune.training import distributed  # noqa: E402
+from autotune.training.step import TrainingStep  # noqa: E402
+from workloads import build_gpt, cap_memory  # noqa: E402
+
+VARIANTS = ("as-planned", "after-backward", "no-all-reduce", "no-weight-share", "parts", "as-planned")
+
+
+def main() -> None:
+    a = _parse()
+    world, rank = _init()
+    device = f"cuda:{torch.cuda.current_device()}"
+    cap_memory(device, a.budget)
+    model, example = build_gpt(a.model, device, a.seq)
+    started = time.perf_counter()
+    plan = autotune.fit(model, example, global_batch_size=a.global_batch_size, memory_budget=a.budget, cache=False)
+    out: dict[str, Any] = {"model": a.model, "world_size": world, "budget": a.budget, "plan": plan.summary(),
+                           "tune_seconds": time.perf_counter() - started,
+                           "partition": os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1"), "variants": []}
+    step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    for name in VARIANTS if world > 1 else ("as-planned", "parts", "as-planned"):
+        with _variant(name) as parts:
+            seconds = _train(step, a, device, rank, world)
+        row = {"variant": name, "step_seconds": seconds, "tokens_per_second": a.global_batch_size * a.seq / seconds}
+        if parts:
+            row["parts"] = {k: statistics.median(v[1:] or v) for k, v in parts.items()}
+        out["variants"].append(row)
+    step.close()
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+        for row in out["variants"]:
+            extra = " ".join(f"{k} {v:.4f}" for k, v in row.get("parts", {}).items())
+            print(f"{row['variant']:>16} {row['step_seconds']:.4f} s {row['tokens_per_second']:>9,.0f} tok/s {extra}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _variant:
+    """Switch one part off (or time the parts) for the steps inside the block; put everything back after."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.saved: list[tuple[Any, str, Any]] = []
+        self.parts: dict[str, list[float]] = {}
+
+    def __enter__(self) -> dict[str, list[float]]:
+        if self.name == "after-backward":
+            self._set(distributed, "BUCKET_BYTES", 2**62)
+        elif self.name == "no-all-reduce":
+            def start(reduce: Any) -> None:
+                reduce.started += 1
+            self._set(distributed.OverlappedReduce, "_start", start)
+        elif self.name == "no-weight-share":
+            self._set(offload_partition.Partition, "share_weights", lambda part, params: None)
+        elif self.name == "parts":
+            for method, label in (("_accumulate", "micro_batches_but_last_backward"), ("_last_backward", "last_backward"),
+                                  ("_finish", "all_reduce_wait"), ("_optimizer_step", "optimizer")):
+                self._set(TrainingStep, method, self._timed(getattr(TrainingStep, method), label))
+        return self.parts
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, attr, value in reversed(self.saved):
+            setattr(owner, attr, value)
+
+    def _set(self, owner: Any, attr: str, value: Any) -> None:
+        self.saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    def _timed(self, fn: Any, label: str) -> Any:
+        parts = self.parts
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            parts.setdefault(label, []).append(time.perf_counter() - t0)
+            return result
+        return timed
+
+
+def _train(step: TrainingStep, a: argparse.Namespace, device: str, rank: int, world: int) -> float:
+    per_rank = a.global_batch_size // world
+    g = torch.Generator().manual_seed(1000 + rank)
+    times = []
+    for _ in range(a.steps):
+        ids = torch.randint(0, 50257, (per_rank, a.seq), generator=g).to(device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step({"input_ids": ids, "labels": ids})
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _init() -> tuple[int, int]:
+    if "RANK" not in os.environ:
+        torch.cuda.set_device(0)
+        return 1, 0
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    return dist.get_world_size(), dist.get_rank()
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt2-medium")
+    p.add_argument("--budget", default="16GiB")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--global-batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main()
