@@ -364,21 +364,21 @@ def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, 
     step + optimizer seconds, not whole-batch estimates. Neither wins everywhere (H100): overlap saved 2%
     of GPT-2 XL's step, where a long recomputed backward hides host work, and cost 3% of GPT-2 large's
     compiled one, whose launches the host optimizer's threads slowed (benchmarks/bench_trial_accuracy.py).
-    None where it is not a choice (no host optimizer, several ranks, FSDP2 shards, the overlap turned off,
-    the host share streamed to the GPU: that step never overlaps backward).
+    Streamed to the GPU (offload_stream.py), the same choice: its segments issued during the last backward,
+    or all after it. None where it is not a choice (no host optimizer, several ranks, FSDP2 shards, the
+    overlap turned off).
     """
     if best.rung.offload != "optimizer" or work.world_size != 1 or sharded or not overlap_default():
         return None
-    if streams(work.placement.kind, work.spec.cls_name, best.rung.precision):
-        result.reason = f"{result.reason}; optimizer offload streamed: the host share's state is stepped on the GPU"
-        return None
+    kind = "streamed optimizer offload" if streams(work.placement.kind, work.spec.cls_name, best.rung.precision) \
+        else "optimizer offload"
     other = runner(best.rung, best.micro_batch_size, offload_fraction=fraction or 1.0, overlap=True)
     result.trials.append(other)
     serial, overlapped = best.step_seconds + best.optimizer_seconds, other.step_seconds + other.optimizer_seconds
     faster = other.fits and overlapped < serial
     measured = (f"the last micro-batch and the optimizer took {overlapped:.3f} s overlapped, {serial:.3f} s serial"
                 if other.fits else f"the overlapped trial: {other.outcome}")
-    result.reason = f"{result.reason}; {'overlapped' if faster else 'serial'} optimizer offload: {measured}"
+    result.reason = f"{result.reason}; {'overlapped' if faster else 'serial'} {kind}: {measured}"
     return faster
 
 

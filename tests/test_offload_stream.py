@@ -33,6 +33,7 @@ def small_pieces(tmp_path, monkeypatch):
 def train(plan, data, monkeypatch, *, stream: bool, overlap: bool, make_opt=adamw, **kwargs):
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+    plan = dataclasses.replace(plan, offload_overlap=True if overlap else None)  # as fit decides it
     torch.manual_seed(0)
     model = Net()
     opt = make_opt(model.parameters())
@@ -59,11 +60,51 @@ def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch,
     cpu, c_step, c_opt = train(plan, data, monkeypatch, stream=False, overlap=False, max_grad_norm=clip)
     streamed, s_step, s_opt = train(plan, data, monkeypatch, stream=True, overlap=overlap, max_grad_norm=clip)
     assert_bitwise(streamed, cpu)
-    assert s_step.optimizer.pipeline is None  # streamed, nothing is stepped during backward (see HostOptimizer)
+    assert s_step.optimizer.pipeline is None  # streamed, the stepper overlaps on its own
+    # overlapped, segments were stepped during the last backward; clipped, the factor comes after it: none
+    assert (s_step.optimizer.stepper.early > 0) == (overlap and clip is None), s_step.optimizer.stepper.early
     c_step.close()
     s_step.close()
     assert_bitwise(streamed, cpu)  # FP32 weights back from the same masters
     assert_same_state(s_opt, c_opt)
+
+
+def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exact(monkeypatch):
+    # What TrainingStep does when the last backward runs out of memory after segments were stepped from its
+    # hooks: abort(), drop the gradients, re-run, step. The aborted attempt wrote new weights on the device
+    # and new masters and moments into the spare buffers: abort puts the old weights back and nothing else
+    # changed, so the re-run's step is the serial CPU step's, bitwise, each parameter stepped once.
+    from test_offload import backward, host_optimizer
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    batch = batches(4, 1)[0]
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
+    serial = host_optimizer(ref, overlap=False)
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
+    host = host_optimizer(model, overlap=True)
+    assert host.stream_overlap and host.pipeline is None
+    masters = [m.clone() for m in host.masters]
+    host.arm()
+    old = [p.detach().clone() for p in model.parameters()]
+    backward(model, batch)
+    assert host.stepper.early > 0 and not all(torch.equal(p, q) for p, q in zip(model.parameters(), old))
+    host.abort()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old))  # the old weights are back
+    assert all(torch.equal(m, q) for m, q in zip(host.masters, masters))  # the masters untouched
+    host.zero_grad()
+    host.arm()
+    backward(model, batch)
+    host.step()
+    backward(ref, batch)
+    serial.step()
+    assert_bitwise(model, ref)
+    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(old)
+    assert_same_state(host.optimizer, serial.optimizer)
+    host.restore()
+    serial.restore()
+    assert_bitwise(model, ref)
 
 
 def test_a_grad_scaler_or_another_optimizer_keeps_the_cpu_step(monkeypatch):
@@ -123,9 +164,12 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
         torch.manual_seed(0)
         model = Net(width=256).cuda()
         before = copy.deepcopy(model)
-        step = TrainingStep(dataclasses.replace(make_plan(3, 8), device="cuda"), model, adamw(model.parameters()))
+        plan = dataclasses.replace(make_plan(3, 8), device="cuda", offload_overlap=True if overlap else None)
+        step = TrainingStep(plan, model, adamw(model.parameters()))
         assert (step.optimizer.stepper is not None) == stream
         step(batch)
+        if stream:  # overlapped: segments issued from the last backward's hooks, on the GPU's streams
+            assert (step.optimizer.stepper.early > 0) == overlap, step.optimizer.stepper.early
         step.close()  # FP32 weights back from the masters
         return before, model
 
@@ -136,8 +180,9 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
         torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
 
 
-def test_a_streamed_search_skips_the_overlap_trial_and_says_so(monkeypatch):
-    # The overlap trial measures the CPU worker during the last backward; streamed there is none to measure.
+def test_a_streamed_search_measures_the_overlap_and_says_which_it_chose(monkeypatch):
+    # Streamed, the overlap trial issues the segments from the last backward's hooks; fit measures it beside
+    # the serial one and the plan keeps the faster, named as streamed in the reason.
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
     torch.manual_seed(0)
     model = Wide()
@@ -148,10 +193,14 @@ def test_a_streamed_search_skips_the_overlap_trial_and_says_so(monkeypatch):
     budget = int((on_host + on_device) / 2 / 0.9)  # no offload is over the limit, optimizer offload under it
     plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",
                         cache=False, techniques=("bf16", "offload"), max_trials=8)
-    assert plan.offload == "optimizer" and plan.offload_overlap is None, plan.reason
-    assert "optimizer offload streamed" in plan.reason
-    assert not any("overlapped" in t.note for t in plan.trials)
-    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")  # the control: the CPU step measures both ways
+    assert plan.offload == "optimizer" and plan.offload_overlap is not None, plan.reason
+    assert "streamed optimizer offload" in plan.reason
+    overlapped = [t for t in plan.trials if "overlapped" in t.note]
+    assert overlapped, plan.reason
+    # a step overlapping backward adds its temporaries to backward's peak (the CPU kernel's, here): a trial
+    # over the limit keeps the serial step
+    assert plan.offload_overlap is False or all(t.fits for t in overlapped), plan.reason
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")  # the control: the CPU step is measured both ways too
     plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",
                         cache=False, techniques=("bf16", "offload"), max_trials=8)
     assert plan.offload == "optimizer" and plan.offload_overlap is not None and "streamed" not in plan.reason

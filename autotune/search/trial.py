@@ -91,7 +91,7 @@ class TrialRunner:
             try:
                 with meter.watching(work.model, micro_batch), distributed.armed():  # a trial may run out of memory
                     applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
-                                         offload_fraction=offload_fraction)
+                                         offload_fraction=offload_fraction, overlap=True if overlap else None)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
                                          gate)
             except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised

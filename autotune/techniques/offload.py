@@ -195,11 +195,12 @@ class HostOptimizer:
         # shard back); the serial step copies each shard's master back in place.
         self.stepper = self._make_stepper(sharded)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
-        # Streamed, no pipeline: its chunks, issued from the worker during backward, crashed a recomputed
-        # backward on an H100 (an illegal address in GPT-2 large's full-checkpointing trial), and the serial
-        # streamed step already trained faster than any overlapped one (RESULTS.md, 2026-11-26, fourth session).
-        # Partitioned, no pipeline either: a rank whose worker ran out of memory would leave the others waiting
-        # for its weights (`Partition.agree` follows the step, not the worker).
+        # Streamed, no pipeline: the stepper overlaps on its own, from the hooks, and only where the plan says
+        # so (`overlap` True; the pipeline's worker issuing the segments was no faster, RESULTS.md fourth
+        # session). Partitioned, neither: a rank that ran out of memory in its worker or hooks would leave the
+        # others waiting for its weights (the check-in guards the step, not the backward).
+        self.stream_overlap = self.stepper is not None and overlap is True and overlap_default() and self.partition is None
+        self._hooks: list[Any] = []
         if (overlap_default() and overlap is not False and self.host_index and not sharded and self.stepper is None
                 and self.partition is None):
             self._start_pipeline()
@@ -263,10 +264,24 @@ class HostOptimizer:
         """
         if self.pipeline is not None:
             self.pipeline.arm(defer or self.scaler is not None)
+        elif self.stream_overlap and not defer and self.host_index:  # streamed: segments issued as gradients land
+            self.stepper.begin(self.host_index)
+            self._hooks = [self.params[i].register_post_accumulate_grad_hook(lambda p, i=i: self.stepper.landed(i))
+                           for i in self.host_index]
+
+    def _disarm(self, *, failed: bool) -> None:
+        """Streamed overlap: remove the hooks; after a failed backward, undo what was issued (see the stepper)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if failed and self.stepper is not None and self.stepper.armed:
+            self.stepper.abort()
 
     def abort(self) -> None:
         """The armed attempt ran out of memory and will be re-run: chunks already stepped are not stepped
-        again (their weights, still old on the device, go back with the re-run's step)."""
+        again (their weights, still old on the device, go back with the re-run's step). Streamed, nothing
+        was stepped for good: the weights go back and the re-run steps everything."""
+        self._disarm(failed=True)
         if self.pipeline is None:
             return
         self.pipeline.abort()
@@ -324,6 +339,7 @@ class HostOptimizer:
             if self.partition is not None:
                 self.partition.share_weights(self.params)  # every rank's updated weights to every other rank
         except BaseException:
+            self._disarm(failed=False)  # (an overlapped step that failed in `finish` is not undone: see the stepper)
             if self.stepper is not None:
                 self.stepper.close()  # a step failed half-way: no copy may still run into buffers freed next
             raise
@@ -380,6 +396,10 @@ class HostOptimizer:
 
     def _step_host_share(self, stepped: set[int], rest: list[int], factor: float) -> None:
         if self.pipeline is None and not stepped:  # the serial step, as it always was
+            if self.stepper is not None and self.stepper.armed:  # overlapped: issue what is left, wait
+                self._disarm(failed=False)
+                self.stepper.finish()
+                return
             if self.stepper is not None:
                 self.stepper.step(self.host_index, factor=factor)
                 self.stepper.wait()
@@ -509,6 +529,7 @@ class HostOptimizer:
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
+        self._disarm(failed=True)  # an armed backward that never reached the step (a trial's OOM)
         if self.stepper is not None:
             self.stepper.close()  # nothing may still read the device gradients or write its buffers once freed
         if self.gather_on_restore:

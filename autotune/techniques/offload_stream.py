@@ -5,9 +5,17 @@ the CPU costs, on W1's share (GPT-2 large, 690 M parameters, one H100 host with 
 the fused CPU AdamW is 0.14 s and the rest widening gradients, narrowing weights and copies. Streaming the
 three FP32 tensors of each segment to the GPU, stepping them there with the fused CUDA AdamW and streaming
 them back moves 24 bytes a parameter over a link that carries about 50 GB/s each way at once: 0.17 s for the
-same share, the CPU free (benchmarks/bench_host_step.py; RESULTS.md). It runs after backward, never during
-it: issued from the offload pipeline's worker during a recomputed backward it crashed (RESULTS.md, fourth
-session), and it was no faster there.
+same share, the CPU free (benchmarks/bench_host_step.py; RESULTS.md).
+
+Serial (`step`), it runs after backward. Overlapped (`begin`, `landed`, `finish`), each segment is issued from
+the last backward's post-accumulate-grad hooks as soon as every parameter in it has its final gradient, on
+the GPU's streams behind an event of the backward's stream: no thread, no host wait. (A first overlap, issued
+from the offload pipeline's worker, staged the new weights through host memory and was no faster; it also
+met an illegal address in a recomputed backward on an H100, RESULTS.md fourth session.) An overlapped step
+writes the new masters and moments into a second set of host buffers, made current by `finish`: an attempt
+that runs out of memory half-way (`abort`) leaves the state as it was, puts the old weights back on the
+device from the untouched masters, and the re-run is exact. It costs 12 more bytes of pinned host memory a
+parameter, allocated at the first overlapped step.
 
 How: the masters are views of one pinned FP32 buffer (`HostOptimizer` lays them out so) and the stepper
 keeps both moments in two more, in the same order, so any run of parameters is one range of each. A ring
@@ -38,6 +46,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+
+from ..devices.ceiling import host_memory
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
@@ -124,6 +134,13 @@ class DeviceStepper:
         self._steps: dict[int, torch.Tensor] = {}  # the step count on the device, per parameter
         if self.cuda:
             self.copy_in, self.compute, self.copy_out = (torch.cuda.Stream(device) for _ in range(3))
+        self._order = list(order)
+        self._spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # an overlapped step writes here
+        self._open: list[tuple[int, int, list[Piece]]] = []  # the armed step's segments
+        self._waiting: list[set[int]] = []  # gradients each open segment still waits for
+        self._of: dict[int, list[int]] = {}  # the open segments of each parameter
+        self._issued: list[int] = []
+        self.early = 0  # segments the last overlapped step issued during backward (the rest: in `finish`)
 
     def step(self, indices: Sequence[int], *, factor: float = 1.0) -> None:
         """Step the masters at `indices` with their parameters' device gradients (times `factor`), after
@@ -142,6 +159,92 @@ class DeviceStepper:
                 self._steps[i].fill_(float(self.optimizer.state[self.masters[i]]["step"]))
         for start, stop, pieces in self._segments(indices):
             self._segment(start, stop, pieces, factor, ready)
+
+    # -- overlapped with the last backward --------------------------------------------------------------------
+    def begin(self, indices: Sequence[int]) -> None:
+        """The next backward is the last before the step: segments of `indices` will be issued as their
+        gradients land (`landed`), writing into the spare buffers; `finish` or `abort` ends it."""
+        if self._spare is None:
+            with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
+                self._spare = tuple(torch.empty_like(t, pin_memory=self.cuda) for t in (self.flat, self._m, self._v))
+        with self._on("compute"):
+            for i in indices:  # the device's count is the host's + 1; the host's moves only at `finish`
+                count = float(self._state(i)["step"]) + 1
+                self._steps.setdefault(i, torch.zeros((), device=self.device)).fill_(count)
+        self._open = self._segments(indices)
+        self._waiting = [{p.index for p in pieces} for _, _, pieces in self._open]
+        self._of = {}
+        for k, waiting in enumerate(self._waiting):
+            for i in waiting:
+                self._of.setdefault(i, []).append(k)
+        self._issued = []
+        self.early = 0
+
+    def landed(self, i: int) -> None:
+        """Parameter i's gradient is final (a hook in the last backward): issue every segment now complete."""
+        for k in self._of.get(i, ()):
+            waiting = self._waiting[k]
+            if i in waiting:
+                waiting.discard(i)
+                if not waiting:
+                    self._issue(k)
+                    self.early += 1
+
+    def finish(self) -> None:
+        """Issue the segments still open, wait for all, and make the new masters and moments current."""
+        for k in range(len(self._open)):
+            if k not in self._issued:
+                self._issue(k)
+        self.wait()
+        indices = sorted(self._of)
+        for i in indices:
+            self.optimizer.state[self.masters[i]]["step"] += 1
+        self._swap(indices)
+        self._open, self._of = [], {}
+
+    def abort(self) -> None:
+        """The armed backward failed: nothing changed but the weights of the segments issued, which go back
+        to the (untouched) masters' values."""
+        self.close()
+        for k in self._issued:
+            start, stop, pieces = self._open[k]
+            for p in pieces:
+                old = self.flat[start + p.at:start + p.at + p.hi - p.lo]
+                self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(old)
+        self._open, self._of, self._issued = [], {}, []
+
+    @property
+    def armed(self) -> bool:
+        """Between `begin` and `finish` (or `abort`)."""
+        return bool(self._of)
+
+    @property
+    def segments(self) -> int:
+        """Segments of the armed step."""
+        return len(self._open)
+
+    def _issue(self, k: int) -> None:
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))  # the backward's work so far: this gradient
+        start, stop, pieces = self._open[k]
+        self._segment(start, stop, pieces, 1.0, ready, out=self._spare)
+        self._issued.append(k)
+
+    def _swap(self, indices: Sequence[int]) -> None:
+        """The spare buffers become the masters' and moments' storage (the same tensors: the optimizer state
+        keys on them), the old ones the spare."""
+        assert self._spare is not None
+        self._spare, (self.flat, self._m, self._v) = (self.flat, self._m, self._v), self._spare
+        for i in self._order:
+            start, n, shape = self._start[i], self.masters[i].numel(), self.masters[i].shape
+            self.masters[i].data = self.flat[start:start + n].view(shape)
+            m, v = (t[start:start + n].view(shape) for t in (self._m, self._v))
+            self._moments[i] = (m, v)
+            state = self.optimizer.state[self.masters[i]]
+            if state:
+                state["exp_avg"], state["exp_avg_sq"] = m, v
 
     def wait(self) -> None:
         """Block until every segment's copies out are done (host masters and moments current), and make
@@ -174,12 +277,16 @@ class DeviceStepper:
                 lo += take
         return out
 
-    def _segment(self, start: int, stop: int, pieces: list[Piece], factor: float, ready: Any) -> None:
+    def _segment(self, start: int, stop: int, pieces: list[Piece], factor: float, ready: Any,
+                 out: Sequence[torch.Tensor] | None = None) -> None:
+        """Stream one segment in, step it, stream it out (into `out`'s ranges, the spare buffers, when given;
+        else in place)."""
         n = stop - start
         slot = self._next % len(self._slots)
         self._next += 1
         master, m, v, grad = (b[:n] for b in self._slots[slot])
         host = [t[start:stop] for t in (self.flat, self._m, self._v)]
+        back = [t[start:stop] for t in out] if out is not None else host
         with self._on("copy_in", wait=self._freed[slot]):
             for dst, src in zip((master, m, v), host):
                 dst.copy_(src, non_blocking=True)
@@ -195,7 +302,7 @@ class DeviceStepper:
                 self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
             stepped = self._event("compute")
         with self._on("copy_out", wait=stepped):
-            for dst, src in zip(host, (master, m, v)):
+            for dst, src in zip(back, (master, m, v)):
                 dst.copy_(src, non_blocking=True)
             self._freed[slot] = self._event("copy_out")
 
