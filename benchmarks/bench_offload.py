@@ -37,10 +37,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autotune  # noqa: E402
 from autotune.devices.placement import parse_bytes  # noqa: E402
 from autotune.plan import Plan  # noqa: E402
+from autotune.techniques import offload_stream  # noqa: E402
 from autotune.workload import batch as batches  # noqa: E402
 from autotune.workload.batching import solve_accumulation  # noqa: E402
 from workloads import build_gpt, cap_memory, environment  # noqa: E402
 
+DEFAULT_SEGMENT = offload_stream.SEGMENT
 WORKLOADS = {  # model, sequence, budget, global batch, device
     "W1": ("gpt2-large", 1024, "24GiB", 64, "cuda"),
     "W2": ("gpt2-xl", 1024, "16GiB", 64, "cuda"),
@@ -125,8 +127,10 @@ def timed_optimizer(step: Any, device: str, record: dict[str, list[float]]) -> N
     host.step = step_and_time
 
 
-def run_mode(mode: str, plan: Plan, model: torch.nn.Module, batch: Any, args: argparse.Namespace,
+def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: argparse.Namespace,
              device: str, seq: int) -> dict[str, Any]:
+    mode, _, segment = label.partition("@")  # stream-overlap@16: segments of 16 Mi elements
+    offload_stream.SEGMENT = int(segment) << 20 if segment else DEFAULT_SEGMENT
     os.environ["AUTOTUNE_OFFLOAD_OVERLAP"] = "1" if mode.endswith("overlap") else "0"
     os.environ["AUTOTUNE_OFFLOAD_STREAM"] = "1" if mode.startswith("stream") else "0"
     # No user optimizer: the step builds AdamW from the plan, and close() has no state to hand back (W2's
@@ -153,7 +157,7 @@ def run_mode(mode: str, plan: Plan, model: torch.nn.Module, batch: Any, args: ar
         step.close()
     total, tail = statistics.median(totals), statistics.median(tails)
     peak = torch.cuda.max_memory_reserved() if device.startswith("cuda") else 0
-    return {"mode": mode, "step_s": total, "backward_s": total - tail, "tail_s": tail,
+    return {"mode": label, "step_s": total, "backward_s": total - tail, "tail_s": tail,
             "tail_share": tail / total, "tok_s": plan.global_batch_size * seq / total,
             "chunks_before_tail": statistics.median(befores), "chunks": record["chunks_total"][-1],
             "peak_reserved_gib": peak / 2**30, "recoveries": len(step.recoveries), "steps": len(totals)}
@@ -165,7 +169,7 @@ def main() -> None:
     parser.add_argument("--modes", default="serial,overlap,stream-serial,stream-overlap",
                         help="serial/overlap: the host share stepped by the CPU; stream-*: on the GPU, its state "
                         "streamed (offload_stream.py), after backward or issued from the last backward's hooks; "
-                        "comma-separated, run in this order")
+                        "MODE@N streams segments of N Mi elements; comma-separated, run in this order")
     args = parser.parse_args()
     setup = set_up(args)
     seq, budget, global_batch, device, model, example = (setup.seq, setup.budget, setup.global_batch, setup.device,
