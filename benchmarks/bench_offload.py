@@ -14,6 +14,8 @@ before the tail began, the peak memory.
 
 `--config BLOCKS,MICRO[,FRACTION]`: blocks recomputed, micro-batch, host share (default 1.0). `--fit`
 tunes the plan first (cache off; the search measures with overlap on) and trains that plan in both modes.
+Mode `none` skips the optimizer step (the weights never change): the step's time without it, so that
+`step - none` is what the optimizer adds to a step however it splits between backward and tail.
 Modes switch with $AUTOTUNE_OFFLOAD_OVERLAP (read when the step is built), in one process, one after the
 other, with the memory cap of the workload.
 """
@@ -103,10 +105,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_optimizer(step: Any, device: str, record: dict[str, list[float]]) -> None:
-    """Wrap the host optimizer's `step` to time the tail and count the chunks stepped before it."""
+def timed_optimizer(step: Any, device: str, record: dict[str, list[float]], *, skip: bool = False) -> None:
+    """Wrap the host optimizer's `step` to time the tail and count the chunks stepped before it (`skip`: the
+    optimizer does nothing, for the step's time without it)."""
     host = step.optimizer
-    inner = host.step
+    inner = (lambda: None) if skip else host.step
 
     def step_and_time() -> None:
         sync(device)
@@ -138,7 +141,7 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
     # the plan says so, as fit decides it.
     step = dataclasses.replace(plan, offload_overlap=mode.endswith("overlap")).apply(model)
     record: dict[str, list[float]] = {k: [] for k in ("tail_start", "tail_end", "chunks_before_tail", "chunks_total")}
-    timed_optimizer(step, device, record)
+    timed_optimizer(step, device, record, skip=mode == "none")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     totals, tails, befores = [], [], []
