@@ -160,10 +160,16 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
         step.close()
     total, tail = statistics.median(totals), statistics.median(tails)
     peak = torch.cuda.max_memory_reserved() if device.startswith("cuda") else 0
+    allocated = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
+    by_stream: dict[str, int] = {}  # reserved segments by the stream that allocated them: side streams' pools
+    if device.startswith("cuda"):
+        for seg in torch.cuda.memory_snapshot():
+            by_stream[str(seg.get("stream"))] = by_stream.get(str(seg.get("stream")), 0) + seg["total_size"]
     return {"mode": label, "step_s": total, "backward_s": total - tail, "tail_s": tail,
             "tail_share": tail / total, "tok_s": plan.global_batch_size * seq / total,
             "chunks_before_tail": statistics.median(befores), "chunks": record["chunks_total"][-1],
-            "peak_reserved_gib": peak / 2**30, "recoveries": len(step.recoveries), "steps": len(totals)}
+            "peak_reserved_gib": peak / 2**30, "peak_allocated_gib": allocated / 2**30,
+            "reserved_by_stream_mib": {k: v / 2**20 for k, v in by_stream.items()}, "recoveries": len(step.recoveries), "steps": len(totals)}
 
 
 def main() -> None:

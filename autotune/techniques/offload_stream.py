@@ -167,10 +167,12 @@ class DeviceStepper:
         if self._spare is None:
             with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
                 self._spare = tuple(torch.empty_like(t, pin_memory=self.cuda) for t in (self.flat, self._m, self._v))
+        for i in indices:
+            if i not in self._steps:  # on the current stream, as `step` makes them: no pool of the stepper's own
+                self._steps[i] = torch.zeros((), device=self.device)
         with self._on("compute"):
             for i in indices:  # the device's count is the host's + 1; the host's moves only at `finish`
-                count = float(self._state(i)["step"]) + 1
-                self._steps.setdefault(i, torch.zeros((), device=self.device)).fill_(count)
+                self._steps[i].fill_(float(self._state(i)["step"]) + 1)
         self._open = self._segments(indices)
         self._waiting = [{p.index for p in pieces} for _, _, pieces in self._open]
         self._of = {}
