@@ -439,7 +439,8 @@ def test_bench_offload_runs_every_mode_on_the_cpu(tmp_path):
         assert r["fraction"] == 0.5 and r["steps"] == 1 and r["recoveries"] == 0
         assert 0 < r["tail_s"] < r["step_s"] and abs(r["backward_s"] + r["tail_s"] - r["step_s"]) < 1e-9
     assert rows[0]["chunks"] == 0 and rows[1]["chunks"] >= 1  # the serial step has no pipeline
-    assert rows[2]["chunks"] == rows[3]["chunks"] == 0  # streamed: no worker steps during backward
+    assert rows[2]["chunks"] == 0 and rows[3]["chunks"] >= 1  # streamed: segments from the hooks only when overlapped
+    assert rows[3]["chunks_before_tail"] == rows[3]["chunks"]  # every segment issued during the last backward
 
 
 def test_bench_trial_accuracy_and_profile_step_run_on_the_cpu(tmp_path):
