@@ -2,13 +2,14 @@
 
 Each rank steps its runs of the host and device shares and broadcasts the weights; the result must be
 bitwise the unpartitioned one (every rank stepping everything) for the parameters during training, the
-optimizer state the user's optimizer reports (gathered from both ranks), and the FP32 weights after
-`close()`, with the CPU step and with the streamed one, whole share and half, clipped or not. The device
+optimizer state the user's optimizer reports (gathered from both ranks), the FP32 weights after `close()`,
+and a step after that state was loaded into a fresh optimizer, with the CPU step and with the streamed one, whole share and half, clipped or not. The device
 share's state, split over the ranks, must lower each rank's peak.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -39,9 +40,18 @@ def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None
     layout = {"host": host.host_index, "device": host.device_index, "foreign": host.foreign,
               "stepper": host.stepper is not None}
     trained = [p.detach().clone() for p in model.parameters()]
-    state = opt.state_dict()["state"]  # through the user's optimizer: gathered from every rank
+    saved = opt.state_dict()  # through the user's optimizer: gathered from every rank
+    state = copy.deepcopy(saved["state"])  # as saved (loading it below lets the optimizer step its tensors in place)
     step.close()
-    return trained, state, [p.detach().clone() for p in model.parameters()], layout, max(peaks)
+    closed = [p.detach().clone() for p in model.parameters()]
+    # a checkpoint loaded into a fresh optimizer, one more step: each rank loads the part it steps
+    again = adamw(model.parameters())
+    again.load_state_dict(saved)
+    step = TrainingStep(plan, model, again, max_grad_norm=clip)
+    step((torch.randn(5, 5, 3, generator=g), torch.randn(5, 5, generator=g)))
+    step.close()
+    resumed = [p.detach().clone() for p in model.parameters()]
+    return trained, state, closed, layout, max(peaks), resumed
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -65,6 +75,7 @@ def _case(name: str, rank: int, world: int) -> dict:
     off = _train(plan, rank, partition=False, stream=stream, clip=clip)
     assert on[3]["stepper"] == stream and off[3]["foreign"] == []  # the control: unpartitioned steps everything
     return {"trained": _same(on[0], off[0]), "state": _same_state(on[1], off[1]), "closed": _same(on[2], off[2]),
+            "resumed": _same(on[5], off[5]) and not _same(on[5], on[2]),
             "layout": on[3], "peak_on": on[4], "peak_off": off[4],
             "moved": any(not torch.equal(p, q) for p, q in zip(on[2], _initial()))}
 
@@ -101,6 +112,7 @@ def test_partitioned_offload_equals_every_rank_stepping_everything(two_ranks, na
         assert res["trained"], f"rank {rank}: parameters differ from the unpartitioned step's"
         assert res["state"], f"rank {rank}: the gathered optimizer state differs from the unpartitioned one"
         assert res["closed"], f"rank {rank}: FP32 weights after close() differ"
+        assert res["resumed"], f"rank {rank}: a step after loading the gathered state differs (or did not move)"
     # each rank stepped its own runs: together every parameter exactly once, each rank a part of each share
     own = [set(r["layout"]["host"]) | set(r["layout"]["device"]) for r in results]
     every = own[0] | set(results[0]["layout"]["foreign"])
