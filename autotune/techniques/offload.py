@@ -339,7 +339,7 @@ class HostOptimizer:
             if self.partition is not None:
                 self.partition.share_weights(self.params)  # every rank's updated weights to every other rank
         except BaseException:
-            self._disarm(failed=False)  # (an overlapped step that failed in `finish` is not undone: see the stepper)
+            self._disarm(failed=True)  # overlapped and not finished: the old weights back, the state untouched
             if self.stepper is not None:
                 self.stepper.close()  # a step failed half-way: no copy may still run into buffers freed next
             raise

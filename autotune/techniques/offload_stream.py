@@ -194,14 +194,14 @@ class DeviceStepper:
 
     def finish(self) -> None:
         """Issue the segments still open, wait for all, and make the new masters and moments current."""
+        issued = set(self._issued)
         for k in range(len(self._open)):
-            if k not in self._issued:
+            if k not in issued:
                 self._issue(k)
         self.wait()
-        indices = sorted(self._of)
-        for i in indices:
+        for i in self._of:
             self.optimizer.state[self.masters[i]]["step"] += 1
-        self._swap(indices)
+        self._swap()
         self._open, self._of = [], {}
 
     def abort(self) -> None:
@@ -234,7 +234,7 @@ class DeviceStepper:
         self._segment(start, stop, pieces, 1.0, ready, out=self._spare)
         self._issued.append(k)
 
-    def _swap(self, indices: Sequence[int]) -> None:
+    def _swap(self) -> None:
         """The spare buffers become the masters' and moments' storage (the same tensors: the optimizer state
         keys on them), the old ones the spare."""
         assert self._spare is not None
