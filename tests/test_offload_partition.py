@@ -87,25 +87,40 @@ def _initial() -> list[torch.Tensor]:
     return [p.detach().clone() for p in Net().parameters()]
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, cases: tuple[str, ...]) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ranks import run_scenarios
 
-    run_scenarios(rank, world, init_file, out_dir, CASES, _case)
+    run_scenarios(rank, world, init_file, out_dir, cases, _case)
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     from ranks import spawn
 
-    return spawn(_rank_main, 2, TIMEOUT_S)
+    return spawn(_rank_main, 2, TIMEOUT_S, CASES)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    from ranks import spawn
+
+    return spawn(_rank_main, 4, TIMEOUT_S, ("streamed-half",))
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_partitioned_offload_equals_every_rank_stepping_everything(two_ranks, name):
-    results = [r[name] for r in two_ranks]
+    _check(two_ranks, name)
+
+
+def test_four_ranks_partition_too(four_ranks):
+    _check(four_ranks, "streamed-half")
+
+
+def _check(ranks: list[dict], name: str) -> None:
+    results = [r[name] for r in ranks]
     for rank, res in enumerate(results):
         assert res["ok"], f"rank {rank}:\n{res.get('error')}"
         assert res["moved"], "training changed nothing: the comparison would be empty"
@@ -116,7 +131,7 @@ def test_partitioned_offload_equals_every_rank_stepping_everything(two_ranks, na
     # each rank stepped its own runs: together every parameter exactly once, each rank a part of each share
     own = [set(r["layout"]["host"]) | set(r["layout"]["device"]) for r in results]
     every = own[0] | set(results[0]["layout"]["foreign"])
-    assert own[0].isdisjoint(own[1]) and own[0] | own[1] == every
+    assert sum(len(o) for o in own) == len(every) and set().union(*own) == every  # disjoint, and all of them
     assert all(r["layout"]["host"] and r["layout"]["foreign"] for r in results)
     if "half" in name:
         assert all(r["layout"]["device"] for r in results)
