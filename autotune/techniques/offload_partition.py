@@ -95,6 +95,7 @@ class Partition:
         return [i for i in indices if self.owner[i] in (self.rank, EVERY)]
 
     def of(self, rank: int) -> list[int]:
+        """The positions `rank` alone steps, in order."""
         return sorted(i for i, r in self.owner.items() if r == rank)
 
     # -- after each step ----------------------------------------------------------------------------------
