@@ -85,6 +85,7 @@ def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exac
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
     host = host_optimizer(model, overlap=True)
     assert host.stream_overlap and host.pipeline is None
+    assert host.stepper._spare is not None  # reserved when built, not in the first (timed) step
     masters = [m.clone() for m in host.masters]
     host.arm()
     old = [p.detach().clone() for p in model.parameters()]

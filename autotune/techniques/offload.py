@@ -200,6 +200,8 @@ class HostOptimizer:
         # session). Partitioned, neither: a rank that ran out of memory in its worker or hooks would leave the
         # others waiting for its weights (the check-in guards the step, not the backward).
         self.stream_overlap = self.stepper is not None and overlap is True and overlap_default() and self.partition is None
+        if self.stream_overlap:
+            self.stepper.reserve()  # now, not in the first (timed) step: W1's share pins 8 GB more
         self._hooks: list[Any] = []
         if (overlap_default() and overlap is not False and self.host_index and not sharded and self.stepper is None
                 and self.partition is None):

@@ -164,9 +164,7 @@ class DeviceStepper:
     def begin(self, indices: Sequence[int]) -> None:
         """The next backward is the last before the step: segments of `indices` will be issued as their
         gradients land (`landed`), writing into the spare buffers; `finish` or `abort` ends it."""
-        if self._spare is None:
-            with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
-                self._spare = tuple(torch.empty_like(t, pin_memory=self.cuda) for t in (self.flat, self._m, self._v))
+        self.reserve()
         for i in indices:
             if i not in self._steps:  # on the current stream, as `step` makes them: no pool of the stepper's own
                 self._steps[i] = torch.zeros((), device=self.device)
@@ -181,6 +179,13 @@ class DeviceStepper:
                 self._of.setdefault(i, []).append(k)
         self._issued = []
         self.early = 0
+
+    def reserve(self) -> None:
+        """Allocate the spare buffers an overlapped step writes into (pinning 12 bytes a parameter takes seconds
+        for a large share: `HostOptimizer` reserves them when it is built, not in a timed step)."""
+        if self._spare is None:
+            with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
+                self._spare = tuple(torch.empty_like(t, pin_memory=self.cuda) for t in (self.flat, self._m, self._v))
 
     def landed(self, i: int) -> None:
         """Parameter i's gradient is final (a hook in the last backward): issue every segment now complete."""
