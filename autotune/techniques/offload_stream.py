@@ -145,18 +145,10 @@ class DeviceStepper:
     def step(self, indices: Sequence[int], *, factor: float = 1.0) -> None:
         """Step the masters at `indices` with their parameters' device gradients (times `factor`), after
         the current stream's work so far (backward), and write each updated weight into its parameter."""
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        ready = self._current()
         for i in indices:
-            state = self._state(i)
-            state["step"] += 1  # the host's count, as the CPU step keeps it
-            if i not in self._steps:
-                self._steps[i] = torch.zeros((), device=self.device)
-        with self._on("compute"):
-            for i in indices:  # the device's count (the kernel reads it; torch's Adam adds 1 before calling it)
-                self._steps[i].fill_(float(self.optimizer.state[self.masters[i]]["step"]))
+            self._state(i)["step"] += 1  # the host's count, as the CPU step keeps it
+        self._device_counts(indices, ahead=0)
         for start, stop, pieces in self._segments(indices):
             self._segment(start, stop, pieces, factor, ready)
 
@@ -165,12 +157,7 @@ class DeviceStepper:
         """The next backward is the last before the step: segments of `indices` will be issued as their
         gradients land (`landed`), writing into the spare buffers; `finish` or `abort` ends it."""
         self.reserve()
-        for i in indices:
-            if i not in self._steps:  # on the current stream, as `step` makes them: no pool of the stepper's own
-                self._steps[i] = torch.zeros((), device=self.device)
-        with self._on("compute"):
-            for i in indices:  # the device's count is the host's + 1; the host's moves only at `finish`
-                self._steps[i].fill_(float(self._state(i)["step"]) + 1)
+        self._device_counts(indices, ahead=1)  # the host's count moves only at `finish`
         self._open = self._segments(indices)
         self._waiting = [{p.index for p in pieces} for _, _, pieces in self._open]
         self._of = {}
@@ -231,12 +218,8 @@ class DeviceStepper:
         return len(self._open)
 
     def _issue(self, k: int) -> None:
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))  # the backward's work so far: this gradient
         start, stop, pieces = self._open[k]
-        self._segment(start, stop, pieces, 1.0, ready, out=self._spare)
+        self._segment(start, stop, pieces, 1.0, self._current(), out=self._spare)  # after this gradient's backward
         self._issued.append(k)
 
     def _swap(self) -> None:
@@ -357,6 +340,17 @@ class DeviceStepper:
                 state[key] = mine
         return state
 
+    def _device_counts(self, indices: Sequence[int], *, ahead: int) -> None:
+        """The step count the kernel reads, per parameter: the host's plus `ahead` (torch's Adam adds 1
+        before calling the kernel). Made on the current stream (no pool of the stepper's own), filled on
+        the step's stream."""
+        for i in indices:
+            if i not in self._steps:
+                self._steps[i] = torch.zeros((), device=self.device)
+        with self._on("compute"):
+            for i in indices:
+                self._steps[i].fill_(float(self._state(i)["step"]) + ahead)
+
     # -- streams --------------------------------------------------------------------------------------------
     def _on(self, name: str, *, wait: Any = None, also: Any = None) -> Any:
         if not self.cuda:
@@ -366,6 +360,14 @@ class DeviceStepper:
             if event is not None:
                 stream.wait_event(event)
         return torch.cuda.stream(stream)
+
+    def _current(self) -> Any:
+        """An event after the current stream's work so far (None on the CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _event(self, name: str) -> Any:
         if not self.cuda:
