@@ -371,6 +371,19 @@ def backward(model: nn.Module, batch) -> None:
     loss.backward()
 
 
+def rerun_matches_serial(host: HostOptimizer, serial: HostOptimizer, model: nn.Module, ref: nn.Module, batch) -> None:
+    """After `host.abort()`: the re-run batch (armed again) steps `model` as one serial step steps `ref`,
+    bitwise, each parameter once."""
+    host.zero_grad()
+    host.arm()
+    backward(model, batch)
+    host.step()
+    backward(ref, batch)
+    serial.step()
+    assert_bitwise(model, ref)
+    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(list(model.parameters()))
+
+
 def test_chunks_stepped_before_an_aborted_backward_are_not_stepped_again():
     # What TrainingStep does when the last backward runs out of memory after the worker stepped some
     # chunks: abort(), drop the gradients, re-run the batch, step. The stepped chunks keep their update (made
@@ -388,14 +401,7 @@ def test_chunks_stepped_before_an_aborted_backward_are_not_stepped_again():
     old = [p.detach().clone() for p in model.parameters()]
     host.abort()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old))  # nothing written back yet
-    host.zero_grad()
-    host.arm()
-    backward(model, batch)
-    host.step()
-    backward(ref, batch)
-    serial.step()
-    assert_bitwise(model, ref)
-    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(old)
+    rerun_matches_serial(host, serial, model, ref, batch)
     host.restore()
     serial.restore()
     assert_bitwise(model, ref)

@@ -74,7 +74,7 @@ def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exac
     # hooks: abort(), drop the gradients, re-run, step. The aborted attempt wrote new weights on the device
     # and new masters and moments into the spare buffers: abort puts the old weights back and nothing else
     # changed, so the re-run's step is the serial CPU step's, bitwise, each parameter stepped once.
-    from test_offload import backward, host_optimizer
+    from test_offload import backward, host_optimizer, rerun_matches_serial
 
     torch.manual_seed(0)
     model = Net()
@@ -94,14 +94,7 @@ def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exac
     host.abort()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old))  # the old weights are back
     assert all(torch.equal(m, q) for m, q in zip(host.masters, masters))  # the masters untouched
-    host.zero_grad()
-    host.arm()
-    backward(model, batch)
-    host.step()
-    backward(ref, batch)
-    serial.step()
-    assert_bitwise(model, ref)
-    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(old)
+    rerun_matches_serial(host, serial, model, ref, batch)
     assert_same_state(host.optimizer, serial.optimizer)
     host.restore()
     serial.restore()
