@@ -35,6 +35,7 @@ import autotune  # noqa: E402
 from autotune.techniques import offload_partition  # noqa: E402
 from autotune.training import distributed  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
+from bench_multi_gpu import _init, _train  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
 
 VARIANTS = ("as-planned", "after-backward", "no-all-reduce", "no-weight-share", "parts", "as-planned")
@@ -42,7 +43,7 @@ VARIANTS = ("as-planned", "after-backward", "no-all-reduce", "no-weight-share", 
 
 def main() -> None:
     a = _parse()
-    world, rank = _init()
+    world, rank = _init("cuda")
     device = f"cuda:{torch.cuda.current_device()}"
     cap_memory(device, a.budget)
     model, example = build_gpt(a.model, device, a.seq)
@@ -54,7 +55,7 @@ def main() -> None:
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     for name in VARIANTS if world > 1 else ("as-planned", "parts", "as-planned"):
         with _variant(name) as parts:
-            seconds = _train(step, a, device, rank, world)
+            seconds = _train(step, a, device, rank, world)["step_seconds"]
         row = {"variant": name, "step_seconds": seconds, "tokens_per_second": a.global_batch_size * a.seq / seconds}
         if parts:
             row["parts"] = {k: statistics.median(v[1:] or v) for k, v in parts.items()}
@@ -111,29 +112,6 @@ class _variant:
             parts.setdefault(label, []).append(time.perf_counter() - t0)
             return result
         return timed
-
-
-def _train(step: TrainingStep, a: argparse.Namespace, device: str, rank: int, world: int) -> float:
-    per_rank = a.global_batch_size // world
-    g = torch.Generator().manual_seed(1000 + rank)
-    times = []
-    for _ in range(a.steps):
-        ids = torch.randint(0, 50257, (per_rank, a.seq), generator=g).to(device)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step({"input_ids": ids, "labels": ids})
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
-def _init() -> tuple[int, int]:
-    if "RANK" not in os.environ:
-        torch.cuda.set_device(0)
-        return 1, 0
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    return dist.get_world_size(), dist.get_rank()
 
 
 def _parse() -> argparse.Namespace:
