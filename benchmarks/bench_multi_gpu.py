@@ -111,6 +111,28 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     out["weights_agree_after_close"] = not _differs_between_ranks(
         {"sum": sum(float(p.detach().double().sum()) for p in model.parameters())})
     out["offload_partition"] = os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1")
+    if args.shares and plan.offload == "optimizer":
+        out["shares"] = [_train_share(model, plan, share, args, device, rank, world) for share in args.shares]
+    return out
+
+
+def _train_share(model: torch.nn.Module, plan: Any, share: float, args: Args, device: str, rank: int,
+                 world: int) -> dict[str, Any]:
+    """The plan with another host share (`plan.offload_fraction`), trained in the same process after it: what
+    the search's share left on the table, or what a smaller one would cost in memory (a share that does not
+    fit shows as a recovery and a peak over the limit)."""
+    other = dataclasses.replace(plan, offload_fraction=share)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    step = other.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    try:
+        out = {"offload_fraction": share, **_train(step, args, device, rank, world)}
+    except Exception as exc:  # noqa: BLE001 - a share that fails is a result too
+        out = {"offload_fraction": share, "error": f"{type(exc).__name__}: {exc}"}
+    step.close()
+    if device.startswith("cuda"):
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
 
 
@@ -264,6 +286,7 @@ class Args:
     out: str
     bucket_mb: float
     compare_nooverlap: bool = False
+    shares: tuple[float, ...] = ()
 
 
 def _parse() -> Args:
@@ -280,11 +303,14 @@ def _parse() -> Args:
                    "a size above the model's gradients starts the all-reduce only when backward ends: no overlap")
     p.add_argument("--compare-nooverlap", action="store_true",
                    help="replicated: train the plan again with one gradient bucket (no overlap), same process")
+    p.add_argument("--shares", default="", help="replicated, under optimizer offload: after the plan, train it again "
+                   "with each of these host shares (comma-separated, e.g. 0.3,0.01), same process")
     p.add_argument("--out", default="", help="append the JSON lines here")
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,
                 global_batch_size=a.global_batch_size, steps=a.steps, rung_steps=a.rung_steps, out=a.out,
-                bucket_mb=a.bucket_mb, compare_nooverlap=a.compare_nooverlap)
+                bucket_mb=a.bucket_mb, compare_nooverlap=a.compare_nooverlap,
+                shares=tuple(float(x) for x in a.shares.split(",") if x.strip()))
 
 
 if __name__ == "__main__":
