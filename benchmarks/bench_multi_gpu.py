@@ -116,19 +116,30 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     return out
 
 
-def _train_share(model: torch.nn.Module, plan: Any, share: float, args: Args, device: str, rank: int,
+def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, device: str, rank: int,
                  world: int) -> dict[str, Any]:
     """The plan with another host share (`plan.offload_fraction`), trained in the same process after it: what
     the search's share left on the table, or what a smaller one would cost in memory (a share that does not
-    fit shows as a recovery and a peak over the limit)."""
-    other = dataclasses.replace(plan, offload_fraction=share)
+    fit shows as a recovery and a peak over the limit). `variant` is SHARE[@MICRO][@one]: another micro-batch
+    too, and one gradient bucket (the all-reduce after backward)."""
+    share, *rest = variant.split("@")
+    micro = int(rest[0]) if rest and rest[0] != "one" else plan.micro_batch_size
+    steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
+    other = dataclasses.replace(plan, offload_fraction=float(share), micro_batch_size=micro,
+                                accumulation_steps=steps, last_micro_batch_size=last)
+    buckets = distributed.BUCKET_BYTES
+    if "one" in rest:
+        distributed.BUCKET_BYTES = 2**62
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     step = other.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     try:
-        out = {"offload_fraction": share, **_train(step, args, device, rank, world)}
+        out = {"variant": variant, "offload_fraction": float(share), "micro_batch_size": micro,
+               **_train(step, args, device, rank, world)}
     except Exception as exc:  # noqa: BLE001 - a share that fails is a result too
-        out = {"offload_fraction": share, "error": f"{type(exc).__name__}: {exc}"}
+        out = {"variant": variant, "offload_fraction": float(share), "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        distributed.BUCKET_BYTES = buckets
     step.close()
     if device.startswith("cuda"):
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -286,7 +297,7 @@ class Args:
     out: str
     bucket_mb: float
     compare_nooverlap: bool = False
-    shares: tuple[float, ...] = ()
+    shares: tuple[str, ...] = ()
 
 
 def _parse() -> Args:
@@ -304,13 +315,14 @@ def _parse() -> Args:
     p.add_argument("--compare-nooverlap", action="store_true",
                    help="replicated: train the plan again with one gradient bucket (no overlap), same process")
     p.add_argument("--shares", default="", help="replicated, under optimizer offload: after the plan, train it again "
-                   "with each of these host shares (comma-separated, e.g. 0.3,0.01), same process")
+                   "with each of these host shares, comma-separated: SHARE[@MICRO][@one] (another micro-batch; one gradient "
+                   "bucket), e.g. 0.3,0.01@5,1@7@one; same process")
     p.add_argument("--out", default="", help="append the JSON lines here")
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,
                 global_batch_size=a.global_batch_size, steps=a.steps, rung_steps=a.rung_steps, out=a.out,
                 bucket_mb=a.bucket_mb, compare_nooverlap=a.compare_nooverlap,
-                shares=tuple(float(x) for x in a.shares.split(",") if x.strip()))
+                shares=tuple(x.strip() for x in a.shares.split(",") if x.strip()))
 
 
 if __name__ == "__main__":
