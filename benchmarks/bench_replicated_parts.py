@@ -12,6 +12,11 @@ is not the point here):
     no-weight-share  partitioned offload's weight broadcast skipped (what it costs)
     parts            as planned, with a device synchronize around each part of the step: the micro-batches
                      before the last, the last backward with the all-reduce, the optimizer step
+    waits            as planned, the host's time inside each of the step's agreements between ranks (the
+                     sample count summed before the first micro-batch, the two OOM agreements): each waits
+                     for the device and the other rank (no synchronize added)
+    no-agree         the two OOM agreements skipped (unsafe: an OOM would hang the ranks; timing only)
+    no-count-sum     the sample count not summed over ranks (every rank assumes the others have as many)
     as-planned       again: how far the first reading drifted
 Rank 0 prints one JSON line and a table.
 """
@@ -19,6 +24,7 @@ Rank 0 prints one JSON line and a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -35,29 +41,40 @@ import autotune  # noqa: E402
 from autotune.techniques import offload_partition  # noqa: E402
 from autotune.training import distributed  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
+from autotune.workload.batching import solve_accumulation  # noqa: E402
 from bench_multi_gpu import _init, _train  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
 
-VARIANTS = ("as-planned", "after-backward", "no-all-reduce", "no-weight-share", "parts", "as-planned")
+VARIANTS = ("as-planned", "after-backward", "no-all-reduce", "no-weight-share", "parts", "waits", "no-agree",
+            "no-count-sum", "as-planned")
 
 
 def main() -> None:
     a = _parse()
-    world, rank = _init("cuda")
-    device = f"cuda:{torch.cuda.current_device()}"
+    world, rank = _init(a.device)
+    device = f"cuda:{torch.cuda.current_device()}" if a.device == "cuda" else "cpu"
     cap_memory(device, a.budget)
     model, example = build_gpt(a.model, device, a.seq)
     started = time.perf_counter()
-    plan = autotune.fit(model, example, global_batch_size=a.global_batch_size, memory_budget=a.budget, cache=False)
+    plan = autotune.fit(model, example, global_batch_size=a.global_batch_size, memory_budget=a.budget, cache=False,
+                        device=a.device)
     out: dict[str, Any] = {"model": a.model, "world_size": world, "budget": a.budget, "plan": plan.summary(),
                            "tune_seconds": time.perf_counter() - started,
                            "partition": os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1"), "variants": []}
+    if a.fraction or a.micro:
+        micro = a.micro or plan.micro_batch_size
+        steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
+        plan = dataclasses.replace(plan, offload_fraction=a.fraction or plan.offload_fraction, micro_batch_size=micro,
+                                   accumulation_steps=steps, last_micro_batch_size=last)
+        out["plan"] = f"{plan.summary()} (fit's: {out['plan']})"
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
-    for name in VARIANTS if world > 1 else ("as-planned", "parts", "as-planned"):
+    for name in a.variants.split(",") if a.variants else VARIANTS if world > 1 else ("as-planned", "parts", "as-planned"):
         with _variant(name) as parts:
             seconds = _train(step, a, device, rank, world)["step_seconds"]
         row = {"variant": name, "step_seconds": seconds, "tokens_per_second": a.global_batch_size * a.seq / seconds}
-        if parts:
+        if parts and name == "waits":  # several calls a step: the host's time in each, per step
+            row["parts"] = {k: sum(v) / a.steps for k, v in parts.items()}
+        elif parts:
             row["parts"] = {k: statistics.median(v[1:] or v) for k, v in parts.items()}
         out["variants"].append(row)
     step.close()
@@ -87,6 +104,14 @@ class _variant:
             self._set(distributed.OverlappedReduce, "_start", start)
         elif self.name == "no-weight-share":
             self._set(offload_partition.Partition, "share_weights", lambda part, params: None)
+        elif self.name == "no-agree":
+            self._set(distributed, "agree_oom", lambda oom: oom)
+        elif self.name == "no-count-sum":
+            world = distributed.world_size()
+            self._set(distributed, "sum_over_ranks", lambda values: [v * world for v in values])
+        elif self.name == "waits":
+            for fn in ("agree_oom", "sum_over_ranks"):
+                self._set(distributed, fn, self._waited(getattr(distributed, fn), fn))
         elif self.name == "parts":
             for method, label in (("_accumulate", "micro_batches_but_last_backward"), ("_last_backward", "last_backward"),
                                   ("_finish", "all_reduce_wait"), ("_optimizer_step", "optimizer")):
@@ -101,17 +126,32 @@ class _variant:
         self.saved.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, value)
 
+    def _waited(self, fn: Any, label: str) -> Any:
+        parts = self.parts
+
+        def waited(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            parts.setdefault(label, []).append(time.perf_counter() - t0)
+            return result
+        return waited
+
     def _timed(self, fn: Any, label: str) -> Any:
         parts = self.parts
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             result = fn(*args, **kwargs)
-            torch.cuda.synchronize()
+            _sync()
             parts.setdefault(label, []).append(time.perf_counter() - t0)
             return result
         return timed
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _parse() -> argparse.Namespace:
@@ -119,8 +159,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--model", default="gpt2-medium")
     p.add_argument("--budget", default="16GiB")
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     p.add_argument("--global-batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--variants", default="", help="comma-separated, in this order (default: all of them)")
+    p.add_argument("--fraction", type=float, default=0.0, help="train the plan with this host share instead of fit's")
+    p.add_argument("--micro", type=int, default=0, help="train the plan at this micro-batch instead of fit's")
     return p.parse_args()
 
 
