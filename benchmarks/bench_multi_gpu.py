@@ -244,6 +244,7 @@ def _train(step: Any, args: argparse.Namespace, device: str, rank: int, world: i
     per_rank = args.global_batch_size // world
     g = torch.Generator().manual_seed(1000 + rank)
     times, losses = [], []
+    retries = _alloc_retries(device)
     for _ in range(args.steps):
         ids = torch.randint(0, 50257 if args.model.startswith("gpt2") else 128, (per_rank, args.seq), generator=g)
         batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
@@ -255,7 +256,13 @@ def _train(step: Any, args: argparse.Namespace, device: str, rank: int, world: i
     measured = times[1:] or times  # the first step builds the optimizer state
     seconds = statistics.median(measured)
     return {"steps": args.steps, "step_seconds": seconds, "tokens_per_second": args.global_batch_size * args.seq / seconds,
-            "last_loss": losses[-1], "recoveries": len(step.recoveries), "final_plan": step.plan.summary()}
+            "last_loss": losses[-1], "recoveries": len(step.recoveries), "final_plan": step.plan.summary(),
+            "alloc_retries": _alloc_retries(device) - retries, "step_times": times}
+
+
+def _alloc_retries(device: str) -> int:
+    """The caching allocator's retries so far (it freed its cache and tried again: a device synchronize each)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device.startswith("cuda") else 0
 
 
 def _differs_between_ranks(obj: dict[str, Any]) -> list[str]:

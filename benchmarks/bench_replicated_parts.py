@@ -70,8 +70,10 @@ def main() -> None:
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     for name in a.variants.split(",") if a.variants else VARIANTS if world > 1 else ("as-planned", "parts", "as-planned"):
         with _variant(name) as parts:
-            seconds = _train(step, a, device, rank, world)["step_seconds"]
-        row = {"variant": name, "step_seconds": seconds, "tokens_per_second": a.global_batch_size * a.seq / seconds}
+            trained = _train(step, a, device, rank, world)
+        seconds = trained["step_seconds"]
+        row = {"variant": name, "step_seconds": seconds, "tokens_per_second": a.global_batch_size * a.seq / seconds,
+               "alloc_retries": trained["alloc_retries"], "step_times": trained["step_times"]}
         if parts and name == "waits":  # several calls a step: the host's time in each, per step
             row["parts"] = {k: sum(v) / a.steps for k, v in parts.items()}
         elif parts:
@@ -82,7 +84,8 @@ def main() -> None:
         print(json.dumps(out), flush=True)
         for row in out["variants"]:
             extra = " ".join(f"{k} {v:.4f}" for k, v in row.get("parts", {}).items())
-            print(f"{row['variant']:>16} {row['step_seconds']:.4f} s {row['tokens_per_second']:>9,.0f} tok/s {extra}")
+            print(f"{row['variant']:>16} {row['step_seconds']:.4f} s {row['tokens_per_second']:>9,.0f} tok/s "
+                  f"retries {row['alloc_retries']} {extra}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
