@@ -53,12 +53,18 @@ def assert_same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> Non
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap-asked"])
-@pytest.mark.parametrize("fraction,clip", [(None, None), (None, 0.05), (0.5, None)], ids=["whole", "clipped", "half"])
-def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch, overlap, fraction, clip):
+@pytest.mark.parametrize("fraction,clip,cpu_part", [(None, None, 0), (None, 0.05, 0), (0.5, None, 0), (None, None, 0.4),
+                                                    (None, 0.05, 0.4), (0.5, None, 0.5)],
+                         ids=["whole", "clipped", "half", "cpu-part", "cpu-part-clipped", "half-cpu-part"])
+def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch, overlap, fraction, clip, cpu_part):
     plan = make_plan(3, 8, fraction=fraction)  # 3 + 3 + 2: an uneven micro-batch
     data = batches(8, 4)
     cpu, c_step, c_opt = train(plan, data, monkeypatch, stream=False, overlap=False, max_grad_norm=clip)
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_CPU_SHARE", str(cpu_part))  # that part stepped by the CPU meanwhile
     streamed, s_step, s_opt = train(plan, data, monkeypatch, stream=True, overlap=overlap, max_grad_norm=clip)
+    host = s_step.optimizer
+    assert bool(host.cpu_index) == (cpu_part > 0) and set(host.cpu_index) | set(host.streamed_index) == set(host.host_index)
+    assert set(host.cpu_index).isdisjoint(host.streamed_index) and host.streamed_index
     assert_bitwise(streamed, cpu)
     assert s_step.optimizer.pipeline is None  # streamed, the stepper overlaps on its own
     # overlapped, segments were stepped during the last backward; clipped, the factor comes after it: none

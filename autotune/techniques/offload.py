@@ -29,7 +29,7 @@ from ..workload.optimizers import OptimizerSpec
 from . import offload_partition
 from .offload_partition import Gathered, Partition
 from .offload_pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
-from .offload_stream import DeviceStepper, flat_views, stream_wanted, streamable
+from .offload_stream import DeviceStepper, cpu_share, flat_views, leading, stream_wanted, streamable
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -193,6 +193,7 @@ class HostOptimizer:
         # reduce-scatter, not through the autograd accumulation the pipeline's hooks follow, and the overlapped
         # step's weight copies crashed there on two H200s (`CUDA error: invalid argument` sending a staged
         # shard back); the serial step copies each shard's master back in place.
+        self.cpu_index: list[int] = []  # streamed: the leading part of the host share the CPU steps meanwhile
         self.stepper = self._make_stepper(sharded)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
         # Streamed, no pipeline: the stepper overlaps on its own, from the hooks, and only where the plan says
@@ -216,7 +217,21 @@ class HostOptimizer:
             return None
         if not all(self.params[i].is_contiguous() for i in self.host_index):
             return None
-        return DeviceStepper(self.optimizer, self._flat, self.master, self.host_index, self.params, device)
+        # The CPU steps the first of the host share (backward finishes their gradients last, so the GPU gets
+        # the ones it can start on during the last backward); their masters lead the flat buffer.
+        numels = [p.numel() for p in self.params]
+        self.cpu_index = self.host_index[:leading(self.host_index, numels, cpu_share())]
+        streamed = self.host_index[len(self.cpu_index):]
+        if not streamed:
+            self.cpu_index = []
+            return None
+        offset = sum(numels[i] for i in self.cpu_index)
+        return DeviceStepper(self.optimizer, self._flat[offset:], self.master, streamed, self.params, device)
+
+    @property
+    def streamed_index(self) -> list[int]:
+        """The host share's positions the device steps (`stepper`); the CPU steps `cpu_index`."""
+        return self.host_index[len(self.cpu_index):] if self.stepper is not None else []
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -267,9 +282,9 @@ class HostOptimizer:
         if self.pipeline is not None:
             self.pipeline.arm(defer or self.scaler is not None)
         elif self.stream_overlap and not defer and self.host_index:  # streamed: segments issued as gradients land
-            self.stepper.begin(self.host_index)
+            self.stepper.begin(self.streamed_index)
             self._hooks = [self.params[i].register_post_accumulate_grad_hook(lambda p, i=i: self.stepper.landed(i))
-                           for i in self.host_index]
+                           for i in self.streamed_index]
 
     def _disarm(self, *, failed: bool) -> None:
         """Streamed overlap: remove the hooks; after a failed backward, undo what was issued (see the stepper)."""
@@ -398,13 +413,8 @@ class HostOptimizer:
 
     def _step_host_share(self, stepped: set[int], rest: list[int], factor: float) -> None:
         if self.pipeline is None and not stepped:  # the serial step, as it always was
-            if self.stepper is not None and self.stepper.armed:  # overlapped: issue what is left, wait
-                self._disarm(failed=False)
-                self.stepper.finish()
-                return
             if self.stepper is not None:
-                self.stepper.step(self.host_index, factor=factor)
-                self.stepper.wait()
+                self._step_streamed(factor)
                 return
             with host_memory():
                 self.optimizer.step()
@@ -420,6 +430,43 @@ class HostOptimizer:
                 self._write_back(todo)
         if self._stream is not None:
             torch.cuda.current_stream(self.params[0].device).wait_stream(self._stream)  # the next forward waits
+
+    def _step_streamed(self, factor: float) -> None:
+        """The device steps its part of the host share (overlapped: issues what the last backward left) while
+        the CPU steps `cpu_index`: their gradients out first, ahead of the stepper's traffic on the link,
+        then the CPU's step, its weights sent back; then the stepper is waited for."""
+        grads_out = self._cpu_grads_out()
+        if self.stepper.armed:
+            self._disarm(failed=False)
+            self.stepper.issue_rest()
+        else:
+            self.stepper.step(self.streamed_index, factor=factor)
+        if self.cpu_index:
+            if grads_out is not None:
+                grads_out.synchronize()  # this part's gradients only: the stepper's streams run on
+            if factor != 1.0:
+                for i in self.cpu_index:
+                    self.master[i].grad.mul_(factor)
+            self._step_host(self.cpu_index)
+            self._write_back(self.cpu_index)
+        if self.stepper.armed:
+            self.stepper.finish()
+        else:
+            self.stepper.wait()
+
+    def _cpu_grads_out(self) -> Any:
+        """The CPU part's gradients to their host masters, on the current stream; an event after them (None
+        on the CPU test device, or with no CPU part)."""
+        if not self.cpu_index:
+            return None
+        with host_memory():
+            for i in self.cpu_index:
+                self._copy_grad(i)
+        if self.params[0].device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.params[0].device))
+        return event
 
     def _write_back(self, indices: Sequence[int]) -> None:
         """Updated masters into the device weights (narrowed to their dtype)."""
@@ -550,5 +597,6 @@ class HostOptimizer:
         self._views = {}
         self._flat = None
         self.stepper = None
+        self.cpu_index = []
         self.optimizer = None  # type: ignore[assignment]
         self.device_optimizer = None

@@ -65,6 +65,32 @@ def stream_wanted(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+def cpu_share() -> float:
+    """$AUTOTUNE_OFFLOAD_CPU_SHARE (0..1): the part of the streamed host share the CPU steps instead, at the
+    same time as the GPU steps the rest (`HostOptimizer.cpu_index`). The link carries 24 bytes a parameter
+    streamed and about 8 for one the CPU steps (its gradient out, its weight back), so the two together
+    finish sooner than either alone when the CPU's part is right-sized. 0 (the default) streams all of it."""
+    value = os.environ.get("AUTOTUNE_OFFLOAD_CPU_SHARE", "").strip()
+    try:
+        share = float(value) if value else 0.0
+    except ValueError:
+        raise ValueError(f"AUTOTUNE_OFFLOAD_CPU_SHARE must be a number from 0 to 1, got {value!r}") from None
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"AUTOTUNE_OFFLOAD_CPU_SHARE must be from 0 to 1, got {share}")
+    return share
+
+
+def leading(indices: Sequence[int], numels: Sequence[int], share: float) -> int:
+    """How many of `indices`, from the first, hold `share` of their elements (fewest that reach it)."""
+    total = sum(numels[i] for i in indices)
+    held = 0
+    for k, i in enumerate(indices):
+        if held >= share * total * (1 - 1e-9):
+            return k
+        held += numels[i]
+    return len(indices)
+
+
 def streams(device_type: str, optimizer_class: str, precision: str) -> bool:
     """Whether optimizer offload of this kind steps its host share on the device (`HostOptimizer` decides
     the same from the built optimizer; the search asks before building one)."""
@@ -184,12 +210,16 @@ class DeviceStepper:
                     self._issue(k)
                     self.early += 1
 
-    def finish(self) -> None:
-        """Issue the segments still open, wait for all, and make the new masters and moments current."""
+    def issue_rest(self) -> None:
+        """Issue the armed step's segments still open (their gradients are final: backward has ended)."""
         issued = set(self._issued)
         for k in range(len(self._open)):
             if k not in issued:
                 self._issue(k)
+
+    def finish(self) -> None:
+        """Issue the segments still open, wait for all, and make the new masters and moments current."""
+        self.issue_rest()
         self.wait()
         for i in self._of:
             self.optimizer.state[self.masters[i]]["step"] += 1
