@@ -151,7 +151,8 @@ def test_a_loaded_state_is_streamed_from_where_it_was_left(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
-def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(monkeypatch, overlap):
+@pytest.mark.parametrize("cpu_part", [0, 0.4], ids=["all-streamed", "cpu-part"])
+def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(monkeypatch, overlap, cpu_part):
     # Different kernels (CUDA and CPU fused AdamW): equal up to FP32 rounding, not bitwise. One step from the
     # same weights and batch (so the same gradients): after more, a 16-bit weight rounded the other way
     # changes the next gradient, and Adam's normalised update can turn that into a full lr.
@@ -161,12 +162,14 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
     def run(stream: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+        monkeypatch.setenv("AUTOTUNE_OFFLOAD_CPU_SHARE", str(cpu_part))  # the CPU steps that part meanwhile
         torch.manual_seed(0)
         model = Net(width=256).cuda()
         before = copy.deepcopy(model)
         plan = dataclasses.replace(make_plan(3, 8), device="cuda", offload_overlap=True if overlap else None)
         step = TrainingStep(plan, model, adamw(model.parameters()))
         assert (step.optimizer.stepper is not None) == stream
+        assert bool(step.optimizer.cpu_index) == (stream and cpu_part > 0)
         step(batch)
         if stream:  # overlapped: segments issued from the last backward's hooks, on the GPU's streams
             assert (step.optimizer.stepper.early > 0) == overlap, step.optimizer.stepper.early
