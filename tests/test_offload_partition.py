@@ -17,16 +17,17 @@ import torch
 
 from autotune.techniques.offload_partition import runs
 
-CASES = ("cpu-whole", "cpu-half-clipped", "streamed-whole", "streamed-half", "streamed-half-clipped")
+CASES = ("cpu-whole", "cpu-half-clipped", "streamed-whole", "streamed-half", "streamed-half-clipped", "streamed-cpu-part")
 TIMEOUT_S = 240
 
 
-def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None):
+def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None, cpu_part: float = 0.0):
     from test_offload import Net, adamw
     from autotune.training.step import TrainingStep
 
     os.environ["AUTOTUNE_OFFLOAD_PARTITION"] = "1" if partition else "0"
     os.environ["AUTOTUNE_OFFLOAD_STREAM"] = "1" if stream else "0"
+    os.environ["AUTOTUNE_OFFLOAD_CPU_SHARE"] = str(cpu_part)  # streamed: the CPU steps that part of each rank's
     torch.manual_seed(0)
     model = Net()
     opt = adamw(model.parameters())
@@ -38,7 +39,7 @@ def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None
         peaks.append(step.last_peak_bytes)
     host = step.optimizer
     layout = {"host": host.host_index, "device": host.device_index, "foreign": host.foreign,
-              "stepper": host.stepper is not None}
+              "stepper": host.stepper is not None, "cpu": host.cpu_index}
     trained = [p.detach().clone() for p in model.parameters()]
     saved = opt.state_dict()  # through the user's optimizer: gathered from every rank
     state = copy.deepcopy(saved["state"])  # as saved (loading it below lets the optimizer step its tensors in place)
@@ -71,7 +72,7 @@ def _case(name: str, rank: int, world: int) -> dict:
     fraction = 0.5 if "half" in name else None
     clip = 0.05 if name.endswith("clipped") else None
     plan = make_plan(2, 5, fraction=fraction)  # 2 + 2 + 1 per rank
-    on = _train(plan, rank, partition=True, stream=stream, clip=clip)
+    on = _train(plan, rank, partition=True, stream=stream, clip=clip, cpu_part=0.5 if name.endswith("cpu-part") else 0.0)
     off = _train(plan, rank, partition=False, stream=stream, clip=clip)
     assert on[3]["stepper"] == stream and off[3]["foreign"] == []  # the control: unpartitioned steps everything
     return {"trained": _same(on[0], off[0]), "state": _same_state(on[1], off[1]), "closed": _same(on[2], off[2]),
@@ -133,6 +134,7 @@ def _check(ranks: list[dict], name: str) -> None:
     every = own[0] | set(results[0]["layout"]["foreign"])
     assert sum(len(o) for o in own) == len(every) and set().union(*own) == every  # disjoint, and all of them
     assert all(r["layout"]["host"] and r["layout"]["foreign"] for r in results)
+    assert all(bool(r["layout"]["cpu"]) == name.endswith("cpu-part") for r in results)
     if "half" in name:
         assert all(r["layout"]["device"] for r in results)
         # the device share's masters and moments are split over the ranks: each rank's peak is lower

@@ -272,7 +272,9 @@ class Controller:
         Compiled configurations recompute no block, and keep the probe's offload unless compile's measured
         savings predict a win with the other one (`_compile_other_offload`). Compiled checkpoint wrappers
         gained nothing (issue 11: 22,969 against 23,120 tok/s)
-        and one hit an illegal memory access (torch 2.11, H100), which no process survives. One point does
+        and one hit an illegal memory access (torch 2.11, H100), which no process survives; GPT-2 XL with every
+        block recomputed, compiled, failed in Inductor's partitioner ("Node add_222 was invalid, but is
+        output", torch 2.11, RESULTS.md sixth session). One point does
         not tell compile's floor from its bytes per sample (on GPT-2 large its workspaces raised the floor
         by 1.6 GiB while each sample took 0.38x the bytes), hence the second point before any growth.
         """
