@@ -69,7 +69,10 @@ def cpu_share() -> float:
     """$AUTOTUNE_OFFLOAD_CPU_SHARE (0..1): the part of the streamed host share the CPU steps instead, at the
     same time as the GPU steps the rest (`HostOptimizer.cpu_index`). The link carries 24 bytes a parameter
     streamed and about 8 for one the CPU steps (its gradient out, its weight back), so the two together
-    finish sooner than either alone when the CPU's part is right-sized. 0 (the default) streams all of it."""
+    finish sooner than either alone when the CPU's part is right-sized. 0 (the default) streams all of it: on
+    an H100 host (W1, 16 cores) a 40% CPU part cut the serial tail from 0.208 to 0.176 s, but overlapped, where
+    the GPU's part hides behind the last backward and the CPU's cannot, 25% gained nothing measurable and 40%
+    lost (RESULTS.md, sixth session)."""
     value = os.environ.get("AUTOTUNE_OFFLOAD_CPU_SHARE", "").strip()
     try:
         share = float(value) if value else 0.0
