@@ -83,3 +83,26 @@ def test_a_refined_share_over_the_limit_leaves_the_first():
     chosen, fraction, ran, notes = choose(device)
     assert len(ran) == 2 and fraction == device.tried[0] and chosen is ran[0]
     assert "over_budget" in notes[0], notes
+
+
+def test_partitioned_ranks_are_charged_their_dearest_run_not_an_even_split():
+    # GPT-2's token embedding leads its parameters and one rank holds it whole: the share must fit that rank,
+    # not half the share (two H200s: a 15% device share grew the peak by 1.4 GiB where half was charged).
+    import torch
+
+    from autotune.search.offload_share import bytes_to_device, predict_fraction
+    from autotune.techniques.offload_partition import runs
+
+    ps = [nn.Parameter(torch.zeros(300_000))] + params()  # an "embedding" of 300 k, then 526 k in 16 tensors
+    numels = [p.numel() for p in ps]
+    costs = [bytes_to_device(p, 2, keep_fp32=False) for p in ps]
+
+    def dearest(kept: int) -> int:
+        return max(sum(costs[i] for i in run) for run in runs(range(kept), numels, 2))
+
+    room = int(1.3 * costs[0])
+    fraction = predict_fraction(ps, room, state_tensors=2, ranks=2)
+    kept = len(ps) - len(host_share(numels, fraction))
+    assert 2 <= kept < len(ps) - 1
+    assert dearest(kept) <= room < dearest(kept + 1)  # the most the dearest rank can hold
+    assert sum(costs[:kept + 1]) / 2 <= room  # where an even split would have kept more

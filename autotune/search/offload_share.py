@@ -20,6 +20,7 @@ from torch import nn
 from ..plan import Trial
 from ..sizes import format_bytes
 from ..techniques.offload import host_share
+from ..techniques.offload_partition import runs
 from ..workload.batching import global_step_seconds
 
 ROOM_USED = 0.85  # share of the measured room the arithmetic may fill: the device optimizer's own step
@@ -46,20 +47,30 @@ def predict_fraction(params: Sequence[nn.Parameter], room_bytes: float, state_te
     within `room_bytes`; 1.0 when not even the first fits. The last parameter stays on the host: a plan
     with nothing offloaded is a plan without optimizer offload, which the search measured on its own.
 
-    `ranks` > 1: the device share is partitioned over that many replicated ranks (offload_partition.py),
-    each holding the masters and state of 1/ranks of it, so each parameter costs a rank 1/ranks as much."""
-    room_bytes *= ranks
-    kept = {id(p) for p in keep_fp32}
+    `ranks` > 1: the device share is partitioned over that many replicated ranks (offload_partition.py), each
+    holding the masters and state of its run of whole parameters; the rank with the dearest run must fit.
+    Not 1/ranks of the share: GPT-2 medium's first 15% is its token embedding, one tensor one rank holds whole
+    (two H200s: a 15% device share grew the peak by 1.4 GiB at micro-batch 7, RESULTS.md sixth session)."""
     total = sum(p.numel() for p in params)
-    used = 0
-    on_device = 0
-    for p in params[:-1]:
-        cost = bytes_to_device(p, state_tensors, keep_fp32=id(p) in kept)
-        if used + cost > room_bytes:
-            break
-        used += cost
-        on_device += p.numel()
-    return 1.0 - on_device / total if total else 1.0
+    costs = _costs(params, state_tensors, keep_fp32)
+    numels = [p.numel() for p in params]
+    kept = 0
+    while kept < len(params) - 1 and _dearest_run(costs, numels, kept + 1, ranks) <= room_bytes:
+        kept += 1
+    return 1.0 - sum(numels[:kept]) / total if total else 1.0
+
+
+def _costs(params: Sequence[nn.Parameter], state_tensors: int, keep_fp32: Collection[nn.Parameter]) -> list[int]:
+    fp32 = {id(p) for p in keep_fp32}
+    return [bytes_to_device(p, state_tensors, keep_fp32=id(p) in fp32) for p in params]
+
+
+def _dearest_run(costs: Sequence[int], numels: Sequence[int], kept: int, ranks: int) -> int:
+    """What keeping the first `kept` parameters on the device costs the rank whose run of them costs most (the
+    only rank, unpartitioned): the runs `HostOptimizer`'s partition cuts, balanced by elements."""
+    if ranks <= 1 or kept < ranks:  # fewer than the ranks: every rank steps all of them (offload_partition.py)
+        return sum(costs[:kept])
+    return max(sum(costs[i] for i in run) for run in runs(range(kept), numels, ranks))
 
 
 def offload_rival(trials: Sequence[Trial], best: Trial, per_rank: int, noise: float) -> Trial | None:
@@ -122,7 +133,9 @@ def _refine(best: Trial, trial: Trial, fraction: float, run: Callable[[float], T
     what the trial measured (at most MIN_SCALE down), predicts one more share; its trial is kept when it fits
     and is not slower. Returns (trial, fraction, a note on the refinement or "").
     """
-    predicted = _kept_bytes(params, fraction, state_tensors, keep_fp32) / ranks
+    numels = [p.numel() for p in params]
+    kept = len(params) - len(host_share(numels, fraction))  # host_share takes the last parameters
+    predicted = _dearest_run(_costs(params, state_tensors, keep_fp32), numels, kept, ranks)
     grew = trial.peak_bytes - best.peak_bytes
     if predicted <= 0 or grew >= REFINE_BELOW * predicted:
         return trial, fraction, ""
@@ -137,12 +150,3 @@ def _refine(best: Trial, trial: Trial, fraction: float, run: Callable[[float], T
     if other.fits and other.samples_per_second >= trial.samples_per_second:
         return other, smaller, f" ({measured}, so {smaller:.0%} was tried and kept)"
     return trial, fraction, f" ({measured}; {smaller:.0%}: {'slower' if other.fits else other.outcome})"
-
-
-def _kept_bytes(params: Sequence[nn.Parameter], fraction: float, state_tensors: int,
-                keep_fp32: Collection[nn.Parameter]) -> int:
-    """What the arithmetic charges for the parameters a host share of `fraction` leaves on the device."""
-    host = set(host_share([p.numel() for p in params], fraction))
-    kept = {id(p) for p in keep_fp32}
-    return sum(bytes_to_device(p, state_tensors, keep_fp32=id(p) in kept)
-               for i, p in enumerate(params) if i not in host)
