@@ -208,6 +208,34 @@ def test_loss_weights_keep_counts_known_on_the_host_there():
         assert weights.mean_loss().device.type == "meta"
 
 
+def test_a_share_known_up_front_is_exactly_the_share_the_summed_totals_give():
+    # Replicated ranks skip reading the summed totals before the last backward where `share_known` (the read
+    # waits for the device): there the totals' share must be exactly 1. Here one rank's totals are the global
+    # ones, so `share` computes what the ranks would; counts from a user's loss are not known up front.
+    from autotune.workload.accumulation import LossWeights
+
+    def weights(kind: str, summed: bool = True) -> LossWeights:
+        w = LossWeights(8, 2, divisor=8.0, total=100.0, summed=summed)
+        for count, size in ((37.0, 5), (63.0, 3)):
+            loss = torch.tensor(2.0, dtype=torch.float64)
+            if kind == "divided":
+                w.weigh_divided(loss, count)
+            elif kind == "labels":
+                w.weigh(loss, count, size, expected=count, mean=True, labelled=True)
+            elif kind == "user-counts":
+                w.weigh(loss, count + 1.0, size, expected=count)  # the loss counts tokens its own way
+            else:
+                w.weigh(loss, None, size)
+        return w
+
+    for kind in ("divided", "labels", "mean"):
+        w = weights(kind)
+        assert w.share_known() and w.share(w.totals(torch.device("cpu"))) == 1.0, kind
+        assert not weights(kind, summed=False).share_known()  # one process: no global counts were summed
+    w = weights("user-counts")
+    assert not w.share_known() and w.share(w.totals(torch.device("cpu"))) != 1.0
+
+
 def test_dict_batch_and_checkpointing_rungs_stay_exact():
     model = new_model()
     x, y = seq_batch(6, 5, seed=3)

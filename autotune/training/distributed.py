@@ -212,19 +212,30 @@ class OverlappedReduce:
     (SUM, async, in place: no extra buffers), while backward goes on with the layers below. Buckets start in
     the same order on every rank, as collectives must: a bucket ready before an earlier one waits for it.
 
-    Use it as a context around the last backward, entered only after the ranks agreed that none ran out of
-    memory so far (`TrainingStep._attempt`), so that every rank gets here. Its entry sums the sample and
-    token counts over ranks: each rank's share factor (1 when the global counts were known up front). Its
-    exit starts every bucket this rank has not started: those of parameters backward never reached, or all
-    of them on a rank whose backward ran out of memory, so no rank is left waiting in an all-reduce; the
-    ranks then agree on the OOM before anyone uses a gradient. An exception that is not an OOM only removes
+    Use it as a context around the last backward, entered by every rank (`TrainingStep._attempt`), also by
+    one that ran out of memory in an earlier micro-batch (`weights` None: it skips the last backward). Its
+    entry sums the sample and token counts over ranks, asynchronously: each rank's share factor is 1 when
+    the global counts were known up front (`LossWeights.share_known`), and is read from the sums only
+    otherwise, a read that waits for the device. Its exit starts every bucket this rank has not started:
+    those of parameters backward never reached, or all of them on a rank that ran out of memory, so no rank
+    is left waiting in an all-reduce; the ranks then agree on the OOM before anyone uses a gradient. (The
+    ranks no longer agree before the last backward as well: that agreement, a wait for the device right
+    before it, is what the exit's buckets make unnecessary.) An exception that is not an OOM only removes
     the hooks. `wait` finishes the all-reduces and returns the global mean loss.
     """
 
-    def __init__(self, model: torch.nn.Module, weights: LossWeights, bucket_bytes: int | None = None) -> None:
-        self.totals = weights.totals(_collective_device())  # (samples, tokens, loss total) of this rank
-        dist.all_reduce(self.totals)
-        self.factor = weights.share(self.totals)
+    def __init__(self, model: torch.nn.Module, weights: LossWeights | None, bucket_bytes: int | None = None) -> None:
+        device = _collective_device()
+        # (samples, tokens, loss total) of this rank; zeros from a rank that ran out of memory before the last
+        # backward (`weights` None), which only joins the all-reduces: every rank re-runs the batch after them.
+        self.totals = weights.totals(device) if weights is not None else torch.zeros(3, dtype=torch.float64, device=device)
+        self._summed = dist.all_reduce(self.totals, async_op=True)
+        # Each rank's share factor: 1 when the counts were summed before the first micro-batch (`share_known`),
+        # without waiting here for the device and the other ranks; else from the summed totals.
+        self.factor = 1.0
+        if weights is not None and not weights.share_known():
+            self._summed.wait()
+            self.factor = weights.share(self.totals)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = _buckets(params[::-1], bucket_bytes or BUCKET_BYTES)
         self.missing = [len(b) for b in self.buckets]  # gradients each bucket still waits for
@@ -261,6 +272,7 @@ class OverlappedReduce:
 
     def wait(self, weights: LossWeights) -> torch.Tensor:
         """Wait for every all-reduce; the global mean loss."""
+        self._summed.wait()
         for work in self.works:
             work.wait()
         self.works = []

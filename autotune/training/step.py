@@ -247,19 +247,23 @@ class TrainingStep:
             optimizer_8bit.sync_hyperparameters(self._device_optimizer, self._applied.optimizer, self.spec)
         with self._memory_guard(batch), distributed.armed(self._sharded and self._oom_likely()):
             weights, failure = self._guarded(self._accumulate, batch, n)
-            # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under
-            # torch.distributed no collective runs between the first micro-batch and this point (the counts
-            # are summed before it, where every rank arrives), so a rank that failed early and
-            # ranks that ran every micro-batch meet here, and all of them re-run the batch.
-            if distributed.agree_oom(bool(failure)):
+            # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under FSDP no
+            # collective of autotune's runs between the first micro-batch and this point (the counts are summed
+            # before it, where every rank arrives), so a rank that failed early and ranks that ran every
+            # micro-batch meet here, and all of them re-run the batch. Replicated ranks meet only after the last
+            # backward: a rank that failed earlier skips it but still starts every all-reduce (below), so this
+            # agreement, which waits for the device right before the last backward, is not needed there.
+            if not self._replicated and distributed.agree_oom(bool(failure)):
                 self._last_loss = None  # another rank failed: this rank's last graph is dropped unused
                 return float("nan"), failure or "another rank ran out of memory"
             # The last micro-batch's backward runs only now: replicated ranks all-reduce their gradients while it
-            # runs (`distributed.OverlappedReduce`), and a rank that runs out of memory in it still starts every
-            # all-reduce, so the ranks meet again here and agree before anyone uses a gradient.
-            with self._reduction(weights) as reduction:
-                _, failure = self._guarded(self._last_backward, weights)
+            # runs (`distributed.OverlappedReduce`), and a rank that runs out of memory in it (or before it) still
+            # starts every all-reduce, so the ranks meet again here and agree before anyone uses a gradient.
+            with self._reduction(None if failure else weights) as reduction:
+                if not failure:
+                    _, failure = self._guarded(self._last_backward, weights)
             if distributed.agree_oom(bool(failure)):
+                self._last_loss = None  # another rank failed: this rank's last graph is dropped unused
                 return float("nan"), failure or "another rank ran out of memory"
             loss = self._finish(weights, reduction)
             self._clip()
@@ -327,8 +331,9 @@ class TrainingStep:
         return (not distributed.active() and not self._sharded and self.before_optimizer_step is None
                 and not weights.needs_correction())
 
-    def _reduction(self, weights: LossWeights) -> ContextManager[distributed.OverlappedReduce | None]:
-        """Replicated on several ranks: the all-reduce that overlaps the last backward; else nothing to do."""
+    def _reduction(self, weights: LossWeights | None) -> ContextManager[distributed.OverlappedReduce | None]:
+        """Replicated on several ranks: the all-reduce that overlaps the last backward (None: this rank ran out
+        of memory before it, and only joins the all-reduces); else nothing to do."""
         return distributed.OverlappedReduce(self.model, weights) if self._replicated else contextlib.nullcontext()
 
     def _last_backward(self, weights: LossWeights) -> None:
@@ -361,7 +366,7 @@ class TrainingStep:
             # The global samples and label tokens, known before the first micro-batch (every rank gets
             # here before any can fail), so each rank weighs by them directly (issue 17).
             samples, total = distributed.sum_over_ranks([float(n), tokens or 0.0])
-            return LossWeights(n, steps, divisor=samples, total=None if tokens is None else total)
+            return LossWeights(n, steps, divisor=samples, total=None if tokens is None else total, summed=True)
         # FSDP averages the gradients over ranks inside backward, so every rank must weigh alike: n_i over
         # (global samples / world) for mean losses, plain sums for token losses (finish_sharded divides by
         # the global count). The sum runs before any micro-batch, where every rank arrives.

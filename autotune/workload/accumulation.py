@@ -32,7 +32,7 @@ class LossWeights:
     """
 
     def __init__(self, n: int, steps: int, *, divisor: float | None = None, estimate: float | None = None,
-                 total: float | None = None) -> None:
+                 total: float | None = None, summed: bool = False) -> None:
         self.n = n
         self.steps = steps
         # What mean losses are weighted by (n_i / divisor) and token losses divided by. Default: this
@@ -41,18 +41,21 @@ class LossWeights:
         # averages gradients over ranks as it reduces them, every rank passes (global samples / world, 1).
         self.divisor = float(n) if divisor is None else divisor
         self.total = total  # the token count of the whole (global) batch, when known up front
+        self.summed = summed  # divisor and total are the global batch's, summed over ranks up front
+        self.labelled = True  # every token count so far is the one counted from the labels up front
         self.by_tokens: bool | None = None
         self.loss_total: torch.Tensor | None = None  # sum of n_i x loss_i, or of loss_sum_i
         self.count_total: torch.Tensor | None = None
         self.estimate: torch.Tensor | None = None if estimate is None else torch.tensor(estimate, dtype=torch.float64)
 
     def weigh(self, loss: torch.Tensor, count: Any, size: int, *, expected: float | None = None,
-              mean: bool = False) -> torch.Tensor | None:
+              mean: bool = False, labelled: bool = False) -> torch.Tensor | None:
         """The loss to call backward on for a micro-batch of `size` samples; None when it adds nothing.
 
         `count` None: `loss` is a mean over samples. Else `loss` is a sum over `count` tokens, or with
         `mean=True` their mean (the default loss on Hugging Face labels). `expected` is the count this
         micro-batch's labels hold: when the loss counts the same, the known `total` is the divisor.
+        `labelled`: `count` is `expected` itself (the default loss), so it matches without being read.
         """
         by_tokens = count is not None
         if self.by_tokens is not None and by_tokens != self.by_tokens:
@@ -62,9 +65,11 @@ class LossWeights:
         if not by_tokens:
             self._add(loss.detach().double() * size, None)
             return loss * (size / self.divisor)  # scale the loss by its share of the samples
+        self.labelled = self.labelled and labelled
         count = _float64(count)
         if self.estimate is None:
             known = self.total is not None and (expected is None or float(count) == float(expected))
+            self.labelled = self.labelled and known
             self.estimate = torch.tensor(self.total, dtype=torch.float64) if known else count.clamp(min=1) * self.steps
         if mean:
             if float(count) == 0:  # every label padded: a mean of nothing is NaN, and its share is 0
@@ -113,12 +118,25 @@ class LossWeights:
         return self.loss_total / self.n
 
     # -- several ranks: each accumulated its own share; these turn the shares into one global batch --------
+    def share_known(self) -> bool:
+        """Whether this rank's gradients are its exact share of the global batch's already, so `share` is 1
+        without reading the summed totals: the counts were summed over ranks before the first micro-batch
+        (`summed`), and every token count is the labels' (mean losses need nothing more). Reading them on
+        the host would wait for the device before the last backward (replicated ranks, distributed.py)."""
+        return self.summed and (not self.by_tokens or self.labelled)
+
     def totals(self, device: torch.device) -> torch.Tensor:
-        """(samples, tokens, loss total) of this rank as float64, to be summed over ranks."""
+        """(samples, tokens, loss total) of this rank as float64, to be summed over ranks. Host figures go to
+        the device from pinned memory, asynchronously: from pageable memory the copy would wait for the device."""
         assert self.loss_total is not None
         count = self.count_total if self.by_tokens and self.count_total is not None else torch.zeros((), dtype=torch.float64)
-        return torch.stack([torch.tensor(float(self.n), dtype=torch.float64, device=device),
-                            count.double().to(device), self.loss_total.to(device)])
+        if count.device.type == "cpu":
+            head = torch.tensor([float(self.n), float(count)], dtype=torch.float64)
+            if device.type == "cuda":
+                head = head.pin_memory().to(device, non_blocking=True)
+            return torch.cat([head.to(device), self.loss_total.to(device).reshape(1)])
+        return torch.stack([torch.tensor(float(self.n), dtype=torch.float64).to(device), count.double().to(device),
+                            self.loss_total.to(device)])
 
     def share(self, totals: torch.Tensor) -> float:
         """The factor that turns this rank's accumulated gradients into its share of the global gradient.
@@ -158,6 +176,6 @@ def weighted_loss(loss_fn: LossFn, model: nn.Module, micro: Any, weights: LossWe
     if loss_fn is default_loss and expected is not None:
         if num_items and weights.total is not None:
             return weights.weigh_divided(default_loss(model, micro, num_items_in_batch=weights.total), expected)
-        return weights.weigh(default_loss(model, micro), expected, size, expected=expected, mean=True)
+        return weights.weigh(default_loss(model, micro), expected, size, expected=expected, mean=True, labelled=True)
     loss, count = split_loss(loss_fn(model, micro))
     return weights.weigh(loss, count, size, expected=expected)
