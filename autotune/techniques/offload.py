@@ -92,15 +92,8 @@ def host_share(numels: Sequence[int], fraction: float) -> list[int]:
     step them behind the rest of backward, and the device steps the share whose gradients land last. The
     split is a function of the fraction alone, so a trial and the training step split alike.
     """
-    total = sum(numels)
-    share: list[int] = []
-    held = 0
-    for i in reversed(range(len(numels))):
-        if held >= fraction * total * (1 - 1e-9):
-            break
-        share.append(i)
-        held += numels[i]
-    return sorted(share)
+    last_first = list(reversed(range(len(numels))))
+    return sorted(last_first[:leading(last_first, numels, fraction)])
 
 
 def overlap_default() -> bool:

@@ -15,7 +15,7 @@ met an illegal address in a recomputed backward on an H100, RESULTS.md fourth se
 writes the new masters and moments into a second set of host buffers, made current by `finish`: an attempt
 that runs out of memory half-way (`abort`) leaves the state as it was, puts the old weights back on the
 device from the untouched masters, and the re-run is exact. It costs 12 more bytes of pinned host memory a
-parameter, allocated at the first overlapped step.
+parameter, allocated when `HostOptimizer` is built for an overlapped plan (`reserve`).
 
 How: the masters are views of one pinned FP32 buffer (`HostOptimizer` lays them out so) and the stepper
 keeps both moments in two more, in the same order, so any run of parameters is one range of each. A ring
@@ -84,7 +84,8 @@ def cpu_share() -> float:
 
 
 def leading(indices: Sequence[int], numels: Sequence[int], share: float) -> int:
-    """How many of `indices`, from the first, hold `share` of their elements (fewest that reach it)."""
+    """How many of `indices`, from the first, hold `share` of their elements (fewest that reach it). The
+    host share (`offload.host_share`, from the last parameter) and the CPU's part of it (from the first) both."""
     total = sum(numels[i] for i in indices)
     held = 0
     for k, i in enumerate(indices):
