@@ -187,7 +187,7 @@ class HostOptimizer:
         # step's weight copies crashed there on two H200s (`CUDA error: invalid argument` sending a staged
         # shard back); the serial step copies each shard's master back in place.
         self.cpu_index: list[int] = []  # streamed: the leading part of the host share the CPU steps meanwhile
-        self.stepper = self._make_stepper(sharded)
+        self.stepper = self._make_stepper(sharded, numels)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
         # Streamed, no pipeline: the stepper overlaps on its own, from the hooks, and only where the plan says
         # so (`overlap` True; the pipeline's worker issuing the segments was no faster, RESULTS.md fourth
@@ -201,7 +201,7 @@ class HostOptimizer:
                 and self.partition is None):
             self._start_pipeline()
 
-    def _make_stepper(self, sharded: bool) -> DeviceStepper | None:
+    def _make_stepper(self, sharded: bool, numels: Sequence[int]) -> DeviceStepper | None:
         """The GPU steps the host share, its state streamed (offload_stream.py), where it can: on CUDA
         unless $AUTOTUNE_OFFLOAD_STREAM=0 (=1 also on the CPU test device), for Adam/AdamW over contiguous
         FP32 masters, without a GradScaler (its unscale and inf check run on the host gradients) or shards."""
@@ -212,7 +212,6 @@ class HostOptimizer:
             return None
         # The CPU steps the first of the host share (backward finishes their gradients last, so the GPU gets
         # the ones it can start on during the last backward); their masters lead the flat buffer.
-        numels = [p.numel() for p in self.params]
         self.cpu_index = self.host_index[:leading(self.host_index, numels, cpu_share())]
         streamed = self.host_index[len(self.cpu_index):]
         if not streamed:
@@ -338,10 +337,8 @@ class HostOptimizer:
                 raise
         landed = pipeline.landed - pipeline.refired if pipeline is not None else set()
         done = {i for c in pipeline.done for i in pipeline.chunks[c]} if pipeline is not None else set()
-        with host_memory():  # host-side copies: on the simulated device, not device memory
-            for i in self.host_index:
-                if i not in landed and i not in done and i not in self.skip and self.stepper is None:
-                    self._copy_grad(i)  # streamed, the stepper reads the device gradients itself
+        if self.stepper is None:  # streamed, the stepper reads the device gradients itself
+            self._copy_grads([i for i in self.host_index if i not in landed and i not in done and i not in self.skip])
         if self.params[0].device.type == "cuda" and self.stepper is None:
             torch.cuda.synchronize(self.params[0].device)  # the host gradients' copies have landed
         try:
@@ -358,12 +355,16 @@ class HostOptimizer:
             if pipeline is not None:
                 pipeline.reset()
 
-    def _copy_grad(self, i: int) -> None:
-        grad = self.params[i].grad
-        if grad is None:
-            self.master[i].grad.zero_()
-        else:
-            self.master[i].grad.copy_(local_part(grad), non_blocking=True)
+    def _copy_grads(self, indices: Sequence[int]) -> None:
+        """The device gradients at `indices` into their FP32 host masters' (host-side copies: on the
+        simulated device, not device memory)."""
+        with host_memory():
+            for i in indices:
+                grad = self.params[i].grad
+                if grad is None:
+                    self.master[i].grad.zero_()
+                else:
+                    self.master[i].grad.copy_(local_part(grad), non_blocking=True)
 
     def _update(self, stepped: set[int]) -> None:
         """Unscale and clip what was not stepped yet, step it, and bring every host weight back."""
@@ -429,7 +430,8 @@ class HostOptimizer:
         the CPU steps `cpu_index`: their gradients out first, ahead of the stepper's traffic on the link,
         then the CPU's step, its weights sent back; then the stepper is waited for."""
         grads_out = self._cpu_grads_out()
-        if self.stepper.armed:
+        armed = self.stepper.armed
+        if armed:
             self._disarm(failed=False)
             self.stepper.issue_rest()
         else:
@@ -442,7 +444,7 @@ class HostOptimizer:
                     self.master[i].grad.mul_(factor)
             self._step_host(self.cpu_index)
             self._write_back(self.cpu_index)
-        if self.stepper.armed:
+        if armed:
             self.stepper.finish()
         else:
             self.stepper.wait()
@@ -452,9 +454,7 @@ class HostOptimizer:
         on the CPU test device, or with no CPU part)."""
         if not self.cpu_index:
             return None
-        with host_memory():
-            for i in self.cpu_index:
-                self._copy_grad(i)
+        self._copy_grads(self.cpu_index)
         if self.params[0].device.type != "cuda":
             return None
         event = torch.cuda.Event()
