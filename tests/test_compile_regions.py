@@ -63,3 +63,56 @@ def test_a_bad_regions_setting_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv("AUTOTUNE_COMPILE_REGIONS", "layers")
     with pytest.raises(InvalidSetting, match=r"AUTOTUNE_COMPILE_REGIONS.*'blocks' or 'whole'"):
         compiling.install(_gpt2(2), None, 0)
+
+
+def _grads_and_saved(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every parameter's gradient after one forward and backward (seeded: dropout is on), and how many
+    bytes autograd saved outside any checkpoint during the forward."""
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    torch.manual_seed(1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), saved[0]
+
+
+@pytest.mark.parametrize("recomputed", [2, 4])
+def test_a_recomputed_block_is_compiled_inside_its_checkpoint_with_the_gradients_of_no_recompute(recomputed):
+    """Compile with recompute, as `apply_rung` puts them together: the recomputed blocks run their compiled
+    forward inside the checkpoint (Inductor never traces a checkpoint), the others are compiled as usual.
+    The gradients are bitwise those of the compiled model without recompute, dropout included (the
+    checkpoint restores the RNG state Inductor draws its seeds from), and the checkpoint did drop what
+    the compiled blocks would have kept."""
+    from autotune.devices.placement import Placement
+    from autotune.techniques import checkpointing
+
+    torch._dynamo.reset()
+    cfg = dict(n_layer=4, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.1, attn_pdrop=0.1)
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)))
+    plain, recomputing = models
+    placement = Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=2**34)
+    blocks = find_blocks(recomputing)
+    undo = [checkpointing.install(blocks, recomputed, offload_activations=False, placement=placement,
+                                  inner=compiling.forward),
+            compiling.install(recomputing, blocks, recomputed)]
+    undo_plain = compiling.install(plain, find_blocks(plain), 0)
+    try:
+        assert [b._compiled_call_impl is None for b in blocks.blocks] == [i < recomputed for i in range(4)]
+        want, kept = _grads_and_saved(plain, ids)
+        got, kept_recomputing = _grads_and_saved(recomputing, ids)
+        assert torch.equal(got, want)
+        assert kept_recomputing < kept * (1 - 0.5 * recomputed / 4)
+    finally:
+        for fn in reversed(undo):
+            fn()
+        undo_plain()
+    assert all("forward" not in b.__dict__ and b._compiled_call_impl is None for b in blocks.blocks)

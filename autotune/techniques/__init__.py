@@ -266,7 +266,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             if blocks is None:
                 raise InvalidSetting("checkpointing needs repeated blocks and none were found in the model")
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
-                                              placement=placement))
+                                              placement=placement,
+                                              inner=compiling.forward if rung.compile else None))
         if rung.compile:
             undo.append(compiling.install(model, blocks, count))
         trainable = [p for p in model.parameters() if p.requires_grad]

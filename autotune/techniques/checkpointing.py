@@ -35,11 +35,15 @@ def chosen_blocks(blocks: BlockGroup, count: int) -> list[nn.Module]:
     return list(blocks.blocks[:max(0, count)])
 
 
-def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement) -> Callable[[], None]:
-    """Wrap `count` blocks' `forward` with non-reentrant checkpointing; returns the undo function."""
+def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement,
+            inner: Callable[[nn.Module], Callable[..., Any]] | None = None) -> Callable[[], None]:
+    """Wrap `count` blocks' `forward` with non-reentrant checkpointing; returns the undo function. `inner`
+    gives what the checkpoint runs for a block instead of its own forward (`compile.forward`: the block
+    compiled inside its checkpoint)."""
     chosen = chosen_blocks(blocks, count)
     for block in chosen:
-        original = block.forward  # the bound method; restored by deleting the instance attribute
+        # the bound method (restored by deleting the instance attribute), or what `inner` makes of the block
+        original = inner(block) if inner is not None else block.forward
         wrapped = _checkpointed(block, original, offload_activations, placement)
         block.forward = wrapped  # type: ignore[method-assign]
 
@@ -59,8 +63,7 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
             return original(*args, **kwargs)
         args, kwargs = _without_kv_cache(args, kwargs)
         if not offload and not norms:
-            # Nothing to count or park: a plain checkpoint of the block, which torch.compile traces into one
-            # graph with the block (the counting closure below mutates state, which compile cannot keep).
+            # Nothing to count or park: a plain checkpoint of the block.
             return checkpoint(original, *args, use_reentrant=False, **kwargs)
         calls = [0]
         parked = offload and bool(args) and isinstance(args[0], torch.Tensor)

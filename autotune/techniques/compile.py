@@ -1,9 +1,15 @@
 """The compile knob: `torch.compile` on the model's repeated blocks (or the whole model), composed with
 checkpointing the way it pays.
 
-Where the model has repeated blocks, each block is compiled on its own, around its checkpoint wrapper
-when it has one, so the recompute in backward runs the same fused kernels (torchtitan compiles per block
-for the same reason), and the rest of the model stays eager. Identical blocks share one compiled graph
+Where the model has repeated blocks, each block is compiled on its own and the rest of the model stays
+eager. A recomputed block is compiled *inside* its checkpoint (`forward`, which `checkpointing.install`
+wraps): the checkpoint drops what the compiled graph saved and runs the compiled forward again in
+backward, so the recompute uses the same fused kernels and Inductor never sees a checkpoint. The other
+order, a compiled checkpoint wrapper (torchtitan's), hands the recompute to Inductor's partitioner, which
+on torch 2.11 failed on GPT-2 XL ("Node add_222 was invalid, but is output", benchmarks/RESULTS.md sixth
+session) and gained nothing on GPT-2 large (issue 11). Compiled inside, the gradients are bitwise those of
+the compiled block without recompute, dropout included (the checkpoint restores the RNG state that
+Inductor's seeds are drawn from; tests/test_compile_regions.py). Identical blocks share one compiled graph
 (their parameters are graph inputs), so compile time is one block's, not N blocks': on GPT-2 large (36
 blocks) compiling the whole model took 129.5 s of a 285.8 s tune on an H100 (benchmarks/RESULTS.md),
 most of the tuning time. A model without repeated blocks is compiled whole. `$AUTOTUNE_COMPILE_REGIONS`
@@ -53,15 +59,17 @@ def unavailable(placement: Placement) -> str | None:
 
 
 def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> Callable[[], None]:
-    """Compile `model`'s repeated blocks (or the whole model, see the module docstring); returns the undo
-    function."""
+    """Compile `model`'s repeated blocks but the first `checkpointed` (those are compiled inside their
+    checkpoint, by `checkpointing.install` through `forward`), or the whole model (see the module
+    docstring); returns the undo function."""
     _raise_cache_limits()
     whole = regions() == "whole" and checkpointed == 0  # read first: a bad setting fails on every model
     # No blocks (none found, or the model's library checkpoints its own): the whole model.
-    targets = [model] if blocks is None or not blocks.blocks or whole else list(blocks.blocks)
+    per_block = blocks is not None and bool(blocks.blocks) and not whole
+    targets = list(blocks.blocks[checkpointed:]) if per_block and blocks is not None else [model]
     for module in targets:
         module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
-    restore_cache = _no_kv_cache(model) if targets[0] is not model else (lambda: None)
+    restore_cache = _no_kv_cache(model) if per_block else (lambda: None)
 
     def remove() -> None:
         for module in targets:
@@ -86,6 +94,24 @@ def _compiled(module: nn.Module) -> Callable[..., object]:
 
         _WRAPPERS[module] = call
     return _WRAPPERS[module]
+
+
+_FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
+
+
+def forward(block: nn.Module) -> Callable[..., object]:
+    """`block.forward` (the class's, not an instance wrapper) compiled, with the batch dimension of its
+    inputs marked dynamic: what a recomputed block's checkpoint runs, in forward and again in backward.
+    One per block for the life of the block, for the reason `_WRAPPERS` gives."""
+    if block not in _FORWARDS:
+        compiled = torch.compile(type(block).forward.__get__(block))
+
+        def call(*args: object, **kwargs: object) -> object:
+            mark_batch_dynamic((args, kwargs))
+            return compiled(*args, **kwargs)
+
+        _FORWARDS[block] = call
+    return _FORWARDS[block]
 
 
 def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
