@@ -111,7 +111,7 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     out["weights_agree_after_close"] = not _differs_between_ranks(
         {"sum": sum(float(p.detach().double().sum()) for p in model.parameters())})
     out["offload_partition"] = os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1")
-    if args.shares and plan.offload == "optimizer":
+    if args.shares:
         out["shares"] = [_train_share(model, plan, share, args, device, rank, world) for share in args.shares]
     return out
 
@@ -120,12 +120,20 @@ def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, de
                  world: int) -> dict[str, Any]:
     """The plan with another host share (`plan.offload_fraction`), trained in the same process after it: what
     the search's share left on the table, or what a smaller one would cost in memory (a share that does not
-    fit shows as a recovery and a peak over the limit). `variant` is SHARE[@MICRO][@one]: another micro-batch
-    too, and one gradient bucket (the all-reduce after backward)."""
+    fit shows as a recovery and a peak over the limit). `variant` is SHARE[@MICRO][@one][@kBLOCKS]: another
+    micro-batch too, one gradient bucket (the all-reduce after backward), BLOCKS repeated blocks recomputed
+    (compile as the plan has it); SHARE 0 is no optimizer offload."""
     share, *rest = variant.split("@")
-    micro = int(rest[0]) if rest and rest[0] != "one" else plan.micro_batch_size
+    micros = [int(r) for r in rest if r.isdigit()]
+    blocks = [int(r[1:]) for r in rest if r.startswith("k") and r[1:].isdigit()]
+    micro = micros[0] if micros else plan.micro_batch_size
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
+    k = blocks[0] if blocks else plan.checkpointed_blocks
+    n = len(plan.block_paths) or 10**9
     other = dataclasses.replace(plan, offload_fraction=float(share), micro_batch_size=micro,
+                                offload="optimizer" if float(share) > 0 else "none",
+                                checkpointed_blocks=k,
+                                checkpointing="none" if not k else "full" if k >= n else "selective",
                                 accumulation_steps=steps, last_micro_batch_size=last)
     buckets = distributed.BUCKET_BYTES
     if "one" in rest:
@@ -322,8 +330,8 @@ def _parse() -> Args:
     p.add_argument("--compare-nooverlap", action="store_true",
                    help="replicated: train the plan again with one gradient bucket (no overlap), same process")
     p.add_argument("--shares", default="", help="replicated, under optimizer offload: after the plan, train it again "
-                   "with each of these host shares, comma-separated: SHARE[@MICRO][@one] (another micro-batch; one gradient "
-                   "bucket), e.g. 0.3,0.01@5,1@7@one; same process")
+                   "with each of these host shares, comma-separated: SHARE[@MICRO][@one][@kBLOCKS] (another micro-batch; one "
+                   "gradient bucket; blocks recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload); same process")
     p.add_argument("--out", default="", help="append the JSON lines here")
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,

@@ -29,14 +29,16 @@ def _torchrun(script: str, *args: str) -> dict:
 
 
 def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
-    out = _torchrun("bench_multi_gpu.py", "--case", "replicated", *COMMON, "--shares", "0.5,0.001@2@one")
+    out = _torchrun("bench_multi_gpu.py", "--case", "replicated", *COMMON, "--shares", "0.5,0.001@2@one,0@2@k2")
     assert "error" not in out, out.get("traceback")
     assert out["world_size"] == 2 and out["sharding"] == "none" and "optimizer offload" in out["plan"]
     assert out["ranks_agree"] and out["weights_agree_after_close"]
-    first, second = out["shares"]
+    first, second, third = out["shares"]
     assert first["variant"] == "0.5" and first["offload_fraction"] == 0.5 and "of 50% of the parameters" in first["final_plan"]
     assert second["micro_batch_size"] == 2 and second["offload_fraction"] == 0.001
-    for row in (first, second):
+    assert third["offload_fraction"] == 0 and "ckpt 2 blocks" in third["final_plan"]
+    assert "offload" not in third["final_plan"]
+    for row in (first, second, third):
         assert "error" not in row and row["tokens_per_second"] > 0 and len(row["step_times"]) == 2
 
 
