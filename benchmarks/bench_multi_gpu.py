@@ -123,20 +123,10 @@ def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, de
     fit shows as a recovery and a peak over the limit). `variant` is SHARE[@MICRO][@one][@kBLOCKS]: another
     micro-batch too, one gradient bucket (the all-reduce after backward), BLOCKS repeated blocks recomputed
     (compile as the plan has it); SHARE 0 is no optimizer offload."""
-    share, *rest = variant.split("@")
-    micros = [int(r) for r in rest if r.isdigit()]
-    blocks = [int(r[1:]) for r in rest if r.startswith("k") and r[1:].isdigit()]
-    micro = micros[0] if micros else plan.micro_batch_size
-    steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
-    k = blocks[0] if blocks else plan.checkpointed_blocks
-    n = len(plan.block_paths) or 10**9
-    other = dataclasses.replace(plan, offload_fraction=float(share), micro_batch_size=micro,
-                                offload="optimizer" if float(share) > 0 else "none",
-                                checkpointed_blocks=k,
-                                checkpointing="none" if not k else "full" if k >= n else "selective",
-                                accumulation_steps=steps, last_micro_batch_size=last)
+    other, one = variant_plan(plan, variant)
+    micro, share = other.micro_batch_size, other.offload_fraction
     buckets = distributed.BUCKET_BYTES
-    if "one" in rest:
+    if one:
         distributed.BUCKET_BYTES = 2**62
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -153,6 +143,23 @@ def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, de
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def variant_plan(plan: Any, variant: str) -> tuple[Any, bool]:
+    """`plan` as SHARE[@MICRO][@one][@kBLOCKS] changes it (see `_train_share`), and whether it asks for one
+    gradient bucket."""
+    share, *rest = variant.split("@")
+    micros = [int(r) for r in rest if r.isdigit()]
+    blocks = [int(r[1:]) for r in rest if r.startswith("k") and r[1:].isdigit()]
+    micro = micros[0] if micros else plan.micro_batch_size
+    steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
+    k = blocks[0] if blocks else plan.checkpointed_blocks
+    n = len(plan.block_paths) or 10**9
+    other = dataclasses.replace(plan, offload_fraction=float(share), micro_batch_size=micro,
+                                offload="optimizer" if float(share) > 0 else "none", checkpointed_blocks=k,
+                                checkpointing="none" if not k else "full" if k >= n else "selective",
+                                accumulation_steps=steps, last_micro_batch_size=last)
+    return other, "one" in rest
 
 
 def run_presharded(args: argparse.Namespace, device: str, world: int, rank: int) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_replicated_parts.py --model gpt2-medium --budget 16GiB
     python benchmarks/bench_replicated_parts.py ...        # one GPU: the plan's step, timed in parts
+    ... --as 0.001@6@k4                                    # fit's plan at another share, micro-batch, recompute
 
 Variants, in this order, each `--steps` steps of the same plan in the same process (timing only: the
 switched-off parts leave the ranks' weights apart, which the next variant's broadcasts do not mend; the loss
@@ -42,7 +43,7 @@ from autotune.techniques import offload_partition  # noqa: E402
 from autotune.training import distributed  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
 from autotune.workload.batching import solve_accumulation  # noqa: E402
-from bench_multi_gpu import _init, _train  # noqa: E402  (the same ranks and the same training loop)
+from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
 
 VARIANTS = ("as-planned", "after-backward", "no-all-reduce", "no-weight-share", "parts", "waits", "no-agree",
@@ -66,6 +67,9 @@ def main() -> None:
         steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
         plan = dataclasses.replace(plan, offload_fraction=a.fraction or plan.offload_fraction, micro_batch_size=micro,
                                    accumulation_steps=steps, last_micro_batch_size=last)
+    if a.as_variant:
+        plan, _ = variant_plan(plan, a.as_variant)
+    if plan.summary() != out["plan"]:
         out["plan"] = f"{plan.summary()} (fit's: {out['plan']})"
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     for name in a.variants.split(",") if a.variants else VARIANTS if world > 1 else ("as-planned", "parts", "as-planned"):
@@ -168,6 +172,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--variants", default="", help="comma-separated, in this order (default: all of them)")
     p.add_argument("--fraction", type=float, default=0.0, help="train the plan with this host share instead of fit's")
     p.add_argument("--micro", type=int, default=0, help="train the plan at this micro-batch instead of fit's")
+    p.add_argument("--as", dest="as_variant", default="", help="train fit's plan changed as SHARE[@MICRO][@kBLOCKS] "
+                   "says (bench_multi_gpu.py --shares), e.g. 0.001@6 or 0@8@k12")
     return p.parse_args()
 
 

@@ -44,9 +44,8 @@ def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
 
 def test_bench_replicated_parts_times_each_variant():
     variants = ["as-planned", "waits", "no-agree", "no-count-sum", "parts"]
-    out = _torchrun("bench_replicated_parts.py", *COMMON, "--variants", ",".join(variants), "--fraction", "0.25",
-                    "--micro", "4")
-    assert out["world_size"] == 2 and "of 25% of the parameters, micro-batch 4 x 2" in out["plan"]
+    out = _torchrun("bench_replicated_parts.py", *COMMON, "--variants", ",".join(variants), "--as", "0.25@4@k1")
+    assert out["world_size"] == 2 and "ckpt 1 blocks" in out["plan"] and "of 25% of the parameters, micro-batch 4 x 2" in out["plan"]
     assert [r["variant"] for r in out["variants"]] == variants
     assert all(r["step_seconds"] > 0 for r in out["variants"])
     rows = {r["variant"]: r for r in out["variants"]}
