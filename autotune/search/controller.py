@@ -125,6 +125,7 @@ class Controller:
             self._climb([r for r in rungs if r.checkpointed_blocks != 0])
             self._place_blocks()
             self._place_compile()
+            self._place_compiled_recompute()
         best = self._best()
         if best is None:
             raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
@@ -269,12 +270,9 @@ class Controller:
         saves in time and bytes; then at the largest micro-batch that saving predicts to fit, and from the
         two points on, along the compiled configuration's own memory line (grow or bisect, as any rung).
 
-        Compiled configurations recompute no block, and keep the probe's offload unless compile's measured
-        savings predict a win with the other one (`_compile_other_offload`). Compiled checkpoint wrappers
-        gained nothing (issue 11: 22,969 against 23,120 tok/s)
-        and one hit an illegal memory access (torch 2.11, H100), which no process survives; GPT-2 XL with every
-        block recomputed, compiled, failed in Inductor's partitioner ("Node add_222 was invalid, but is
-        output", torch 2.11, RESULTS.md sixth session). One point does
+        Compiled configurations placed here recompute no block, and keep the probe's offload unless compile's
+        measured savings predict a win with the other one (`_compile_other_offload`); compile with blocks
+        recomputed comes after the recompute rungs are measured (`_place_compiled_recompute`). One point does
         not tell compile's floor from its bytes per sample (on GPT-2 large its workspaces raised the floor
         by 1.6 GiB while each sample took 0.38x the bytes), hence the second point before any growth.
         """
@@ -303,6 +301,22 @@ class Controller:
         if guess > first.micro_batch_size and self._budget_left():
             self._verify(state, guess)
         self._compile_other_offload(rung.offload)
+
+    def _place_compiled_recompute(self) -> None:
+        """Compile with blocks recomputed, with either offload, where the lines measured so far (eager
+        recompute's bytes and time per sample, scaled by what compile saved beside eager) predict a win.
+
+        A recomputed block runs its compiled forward inside the checkpoint (`techniques/compile.py`), so
+        compile's saving applies to the recompute too and the freed memory buys a larger micro-batch: on
+        GPT-2 XL at 16 GiB (H100) compile with every block recomputed at 8 x 8 trained 24,945 tok/s against
+        17,478 for compile without recompute at 2 x 32, the best compiled configuration before (RESULTS.md,
+        2026-11-27). Needs the compile probe and an eager recompute rung measured; nothing to place otherwise.
+        """
+        if self._compiled is None or self.lattice.blocks < 1 or not self._budget_left():
+            return
+        candidates = [c for offload in ("none", "optimizer") if any(s.rung.offload == offload for s in self.states)
+                      for c in self._candidates(offload, compiled=self._compiled) if c[0].checkpointed_blocks]
+        self._try_best(candidates, "compile with blocks recomputed")
 
     def _compile_other_offload(self, measured: str) -> None:
         """Compile with the other of no offload and optimizer offload, where what compile saved beside the
@@ -347,7 +361,12 @@ class Controller:
 
     def _candidates(self, offload: str, compiled: _Compiled | None) -> list[tuple[Rung, int, float]]:
         """(rung, micro-batch, predicted samples/s) for each accumulation count: the fewest blocks
-        recomputed that fit that micro-batch by the measured lines, for `offload`, eager or compiled."""
+        recomputed that fit that micro-batch by the measured lines, for `offload`, eager or compiled.
+
+        Compiled, the blocks not recomputed follow compile's own measured line where it has one (bytes and
+        time per sample), else eager's scaled by what compile saved; the recomputed ones follow eager full
+        recompute's, its time scaled by compile's ratio. (GPT-2 XL at 16 GiB: eager fits one sample, so only
+        compile's line says what its blocks keep.)"""
         n = self.lattice.blocks
         precision = self.states[0].rung.precision
         lo = Rung(precision=precision, offload=offload, checkpointed_blocks=0)
@@ -358,6 +377,11 @@ class Controller:
         opt = self._optimizer_seconds(offload)
         t0 = self._step_line(lo)
         tn = self._step_line(hi) if n else t0
+        time0 = timen = compiled.time if compiled else 1.0
+        memory = compiled.memory if compiled else 1.0
+        lo_c = dataclasses.replace(lo, compile=True)
+        if compiled is not None and self._slope(lo_c) is not None and self._step_line(lo_c) is not None:
+            s0, t0, memory, time0 = self._slope(lo_c), self._step_line(lo_c), 1.0, 1.0
         if None in (s0, floor, opt, t0):
             return []
         if sn is None or tn is None:  # recompute not measured yet: only configurations without it
@@ -366,15 +390,13 @@ class Controller:
         for micro in self._sizes():
             if compiled is not None and self._one_sample_left(micro):
                 continue  # a last micro-batch of one sample is a shape compile specializes: a recompile
-            k = _blocks_needed(floor, s0, sn, n, micro, self.limit, compiled.memory if compiled else 1.0,
-                               self.lattice.shares)
+            k = _blocks_needed(floor, s0, sn, n, micro, self.limit, memory, self.lattice.shares)
             if k is None:
                 continue
             label = "none" if k == 0 else "full" if k == self.lattice.blocks else "selective"
             rung = dataclasses.replace(lo, checkpointing=label, checkpointed_blocks=k, compile=compiled is not None)
             frac = k / n if n else 0.0
-            seconds = (1 - frac) * (t0[0] + t0[1] * micro) + frac * (tn[0] + tn[1] * micro)
-            seconds *= compiled.time if compiled else 1.0
+            seconds = (1 - frac) * (t0[0] + t0[1] * micro) * time0 + frac * (tn[0] + tn[1] * micro) * timen
             rate = self.per_rank * self.world_size / global_step_seconds(max(seconds, 1e-9), opt, self.per_rank, micro)
             out.append((rung, micro, rate))
         return out
