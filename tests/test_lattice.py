@@ -41,6 +41,7 @@ class LatticeGPU:
     compile_memory: float = 1.0
     compile_floor: float = 0.0  # what compiled code adds to the floor (workspaces)
     compile_time: float = 1.0
+    compile_launch: float | None = None  # a compiled micro-step's fixed cost, where it is not launch x compile_time
     compile_error: bool = False
     optimizer_seconds: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"none": 0.05, "activations": 0.05, "optimizer": 0.4})
@@ -59,6 +60,8 @@ class LatticeGPU:
         if peak > self.budget:
             return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=self.budget)
         step = (self.launch + micro * self.sample_time * (1 + 0.33 * frac)) * (self.compile_time if rung.compile else 1)
+        if rung.compile and self.compile_launch is not None:
+            step += self.compile_launch - self.launch * self.compile_time
         opt = self.optimizer_seconds[rung.offload]
         rate = self.per_rank / global_step_seconds(step, opt, self.per_rank, micro)
         outcome = "ok" if peak <= 0.9 * self.budget else "over_budget"
@@ -149,18 +152,23 @@ def test_compile_grows_along_its_own_line_when_the_eager_one_is_unknown():
 
 
 def test_compile_with_every_block_recomputed_is_placed_where_its_larger_micro_batch_wins():
-    # W2, GPT-2 XL at 16 GiB on an H100 (RESULTS.md, 2026-11-27): compile without recompute fits 2 samples a
-    # micro-batch (32 micro-steps); compiled blocks recomputed inside their checkpoints fit 8 (8 micro-steps),
-    # whose recompute costs less than the 24 micro-steps it saves: 24,945 against 17,478 tok/s.
+    # W2, GPT-2 XL at 16 GiB on an H100, as fit measured it (RESULTS.md, 2026-11-27): eager fits one sample
+    # under optimizer offload, compile two, and at those sizes a micro-step is mostly its fixed cost, which
+    # compile does not cut (compile was 1.08x slower than eager at one sample); every block recomputed fits 8.
+    # Compiled with recompute, the per-sample work shrinks and 8 micro-steps replace 32: 24,945 against
+    # 17,478 tok/s measured. Compile's ratio at one sample would have predicted no gain.
     gpu = LatticeGPU(budget=16 * GiB, per_rank=64, floors={"none": 23 * GiB, "activations": 23 * GiB,
-                                                          "optimizer": 6 * GiB}, s0=8 * GiB, sn=0.9 * GiB,
-                     compile_memory=0.35, compile_time=0.6, launch=0.1, sample_time=0.05,
-                     optimizer_seconds={"none": 0.05, "activations": 0.05, "optimizer": 0.02})
-    assert gpu(_rung(N, "optimizer", True), 8).samples_per_second > 1.2 * gpu(_rung(0, "optimizer", True), 2).samples_per_second
+                                                          "optimizer": 6.5 * GiB}, s0=7.6 * GiB, sn=0.85 * GiB,
+                     compile_memory=0.42, compile_floor=0.7 * GiB, launch=0.096, sample_time=0.036,
+                     compile_time=0.55, compile_launch=0.12,
+                     optimizer_seconds={"none": 0.05, "activations": 0.05, "optimizer": 0.7})
+    eager1, compiled1 = gpu(_rung(0, "optimizer"), 1), gpu(_rung(0, "optimizer", True), 1)
+    assert compiled1.samples_per_second < eager1.samples_per_second  # compile loses at one sample
     gpu.calls.clear()
     best, notes, controller = _search(gpu, compile=True, fitting_floors=True)
     assert best.rung.compile and best.rung.checkpointed_blocks and best.micro_batch_size >= 6, (best, notes)
     assert_near_the_best_reachable(gpu, best, controller)
+    assert len(controller.trials) <= 14
 
 
 def test_compile_with_recompute_is_not_tried_where_no_recompute_already_fits_the_whole_batch():

@@ -303,19 +303,51 @@ class Controller:
         self._compile_other_offload(rung.offload)
 
     def _place_compiled_recompute(self) -> None:
-        """Compile with blocks recomputed, with either offload, where the lines measured so far (eager
-        recompute's bytes and time per sample, scaled by what compile saved beside eager) predict a win.
+        """Compile with blocks recomputed: first the fastest eager recompute configuration compiled, at its
+        micro-batch (compile only lowers memory, so it fits there), which measures what compile saves with
+        recompute on; then, with that ratio, the compiled block count and micro-batch predicted fastest.
 
-        A recomputed block runs its compiled forward inside the checkpoint (`techniques/compile.py`), so
-        compile's saving applies to the recompute too and the freed memory buys a larger micro-batch: on
-        GPT-2 XL at 16 GiB (H100) compile with every block recomputed at 8 x 8 trained 24,945 tok/s against
-        17,478 for compile without recompute at 2 x 32, the best compiled configuration before (RESULTS.md,
-        2026-11-27). Needs the compile probe and an eager recompute rung measured; nothing to place otherwise.
+        A recomputed block runs its compiled forward inside the checkpoint (`techniques/compile.py`), so the
+        recompute runs fused kernels too, and what compile saves depends on the micro-batch: on GPT-2 XL at
+        16 GiB (H100) compile was 1.08x *slower* than eager at one sample (a launch-bound step: 64 micro-steps
+        of guards and calls), while with every block recomputed at 8 samples it made the step 1.90x faster
+        (24,945 against 13,127 tok/s), also beating compile without recompute at 2 x 32 (17,478): RESULTS.md,
+        2026-11-27. So the ratio measured without recompute, at the small micro-batch compile fitted, does
+        not predict this one; it is measured where it applies.
         """
         if self._compiled is None or self.lattice.blocks < 1 or not self._budget_left():
             return
+        # Only where recompute lets a micro-batch grow past what compile without it reached: recompute itself
+        # only adds work.
+        reach = max((t.micro_batch_size for t in self.trials if t.fits and t.rung.compile
+                     and not t.rung.checkpointed_blocks), default=0)
+        eager = [t for t in self.trials if t.fits and t.rung.checkpointed_blocks and not t.rung.compile
+                 and t.rung.offload in ("none", "optimizer") and t.step_seconds > 0 and t.micro_batch_size > reach]
+        if not eager:
+            return
+        base = max(eager, key=lambda t: t.samples_per_second)
+        state = self._state(dataclasses.replace(base.rung, compile=True))
+        first = next((t for t in state.trials if t.micro_batch_size == base.micro_batch_size), None)
+        first = first or self._run(state, base.micro_batch_size)
+        if first.outcome == "error":
+            self.notes.append(f"compile with blocks recomputed failed ({first.note}); not tried again")
+            return
+        if not first.fits and self._budget_left():
+            # Compile's workspaces raise the floor (GPT-2 large: 1.6 GiB): once down by what the miss was
+            # over, at eager recompute's bytes per sample; one size down after an OOM (no peak to go by).
+            slope = self._slope(base.rung)
+            over = first.peak_bytes - self.limit if first.outcome == "over_budget" and slope else 0
+            smaller = [m for m in self._sizes() if m < first.micro_batch_size and not self._one_sample_left(m)
+                       and (not over or m <= first.micro_batch_size - over / slope)]
+            if smaller:
+                first = self._run(state, max(smaller))
+        line = self._step_line(base.rung)
+        if not first.fits or first.step_seconds <= 0 or line is None:
+            return
+        eager_seconds = line[0] + line[1] * first.micro_batch_size  # eager recompute at the same size
+        measured = _Compiled(memory=self._compiled.memory, time=first.step_seconds / max(eager_seconds, 1e-9))
         candidates = [c for offload in ("none", "optimizer") if any(s.rung.offload == offload for s in self.states)
-                      for c in self._candidates(offload, compiled=self._compiled) if c[0].checkpointed_blocks]
+                      for c in self._candidates(offload, compiled=measured) if c[0].checkpointed_blocks]
         self._try_best(candidates, "compile with blocks recomputed")
 
     def _compile_other_offload(self, measured: str) -> None:
