@@ -100,11 +100,11 @@ _FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref
 
 
 def forward(block: nn.Module) -> Callable[..., object]:
-    """`block.forward` (the class's, not an instance wrapper) compiled, with the batch dimension of its
+    """`block.forward` as it is before the checkpoint wraps it, compiled, with the batch dimension of its
     inputs marked dynamic: what a recomputed block's checkpoint runs, in forward and again in backward.
     One per block for the life of the block, for the reason `_WRAPPERS` gives."""
     if block not in _FORWARDS:
-        compiled = torch.compile(type(block).forward.__get__(block))
+        compiled = torch.compile(block.forward)
 
         def call(*args: object, **kwargs: object) -> object:
             mark_batch_dynamic((args, kwargs))
