@@ -5,7 +5,7 @@ Knobs, each independent of the others (a lattice, not a line):
     checkpointing   how many of the N repeated blocks are recomputed in backward, 0..N
     offload         none; activations (block inputs parked in pinned host memory, with checkpointing);
                     optimizer (FP32 masters and optimizer state on the host, with or without checkpointing)
-    compile         torch.compile on the whole model, or per block around the checkpoint wrapper
+    compile         torch.compile on the whole model, or per block (a recomputed block inside its checkpoint)
 
 `anchors` are the configurations the search measures first (every offload with none and with all blocks
 recomputed); the search then places intermediate block counts and compile from what they measured.
