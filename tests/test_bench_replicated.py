@@ -51,3 +51,21 @@ def test_bench_replicated_parts_times_each_variant():
     rows = {r["variant"]: r for r in out["variants"]}
     assert set(rows["waits"]["parts"]) == {"sum_over_ranks", "agree_oom"}  # the step's agreements, timed
     assert set(rows["parts"]["parts"]) == {"micro_batches_but_last_backward", "last_backward", "all_reduce_wait", "optimizer"}
+
+
+def test_bench_rank_overhead_times_one_configuration_as_ranks_as_a_pair_and_alone(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    env.update(PYTHON=sys.executable, AS="0.25@4", BUDGET="5MiB", BUDGET_SINGLE="8MiB", STEPS="2", GLOBAL="16",
+               ARGS="--model tiny-gpt --device cpu --seq 64")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "bench_rank_overhead.sh"), str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for run, world, batch in (("ranks", 2, 16), ("pair0", 1, 8), ("pair1", 1, 8), ("alone", 1, 8)):
+        lines = [line for line in (tmp_path / f"{run}.txt").read_text().splitlines() if line.startswith("{")]
+        assert len(lines) == 1, (run, (tmp_path / f"{run}.err").read_text()[-3000:])
+        out = json.loads(lines[0])
+        assert out["world_size"] == world and "of 25% of the parameters, micro-batch 4" in out["plan"], (run, out["plan"])
+        assert f"x {world} rank(s) = {batch}" in out["plan"]
+        assert [r["variant"] for r in out["variants"]] == ["as-planned", "parts", "as-planned"]
+        assert set(out["variants"][1]["parts"]) == {"micro_batches_but_last_backward", "last_backward",
+                                                   "all_reduce_wait", "optimizer"}
