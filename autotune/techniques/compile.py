@@ -81,37 +81,34 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
 
 # One compiled callable per module, reused by every trial and by training: a fresh torch.compile wrapper
 # brings a fresh backend, whose guard would miss every graph compiled before and compile them again.
+# `_WRAPPERS` holds the module's whole call (`_call_impl`), `_FORWARDS` a recomputed block's forward.
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
-
-
-def _compiled(module: nn.Module) -> Callable[..., object]:
-    if module not in _WRAPPERS:
-        compiled = torch.compile(module._call_impl)
-
-        def call(*args: object, **kwargs: object) -> object:
-            mark_batch_dynamic((args, kwargs))  # a block's inputs are the model's activations, marked here
-            return compiled(*args, **kwargs)
-
-        _WRAPPERS[module] = call
-    return _WRAPPERS[module]
-
-
 _FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
 
 
+def _compiled(module: nn.Module) -> Callable[..., object]:
+    return _once(_WRAPPERS, module, lambda: module._call_impl)
+
+
 def forward(block: nn.Module) -> Callable[..., object]:
-    """`block.forward` as it is before the checkpoint wraps it, compiled, with the batch dimension of its
-    inputs marked dynamic: what a recomputed block's checkpoint runs, in forward and again in backward.
-    One per block for the life of the block, for the reason `_WRAPPERS` gives."""
-    if block not in _FORWARDS:
-        compiled = torch.compile(block.forward)
+    """`block.forward` as it is before the checkpoint wraps it, compiled: what a recomputed block's
+    checkpoint runs, in forward and again in backward."""
+    return _once(_FORWARDS, block, lambda: block.forward)
+
+
+def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], module: nn.Module,
+          target: Callable[[], Callable[..., object]]) -> Callable[..., object]:
+    """`target()` compiled, once per module in `cache`, with the batch dimension of its inputs marked
+    dynamic before each call (a block's inputs are the model's activations, marked here)."""
+    if module not in cache:
+        compiled = torch.compile(target())
 
         def call(*args: object, **kwargs: object) -> object:
             mark_batch_dynamic((args, kwargs))
             return compiled(*args, **kwargs)
 
-        _FORWARDS[block] = call
-    return _FORWARDS[block]
+        cache[module] = call
+    return cache[module]
 
 
 def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
