@@ -116,3 +116,35 @@ def test_a_recomputed_block_is_compiled_inside_its_checkpoint_with_the_gradients
             fn()
         undo_plain()
     assert all("forward" not in b.__dict__ and b._compiled_call_impl is None for b in blocks.blocks)
+
+
+def test_compiled_rungs_with_more_blocks_recomputed_follow_each_other_as_a_search_and_a_recovery_do():
+    """`apply_rung` for compile with 0, 2 and 4 blocks recomputed, one after the other on one model (each
+    undone before the next): every rung gives the compiled model's loss, each block is compiled in exactly
+    one way (inside its checkpoint or as a whole call, never both), and the last undo leaves none."""
+    from autotune.devices.placement import Placement
+    from autotune.plan import Rung
+    from autotune.techniques import apply_rung
+    from autotune.workload.optimizers import OptimizerSpec
+
+    torch._dynamo.reset()
+    model = _gpt2()
+    placement = Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=2**34)
+    blocks = find_blocks(model)
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids).loss.item()
+    for k in (0, 2, 4, 2):
+        label = "none" if k == 0 else "full" if k == 4 else "selective"
+        rung = Rung(precision="fp32", checkpointing=label, checkpointed_blocks=k, compile=True)
+        applied = apply_rung(model, rung, OptimizerSpec.from_user(None, model), placement, blocks)
+        try:
+            recomputed = ["forward" in b.__dict__ for b in blocks.blocks]
+            whole_call = [b._compiled_call_impl is not None for b in blocks.blocks]
+            assert recomputed == [i < k for i in range(4)] and whole_call == [i >= k for i in range(4)], k
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            assert loss.item() == pytest.approx(want, rel=1e-4)
+        finally:
+            applied.remove()
+            model.zero_grad(set_to_none=True)
+    assert not any("forward" in b.__dict__ or b._compiled_call_impl is not None for b in blocks.blocks)
