@@ -25,7 +25,6 @@ Rank 0 prints one JSON line and a table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -42,7 +41,6 @@ import autotune  # noqa: E402
 from autotune.techniques import offload_partition  # noqa: E402
 from autotune.training import distributed  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
-from autotune.workload.batching import solve_accumulation  # noqa: E402
 from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
 
@@ -62,13 +60,10 @@ def main() -> None:
     out: dict[str, Any] = {"model": a.model, "world_size": world, "budget": a.budget, "plan": plan.summary(),
                            "tune_seconds": time.perf_counter() - started,
                            "partition": os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1"), "variants": []}
-    if a.fraction or a.micro:
-        micro = a.micro or plan.micro_batch_size
-        steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
-        plan = dataclasses.replace(plan, offload_fraction=a.fraction or plan.offload_fraction, micro_batch_size=micro,
-                                   accumulation_steps=steps, last_micro_batch_size=last)
-    if a.as_variant:
-        plan, _ = variant_plan(plan, a.as_variant)
+    variant = a.as_variant or (f"{a.fraction or plan.offload_fraction}@{a.micro or plan.micro_batch_size}"
+                               if a.fraction or a.micro else "")  # the older flags, as a variant
+    if variant:
+        plan, _ = variant_plan(plan, variant)
     if plan.summary() != out["plan"]:
         out["plan"] = f"{plan.summary()} (fit's: {out['plan']})"
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))

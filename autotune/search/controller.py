@@ -411,9 +411,11 @@ class Controller:
         tn = self._step_line(hi) if n else t0
         time0 = timen = compiled.time if compiled else 1.0
         memory = compiled.memory if compiled else 1.0
-        lo_c = dataclasses.replace(lo, compile=True)
-        if compiled is not None and self._slope(lo_c) is not None and self._step_line(lo_c) is not None:
-            s0, t0, memory, time0 = self._slope(lo_c), self._step_line(lo_c), 1.0, 1.0
+        if compiled is not None:
+            lo_c = dataclasses.replace(lo, compile=True)
+            own_slope, own_line = self._slope(lo_c), self._step_line(lo_c)
+            if own_slope is not None and own_line is not None:
+                s0, t0, memory, time0 = own_slope, own_line, 1.0, 1.0
         if None in (s0, floor, opt, t0):
             return []
         if sn is None or tn is None:  # recompute not measured yet: only configurations without it
