@@ -9,6 +9,8 @@ switched-off parts leave the ranks' weights apart, which the next variant's broa
 is not the point here):
     as-planned       the plan as `plan.apply` trains it
     after-backward   one gradient bucket: the all-reduce starts when the last backward ends (no overlap)
+    per-tensor       one all-reduce per gradient instead of one collective per bucket (before 2026-11-27h)
+    per-tensor-after-backward  both: one bucket, all-reduced a gradient at a time
     no-all-reduce    the gradients are not summed over ranks at all (what the all-reduce costs, overlapped)
     no-weight-share  partitioned offload's weight broadcast skipped (what it costs)
     parts            as planned, with a device synchronize around each part of the step: the micro-batches
@@ -44,7 +46,7 @@ from autotune.training.step import TrainingStep  # noqa: E402
 from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
 
-VARIANTS = ("as-planned", "after-backward", "no-all-reduce", "no-weight-share", "parts", "waits", "no-agree",
+VARIANTS = ("as-planned", "after-backward", "per-tensor", "per-tensor-after-backward", "no-all-reduce", "no-weight-share", "parts", "waits", "no-agree",
             "no-count-sum", "as-planned")
 
 
@@ -98,9 +100,11 @@ class _variant:
         self.parts: dict[str, list[float]] = {}
 
     def __enter__(self) -> dict[str, list[float]]:
-        if self.name == "after-backward":
+        if self.name.endswith("after-backward"):
             self._set(distributed, "BUCKET_BYTES", 2**62)
-        elif self.name == "no-all-reduce":
+        if self.name.startswith("per-tensor"):
+            self._set(distributed, "_coalescing_manager", None)  # all_reduce_together's fallback: one per tensor
+        if self.name == "no-all-reduce":
             def start(reduce: Any) -> None:
                 reduce.started += 1
             self._set(distributed.OverlappedReduce, "_start", start)
@@ -169,7 +173,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=0, help="train the plan at this micro-batch instead of fit's")
     p.add_argument("--as", dest="as_variant", default="", help="train fit's plan changed as SHARE[@MICRO][@kBLOCKS] "
                    "says (bench_multi_gpu.py --shares), e.g. 0.001@6 or 0@8@k12")
-    return p.parse_args()
+    args = p.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS) if args.variants else set()
+    if unknown:  # a misspelt variant would otherwise train as planned under its own name
+        p.error(f"unknown --variants {', '.join(sorted(unknown))}; known: {', '.join(dict.fromkeys(VARIANTS))}")
+    return args
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
 
 
 def test_bench_replicated_parts_times_each_variant():
-    variants = ["as-planned", "waits", "no-agree", "no-count-sum", "parts"]
+    variants = ["as-planned", "per-tensor", "waits", "no-agree", "no-count-sum", "parts"]
     out = _torchrun("bench_replicated_parts.py", *COMMON, "--variants", ",".join(variants), "--as", "0.25@4@k1")
     plan = out["plan"].split(" (fit's")[0]
     assert out["world_size"] == 2 and "ckpt 1 blocks" in plan and "of 25% of the parameters" in plan and "micro-batch 4 x 2" in plan
