@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -260,19 +261,43 @@ def _train(step: Any, args: argparse.Namespace, device: str, rank: int, world: i
     g = torch.Generator().manual_seed(1000 + rank)
     times, losses = [], []
     retries = _alloc_retries(device)
-    for _ in range(args.steps):
-        ids = torch.randint(0, 50257 if args.model.startswith("gpt2") else 128, (per_rank, args.seq), generator=g)
-        batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
-        _sync(device)
-        t0 = time.perf_counter()
-        losses.append(step(batch))
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    with _GcPauses() as pauses:
+        for _ in range(args.steps):
+            ids = torch.randint(0, 50257 if args.model.startswith("gpt2") else 128, (per_rank, args.seq), generator=g)
+            batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(step(batch))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
     measured = times[1:] or times  # the first step builds the optimizer state
     seconds = statistics.median(measured)
     return {"steps": args.steps, "step_seconds": seconds, "tokens_per_second": args.global_batch_size * args.seq / seconds,
+            "mean_tokens_per_second": args.global_batch_size * args.seq / statistics.mean(measured),
             "last_loss": losses[-1], "recoveries": len(step.recoveries), "final_plan": step.plan.summary(),
-            "alloc_retries": _alloc_retries(device) - retries, "step_times": times}
+            "alloc_retries": _alloc_retries(device) - retries, "step_times": times, "gc_pauses": pauses.by_generation}
+
+
+class _GcPauses:
+    """Python's garbage collections on this rank while the block runs: {generation: [count, seconds]}."""
+
+    def __init__(self) -> None:
+        self.by_generation: dict[str, list[float]] = {}
+        self._started = 0.0
+
+    def __enter__(self) -> _GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        count, seconds = self.by_generation.setdefault(str(info["generation"]), [0, 0.0])
+        self.by_generation[str(info["generation"])] = [count + 1, seconds + time.perf_counter() - self._started]
 
 
 def _alloc_retries(device: str) -> int:
