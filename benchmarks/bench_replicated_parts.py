@@ -11,8 +11,6 @@ is not the point here):
     after-backward   one gradient bucket: the all-reduce starts when the last backward ends (no overlap)
     per-tensor       one all-reduce per gradient instead of one collective per bucket (before 2026-11-27h)
     per-tensor-after-backward  both: one bucket, all-reduced a gradient at a time
-    gc-auto          Python's automatic garbage collection inside the steps (training/collector.py turns it
-                     off there on several ranks and collects every 50 steps at the same step on every rank)
     no-all-reduce    the gradients are not summed over ranks at all (what the all-reduce costs, overlapped)
     no-weight-share  partitioned offload's weight broadcast skipped (what it costs)
     parts            as planned, with a device synchronize around each part of the step: the micro-batches
@@ -29,7 +27,6 @@ Rank 0 prints one JSON line and a table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -44,12 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autotune  # noqa: E402
 from autotune.techniques import offload_partition  # noqa: E402
-from autotune.training import collector, distributed  # noqa: E402
+from autotune.training import distributed  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
 from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
 
-VARIANTS = ("as-planned", "after-backward", "per-tensor", "per-tensor-after-backward", "gc-auto", "no-all-reduce", "no-weight-share", "parts", "waits", "no-agree",
+VARIANTS = ("as-planned", "after-backward", "per-tensor", "per-tensor-after-backward", "no-all-reduce", "no-weight-share", "parts", "waits", "no-agree",
             "no-count-sum", "as-planned")
 
 
@@ -77,8 +74,7 @@ def main() -> None:
             trained = _train(step, a, device, rank, world)
         seconds = trained["step_seconds"]
         row = {"variant": name, "step_seconds": seconds, "tokens_per_second": a.global_batch_size * a.seq / seconds,
-               "alloc_retries": trained["alloc_retries"], "step_times": trained["step_times"],
-               "mean_tokens_per_second": trained["mean_tokens_per_second"], "gc_pauses": trained["gc_pauses"]}
+               "alloc_retries": trained["alloc_retries"], "step_times": trained["step_times"]}
         if parts and name == "waits":  # several calls a step: the host's time in each, per step
             row["parts"] = {k: sum(v) / a.steps for k, v in parts.items()}
         elif parts:
@@ -89,9 +85,8 @@ def main() -> None:
         print(json.dumps(out), flush=True)
         for row in out["variants"]:
             extra = " ".join(f"{k} {v:.4f}" for k, v in row.get("parts", {}).items())
-            gc_s = sum(seconds for _, seconds in row["gc_pauses"].values())
             print(f"{row['variant']:>16} {row['step_seconds']:.4f} s {row['tokens_per_second']:>9,.0f} tok/s "
-                  f"(mean {row['mean_tokens_per_second']:,.0f}) gc {gc_s:.3f} s retries {row['alloc_retries']} {extra}")
+                  f"retries {row['alloc_retries']} {extra}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -109,9 +104,7 @@ class _variant:
             self._set(distributed, "BUCKET_BYTES", 2**62)
         if self.name.startswith("per-tensor"):
             self._set(distributed, "_coalescing_manager", None)  # all_reduce_together's fallback: one per tensor
-        if self.name == "gc-auto":  # Python's automatic collection inside the steps, as before 2026-11-27h
-            self._set(collector.StepCollector, "during_step", lambda _self: contextlib.nullcontext())
-        elif self.name == "no-all-reduce":
+        if self.name == "no-all-reduce":
             def start(reduce: Any) -> None:
                 reduce.started += 1
             self._set(distributed.OverlappedReduce, "_start", start)

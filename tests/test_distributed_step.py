@@ -90,45 +90,8 @@ class _Predict:
         self.predict = net.predict
 
 
-def _gc_schedule(rank: int) -> dict:
-    """Five steps with a collection every 2: automatic collection is off inside each step and back on after it,
-    and each rank collects at the start of steps 3 and 5; under AUTOTUNE_GC=auto it stays on throughout."""
-    import gc
-
-    from autotune.training import collector
-    from autotune.training.step import TrainingStep
-    from test_step import make_plan, new_model, sgd
-
-    seen = {"scheduled": [], "auto": []}
-    model, batch = new_model(), _shares(2, seed=80)[rank]
-    every, collector.EVERY = collector.EVERY, 2
-    try:
-        for label in ("scheduled", "auto"):
-            os.environ[collector.ENV] = label
-
-            def loss_fn(m, b, label=label):  # noqa: ANN001
-                seen[label].append(gc.isenabled())
-                return m(*b)
-
-            step = TrainingStep(make_plan(2, len(batch[0])), copy.deepcopy(model), sgd(model.parameters()),
-                                loss_fn=loss_fn)
-            after = []
-            for _ in range(5):
-                step(batch)
-                after.append(gc.isenabled())
-            seen[f"{label}_after"] = after
-            seen[f"{label}_collections"] = step._collector.collections
-    finally:
-        collector.EVERY = every
-        os.environ.pop(collector.ENV, None)
-    return seen
-
-
 def _scenario(name: str, rank: int, world: int) -> dict:
     import math
-
-    if name == "gc-schedule":
-        return _gc_schedule(rank)
 
     from test_step import HUGE, assert_same_training, make_plan, new_model, padded_batch, peak_of, token_loss
 
@@ -246,7 +209,7 @@ def _spawn(world: int, scenarios: tuple[str, ...] = SCENARIOS) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn(2, SCENARIOS + CLIP_SCENARIOS + ("gc-schedule",))
+    return _spawn(2, SCENARIOS + CLIP_SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -300,11 +263,3 @@ def test_four_ranks(four_ranks, name):
     recovered = name not in ("mean-uneven", "tokens-uneven", "sharded-mean-uneven", "sharded-tokens-uneven")
     assert all(r["micro"] == (1 if recovered else 2) for r in results)
     assert all(len(r["recoveries"]) == int(recovered) for r in results)
-
-
-def test_no_garbage_collection_inside_a_step_and_one_every_few_steps_on_every_rank(two_ranks):
-    for rank, res in enumerate(r["gc-schedule"] for r in two_ranks):
-        assert res["ok"], f"rank {rank}:\n{res.get('error')}"
-        assert res["scheduled"] and not any(res["scheduled"]), res  # every forward ran with automatic collection off
-        assert all(res["scheduled_after"]) and res["scheduled_collections"] == 2, res  # at steps 3 and 5
-        assert all(res["auto"]) and all(res["auto_after"]) and res["auto_collections"] == 0, res

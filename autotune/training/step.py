@@ -61,7 +61,6 @@ from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, 
 from ..techniques import optimizer_8bit
 from ..techniques.offload import HostOptimizer
 from ..techniques.sharding import is_sharded, reset_after_failure, shard_for_training
-from .collector import StepCollector
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +180,6 @@ class TrainingStep:
         self._micro_size = 0  # and its number of samples
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
         self._buffers = BufferGuard(model, self.placement.torch_device)
-        self._collector = StepCollector()
         self._applied = self._apply(plan.rung)
 
     # -- the public surface ----------------------------------------------------------------------------
@@ -203,10 +201,6 @@ class TrainingStep:
         n = batches.batch_size(batch, "step(batch)")
         self._check_size(n)
         self._maybe_grow()
-        with self._collector.during_step():  # several ranks: no garbage collection inside a step
-            return self._step(batch, n)
-
-    def _step(self, batch: Any, n: int) -> float:
         failed: list[Trial] = []
         while True:
             started = time.perf_counter()
