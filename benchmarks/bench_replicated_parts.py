@@ -74,7 +74,8 @@ def main() -> None:
             trained = _train(step, a, device, rank, world)
         seconds = trained["step_seconds"]
         row = {"variant": name, "step_seconds": seconds, "tokens_per_second": a.global_batch_size * a.seq / seconds,
-               "alloc_retries": trained["alloc_retries"], "step_times": trained["step_times"]}
+               "alloc_retries": trained["alloc_retries"], "step_times": trained["step_times"],
+               "mean_tokens_per_second": trained["mean_tokens_per_second"], "gc_pauses": trained["gc_pauses"]}
         if parts and name == "waits":  # several calls a step: the host's time in each, per step
             row["parts"] = {k: sum(v) / a.steps for k, v in parts.items()}
         elif parts:
@@ -85,8 +86,9 @@ def main() -> None:
         print(json.dumps(out), flush=True)
         for row in out["variants"]:
             extra = " ".join(f"{k} {v:.4f}" for k, v in row.get("parts", {}).items())
+            gc_s = sum(seconds for _, seconds in row["gc_pauses"].values())  # Python's collections in the steps
             print(f"{row['variant']:>16} {row['step_seconds']:.4f} s {row['tokens_per_second']:>9,.0f} tok/s "
-                  f"retries {row['alloc_retries']} {extra}")
+                  f"(mean {row['mean_tokens_per_second']:,.0f}) gc {gc_s:.3f} s retries {row['alloc_retries']} {extra}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -48,7 +48,7 @@ def test_bench_replicated_parts_times_each_variant():
     plan = out["plan"].split(" (fit's")[0]
     assert out["world_size"] == 2 and "ckpt 1 blocks" in plan and "of 25% of the parameters" in plan and "micro-batch 4 x 2" in plan
     assert [r["variant"] for r in out["variants"]] == variants
-    assert all(r["step_seconds"] > 0 for r in out["variants"])
+    assert all(r["step_seconds"] > 0 and isinstance(r["gc_pauses"], dict) for r in out["variants"])
     rows = {r["variant"]: r for r in out["variants"]}
     assert set(rows["waits"]["parts"]) == {"sum_over_ranks", "agree_oom"}  # the step's agreements, timed
     assert set(rows["parts"]["parts"]) == {"micro_batches_but_last_backward", "last_backward", "all_reduce_wait", "optimizer"}
