@@ -90,8 +90,21 @@ class _Predict:
         self.predict = net.predict
 
 
+def _together(rank: int, world: int) -> dict:
+    """A bucket of gradients of three sizes summed over ranks as one collective (`all_reduce_together`)."""
+    from autotune.training import distributed
+
+    tensors = [torch.full((n,), float(rank + 1), dtype=torch.float64) for n in (1, 7, 3000)]
+    work = distributed.all_reduce_together(tensors)
+    work.wait()
+    return {"sums": [t.tolist() for t in tensors], "one_collective": not isinstance(work, distributed._Works)}
+
+
 def _scenario(name: str, rank: int, world: int) -> dict:
     import math
+
+    if name == "together":
+        return _together(rank, world)
 
     from test_step import HUGE, assert_same_training, make_plan, new_model, padded_batch, peak_of, token_loss
 
@@ -209,7 +222,7 @@ def _spawn(world: int, scenarios: tuple[str, ...] = SCENARIOS) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn(2, SCENARIOS + CLIP_SCENARIOS)
+    return _spawn(2, SCENARIOS + CLIP_SCENARIOS + ("together",))
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +276,10 @@ def test_four_ranks(four_ranks, name):
     recovered = name not in ("mean-uneven", "tokens-uneven", "sharded-mean-uneven", "sharded-tokens-uneven")
     assert all(r["micro"] == (1 if recovered else 2) for r in results)
     assert all(len(r["recoveries"]) == int(recovered) for r in results)
+
+
+def test_a_bucket_of_gradients_is_summed_over_ranks_as_one_collective(two_ranks):
+    for rank, res in enumerate(r["together"] for r in two_ranks):
+        assert res["ok"], f"rank {rank}:\n{res.get('error')}"
+        assert res["sums"] == [[3.0] * n for n in (1, 7, 3000)]  # 1 + 2 on every element, every tensor
+        assert res["one_collective"]  # torch's coalescing manager, not one all-reduce per gradient
