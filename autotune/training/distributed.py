@@ -20,7 +20,7 @@ from ..devices.ceiling import host_memory
 from ..workload.accumulation import LossWeights
 from ..plan import NOISY, Trial
 
-try:  # private to torch.distributed (there since 2.1): one collective for a bucket of tensors
+try:  # private to torch.distributed (present in torch 2.11 and 2.13): one collective for a bucket of tensors
     from torch.distributed.distributed_c10d import _coalescing_manager
 except ImportError:  # pragma: no cover - older torch: one all-reduce per tensor
     _coalescing_manager = None
@@ -293,7 +293,7 @@ def all_reduce_together(tensors: list[torch.Tensor]) -> Any:
     tensors go to the backend together (NCCL: one group, launched once; gloo: flattened by the backend). One
     all-reduce per tensor was ~290 launches per step for GPT-2 medium, each a host call in the middle of the
     last backward on a model whose backward is bound by launches. Per tensor where torch lacks the
-    coalescing manager (it is private to torch.distributed, there since 2.1).
+    coalescing manager (it is private to torch.distributed, present in torch 2.11 and 2.13).
     """
     if len(tensors) == 1 or _coalescing_manager is None:
         works = [dist.all_reduce(t, async_op=True) for t in tensors]
