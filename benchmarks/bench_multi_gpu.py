@@ -297,8 +297,9 @@ class _GcPauses:
         if phase == "start":
             self._started = time.perf_counter()
             return
-        count, seconds = self.by_generation.setdefault(str(info["generation"]), [0, 0.0])
-        self.by_generation[str(info["generation"])] = [count + 1, seconds + time.perf_counter() - self._started]
+        counted = self.by_generation.setdefault(str(info["generation"]), [0, 0.0])
+        counted[0] += 1
+        counted[1] += time.perf_counter() - self._started
 
 
 def _alloc_retries(device: str) -> int:

@@ -46,8 +46,8 @@ from autotune.training.step import TrainingStep  # noqa: E402
 from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
 
-VARIANTS = ("as-planned", "after-backward", "per-tensor", "per-tensor-after-backward", "no-all-reduce", "no-weight-share", "parts", "waits", "no-agree",
-            "no-count-sum", "as-planned")
+VARIANTS = ("as-planned", "after-backward", "per-tensor", "per-tensor-after-backward", "no-all-reduce",
+            "no-weight-share", "parts", "waits", "no-agree", "no-count-sum", "as-planned")
 
 
 def main() -> None:

@@ -304,7 +304,6 @@ def all_reduce_together(tensors: list[torch.Tensor]) -> Any:
     return together
 
 
-
 class _Works:
     """Several works waited on as one."""
 
