@@ -28,7 +28,8 @@ from .devices.peaks import device_peak
 from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
-from .workload.losses import resolve as resolve_loss
+from .workload import chunked_loss
+from .workload.losses import chunked_default_loss, resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from .plan import Plan, Trial
 from .sizes import format_bytes, parse_bytes
@@ -79,8 +80,9 @@ def fit(
         device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
         cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
         techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile",
-            "optimizer_8bit"); default all but the opt-in "optimizer_8bit" (AdamW with 8-bit state)
-            (compile is searched on CUDA only).
+            "optimizer_8bit", "chunked_loss"); default all but the opt-in "optimizer_8bit" (AdamW with
+            8-bit state) (compile is searched on CUDA only; "chunked_loss" computes a Hugging Face causal
+            LM's head and loss a chunk of tokens at a time when loss_fn is None).
         margin: fraction of the budget kept free (default 0.1).
         retune: ignore a cached plan and tune again.
         trial_steps: measured optimizer steps per trial (after one warm-up step).
@@ -244,13 +246,15 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
             distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
         # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
         # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
-        example, loss = batches.detached(batches.to_device(batch, placement.torch_device)), resolve_loss(loss_fn)
+        example, loss = batches.detached(batches.to_device(batch, placement.torch_device)), resolve_loss(
+            loss_fn, tuned, chunked="chunked_loss" in allowed)
         # Which blocks, and in which order, by the activations they hold: one forward, so in the snapshot.
         # Not under FSDP2 (the profile reads parameter storages, which shards wrap): structural order there.
         profiled = "checkpointing" in allowed and not is_sharded(tuned)
         blocks = (profile_blocks(tuned, example, loss, placement) if profiled
                   else find_blocks(tuned))  # sharding's units; and the model's own checkpointing, reported
         rungs, notes = anchors(allowed, placement, blocks)
+        notes += _loss_notes(loss_fn, loss, tuned, allowed)
         rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
         notes += more
         rungs, dtype_notes = serve_dtypes(rungs, model)  # a rung that cannot train the model's dtypes is never tried
@@ -404,6 +408,17 @@ def _put_back_noting(error: DeviceError, model: nn.Module, home: torch.device, s
         log.warning("autotune: %s", text)
         if hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(text)
+
+
+def _loss_notes(loss_fn: Any, loss: Any, model: nn.Module, allowed: frozenset[str]) -> list[str]:
+    """Why the model's own loss is (or is not) computed a chunk of tokens at a time."""
+    if loss_fn is not None or "chunked_loss" not in allowed:
+        return []
+    if loss is chunked_default_loss:
+        return ["chunked_loss: the LM head's logits and loss a chunk of tokens at a time (no full logits held)"]
+    why = chunked_loss.why_not(model)
+    hf = getattr(getattr(model, "_orig_mod", model), "lm_head", None) is not None
+    return [f"chunked_loss skipped: {why}"] if hf and why else []
 
 
 def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str], sharded: bool) -> bool:

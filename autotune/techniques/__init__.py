@@ -6,6 +6,8 @@ Knobs, each independent of the others (a lattice, not a line):
     offload         none; activations (block inputs parked in pinned host memory, with checkpointing);
                     optimizer (FP32 masters and optimizer state on the host, with or without checkpointing)
     compile         torch.compile on the whole model, or per block (a recomputed block inside its checkpoint)
+    chunked_loss    a Hugging Face causal LM's head and loss a chunk of tokens at a time (no knob to search:
+                    on whenever allowed and the model takes it; `workload/chunked_loss.py`)
 
 `anchors` are the configurations the search measures first (every offload with none and with all blocks
 recomputed); the search then places intermediate block counts and compile from what they measured.
@@ -37,8 +39,8 @@ from .blocks import BlockGroup, find_blocks, profile_blocks
 from .offload import HostOptimizer, device_dtype, local_part, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
-TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit")
-DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile")  # 8-bit state changes the numerics: opt-in
+TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss")
+DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "chunked_loss")  # 8-bit state changes the numerics: opt-in
 
 __all__ = ["TECHNIQUES", "DEFAULT_TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count",
            "drop_rungs_over", "dtype_conflict", "eight_bit_anchors", "ladder", "resident_floor", "parse_techniques",

@@ -139,7 +139,7 @@ class TrainingStep:
         self.last_grad_norm: float | None = None  # set when max_grad_norm is: the norm before clipping
         self.plan = plan
         self.model = model
-        self.loss_fn = resolve(loss_fn)
+        self.loss_fn = resolve(loss_fn, model, chunked="chunked_loss" in _allowed(plan, techniques))
         self._num_items = takes_num_items(model)  # the default loss passes it num_items_in_batch
         self.placement = _placement(plan, model)
         short = shortfall(plan.peak_memory_bytes, self.placement, "the plan")  # memory taken since tuning?
@@ -588,11 +588,16 @@ def _dominates(a: Rung, b: Rung) -> bool:
     return all(x >= y for x, y in zip(_strength(a), _strength(b)))
 
 
-def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: Any, model: nn.Module) -> list[Rung]:
-    """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
+def _allowed(plan: Plan, techniques: Any) -> frozenset[str]:
+    """The step's `techniques`, else what fit was allowed (`plan.techniques`), else $AUTOTUNE_TECHNIQUES or all."""
     if techniques is None and plan.techniques is not None:
         techniques = plan.techniques  # what fit was allowed: recovery never climbs past it
-    allowed = set(parse_techniques(FitSettings.resolve(techniques=techniques).techniques))  # None: $AUTOTUNE_TECHNIQUES
+    return parse_techniques(FitSettings.resolve(techniques=techniques).techniques)
+
+
+def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: Any, model: nn.Module) -> list[Rung]:
+    """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
+    allowed = set(_allowed(plan, techniques))
     if plan.precision == "fp32":
         allowed.discard("bf16")  # also drops optimizer offload, which keeps 16-bit weights
     else:

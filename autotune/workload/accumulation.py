@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSetting
-from .losses import LossFn, default_loss, split_loss
+from .losses import LossFn, is_default, split_loss
 
 
 class LossWeights:
@@ -173,9 +173,9 @@ def weighted_loss(loss_fn: LossFn, model: nn.Module, micro: Any, weights: LossWe
     loss on labels is a token mean: weighted by its tokens' share of the total, or, for a model whose
     forward takes `num_items_in_batch` (`num_items`), computed by the model as a sum over that total.
     """
-    if loss_fn is default_loss and expected is not None:
+    if is_default(loss_fn) and expected is not None:
         if num_items and weights.total is not None:
-            return weights.weigh_divided(default_loss(model, micro, num_items_in_batch=weights.total), expected)
-        return weights.weigh(default_loss(model, micro), expected, size, expected=expected, mean=True, labelled=True)
+            return weights.weigh_divided(loss_fn(model, micro, num_items_in_batch=weights.total), expected)  # type: ignore[call-arg]
+        return weights.weigh(loss_fn(model, micro), expected, size, expected=expected, mean=True, labelled=True)
     loss, count = split_loss(loss_fn(model, micro))
     return weights.weigh(loss, count, size, expected=expected)

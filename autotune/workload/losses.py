@@ -11,6 +11,10 @@ mean by its share of the whole batch's tokens, or passes the total as `num_items
 whose loss honours it (`takes_num_items`), so its loss is already the sum over the total, as Hugging
 Face's Trainer does since transformers PR #34191. Without labels the
 default loss is a mean over samples.
+
+With "chunked_loss" allowed (the default) and a Hugging Face causal LM whose head allows it, the default
+loss is `chunked_default_loss`: the same loss with the head's logits computed a chunk of tokens at a time
+(`chunked_loss.py` says why and what changes).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidSetting
+from . import chunked_loss
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 
@@ -60,6 +65,19 @@ def default_loss(model: torch.nn.Module, batch: Any, num_items_in_batch: float |
     return loss
 
 
+def chunked_default_loss(model: torch.nn.Module, batch: Any, num_items_in_batch: float | None = None) -> torch.Tensor:
+    """`default_loss` with the head's logits and loss computed a chunk of tokens at a time (batches with labels)."""
+    if not (isinstance(batch, Mapping) and batch.get("labels") is not None):
+        return default_loss(model, batch, num_items_in_batch)
+    with chunked_loss.chunked(model):
+        return default_loss(model, batch, num_items_in_batch)
+
+
+def is_default(loss_fn: LossFn) -> bool:
+    """Whether `loss_fn` is the model's own loss (either way of computing it): then labels weigh by tokens."""
+    return loss_fn is default_loss or loss_fn is chunked_default_loss
+
+
 def _explain_unpacking(model: torch.nn.Module, batch: Any, exc: TypeError) -> None:
     """An `(x, y)` batch the model's forward cannot take as `model(x, y)`: say so, and what loss_fn to pass.
 
@@ -81,9 +99,11 @@ def _explain_unpacking(model: torch.nn.Module, batch: Any, exc: TypeError) -> No
         return
 
 
-def resolve(loss_fn: LossFn | None) -> LossFn:
+def resolve(loss_fn: LossFn | None, model: torch.nn.Module | None = None, *, chunked: bool = False) -> LossFn:
+    """The loss to call: the user's, else the model's own, chunked when allowed (`chunked`) and `model` takes it."""
     if loss_fn is None:
-        return default_loss
+        return chunked_default_loss if chunked and model is not None and chunked_loss.why_not(model) is None \
+            else default_loss
     if not callable(loss_fn):
         raise InvalidSetting(f"loss_fn must be callable (model, batch) -> loss, got {type(loss_fn).__name__}")
     return loss_fn
