@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from test_models import padded_lm_batch, tiny_gpt2, tiny_llama
+from test_models import float64_causal_loss, padded_lm_batch, tiny_gpt2, tiny_llama
 from test_step import make_plan, sgd
 from autotune.training.step import TrainingStep
-from autotune.workload import chunked_loss
 from autotune.workload.chunked_loss import chunked, linear_cross_entropy, why_not
 from autotune.workload.losses import chunked_default_loss, default_loss, resolve
 
@@ -57,21 +56,11 @@ def test_without_grad_it_is_the_loss_alone():
     torch.testing.assert_close(got, F.cross_entropy((hidden @ weight.T).reshape(-1, 9), targets.reshape(-1)))
 
 
-def _reference(model: nn.Module, batch: dict[str, torch.Tensor], num_items: float | None) -> torch.Tensor:
-    """The causal LM loss from the full logits, in float64 (Hugging Face's own upcasts them to FP32)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    shifted = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-    flat = dict(input=logits.reshape(-1, logits.shape[-1]), target=shifted.reshape(-1), ignore_index=-100)
-    if num_items is None:
-        return F.cross_entropy(**flat)
-    return F.cross_entropy(**flat, reduction="sum") / num_items
-
-
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])  # GPT-2 ties its head to the embedding; this Llama not
 @pytest.mark.parametrize("num_items", [None, 31.0])
 def test_a_hugging_face_model_gets_its_own_loss_and_gradients(make, num_items):
     model, batch = make(), padded_lm_batch()
-    want = _reference(model, batch, num_items)
+    want = float64_causal_loss(model, batch, num_items)
     want_grads = torch.autograd.grad(want, list(model.parameters()))
     got = chunked_default_loss(model, batch, num_items_in_batch=num_items)
     got_grads = torch.autograd.grad(got, list(model.parameters()))
@@ -120,7 +109,7 @@ def test_a_step_with_it_equals_a_full_batch_float64_step():
     batch = padded_lm_batch()
     model, reference = tiny_gpt2(), tiny_gpt2()
     optimizer = sgd(reference.parameters())
-    _reference(reference, batch, None).backward()
+    float64_causal_loss(reference, batch, None).backward()
     optimizer.step()
     with TrainingStep(make_plan(4, 12), model, sgd(model.parameters())) as step:
         assert step.loss_fn is chunked_default_loss

@@ -23,6 +23,7 @@ from torch import nn
 
 from test_step import HUGE, TOL, adamw, make_plan, sgd
 from autotune.training.step import TrainingStep
+from autotune.workload import chunked_loss
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # importing transformers takes seconds
@@ -60,10 +61,22 @@ def padded_lm_batch(n: int = 12, t: int = 10, seed: int = 0) -> dict[str, torch.
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
+def float64_causal_loss(model: nn.Module, batch: dict, num_items: float | None = None) -> torch.Tensor:
+    """A causal LM's loss from its full logits, in float64 (Hugging Face's own upcasts them to FP32 only)."""
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    flat = dict(input=logits.reshape(-1, logits.shape[-1]), target=shifted.reshape(-1), ignore_index=-100)
+    if num_items is None:
+        return torch.nn.functional.cross_entropy(**flat)
+    return torch.nn.functional.cross_entropy(**flat, reduction="sum") / num_items
+
+
 def full_batch_step(model: nn.Module, batch: dict, make_opt=sgd) -> nn.Module:
+    """One step on the whole batch; a causal LM's loss in float64, as the step's chunked loss computes it."""
     m = copy.deepcopy(model)
     opt = make_opt(m.parameters())
-    m(**batch).loss.backward()
+    causal = chunked_loss.why_not(m) is None
+    (float64_causal_loss(m, batch) if causal else m(**batch).loss).backward()
     opt.step()
     return m
 

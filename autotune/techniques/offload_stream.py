@@ -376,11 +376,13 @@ class DeviceStepper:
 
     def _device_counts(self, indices: Sequence[int], *, ahead: int) -> None:
         """The step count the kernel reads, per parameter: the host's plus `ahead` (torch's Adam adds 1
-        before calling the kernel). Made on the current stream (no pool of the stepper's own), filled on
-        the step's stream."""
+        before calling the kernel). Allocated on the current stream (no pool of the stepper's own) but
+        written only on the step's stream: `torch.zeros` would queue its zero-fill on the current stream,
+        behind the backward, where it could land after the step's fill and leave a count of 0, whose bias
+        correction divides by zero."""
         for i in indices:
             if i not in self._steps:
-                self._steps[i] = torch.zeros((), device=self.device)
+                self._steps[i] = torch.empty((), device=self.device)
         with self._on("compute"):
             for i in indices:
                 self._steps[i].fill_(float(self._state(i)["step"]) + ahead)
