@@ -183,6 +183,38 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
         torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_step_counts_are_not_overwritten_by_work_queued_for_their_memory(monkeypatch):
+    """The stepper's step counts live in blocks the allocator may hand out while kernels queued for their last
+    tenant have yet to run. Here the current stream sleeps, then zeroes small tensors that are freed at once;
+    the counts made next take their blocks. Filled on the step's stream without waiting, they were zeroed
+    after their fill, and a count of 0 divides Adam's bias correction by zero: NaN weights (seen on GPT-2
+    medium and large, 2026-11-27)."""
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
+    torch.manual_seed(0)
+    model = Net(width=64).cuda()
+    plan = dataclasses.replace(make_plan(4, 4), device="cuda", offload_overlap=True)
+    step = TrainingStep(plan, model, adamw(model.parameters()))
+    host = step.optimizer
+    assert host.stepper is not None and host.stream_overlap
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # about a second of the current stream's queue ahead of what follows
+    junk = [torch.empty((), device="cuda") for _ in range(4 * len(host.streamed_index))]
+    for t in junk:
+        t.zero_()  # queued behind the sleep
+    del junk  # freed now, written later: their blocks go to the next small tensors, the counts
+    host.arm()
+    host.step()
+    torch.cuda.synchronize()
+    counts = [float(t) for t in host.stepper._steps.values()]
+    assert counts == [1.0] * len(counts), counts
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    step.close()
+
+
 def test_a_streamed_search_measures_the_overlap_and_says_which_it_chose(monkeypatch):
     # Streamed, the overlap trial issues the segments from the last backward's hooks; fit measures it beside
     # the serial one and the plan keeps the faster, named as streamed in the reason.

@@ -164,6 +164,7 @@ class DeviceStepper:
         self._steps: dict[int, torch.Tensor] = {}  # the step count on the device, per parameter
         if self.cuda:
             self.copy_in, self.compute, self.copy_out = (torch.cuda.Stream(device) for _ in range(3))
+            self._after_current()  # the slots were allocated on the current stream (see `_device_counts`)
         self._order = list(order)
         self._spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # an overlapped step writes here
         self._open: list[tuple[int, int, list[Piece]]] = []  # the armed step's segments
@@ -376,13 +377,16 @@ class DeviceStepper:
 
     def _device_counts(self, indices: Sequence[int], *, ahead: int) -> None:
         """The step count the kernel reads, per parameter: the host's plus `ahead` (torch's Adam adds 1
-        before calling the kernel). Allocated on the current stream (no pool of the stepper's own) but
-        written only on the step's stream: `torch.zeros` would queue its zero-fill on the current stream,
-        behind the backward, where it could land after the step's fill and leave a count of 0, whose bias
-        correction divides by zero."""
-        for i in indices:
-            if i not in self._steps:
-                self._steps[i] = torch.empty((), device=self.device)
+        before calling the kernel). Allocated on the current stream (no pool of the stepper's own), filled on
+        the step's stream once it has waited for the current stream's queued work: a block the allocator
+        hands out may still be written by kernels queued for its last tenant, and on two GPUs lent on
+        2026-11-27 counts filled without that wait read 0 or garbage after the first step, whose bias
+        correction then made the weights NaN (benchmarks/check_offload_loss.py; RESULTS.md ninth session)."""
+        fresh = [i for i in indices if i not in self._steps]
+        for i in fresh:
+            self._steps[i] = torch.empty((), device=self.device)
+        if fresh:
+            self._after_current()
         with self._on("compute"):
             for i in indices:
                 self._steps[i].fill_(float(self._state(i)["step"]) + ahead)
@@ -396,6 +400,13 @@ class DeviceStepper:
             if event is not None:
                 stream.wait_event(event)
         return torch.cuda.stream(stream)
+
+    def _after_current(self) -> None:
+        """Every stream of the stepper waits for the work queued on the current stream so far."""
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            for stream in (self.copy_in, self.compute, self.copy_out):
+                stream.wait_stream(current)
 
     def _current(self) -> Any:
         """An event after the current stream's work so far (None on the CPU)."""
