@@ -329,6 +329,7 @@ def train_steps(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, device: 
     global_batch = spec.global_batch_size
     sizes = split_sizes(global_batch, min(micro, global_batch))
     times: list[float] = []
+    losses: list[float] = []  # the last micro-batch's loss of each step: a NaN shows that a plan trains nothing
     failure, stopped = "", ""
     peak = 0
     if not placement.simulated:
@@ -338,7 +339,7 @@ def train_steps(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, device: 
                              offload_fraction=offload_fraction)
         try:
             failure, stopped = _loop(applied, model, batch, loss_fn, placement, sizes, global_batch, steps,
-                                     stop_at, times)
+                                     stop_at, times, losses)
         finally:
             applied.remove()
             for p in model.parameters():
@@ -349,11 +350,13 @@ def train_steps(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, device: 
     return {"steps_requested": steps, "steps_done": len(times), "oom": bool(failure), "oom_at_step": len(times) if failure else None,
             "error": failure, "stopped": stopped, "median_step_seconds": seconds,
             "samples_per_second": global_batch / seconds if seconds else 0.0, "peak_bytes": int(peak),
-            "micro_batches": sizes}
+            "micro_batches": sizes, "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None}
 
 
 def _loop(applied: Any, model: nn.Module, batch: Any, loss_fn: Any, placement: Placement, sizes: list[int],
-          global_batch: int, steps: int, stop_at: float | None, times: list[float]) -> tuple[str, str]:
+          global_batch: int, steps: int, stop_at: float | None, times: list[float],
+          losses: list[float]) -> tuple[str, str]:
     """Run the steps; (OOM text or "", "time cap" or ""). Tensors of a failed step die with this frame."""
     model.train()
     micro_batches = {n: batches.resize(batch, n) for n in set(sizes)}
@@ -366,11 +369,13 @@ def _loop(applied: Any, model: nn.Module, batch: Any, loss_fn: Any, placement: P
                 with applied.autocast():
                     loss = loss_fn(model, micro_batches[n])
                 applied.backward(loss * (n / global_batch))  # weight by sample share: the full-batch mean
+                last = loss.detach()
                 del loss
             applied.optimizer_step()
             for p in model.parameters():
                 p.grad = None
             times.append(now(placement) - t0)
+            losses.append(float(last))  # after the step's timing: the read waits for the device
     except Exception as exc:  # noqa: BLE001 - an OOM is the answer failing; anything else propagates
         if not is_oom(exc):
             raise

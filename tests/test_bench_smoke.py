@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -72,6 +73,8 @@ def test_autotune_and_grid_smoke_end_to_end(tmp_path):
     for v in verified:
         assert v["train"]["steps_requested"] == 1
         assert v["train"]["oom"] or v["train"]["steps_done"] == 1
+        if not v["train"]["oom"]:  # the loss trained is recorded, and is a number (NaN once hid a broken plan)
+            assert math.isfinite(v["train"]["loss_last"]), v["train"]
 
     (tmp_path / "RESULTS.md").write_text("# Results\n\nAnother section, left alone.\n")
     text = _render(tmp_path, str(tmp_path / "peers.jsonl"))
