@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-SCENARIOS = ("presharded-fit", "one-rank-oom", "rungs-on-shards", "sharded-when-needed")
+SCENARIOS = ("presharded-fit", "one-rank-oom", "rungs-on-shards", "sharded-when-needed", "hf-chunked-loss")
 TIMEOUT_S = 600  # a guard against a hang outside a collective (those time out on the ranks: ranks.py); 4 ranks take ~80 s on a busy 2-core machine
 WIDTH = 64  # Net(width=64, depth=4): 132k parameters, each block 33k, so the budgets are about the weights
 
@@ -195,8 +195,34 @@ def _one_rank_out_of_memory(rank: int, world: int) -> dict:
             "notes": [str(r) for r in step.recoveries]}
 
 
+def _hf_chunked_loss(rank: int, world: int) -> dict:
+    """A Hugging Face GPT-2 (its head tied to the embedding, in the root unit) sharded in FP32, the default loss
+    chunked (`workload/chunked_loss.py`), padded labels spread unevenly over the ranks: the step equals one
+    full-batch step on the float64 loss of the whole batch's full logits."""
+    from autotune.techniques.sharding import shard
+    from autotune.training.step import TrainingStep
+    from autotune.workload.losses import chunked_default_loss
+    from test_models import float64_causal_loss, padded_lm_batch, tiny_gpt2
+    from test_step import make_plan, sgd
+
+    batch = padded_lm_batch(n=4 * world)
+    start = tiny_gpt2()
+    ref = copy.deepcopy(start)
+    opt = sgd(ref.parameters())
+    float64_causal_loss(ref, batch).backward()
+    opt.step()
+    model = shard(copy.deepcopy(start), precision="fp32")
+    share = {k: v[4 * rank:4 * (rank + 1)] for k, v in batch.items()}
+    with TrainingStep(make_plan(2, 4 * world), model, sgd(model.parameters())) as step:
+        assert step.loss_fn is chunked_default_loss
+        loss = step(share)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-10, atol=1e-12)
+    return {"loss": loss, "params": [float(p.full_tensor().sum()) for p in model.parameters()]}
+
+
 _RUN = {"presharded-fit": _presharded_fit, "one-rank-oom": _one_rank_out_of_memory, "rungs-on-shards": _rungs_on_shards,
-        "sharded-when-needed": _sharded_when_needed}
+        "sharded-when-needed": _sharded_when_needed, "hf-chunked-loss": _hf_chunked_loss}
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -247,6 +273,10 @@ def test_one_rank_out_of_memory_inside_fsdp_stops_every_rank_and_all_recover_tog
 
 def test_every_rung_steps_exactly_on_a_sharded_model(ranks):
     _check(ranks, "rungs-on-shards")
+
+
+def test_the_chunked_lm_loss_on_a_sharded_hugging_face_model_gives_the_full_batch_step(ranks):
+    _check(ranks, "hf-chunked-loss")
 
 
 def test_fit_shards_when_the_replicated_floor_is_over_the_limit_and_apply_shards_the_model(ranks):
