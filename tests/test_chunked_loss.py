@@ -135,3 +135,19 @@ def test_fit_fits_a_larger_micro_batch_with_it():
                                    progress=False)
     assert "chunked_loss" in plans["chunked"].reason
     assert plans["chunked"].micro_batch_size > plans["full"].micro_batch_size
+
+
+def test_a_compiled_model_gets_the_same_loss_and_its_full_logits_after():
+    """Whole-model torch.compile traces through the patched head and loss (Dynamo and AOT autograd on the CPU;
+    Inductor's kernels are the GPU's business): the same loss and gradients, and outside the loss call the
+    compiled model gives its full logits again."""
+    model, batch = tiny_gpt2(), padded_lm_batch()
+    want = float64_causal_loss(model, batch)
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    model.compile(backend="aot_eager")
+    got = chunked_default_loss(model, batch)
+    got_grads = torch.autograd.grad(got, list(model.parameters()))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert model(input_ids=batch["input_ids"]).logits.shape[-1] == 64
