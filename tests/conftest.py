@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,3 +33,12 @@ def autotune_logger_as_found() -> Iterator[None]:
     logger.handlers[:] = handlers
     logger.setLevel(level)
     logger.propagate = propagate
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans go to a cache inside the test's directory (fit and recovery write to the default one), and
+    $AUTOTUNE_TECHNIQUES from the environment does not narrow what the step allows. A module takes it with
+    `pytestmark = pytest.mark.usefixtures("private_cache")`."""
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
+    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)

@@ -28,13 +28,9 @@ from autotune.workload import batch as batches
 from autotune.workload.losses import resolve
 from autotune.workload.optimizers import OptimizerSpec
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
+
 CPU = resolve_device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
-    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
 
 
 def _wrapped(model: nn.Module) -> set[str]:

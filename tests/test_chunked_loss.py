@@ -16,13 +16,8 @@ from autotune.workload.chunked_loss import chunked, linear_cross_entropy, why_no
 from autotune.workload.losses import chunked_default_loss, default_loss, resolve
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # importing transformers takes seconds
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
-    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+pytestmark = [pytest.mark.slow,  # importing transformers takes seconds
+              pytest.mark.usefixtures("private_cache")]
 
 
 @pytest.mark.parametrize("num_items", [None, 23.0])

@@ -26,13 +26,8 @@ from autotune.training.step import TrainingStep
 from autotune.workload import chunked_loss
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # importing transformers takes seconds
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
-    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+pytestmark = [pytest.mark.slow,  # importing transformers takes seconds
+              pytest.mark.usefixtures("private_cache")]
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:

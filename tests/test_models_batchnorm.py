@@ -28,13 +28,9 @@ from autotune.search.controller import Controller
 from autotune.training.step import TrainingStep
 from test_step import HUGE, Net, make_plan, seq_batch, sgd
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
+
 TOL = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
-    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
 
 
 def mlp(seed: int = 0) -> nn.Module:

@@ -20,11 +20,7 @@ from autotune.plan import Rung
 from autotune.techniques import resident_floor, serve_dtypes
 from test_step import Net, make_plan, seq_batch
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
-    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
 
 
 def model_in(dtype: torch.dtype, seed: int = 0) -> Net:

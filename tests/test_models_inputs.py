@@ -18,11 +18,7 @@ import autotune
 from autotune.errors import InvalidSetting
 from test_step import make_plan
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
-    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
 
 
 class Regressor(nn.Module):

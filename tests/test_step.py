@@ -24,15 +24,10 @@ from autotune.errors import NoFeasiblePlan
 from autotune.plan import Plan
 from autotune.training.step import TrainingStep
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
+
 TOL = 1e-10
 HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    """Recovery writes to the default plan cache: keep it inside the test's directory."""
-    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
-    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
 
 
 # -- a tiny sequence model: memory grows with batch x length, like a transformer's activations ----------
