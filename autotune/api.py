@@ -22,6 +22,7 @@ from .cache.rows import printable
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import NOISE, Controller, Lattice, SearchResult
+from .search import partitioned_state
 from .search.offload_share import choose_offload_fraction, offload_rival
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
@@ -278,6 +279,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
         best, fraction = _offload_share(result, runner, tuned, spec, limit, is_sharded(tuned), per_rank)
+        best, fraction = _partitioned_state(result, controller, runner, best, fraction, world, is_sharded(tuned),
+                                            spec, allowed)
         overlap = _offload_overlap(result, best, fraction, runner, work, is_sharded(tuned))
     except DeviceError as error:
         poisoned = True
@@ -343,6 +346,22 @@ def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, 
     if chosen is not best:
         result.reason = f"{result.reason}; {notes[0]}"
     return chosen, fraction
+
+
+def _partitioned_state(result: SearchResult, controller: Controller, runner: TrialRunner, best: Trial,
+                       fraction: float | None, world: int, sharded: bool, spec: OptimizerSpec,
+                       allowed: frozenset[str]) -> tuple[Trial, float | None]:
+    """On replicated ranks, the pick with the optimizer state partitioned over them (nothing on the host) and
+    the configuration the room that frees lets fit, where that measured faster by more than noise
+    (search/partitioned_state.py); else the pick as it was."""
+    if not partitioned_state.eligible(best, world, sharded, state_tensors_per_parameter(spec), allowed):
+        return best, fraction
+    winner = partitioned_state.price(result, best, controller,
+                                     lambda rung, micro: runner(rung, micro, offload_fraction=0.0), world)
+    if winner is None:
+        return best, fraction
+    result.reason = partitioned_state.reason(winner, best, world, result.reason)
+    return winner, 0.0
 
 
 def _rival_or_pick(result: SearchResult, best: Trial, shared: Trial | None, fraction: float) -> tuple[Trial, float | None]:

@@ -178,7 +178,7 @@ class Plan:
         fraction = self.offload_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
             raise ValueError(f"Plan.offload_fraction must be in [0, 1], got {fraction!r}")
-        if (fraction > 0) != (self.offload == "optimizer"):
+        if fraction > 0 and self.offload != "optimizer":
             raise ValueError(f"Plan.offload_fraction {fraction} disagrees with offload {self.offload!r}: "
                              "only optimizer offload puts a share of the parameters on the host")
         if self.offload_overlap is not None and not isinstance(self.offload_overlap, bool):
@@ -195,6 +195,12 @@ class Plan:
         for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
                      "last_micro_batch_size", "memory_budget_bytes"):
             _check_positive_int(f"Plan.{name}", getattr(self, name))
+        if self.partitioned_state and (self.world_size < 2 or self.sharding != "none" or self.precision == "fp16"):
+            raise ValueError(
+                "Plan.offload_fraction 0 under optimizer offload partitions the optimizer state over replicated "
+                f"ranks (none on the host); this plan has world_size {self.world_size}, sharding "
+                f"{self.sharding!r}, precision {self.precision!r}, where it would save nothing: use offload='none', "
+                "or a fraction above 0 to put a share on the host")
         _check_non_negative_int("Plan.peak_memory_bytes", self.peak_memory_bytes)
         _check_non_negative_number("Plan.samples_per_second", self.samples_per_second)
         if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
@@ -227,6 +233,13 @@ class Plan:
                     optimizer_8bit=self.optimizer_8bit)
 
     @property
+    def partitioned_state(self) -> bool:
+        """Optimizer offload with nothing on the host: on replicated ranks each rank keeps the FP32 masters
+        and optimizer state of its 1/world of the parameters on the device, with 16-bit weights and
+        gradients, and sends the weights it updated to the others (ZeRO stage 1; offload_partition.py)."""
+        return self.offload == "optimizer" and self.offload_fraction == 0
+
+    @property
     def per_rank_batch_size(self) -> int:
         return self.global_batch_size // self.world_size
 
@@ -252,7 +265,10 @@ class Plan:
         trained = (f"; a real run trained at {self.measured_samples_per_second:,.1f} samples/s"
                    if self.measured_samples_per_second is not None else "")
         share = (f" of {self.offload_fraction:.0%} of the parameters"
-                 if self.offload == "optimizer" and self.offload_fraction < 1 else "")
+                 if self.offload == "optimizer" and 0 < self.offload_fraction < 1 else "")
+        if self.partitioned_state:
+            share = f", none on the host: the state partitioned over {self.world_size} ranks"
+
         share += " (serial)" if self.offload_overlap is False else ""
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "

@@ -16,7 +16,7 @@ WORLD = 2
 MiB = 2**20
 
 
-def _trial(rank: int, budget: int) -> dict:
+def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -> dict:
     """One trial of an embedding-heavy model (6.4 MB of gradients, little compute), on this rank's ceiling."""
     import torch
     from torch import nn
@@ -28,13 +28,15 @@ def _trial(rank: int, budget: int) -> dict:
     from autotune.workload.optimizers import OptimizerSpec
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(50_000, 32), nn.Linear(32, 1))
-    batch = torch.randint(0, 50_000, (8, 16))
+    if wide:  # four equal layers: the partition gives each rank half of the elements
+        model, batch = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]), torch.randn(8, 512)
+    else:
+        model, batch = nn.Sequential(nn.Embedding(50_000, 32), nn.Linear(32, 1)), torch.randint(0, 50_000, (8, 16))
     work = Workload(model=model, batch=batch, loss_fn=lambda m, b: m(b).square().mean(),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
                     budget_bytes=budget, limit_bytes=int(0.9 * budget), per_rank=8, world_size=WORLD)
-    trial = TrialRunner(work, agree=distributed.agree_trial)(Rung(precision="fp32"), 4)
-    return {"trial": {**trial.to_dict(), "note": ""}}
+    trial = TrialRunner(work, agree=distributed.agree_trial)(rung or Rung(precision="fp32"), 4, **kwargs)
+    return {"trial": {**trial.to_dict(), "note": ""}, "note": trial.note, "params": sum(p.numel() for p in model.parameters())}
 
 
 def _scenario(name: str, rank: int, world: int) -> dict:
@@ -42,17 +44,26 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         return _trial(rank, 512 * MiB)
     if name == "one_rank_short":  # rank 1 cannot hold the AdamW state: it runs out of memory in its warm-up step
         return _trial(rank, 512 * MiB if rank == 0 else 12 * MiB)
+    from autotune.plan import Rung
+
+    if name == "bf16":
+        return _trial(rank, 512 * MiB, Rung(), wide=True)
+    if name == "partitioned":  # optimizer offload with nothing on the host: the state split over the ranks
+        return _trial(rank, 512 * MiB, Rung(offload="optimizer"), wide=True, offload_fraction=0.0)
     raise ValueError(name)
 
 
+SCENARIOS = ["roomy", "one_rank_short", "bf16", "partitioned"]
+
+
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    run_scenarios(rank, world, init_file, out_dir, ["roomy", "one_rank_short"], _scenario)
+    run_scenarios(rank, world, init_file, out_dir, SCENARIOS, _scenario)
 
 
 @pytest.mark.slow  # two spawned ranks: about 20 s on a 2-core machine
 def test_a_replicated_trial_prices_the_all_reduce_and_no_rank_waits_for_a_failed_one():
     results = spawn(_rank_main, WORLD, 240)
-    for name in ("roomy", "one_rank_short"):
+    for name in SCENARIOS:
         assert all(r[name]["ok"] for r in results), [r[name].get("error", "")[-2000:] for r in results]
     roomy = [r["roomy"]["trial"] for r in results]
     assert roomy[0] == roomy[1]  # one agreed trial on every rank
@@ -61,3 +72,13 @@ def test_a_replicated_trial_prices_the_all_reduce_and_no_rank_waits_for_a_failed
     assert roomy[0]["optimizer_seconds"] >= roomy[0]["reduce_seconds"]
     short = [r["one_rank_short"]["trial"] for r in results]
     assert [t["outcome"] for t in short] == ["oom", "oom"] and all(t["reduce_seconds"] == 0 for t in short)
+
+    # The optimizer state partitioned over the ranks (search/partitioned_state.py): replicated BF16 holds FP32
+    # weights, gradients and AdamW's two moments on every rank (16 bytes a parameter); partitioned, 16-bit
+    # weights and gradients and half the FP32 masters and moments (10 in backward; 12 in the step, with the
+    # FP32 gradients of this rank's half): at least 4 bytes a parameter freed, agreed by both ranks.
+    plain, split = ([r[name]["trial"] for r in results] for name in ("bf16", "partitioned"))
+    assert plain[0] == plain[1] and split[0] == split[1]
+    assert plain[0]["outcome"] == split[0]["outcome"] == "ok"
+    assert plain[0]["peak_bytes"] - split[0]["peak_bytes"] >= 4 * results[0]["partitioned"]["params"], (plain, split)
+    assert "partitioned over the ranks" in results[0]["partitioned"]["note"]

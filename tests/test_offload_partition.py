@@ -10,6 +10,7 @@ share's state, split over the ranks, must lower each rank's peak.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 
 from autotune.techniques.offload_partition import runs
 
-CASES = ("cpu-whole", "cpu-half-clipped", "streamed-whole", "streamed-half", "streamed-half-clipped", "streamed-cpu-part")
+CASES = ("cpu-whole", "cpu-half-clipped", "streamed-whole", "streamed-half", "streamed-half-clipped", "streamed-cpu-part",
+         "none-on-host-clipped")  # the last: `plan.offload_fraction` 0, every master on the device, partitioned
 TIMEOUT_S = 240
 
 
@@ -69,9 +71,11 @@ def _case(name: str, rank: int, world: int) -> dict:
     from test_offload import make_plan
 
     stream = name.startswith("streamed")
-    fraction = 0.5 if "half" in name else None
+    fraction = 0.5 if "half" in name else 0.0 if name.startswith("none-on-host") else None
     clip = 0.05 if name.endswith("clipped") else None
-    plan = make_plan(2, 5, fraction=fraction)  # 2 + 2 + 1 per rank
+    plan = make_plan(2, 5, fraction=fraction if fraction != 0.0 else None)  # 2 + 2 + 1 per rank
+    if fraction == 0.0:  # a plan of several ranks only (Plan refuses it on one, where it saves nothing)
+        plan = dataclasses.replace(plan, world_size=world, global_batch_size=5 * world, offload_fraction=0.0)
     on = _train(plan, rank, partition=True, stream=stream, clip=clip, cpu_part=0.5 if name.endswith("cpu-part") else 0.0)
     off = _train(plan, rank, partition=False, stream=stream, clip=clip)
     assert on[3]["stepper"] == stream and off[3]["foreign"] == []  # the control: unpartitioned steps everything
@@ -133,9 +137,10 @@ def _check(ranks: list[dict], name: str) -> None:
     own = [set(r["layout"]["host"]) | set(r["layout"]["device"]) for r in results]
     every = own[0] | set(results[0]["layout"]["foreign"])
     assert sum(len(o) for o in own) == len(every) and set().union(*own) == every  # disjoint, and all of them
-    assert all(r["layout"]["host"] and r["layout"]["foreign"] for r in results)
+    none_on_host = name.startswith("none-on-host")
+    assert all(bool(r["layout"]["host"]) != none_on_host and r["layout"]["foreign"] for r in results)
     assert all(bool(r["layout"]["cpu"]) == name.endswith("cpu-part") for r in results)
-    if "half" in name:
+    if "half" in name or none_on_host:
         assert all(r["layout"]["device"] for r in results)
         # the device share's masters and moments are split over the ranks: each rank's peak is lower
         assert all(r["peak_on"] < r["peak_off"] for r in results), [(r["peak_on"], r["peak_off"]) for r in results]

@@ -106,6 +106,7 @@ class Controller:
         self.notes: list[str] = []
         self.lattice = Lattice()
         self._compiled: _Compiled | None = None  # what compile saved beside eager, once measured
+        self._compiled_recompute: _Compiled | None = None  # the same with blocks recomputed, once measured
         self._compile_failed = False
         self.smallest = 1  # fewest samples a micro-batch may hold: 2 once batch statistics refused 1
         self.floor = 1  # the smallest micro-batch tried: no split of per_rank at it holds fewer than `smallest`
@@ -346,9 +347,25 @@ class Controller:
             return
         eager_seconds = line[0] + line[1] * first.micro_batch_size  # eager recompute at the same size
         measured = _Compiled(memory=self._compiled.memory, time=first.step_seconds / max(eager_seconds, 1e-9))
+        self._compiled_recompute = measured
         candidates = [c for offload in ("none", "optimizer") if any(s.rung.offload == offload for s in self.states)
                       for c in self._candidates(offload, compiled=measured) if c[0].checkpointed_blocks]
         self._try_best(candidates, "compile with blocks recomputed")
+
+    def with_room(self, like: Rung, freed: float) -> list[tuple[Rung, int, float]]:
+        """(rung, micro-batch, predicted samples/s), fastest first: what `like`'s offload and compile would fit
+        with `freed` more bytes under the limit, by the measured lines, each at the fewest blocks recomputed
+        for its micro-batch (search/partitioned_state.py asks, once the optimizer state it would partition
+        over the ranks has been measured to free that much)."""
+        compiled = (self._compiled_recompute or self._compiled) if like.compile else None
+        if like.compile and compiled is None:
+            return []
+        limit, self.limit = self.limit, int(self.limit + freed)
+        try:
+            candidates = self._candidates(like.offload, compiled)
+        finally:
+            self.limit = limit
+        return sorted(candidates, key=lambda c: -c[2])
 
     def _compile_other_offload(self, measured: str) -> None:
         """Compile with the other of no offload and optimizer offload, where what compile saved beside the

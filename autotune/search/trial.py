@@ -116,7 +116,9 @@ class TrialRunner:
         del micro_batch
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
                             time.perf_counter() - started, compile_failed)
-        tags = [f"offload fraction {offload_fraction:.2f}"] if offload_fraction < 1.0 else []
+        tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
+                ["optimizer state partitioned over the ranks, none on the host"] if offload_fraction == 0 else
+                [f"offload fraction {offload_fraction:.2f}"])
         tags += [OVERLAPPED] if overlap else []
         if tags:
             trial = dataclasses.replace(trial, note="; ".join([*tags, trial.note] if trial.note else tags))

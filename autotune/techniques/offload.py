@@ -159,7 +159,9 @@ class HostOptimizer:
         with host_memory():
             self.master, self._flat = self._host_masters()
             slots = [self.master.get(i, p) for i, p in enumerate(self.params)]
-            self.optimizer = spec.build(slots, host=True, only=host)
+            # None with no host share: `plan.offload_fraction` 0 on replicated ranks keeps every master on the
+            # device, partitioned over the ranks (ZeRO-1 with 16-bit weights: offload_partition.py)
+            self.optimizer = spec.build(slots, host=True, only=host) if host else None
         # The device share: FP32 masters on the device beside the same 16-bit weights (norm weights, FP32
         # already, are their own masters), so forward computes in the same dtypes as under full offload.
         self.device_master = {i: self.params[i] if id(self.params[i]) in kept
@@ -173,7 +175,7 @@ class HostOptimizer:
             for p in self.params:
                 if id(p) not in kept:
                     p.data = p.data.to(device_dtype(p, dtype))  # the device copy shrinks to 16 bits; its FP32 storage is freed
-        self.param_groups = self.optimizer.param_groups
+        self.param_groups = (self.optimizer or self.device_optimizer).param_groups
         # Gradient clipping (training/clipping.py) sets this before `step`: the host gradients are multiplied
         # by it after unscaling, in FP32, and it goes back to 1 after the step.
         self.grad_factor = 1.0
@@ -339,7 +341,7 @@ class HostOptimizer:
         done = {i for c in pipeline.done for i in pipeline.chunks[c]} if pipeline is not None else set()
         if self.stepper is None:  # streamed, the stepper reads the device gradients itself
             self._copy_grads([i for i in self.host_index if i not in landed and i not in done and i not in self.skip])
-        if self.params[0].device.type == "cuda" and self.stepper is None:
+        if self.params[0].device.type == "cuda" and self.stepper is None and self.host_index:
             torch.cuda.synchronize(self.params[0].device)  # the host gradients' copies have landed
         try:
             self._update(done | self.skip)
@@ -406,6 +408,8 @@ class HostOptimizer:
                 self.params[i].data.copy_(master)
 
     def _step_host_share(self, stepped: set[int], rest: list[int], factor: float) -> None:
+        if not self.host_index:  # every master on the device (partitioned over the ranks): nothing to do here
+            return
         if self.pipeline is None and not stepped:  # the serial step, as it always was
             if self.stepper is not None:
                 self._step_streamed(factor)
@@ -525,7 +529,7 @@ class HostOptimizer:
     def gather(self) -> None:
         """Partitioned: the state of the parameters other ranks step, into `self.gathered`. A collective:
         every rank must call it (`state_dict()` does). A no-op on one rank, or once restored."""
-        if self.partition is None or self.optimizer is None:
+        if self.partition is None or (self.optimizer is None and self.device_optimizer is None):  # restored
             return
         states = {i: opt.state[key] for i, (opt, key) in zip(self.spec.order(), self.owners())
                   if opt is not self.gathered and key in opt.state}
@@ -535,7 +539,7 @@ class HostOptimizer:
         """The state of both shares, keyed as the user's optimizer keys it (partitioned: gathered from every
         rank, so every rank must call it)."""
         self.gather()
-        sd = self.optimizer.state_dict()
+        sd = (self.optimizer or self.device_optimizer).state_dict()
         sd["state"] = {k: opt.state[key] for k, (opt, key) in enumerate(self.owners()) if key in opt.state}
         return sd
 

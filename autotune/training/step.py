@@ -529,7 +529,7 @@ class TrainingStep:
     # -- rungs ---------------------------------------------------------------------------------------
     def _apply(self, rung: Rung) -> AppliedRung:
         planned = rung == self.plan.rung
-        fraction = self.plan.offload_fraction if planned and self.plan.offload_fraction else 1.0
+        fraction = self.plan.offload_fraction if planned and self.plan.offload == "optimizer" else 1.0  # 0: partitioned
         given = self._eight_bit if rung.optimizer_8bit and self._eight_bit is not None else self._device_optimizer
         applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks, optimizer=given,
                              offload_fraction=fraction, overlap=self.plan.offload_overlap if planned else None)

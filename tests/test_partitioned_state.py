@@ -1,0 +1,114 @@
+"""The optimizer state partitioned over replicated ranks, priced after the pick (search/partitioned_state.py),
+against the scripted lattice GPU of test_lattice.py: the pick's configuration partitioned frees what it
+measures, and the controller's lines say what that room lets fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autotune.plan import Rung, Trial
+from autotune.search import partitioned_state
+from autotune.search.controller import Controller, Lattice, SearchResult
+from test_lattice import ANCHORS, GiB, N, LatticeGPU
+
+
+def _gpu() -> LatticeGPU:
+    # GPT-2 medium's shape at 16 GiB on one of two ranks: 32 samples a rank, the replicated floor 8 GiB, a
+    # sample 0.6 GiB with no block recomputed: all 32 fit only with every block recomputed (0.15 GiB a
+    # sample), which beats fewer blocks at two micro-steps of 16; 2.5 GiB more room fits 32 with 3 of 4.
+    return LatticeGPU(budget=16 * GiB, per_rank=32, floors={"none": 8 * GiB, "activations": 8 * GiB,
+                                                           "optimizer": 3 * GiB}, s0=0.6 * GiB, sn=0.15 * GiB,
+                      launch=0.2, sample_time=0.02, optimizer_seconds={"none": 0.02, "activations": 0.02,
+                                                                       "optimizer": 0.5})
+
+
+def _searched(gpu: LatticeGPU) -> tuple[SearchResult, Controller]:
+    limit = int(0.9 * gpu.budget)
+    controller = Controller(gpu, per_rank=gpu.per_rank, limit_bytes=limit)  # rates per rank, as the GPU's
+    anchors = [r for r in ANCHORS if r.offload != "activations"]  # free in this GPU's time model: it would win
+    floors = {r: int(gpu.floors[r.offload]) for r in anchors}
+    result = controller.search(anchors, Lattice(blocks=N, floors=floors))
+    return result, controller
+
+
+def _partitioned_run(gpu: LatticeGPU, freed: float, *, needs_blocks: int = 0):
+    """Runs a partitioned rung as the GPU runs the same rung without offload with `freed` off its floor; a
+    configuration with fewer than `needs_blocks` blocks recomputed runs out of memory (what a miss looks like)."""
+    ran: list[tuple[Rung, int]] = []
+
+    def run(rung: Rung, micro: int) -> Trial:
+        assert rung.offload == "optimizer"
+        ran.append((rung, micro))
+        if (rung.checkpointed_blocks or 0) < needs_blocks:
+            return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=gpu.budget)
+        saved = dict(gpu.floors)
+        gpu.floors["none"] -= freed
+        try:
+            trial = gpu(dataclasses.replace(rung, offload="none"), micro)
+        finally:
+            gpu.floors = saved
+        return dataclasses.replace(trial, rung=rung)
+
+    return run, ran
+
+
+def test_the_room_partitioning_frees_buys_fewer_recomputed_blocks():
+    gpu = _gpu()
+    result, controller = _searched(gpu)
+    pick = result.best
+    assert pick.rung.offload == "none" and pick.rung.checkpointed_blocks, pick  # the scenario: recompute
+    run, ran = _partitioned_run(gpu, 2.5 * GiB)
+    winner = partitioned_state.price(result, pick, controller, run, 2)
+    assert ran[0] == (partitioned_state.partitioned(pick.rung), pick.micro_batch_size)  # measures what it frees
+    assert winner is not None and winner.rung.offload == "optimizer" and winner.fits
+    assert winner.rung.checkpointed_blocks < pick.rung.checkpointed_blocks or winner.micro_batch_size > pick.micro_batch_size
+    assert winner.samples_per_second > 1.03 * pick.samples_per_second
+    assert len(ran) <= 1 + partitioned_state.TRIES
+    assert all(t in result.trials for t in [winner])
+    assert result.notes[-1].endswith("kept")
+
+
+def test_without_room_freed_the_pick_stays_after_one_trial():
+    gpu = _gpu()
+    result, controller = _searched(gpu)
+    pick = result.best
+    run, ran = _partitioned_run(gpu, -0.1 * GiB)  # partitioned peaks higher: nothing freed
+    assert partitioned_state.price(result, pick, controller, run, 2) is None
+    assert len(ran) == 1
+    assert "not faster than the pick" in result.notes[-1]
+
+
+def test_a_miss_is_not_followed_by_what_it_rules_out_and_leaves_the_pick():
+    gpu = _gpu()
+    result, controller = _searched(gpu)
+    pick = result.best
+    predicted = controller.with_room(pick.rung, 2.5 * GiB)
+    assert predicted and predicted[0][0].checkpointed_blocks < pick.rung.checkpointed_blocks
+    first_blocks, first_micro = predicted[0][0].checkpointed_blocks, predicted[0][1]
+    run, ran = _partitioned_run(gpu, 2.5 * GiB, needs_blocks=first_blocks + 1)  # the predicted one runs out
+    assert partitioned_state.price(result, pick, controller, run, 2) is None
+    assert ran[1] == (partitioned_state.partitioned(predicted[0][0]), first_micro)
+    # nothing with no more blocks at as many samples after the miss
+    assert not [(r, m) for r, m in ran[2:] if r.checkpointed_blocks <= first_blocks and m >= first_micro]
+    assert "oom" in result.notes[-1] and "not faster than the pick" in result.notes[-1]
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({}, True),
+    ({"world": 1}, False),
+    ({"sharded": True}, False),
+    ({"state_tensors": 0}, False),  # SGD without momentum: no state to partition
+    ({"allowed": frozenset({"bf16", "checkpointing"})}, False),
+    ({"rung": Rung(offload="optimizer")}, False),  # the pick offloads already (its share was chosen)
+    ({"rung": Rung(precision="fp16")}, False),  # a GradScaler's inf check would need every rank's gradients
+])
+def test_who_is_eligible(change, expected, monkeypatch):
+    monkeypatch.delenv("AUTOTUNE_OFFLOAD_PARTITION", raising=False)
+    args = {"world": 2, "sharded": False, "state_tensors": 2, "allowed": frozenset({"bf16", "offload"}),
+            "rung": Rung(checkpointing="selective", checkpointed_blocks=3), **change}
+    best = Trial(rung=args.pop("rung"), micro_batch_size=4, outcome="ok")
+    assert partitioned_state.eligible(best, **args) is expected
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_PARTITION", "0")
+    assert not partitioned_state.eligible(best, **args)
