@@ -124,7 +124,8 @@ def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, de
     the search's share left on the table, or what a smaller one would cost in memory (a share that does not
     fit shows as a recovery and a peak over the limit). `variant` is SHARE[@MICRO][@one][@kBLOCKS]: another
     micro-batch too, one gradient bucket (the all-reduce after backward), BLOCKS repeated blocks recomputed
-    (compile as the plan has it); SHARE 0 is no optimizer offload."""
+    (compile as the plan has it); SHARE 0 is no optimizer offload, z optimizer offload with nothing on the host
+    (the state partitioned over the ranks)."""
     other, one = variant_plan(plan, variant)
     micro, share = other.micro_batch_size, other.offload_fraction
     buckets = distributed.BUCKET_BYTES
@@ -151,6 +152,8 @@ def variant_plan(plan: Any, variant: str) -> tuple[Any, bool]:
     """`plan` as SHARE[@MICRO][@one][@kBLOCKS] changes it (see `_train_share`), and whether it asks for one
     gradient bucket."""
     share, *rest = variant.split("@")
+    partitioned = share == "z"  # optimizer offload with nothing on the host: the state partitioned over the ranks
+    share = "0" if partitioned else share
     micros = [int(r) for r in rest if r.isdigit()]
     blocks = [int(r[1:]) for r in rest if r.startswith("k") and r[1:].isdigit()]
     micro = micros[0] if micros else plan.micro_batch_size
@@ -158,7 +161,7 @@ def variant_plan(plan: Any, variant: str) -> tuple[Any, bool]:
     k = blocks[0] if blocks else plan.checkpointed_blocks
     n = len(plan.block_paths) or 10**9
     other = dataclasses.replace(plan, offload_fraction=float(share), micro_batch_size=micro,
-                                offload="optimizer" if float(share) > 0 else "none", checkpointed_blocks=k,
+                                offload="optimizer" if float(share) > 0 or partitioned else "none", checkpointed_blocks=k,
                                 checkpointing="none" if not k else "full" if k >= n else "selective",
                                 accumulation_steps=steps, last_micro_batch_size=last)
     return other, "one" in rest
@@ -365,7 +368,8 @@ def _parse() -> Args:
                    help="replicated: train the plan again with one gradient bucket (no overlap), same process")
     p.add_argument("--shares", default="", help="replicated, under optimizer offload: after the plan, train it again "
                    "with each of these host shares, comma-separated: SHARE[@MICRO][@one][@kBLOCKS] (another micro-batch; one "
-                   "gradient bucket; blocks recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload); same process")
+                   "gradient bucket; blocks recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload; z: optimizer offload with "
+                   "nothing on the host, the state partitioned over the ranks); same process")
     p.add_argument("--out", default="", help="append the JSON lines here")
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,
