@@ -32,7 +32,7 @@ from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from .workload import chunked_loss
 from .workload.losses import chunked_default_loss, resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
-from .plan import Plan, Trial
+from .plan import Plan, Rung, Trial
 from .sizes import format_bytes, parse_bytes
 from .settings import FitSettings
 from .search.progress import Progress, progress_for
@@ -279,8 +279,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
         best, fraction = _offload_share(result, runner, tuned, spec, limit, is_sharded(tuned), per_rank)
-        best, fraction = _partitioned_state(result, controller, runner, best, fraction, world, is_sharded(tuned),
-                                            spec, allowed)
+        best, fraction = _partitioned_state(result, controller, runner, best, fraction, work, is_sharded(tuned),
+                                            allowed)
         overlap = _offload_overlap(result, best, fraction, runner, work, is_sharded(tuned))
     except DeviceError as error:
         poisoned = True
@@ -349,18 +349,23 @@ def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, 
 
 
 def _partitioned_state(result: SearchResult, controller: Controller, runner: TrialRunner, best: Trial,
-                       fraction: float | None, world: int, sharded: bool, spec: OptimizerSpec,
+                       fraction: float | None, work: Workload, sharded: bool,
                        allowed: frozenset[str]) -> tuple[Trial, float | None]:
     """On replicated ranks, the pick with the optimizer state partitioned over them (nothing on the host) and
     the configuration the room that frees lets fit, where that measured faster by more than noise
     (search/partitioned_state.py); else the pick as it was."""
-    if not partitioned_state.eligible(best, world, sharded, state_tensors_per_parameter(spec), allowed):
+    world = work.world_size
+    if not partitioned_state.eligible(best, world, sharded, state_tensors_per_parameter(work.spec), allowed):
         return best, fraction
-    winner = partitioned_state.price(result, best, controller,
-                                     lambda rung, micro: runner(rung, micro, offload_fraction=0.0), world)
+
+    def run(rung: Rung, micro: int, longer: bool = False) -> Trial:
+        return runner(rung, micro, offload_fraction=0.0 if rung.offload == "optimizer" else 1.0,
+                      measured_steps=2 * work.measured_steps if longer else None)
+
+    winner, judged = partitioned_state.price(result, best, controller, run, world)
     if winner is None:
         return best, fraction
-    result.reason = partitioned_state.reason(winner, best, world, result.reason)
+    result.reason = partitioned_state.reason(winner, judged, world, result.reason)
     return winner, 0.0
 
 
