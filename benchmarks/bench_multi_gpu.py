@@ -115,6 +115,36 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     out["offload_partition"] = os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1")
     if args.shares:
         out["shares"] = [_train_share(model, plan, share, args, device, rank, world) for share in args.shares]
+    if args.trials:
+        out["trials_vs_trained"] = [_trial_and_train(model, example, plan, variant, args, device, rank, world)
+                                    for variant in args.trials]
+    return out
+
+
+def _trial_and_train(model: torch.nn.Module, example: Any, plan: Any, variant: str, args: Args, device: str,
+                     rank: int, world: int) -> dict[str, Any]:
+    """What the search's trial runner says of a variant (`--shares` form), with the default measured steps and
+    with 4 times as many, then the variant trained for `--steps` in the same process: how well a trial predicts
+    training for it."""
+    from autotune.search.trial import TrialRunner, Workload
+    from autotune.workload.losses import resolve
+    from autotune.workload.optimizers import OptimizerSpec
+
+    other, _ = variant_plan(plan, variant)
+    budget = parse_bytes(args.budget)
+    work = Workload(model=model, batch=example, loss_fn=resolve(None, model, chunked=True),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device(args.device),
+                    budget_bytes=budget, limit_bytes=int(0.9 * budget), per_rank=args.global_batch_size // world,
+                    world_size=world, blocks=find_blocks(model))
+    runner = TrialRunner(work, agree=distributed.agree_trial)
+    fraction = other.offload_fraction if other.offload == "optimizer" else 1.0
+    out: dict[str, Any] = {"variant": variant}
+    for steps in (work.measured_steps, 4 * work.measured_steps):
+        t = runner(other.rung, other.micro_batch_size, measured_steps=steps, offload_fraction=fraction)
+        out[f"trial_{steps}"] = {"outcome": t.outcome, "tokens_per_second": t.samples_per_second * args.seq,
+                                 "step_seconds": t.step_seconds, "optimizer_seconds": t.optimizer_seconds,
+                                 "reduce_seconds": t.reduce_seconds, "peak_gib": t.peak_bytes / 2**30}
+    out["trained"] = _train_share(model, plan, variant, args, device, rank, world)
     return out
 
 
@@ -350,6 +380,7 @@ class Args:
     bucket_mb: float
     compare_nooverlap: bool = False
     shares: tuple[str, ...] = ()
+    trials: tuple[str, ...] = ()
 
 
 def _parse() -> Args:
@@ -370,12 +401,15 @@ def _parse() -> Args:
                    "with each of these host shares, comma-separated: SHARE[@MICRO][@one][@kBLOCKS] (another micro-batch; one "
                    "gradient bucket; blocks recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload; z: optimizer offload with "
                    "nothing on the host, the state partitioned over the ranks); same process")
+    p.add_argument("--trials", default="", help="replicated: after the plan, each of these variants (the --shares "
+                   "form) through the search's trial runner (default and 4x measured steps), then trained; same process")
     p.add_argument("--out", default="", help="append the JSON lines here")
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,
                 global_batch_size=a.global_batch_size, steps=a.steps, rung_steps=a.rung_steps, out=a.out,
                 bucket_mb=a.bucket_mb, compare_nooverlap=a.compare_nooverlap,
-                shares=tuple(x.strip() for x in a.shares.split(",") if x.strip()))
+                shares=tuple(x.strip() for x in a.shares.split(",") if x.strip()),
+                trials=tuple(x.strip() for x in a.trials.split(",") if x.strip()))
 
 
 if __name__ == "__main__":

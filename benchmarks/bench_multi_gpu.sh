@@ -23,6 +23,7 @@ CASES=${CASES:-single replicated xl large}
 CASE_S=${CASE_S:-0}  # a time limit per case in seconds (0: none): one slow case cannot eat a whole call; S_xl=170 sets one
 # SHARES="0.3,0.01": single and replicated also train their plan again at each of these host shares (same process);
 # SHARES_single / SHARES_replicated: for one of them only (bench_multi_gpu.py --shares says the form)
+# TRIALS_replicated="0@16@k16,z@16@k10": replicated also puts these variants through the trial runner, then trains them
 SHARES_single=${SHARES_single:-${SHARES:-}} SHARES_replicated=${SHARES_replicated:-${SHARES:-}}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} AUTOTUNE_CACHE=off
 B=benchmarks/bench_multi_gpu.py
@@ -33,7 +34,7 @@ for case in $CASES; do
   TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
   case $case in
     single) CUDA_VISIBLE_DEVICES=0 ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" ${SHARES_single:+--shares "$SHARES_single"} --out "$OUT" ;;
-    replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-nooverlap ${SHARES_replicated:+--shares "$SHARES_replicated"} --out "$OUT" ;;
+    replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-nooverlap ${SHARES_replicated:+--shares "$SHARES_replicated"} ${TRIALS_replicated:+--trials "$TRIALS_replicated"} --out "$OUT" ;;
     unpartitioned) AUTOTUNE_OFFLOAD_PARTITION=0 $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     link) nvidia-smi topo -m >&2; $TR $B --case link --model gpt2-medium --out "$OUT" ;;
     nooverlap) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --bucket-mb 100000 --out "$OUT" ;;
