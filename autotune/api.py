@@ -358,9 +358,9 @@ def _partitioned_state(result: SearchResult, controller: Controller, runner: Tri
     if not partitioned_state.eligible(best, world, sharded, state_tensors_per_parameter(work.spec), allowed):
         return best, fraction
 
-    def run(rung: Rung, micro: int, longer: bool = False) -> Trial:
+    def run(rung: Rung, micro: int) -> Trial:
         return runner(rung, micro, offload_fraction=0.0 if rung.offload == "optimizer" else 1.0,
-                      measured_steps=2 * work.measured_steps if longer else None)
+                      measured_steps=partitioned_state.LONGER * work.measured_steps)
 
     winner, judged = partitioned_state.price(result, best, controller, run, world)
     if winner is None:

@@ -17,7 +17,7 @@ How the search reaches it, after the pick (no offload, several replicated ranks)
 partitioned measures the bytes it frees (the peaks of two measured trials, not arithmetic); the controller's
 memory and time lines then predict the fastest configuration with that much more room
 (`Controller.with_room`), which is run partitioned; after a miss, the next one the miss does not rule out.
-Kept only when faster than the pick by more than noise; a lead within RUNOFF is measured again first (`price`).
+Kept only when faster than the pick, measured again as long, by more than noise (`price`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from collections.abc import Callable
 
 from ..plan import Rung, Trial
 from ..techniques import offload_partition
-from .controller import NOISE, RUNOFF, Controller, SearchResult
+from .controller import NOISE, Controller, SearchResult
 
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it
+LONGER = 4  # times the search's measured steps, for every trial here (see `price`)
 
-# run(rung, micro, longer=False): a trial; of a rung with optimizer offload, with nothing on the host (the state
-# partitioned); `longer`: twice the measured steps
-Run = Callable[..., Trial]
+# run(rung, micro): a trial of LONGER times the search's measured steps; of a rung with optimizer offload, with
+# nothing on the host (the state partitioned)
+Run = Callable[[Rung, int], Trial]
 
 
 def eligible(best: Trial, world: int, sharded: bool, state_tensors: int, allowed: set[str] | frozenset[str]) -> bool:
@@ -53,10 +54,11 @@ def price(result: SearchResult, best: Trial, controller: Controller, run: Run, w
     """(the partitioned trial to plan from, or None; the pick's trial it was judged against). Adds the trials
     run to `result.trials`, and a note saying what was found either way.
 
-    A partitioned configuration within RUNOFF of the pick either way is measured again beside it, both with
-    twice the steps (`run(..., longer=True)`), and decided on those: single trials near the memory edge are
-    erratic, and the pick itself measured 167.7 and 186.8 samples/s in two lends of two H200s (RESULTS.md
-    tenth session), which alone decided whether a 188 samples/s partitioned trial beat it."""
+    Every trial here runs LONGER times the search's measured steps, the pick's configuration again too, and the
+    decision rests on those: with the search's 3 measured steps the partitioned step read slow (two H200s, 10
+    blocks at 16 x 2: optimizer 45 ms and all-reduce 13 ms a step, 188,274 tok/s; with 12 steps 28 and 7 ms,
+    197,413; trained 199,142), and the pick itself measured 164 to 187 samples/s between lends (RESULTS.md
+    tenth session): short readings ranked the partitioned configurations below the pick they beat in training."""
     first = run(partitioned(best.rung), best.micro_batch_size)
     ran = [first]
     if first.fits and first.peak_bytes < best.peak_bytes:
@@ -72,12 +74,10 @@ def price(result: SearchResult, best: Trial, controller: Controller, run: Run, w
             pool = [c for c in pool if not _ruled_out(c, rung, micro)]
     leader = max((t for t in ran if t.fits), key=lambda t: t.samples_per_second, default=None)
     judged = best
-    if leader is not None and abs(leader.samples_per_second / best.samples_per_second - 1) < RUNOFF:
-        judged = run(best.rung, best.micro_batch_size, longer=True)
-        leader = run(leader.rung, leader.micro_batch_size, longer=True)
-        ran += [judged, leader]
-    faster = leader is not None and judged.fits and leader.fits and \
-        leader.samples_per_second > judged.samples_per_second * (1 + NOISE)
+    if leader is not None:
+        judged = run(best.rung, best.micro_batch_size)
+        ran.append(judged)
+    faster = leader is not None and judged.fits and leader.samples_per_second > judged.samples_per_second * (1 + NOISE)
     winner = leader if faster else None
     result.trials.extend(ran)
     result.notes.append(_note(ran, winner, world))
