@@ -10,13 +10,14 @@ not finish in time is killed and fails the tests: nothing waits forever in a col
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
 import torch
 
 SCENARIOS = ("mean-uneven", "tokens-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
-             "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven")
+             "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven", "partitioned-oom-on-one-rank")
 # Gradient clipping over the global batch (test_clipping.py has one process): two ranks only.
 CLIP_SCENARIOS = ("clip-mean-uneven", "clip-tokens-uneven", "sharded-clip-mean-uneven", "sharded-clip-tokens-uneven")
 CLIP_NORM = 0.05  # well under these batches' gradient norms: the clipping is real
@@ -113,6 +114,9 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     budget = HUGE
     sharded = name.startswith("sharded-")
     name = name.removeprefix("sharded-")
+    # optimizer offload with nothing on the host: each rank steps its part of the parameters, sends the weights
+    partitioned = name.startswith("partitioned-")
+    name = name.removeprefix("partitioned-")
     max_norm = CLIP_NORM if name.startswith("clip-") else None
     name = name.removeprefix("clip-")
     if name == "mean-uneven":
@@ -126,7 +130,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         shares = [padded_batch(lengths[r], t=12, seed=20 + r) for r in range(world)]
         loss_fn = token_loss
     elif name in ("oom-on-one-rank", "oom-at-last-micro-batch"):
-        shares = _shares(world, seed=30)
+        # a plan of `world` ranks (what a partitioned one must be) needs equal shares
+        shares = _shares(world, seed=30, **({"n_of": lambda r: 3} if partitioned else {}))
         calls = {"n": 0}
         # rank 1 runs out of memory at its first micro-batch, or at its last one; only in the first attempt
         at = 1 if name == "oom-on-one-rank" else math.ceil(len(shares[1][0]) / 2)
@@ -182,6 +187,9 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         raise ValueError(name)
 
     plan = make_plan(2, sum(len(b[0]) for b in shares), budget=budget)
+    if partitioned:
+        plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), offload="optimizer",
+                                   offload_fraction=0.0, world_size=world, global_batch_size=plan.global_batch_size)
     train_loss = (lambda m, b: m(*b)) if sharded and loss_fn is token_loss else loss_fn
     try:
         got, step, loss = _train(plan, model, shares[rank], train_loss, sharded=sharded, max_norm=max_norm)
@@ -196,6 +204,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     want, want_loss, want_norm = _reference(model, shares, None if loss_fn is None or name.startswith("oom")
                                             else loss_fn, max_norm)
     assert_same_training(model, got, want)
+    if partitioned:
+        assert step.plan.offload_fraction == 0.0 and step.plan.partitioned_state, step.plan  # kept through recovery
     assert math.isclose(loss, want_loss, rel_tol=1e-10), (loss, want_loss)
     if max_norm is not None:
         assert want_norm > max_norm, want_norm  # the clipping is real
@@ -255,6 +265,15 @@ def test_oom_on_one_rank_is_recovered_on_every_rank(two_ranks, name):
     assert results[0]["recoveries"][0]["micro_step"] == -1  # "another rank ran out of memory"
     assert results[1]["recoveries"][0]["micro_step"] >= 0
     assert results[0]["recoveries"][0]["now"] == results[1]["recoveries"][0]["now"] == "fp32 at micro-batch 1"
+
+
+def test_oom_on_one_rank_under_the_partitioned_optimizer_state_is_recovered_exactly(two_ranks):
+    # `plan.offload_fraction` 0 under optimizer offload: each rank steps its part and sends its weights; the
+    # recovered step equals the full-batch one (float64, checked on every rank) and the plan stays partitioned
+    results = _check(two_ranks, "partitioned-oom-on-one-rank")
+    assert [r["micro"] for r in results] == [1, 1] and [len(r["recoveries"]) for r in results] == [1, 1]
+    assert [r["recoveries"][0]["micro_step"] >= 0 for r in results] == [False, True]
+    assert all(r["recoveries"][0]["now"].startswith("fp32+optimizer offload, none on the host") for r in results), results
 
 
 @pytest.mark.parametrize("name", ["sharded-mean-uneven", "sharded-tokens-uneven"])

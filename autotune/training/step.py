@@ -628,7 +628,8 @@ def _shard(plan: Plan, model: nn.Module, optimizer: Any) -> None:
 
 
 def _describe(plan: Plan) -> str:
-    return f"{plan.rung.name} at micro-batch {plan.micro_batch_size}"
+    partitioned = ", none on the host (the state partitioned over the ranks)" if plan.partitioned_state else ""
+    return f"{plan.rung.name}{partitioned} at micro-batch {plan.micro_batch_size}"
 
 
 def _micro_batch_shapes(batch: Any, micro: int) -> dict[str, list[int]]:
