@@ -268,7 +268,6 @@ class Plan:
                  if self.offload == "optimizer" and 0 < self.offload_fraction < 1 else "")
         if self.partitioned_state:
             share = f", none on the host: the state partitioned over {self.world_size} ranks"
-
         share += " (serial)" if self.offload_overlap is False else ""
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
