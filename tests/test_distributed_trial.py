@@ -16,27 +16,56 @@ WORLD = 2
 MiB = 2**20
 
 
-def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -> dict:
-    """One trial of an embedding-heavy model (6.4 MB of gradients, little compute), on this rank's ceiling."""
+def _work(budget: int, *, wide: bool = False):
+    """An embedding-heavy model (6.4 MB of gradients, little compute), or four equal layers (`wide`: the
+    partition gives each rank half of the elements), as a trial's workload of 8 samples a rank."""
     import torch
     from torch import nn
 
     from autotune.devices.placement import resolve_device
-    from autotune.plan import Rung
-    from autotune.search.trial import TrialRunner, Workload
-    from autotune.training import distributed
+    from autotune.search.trial import Workload
     from autotune.workload.optimizers import OptimizerSpec
 
     torch.manual_seed(0)
-    if wide:  # four equal layers: the partition gives each rank half of the elements
+    if wide:
         model, batch = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]), torch.randn(8, 512)
     else:
         model, batch = nn.Sequential(nn.Embedding(50_000, 32), nn.Linear(32, 1)), torch.randint(0, 50_000, (8, 16))
-    work = Workload(model=model, batch=batch, loss_fn=lambda m, b: m(b).square().mean(),
+    return Workload(model=model, batch=batch, loss_fn=lambda m, b: m(b).square().mean(),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
                     budget_bytes=budget, limit_bytes=int(0.9 * budget), per_rank=8, world_size=WORLD)
+
+
+def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -> dict:
+    """One trial of `_work`'s model on this rank's ceiling."""
+    from autotune.plan import Rung
+    from autotune.search.trial import TrialRunner
+    from autotune.training import distributed
+
+    work = _work(budget, wide=wide)
     trial = TrialRunner(work, agree=distributed.agree_trial)(rung or Rung(precision="fp32"), 4, **kwargs)
-    return {"trial": {**trial.to_dict(), "note": ""}, "note": trial.note, "params": sum(p.numel() for p in model.parameters())}
+    return {"trial": {**trial.to_dict(), "note": ""}, "note": trial.note,
+            "params": sum(p.numel() for p in work.model.parameters())}
+
+
+def _phase(rank: int) -> dict:
+    """`fit`'s partitioned-state phase (api._partitioned_state) after a BF16 search, with real trials."""
+    from autotune.api import _partitioned_state
+    from autotune.plan import Rung
+    from autotune.search.controller import Controller
+    from autotune.search.trial import TrialRunner
+    from autotune.training import distributed
+
+    work = _work(512 * MiB, wide=True)
+    runner = TrialRunner(work, agree=distributed.agree_trial)
+    controller = Controller(runner, per_rank=8, limit_bytes=work.limit_bytes, world_size=WORLD)
+    result = controller.search([Rung()])
+    searched = len(result.trials)
+    best, fraction = _partitioned_state(result, controller, runner, result.best, None, work, False,
+                                        frozenset({"bf16", "offload"}))
+    return {"pick": result.best.to_dict(), "searched": searched, "best": best.to_dict(), "fraction": fraction,
+            "trials": [{**t.to_dict(), "note": ""} for t in result.trials], "notes": [t.note for t in result.trials],
+            "last_note": result.notes[-1], "params": sum(p.numel() for p in work.model.parameters())}
 
 
 def _scenario(name: str, rank: int, world: int) -> dict:
@@ -50,10 +79,12 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         return _trial(rank, 512 * MiB, Rung(), wide=True)
     if name == "partitioned":  # optimizer offload with nothing on the host: the state split over the ranks
         return _trial(rank, 512 * MiB, Rung(offload="optimizer"), wide=True, offload_fraction=0.0)
+    if name == "phase":
+        return _phase(rank)
     raise ValueError(name)
 
 
-SCENARIOS = ["roomy", "one_rank_short", "bf16", "partitioned"]
+SCENARIOS = ["roomy", "one_rank_short", "bf16", "partitioned", "phase"]
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -82,3 +113,17 @@ def test_a_replicated_trial_prices_the_all_reduce_and_no_rank_waits_for_a_failed
     assert plain[0]["outcome"] == split[0]["outcome"] == "ok"
     assert plain[0]["peak_bytes"] - split[0]["peak_bytes"] >= 4 * results[0]["partitioned"]["params"], (plain, split)
     assert "partitioned over the ranks" in results[0]["partitioned"]["note"]
+
+    # fit's phase on real ranks: the pick partitioned first (the room it frees, measured), the pick again last
+    # (as long), the same trials and decision on both ranks, and the plan partitioned only if that measured faster
+    phase = [r["phase"] for r in results]
+    assert phase[0]["trials"] == phase[1]["trials"] and phase[0]["fraction"] == phase[1]["fraction"]
+    first, last = phase[0]["trials"][phase[0]["searched"]], phase[0]["trials"][-1]
+    pick = phase[0]["pick"]
+    assert first["rung"]["offload"] == "optimizer" and first["micro_batch_size"] == pick["micro_batch_size"]
+    assert "partitioned over the ranks" in phase[0]["notes"][phase[0]["searched"]]
+    assert pick["peak_bytes"] - first["peak_bytes"] >= 4 * phase[0]["params"]
+    assert (last["rung"], last["micro_batch_size"]) == (pick["rung"], pick["micro_batch_size"])
+    assert phase[0]["last_note"].startswith("optimizer state partitioned over 2 ranks, none on the host (")
+    kept = phase[0]["fraction"] == 0.0
+    assert kept == phase[0]["last_note"].endswith(": kept") == (phase[0]["best"]["rung"]["offload"] == "optimizer")
