@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from ..plan import Rung, Trial
 from ..techniques import offload_partition
-from .controller import NOISE, Controller, SearchResult
+from .controller import NOISE, Controller, SearchResult, _ruled_out
 
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it
 LONGER = 4  # times the search's measured steps, for every trial here (see `price`)
@@ -41,8 +41,8 @@ def eligible(best: Trial, world: int, sharded: bool, state_tensors: int, allowed
     """Whether partitioning can free anything for the pick: several replicated ranks that partition (not
     FSDP2 shards, FP16 or $AUTOTUNE_OFFLOAD_PARTITION=0), an optimizer with state, optimizer offload allowed,
     and a pick without optimizer offload or 8-bit state."""
-    return (world > 1 and not sharded and "offload" in allowed and state_tensors > 0 and offload_partition.wanted()
-            and best.rung.precision != "fp16" and best.rung.offload == "none" and not best.rung.optimizer_8bit)
+    return (world > 1 and "offload" in allowed and state_tensors > 0 and best.rung.offload == "none"
+            and not best.rung.optimizer_8bit and offload_partition.partitions(best.rung.precision, sharded))
 
 
 def partitioned(rung: Rung) -> Rung:
@@ -71,7 +71,7 @@ def price(result: SearchResult, best: Trial, controller: Controller, run: Run, w
             ran.append(trial)
             if trial.fits:
                 break
-            pool = [c for c in pool if not _ruled_out(c, rung, micro)]
+            pool = [c for c in pool if not _ruled_out(c, rung, micro)]  # `rung` as the candidates are: no offload
     leader = max((t for t in ran if t.fits), key=lambda t: t.samples_per_second, default=None)
     judged = best
     if leader is not None:
@@ -82,12 +82,6 @@ def price(result: SearchResult, best: Trial, controller: Controller, run: Run, w
     result.trials.extend(ran)
     result.notes.append(_note(ran, winner, world))
     return winner, judged
-
-
-def _ruled_out(candidate: tuple[Rung, int, float], missed: Rung, micro: int) -> bool:
-    """A miss at `micro` with `missed`'s blocks says no fewer blocks fit at as many samples."""
-    rung, m, _ = candidate
-    return (rung.checkpointed_blocks or 0) <= (missed.checkpointed_blocks or 0) and m >= micro
 
 
 def _note(ran: list[Trial], winner: Trial | None, world: int) -> str:

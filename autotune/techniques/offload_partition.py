@@ -40,10 +40,16 @@ def wanted() -> bool:
     return os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def partitions(precision: str, sharded: bool) -> bool:
+    """Whether optimizer offload of this kind partitions its shares over replicated ranks, where there are
+    several: not over FSDP2 shards, under FP16's GradScaler, or with $AUTOTUNE_OFFLOAD_PARTITION=0."""
+    return wanted() and not sharded and precision != "fp16"
+
+
 def ranks(precision: str, sharded: bool) -> int:
     """Over how many ranks optimizer offload of this kind partitions its shares (1: not partitioned).
     `HostOptimizer` decides the same from what it is given; the search asks before building one."""
-    if not wanted() or sharded or precision == "fp16" or not (dist.is_available() and dist.is_initialized()):
+    if not partitions(precision, sharded) or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
 
