@@ -22,7 +22,7 @@ from .cache.rows import printable
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import NOISE, Controller, Lattice, SearchResult
-from .search import partitioned_state
+from .search import partitioned_state, reduce_timing
 from .search.offload_share import choose_offload_fraction, offload_rival
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
@@ -282,6 +282,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         best, fraction = _partitioned_state(result, controller, runner, best, fraction, work, is_sharded(tuned),
                                             allowed)
         overlap = _offload_overlap(result, best, fraction, runner, work, is_sharded(tuned))
+        best, reduce_overlap = _reduce_timing(result, best, fraction, runner, work, is_sharded(tuned))
     except DeviceError as error:
         poisoned = True
         _put_back_noting(error, model, home, snapshot)
@@ -312,7 +313,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                 samples_per_second=best.samples_per_second,
                 tokens_per_second=best.samples_per_second * tokens if tokens else None,
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
-                trials=tuple(result.trials), flops_per_sample=flops, sharding=sharding,
+                trials=tuple(result.trials), flops_per_sample=flops, sharding=sharding, reduce_overlap=reduce_overlap,
                 mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision),
                 min_micro_batch_size=result.smallest, techniques=tuple(sorted(allowed)))
 
@@ -413,6 +414,21 @@ def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, 
                 if fits else f"the overlapped trial: {other.outcome}")
     result.reason = f"{result.reason}; {'overlapped' if faster else 'serial'} {kind}: {measured}"
     return faster
+
+
+def _reduce_timing(result: SearchResult, best: Trial, fraction: float | None, runner: TrialRunner,
+                   work: Workload, sharded: bool) -> tuple[Trial, bool | None]:
+    """On replicated ranks, whether the gradient all-reduce runs in buckets during the last backward or in one
+    after it: one trial of the pick timing both (search/reduce_timing.py). None where autotune all-reduces
+    nothing (one rank, FSDP2 shards)."""
+    if not reduce_timing.eligible(work.world_size, sharded):
+        return best, None
+    timed = runner(best.rung, best.micro_batch_size, reduce_pairs=reduce_timing.PAIRS,
+                   offload_fraction=fraction if best.rung.offload == "optimizer" and fraction is not None else 1.0)
+    result.trials.append(timed)
+    chosen, overlap, clause = reduce_timing.choose(best, timed, work.per_rank, work.world_size)
+    result.reason = f"{result.reason}; {clause}"
+    return chosen, overlap
 
 
 def _put_back(model: nn.Module, home: torch.device, snapshot: Snapshot) -> None:

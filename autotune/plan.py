@@ -93,6 +93,9 @@ class Trial:
     # Replicated on several ranks: what the gradient all-reduce, overlapped with a last micro-batch's backward
     # as in training, added to that micro-batch; counted in `optimizer_seconds` (a cost once per global step).
     reduce_seconds: float = 0.0
+    # The same, with every gradient in one all-reduce after backward (`Plan.reduce_overlap` False); measured
+    # only by the trial that times both (`search/reduce_timing.py`), else 0.
+    reduce_after_seconds: float = 0.0
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -103,7 +106,7 @@ class Trial:
         for name in ("peak_bytes", "alloc_retries"):
             _check_non_negative_int(f"Trial.{name}", getattr(self, name))
         for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds",
-                     "reduce_seconds"):
+                     "reduce_seconds", "reduce_after_seconds"):
             _check_non_negative_number(f"Trial.{name}", getattr(self, name))
 
     @property
@@ -155,6 +158,9 @@ class Plan:
     offload_overlap: bool | None = None  # optimizer offload steps the host during the last backward: fit
     # measures it both ways and keeps the faster; None (a plan made by hand, an older row) leaves it on
     sharding: str = "none"  # "none" | "fsdp2"
+    reduce_overlap: bool | None = None  # replicated on several ranks: the gradient all-reduce in buckets during
+    # the last backward (True), or in one after it (False); fit times both and keeps the faster; None (one
+    # rank, FSDP2 shards, a plan made by hand, an older row) is the buckets
     flops_per_sample: float | None = None  # forward+backward FLOPs of one sample, counted, not estimated
     mfu: float | None = None  # achieved FLOPs/s over the device's peak; None where the peak is unknown
     measured_samples_per_second: float | None = None  # what a real run under `autotune run` then trained
@@ -184,6 +190,12 @@ class Plan:
         if self.offload_overlap is not None and not isinstance(self.offload_overlap, bool):
             raise ValueError(f"Plan.offload_overlap must be True, False or None, got {self.offload_overlap!r}")
         _check_choice("Plan.sharding", self.sharding, SHARDING)
+        if self.reduce_overlap is not None and not isinstance(self.reduce_overlap, bool):
+            raise ValueError(f"Plan.reduce_overlap must be True, False or None, got {self.reduce_overlap!r}")
+        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding != "none"):
+            raise ValueError(f"Plan.reduce_overlap {self.reduce_overlap} times the gradient all-reduce of replicated "
+                             f"ranks; this plan has world_size {self.world_size} and sharding {self.sharding!r}, "
+                             "where autotune all-reduces nothing: leave it None")
         if isinstance(self.block_paths, list):  # as JSON gives it back
             object.__setattr__(self, "block_paths", tuple(self.block_paths))
         if not isinstance(self.block_paths, tuple) or not all(isinstance(p, str) for p in self.block_paths):
@@ -269,6 +281,7 @@ class Plan:
         if self.partitioned_state:
             share = f", none on the host: the state partitioned over {self.world_size} ranks"
         share += " (serial)" if self.offload_overlap is False else ""
+        share += ", gradients all-reduced after backward" if self.reduce_overlap is False else ""
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
                 f"peak {format_bytes(self.peak_memory_bytes)} of {format_bytes(self.memory_budget_bytes)}"

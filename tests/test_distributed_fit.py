@@ -72,6 +72,14 @@ def test_ranks_with_different_ceilings_agree_on_one_plan():
     assert failed, "the 2.5 MiB ceiling should have stopped some trial"
     assert all(n.startswith("another rank") or "simulated ceiling" in n or "over the" in n for _, n in failed), notes
     assert plan["memory_budget_bytes"] == min(budgets)
+    # Last, the pick's all-reduced step timed both ways (search/reduce_timing.py), one decision on both ranks
+    timed = plan["trials"][-1]
+    knobs = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile")
+    assert {k: timed["rung"][k] for k in knobs} == {k: plan[k] for k in knobs}
+    assert timed["micro_batch_size"] >= plan["micro_batch_size"]  # the split may balance a last 1 away
+    assert "in one after it" in notes[0][-1] or timed["outcome"] != "ok", notes[0][-1]
+    assert plan["reduce_overlap"] in (True, False)
+    assert ("in one bucket after backward" in plan["reason"]) == (plan["reduce_overlap"] is False), plan["reason"]
 
 
 def _share_main(rank: int, world: int, init_file: str, out_dir: str, budget: int) -> None:

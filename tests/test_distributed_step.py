@@ -20,6 +20,8 @@ SCENARIOS = ("mean-uneven", "tokens-uneven", "oom-on-one-rank", "oom-at-last-mic
              "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven", "partitioned-oom-on-one-rank")
 # Gradient clipping over the global batch (test_clipping.py has one process): two ranks only.
 CLIP_SCENARIOS = ("clip-mean-uneven", "clip-tokens-uneven", "sharded-clip-mean-uneven", "sharded-clip-tokens-uneven")
+# `plan.reduce_overlap` False: the gradients in one all-reduce after backward (search/reduce_timing.py)
+AFTER_SCENARIOS = ("after-mean-uneven", "after-oom-in-last-backward")
 CLIP_NORM = 0.05  # well under these batches' gradient norms: the clipping is real
 TIMEOUT_S = 180
 
@@ -117,11 +119,13 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     # optimizer offload with nothing on the host: each rank steps its part of the parameters, sends the weights
     partitioned = name.startswith("partitioned-")
     name = name.removeprefix("partitioned-")
+    after = name.startswith("after-")  # one bucket, all-reduced after backward
+    name = name.removeprefix("after-")
     max_norm = CLIP_NORM if name.startswith("clip-") else None
     name = name.removeprefix("clip-")
     if name == "mean-uneven":
         # FSDP runs collectives in every micro-step: its ranks need equal shares (3 samples: micro 2 + 1)
-        shares = _shares(world, seed=10, **({"n_of": lambda r: 3} if sharded else {}))
+        shares = _shares(world, seed=10, **({"n_of": lambda r: 3} if sharded or after else {}))
     elif name == "tokens-uneven":
         lengths = [[0, 3], [9, 1, 4], [2, 12, 5, 7], [1, 1, 1, 1, 11]]
         if sharded:
@@ -147,7 +151,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         # overlap); rank 1 runs out of memory right there and must still start the buckets it has not.
         from autotune.training import distributed
 
-        shares = _shares(world, seed=70)
+        shares = _shares(world, seed=70, **({"n_of": lambda r: 3} if after else {}))
         calls = {"n": 0}
         overlap = {"started": [], "at_bottom": -1}
         start = distributed.OverlappedReduce._start
@@ -190,13 +194,20 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     if partitioned:
         plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), offload="optimizer",
                                    offload_fraction=0.0, world_size=world, global_batch_size=plan.global_batch_size)
+    if after:  # a plan of `world` ranks (what reduce_overlap is a setting of) needs equal shares
+        plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), world_size=world,
+                                   global_batch_size=plan.global_batch_size, reduce_overlap=False)
     train_loss = (lambda m, b: m(*b)) if sharded and loss_fn is token_loss else loss_fn
     try:
         got, step, loss = _train(plan, model, shares[rank], train_loss, sharded=sharded, max_norm=max_norm)
     finally:
         if name == "oom-in-last-backward":
             distributed.OverlappedReduce._start, distributed.BUCKET_BYTES = start, 25 * 2**20
-    if name == "oom-in-last-backward":
+    if name == "oom-in-last-backward" and after:
+        # one bucket in each attempt, started by nothing before backward had made every gradient: not when
+        # backward reached the first layer (rank 0), and on rank 1 only by the exit after its OOM
+        assert overlap["started"] == [0, 0] and overlap["at_bottom"] == 0, overlap
+    elif name == "oom-in-last-backward":
         buckets = max(overlap["started"]) + 1
         assert buckets > 4 and overlap["started"].count(0) == 2, overlap  # every bucket, in both attempts
         if rank == 0:  # backward had started buckets before it reached the first layer
@@ -204,6 +215,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     want, want_loss, want_norm = _reference(model, shares, None if loss_fn is None or name.startswith("oom")
                                             else loss_fn, max_norm)
     assert_same_training(model, got, want)
+    assert step.plan.reduce_overlap is (False if after else None), step.plan  # kept through recovery
     if partitioned:
         assert step.plan.offload_fraction == 0.0 and step.plan.partitioned_state, step.plan  # kept through recovery
     assert math.isclose(loss, want_loss, rel_tol=1e-10), (loss, want_loss)
@@ -232,7 +244,7 @@ def _spawn(world: int, scenarios: tuple[str, ...] = SCENARIOS) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn(2, SCENARIOS + CLIP_SCENARIOS + ("together",))
+    return _spawn(2, SCENARIOS + CLIP_SCENARIOS + AFTER_SCENARIOS + ("together",))
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +286,15 @@ def test_oom_on_one_rank_under_the_partitioned_optimizer_state_is_recovered_exac
     assert [r["micro"] for r in results] == [1, 1] and [len(r["recoveries"]) for r in results] == [1, 1]
     assert [r["recoveries"][0]["micro_step"] >= 0 for r in results] == [False, True]
     assert all(r["recoveries"][0]["now"].startswith("fp32+optimizer offload, none on the host") for r in results), results
+
+
+def test_one_all_reduce_after_backward_steps_exactly_and_recovers_an_oom_in_the_last_backward(two_ranks):
+    # plan.reduce_overlap False: the same full-batch step (float64), and the OOM in the last backward on rank 1
+    # recovered on both ranks, one bucket started in each attempt (checked in the scenario)
+    plain = _check(two_ranks, "after-mean-uneven")
+    assert all(r["micro"] == 2 and not r["recoveries"] for r in plain)
+    recovered = _check(two_ranks, "after-oom-in-last-backward")
+    assert [r["micro"] for r in recovered] == [1, 1] and [len(r["recoveries"]) for r in recovered] == [1, 1]
 
 
 @pytest.mark.parametrize("name", ["sharded-mean-uneven", "sharded-tokens-uneven"])

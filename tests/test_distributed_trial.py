@@ -68,9 +68,39 @@ def _phase(rank: int) -> dict:
             "last_note": result.notes[-1], "params": sum(p.numel() for p in work.model.parameters())}
 
 
+def _both_ways(rank: int, oom_at: int | None = None) -> dict:
+    """A trial that times the all-reduced step both ways (fit's `_reduce_timing`); with `oom_at`, rank 1 runs out
+    of memory in that forward (1 warm-up + 3 measured steps, then the all-reduced steps)."""
+    import torch
+
+    from autotune.plan import Rung
+    from autotune.search import reduce_timing
+    from autotune.search.trial import TrialRunner
+    from autotune.training import distributed
+
+    work = _work(512 * MiB)
+    calls = {"n": 0}
+    loss = work.loss_fn
+
+    def counted(m, b):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == oom_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank 1)")
+        return loss(m, b)
+
+    work.loss_fn = counted
+    trial = TrialRunner(work, agree=distributed.agree_trial)(Rung(precision="fp32"), 4,
+                                                             reduce_pairs=reduce_timing.PAIRS)
+    return {"trial": {**trial.to_dict(), "note": ""}, "note": trial.note, "forwards": calls["n"]}
+
+
 def _scenario(name: str, rank: int, world: int) -> dict:
     if name == "roomy":
         return _trial(rank, 512 * MiB)
+    if name == "both_ways":
+        return _both_ways(rank)
+    if name == "both_ways_short":  # rank 1 runs out of memory in its third all-reduced step (the second pair's)
+        return _both_ways(rank, oom_at=1 + 3 + 3)
     if name == "one_rank_short":  # rank 1 cannot hold the AdamW state: it runs out of memory in its warm-up step
         return _trial(rank, 512 * MiB if rank == 0 else 12 * MiB)
     from autotune.plan import Rung
@@ -84,7 +114,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     raise ValueError(name)
 
 
-SCENARIOS = ["roomy", "one_rank_short", "bf16", "partitioned", "phase"]
+SCENARIOS = ["roomy", "one_rank_short", "bf16", "partitioned", "phase", "both_ways", "both_ways_short"]
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -127,3 +157,15 @@ def test_a_replicated_trial_prices_the_all_reduce_and_no_rank_waits_for_a_failed
     assert phase[0]["last_note"].startswith("optimizer state partitioned over 2 ranks, none on the host (")
     kept = phase[0]["fraction"] == 0.0
     assert kept == phase[0]["last_note"].endswith(": kept") == (phase[0]["best"]["rung"]["offload"] == "optimizer")
+
+    # The all-reduced step timed both ways (fit's `_reduce_timing`): one agreed trial with both costs, 4 + 2 x PAIRS
+    # forwards on each rank; an OOM on one rank in the middle of them stops both, with no rank left in a collective
+    both = [r["both_ways"] for r in results]
+    assert both[0]["trial"] == both[1]["trial"] and both[0]["trial"]["outcome"] == "ok"
+    assert both[0]["trial"]["reduce_seconds"] > 0 and both[0]["trial"]["reduce_after_seconds"] > 0, both
+    assert [b["forwards"] for b in both] == [4 + 2 * 4] * 2
+    assert "gradient all-reduce timed in buckets during backward and in one after it" in both[0]["note"]
+    short = [r["both_ways_short"] for r in results]
+    assert [s["trial"]["outcome"] for s in short] == ["oom", "oom"]
+    assert [s["forwards"] for s in short] == [4 + 3] * 2  # rank 0 ran its third and stopped after the agreement
+    assert all(s["trial"]["reduce_after_seconds"] == 0 for s in short)

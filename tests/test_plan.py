@@ -56,3 +56,23 @@ def test_optimizer_offload_with_nothing_on_the_host_is_a_plan_of_several_replica
             _plan(**{**two, **over})
     with pytest.raises(ValueError, match="only optimizer offload puts a share"):
         _plan(offload="none", offload_fraction=0.5)
+
+
+def test_when_the_gradient_all_reduce_runs_is_a_choice_of_several_replicated_ranks_only():
+    two = dict(world_size=2, global_batch_size=128)
+    after = _plan(**two, reduce_overlap=False)
+    assert "gradients all-reduced after backward" in after.summary()
+    assert "all-reduced" not in _plan(**two, reduce_overlap=True).summary()
+    assert Plan.from_dict(json.loads(json.dumps(after.to_dict()))) == after
+    older = after.to_dict()
+    del older["reduce_overlap"]  # a row stored before the field existed: the buckets, as it trained then
+    assert Plan.from_dict(older).reduce_overlap is None
+    for over in ({"world_size": 1, "global_batch_size": 64}, {"sharding": "fsdp2"}):
+        with pytest.raises(ValueError, match="reduce_overlap False times the gradient all-reduce of replicated ranks"):
+            _plan(**{**two, **over}, reduce_overlap=False)
+    with pytest.raises(ValueError, match="reduce_overlap must be True, False or None"):
+        _plan(**two, reduce_overlap="after")
+    timed = Trial(rung=Rung(), micro_batch_size=2, outcome="ok", reduce_seconds=0.01, reduce_after_seconds=0.02)
+    assert Trial.from_dict(json.loads(json.dumps(timed.to_dict()))) == timed
+    with pytest.raises(ValueError, match="reduce_after_seconds"):
+        Trial(rung=Rung(), micro_batch_size=2, outcome="ok", reduce_after_seconds=-1.0)

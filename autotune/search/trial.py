@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # few percent, while a step that lost its core to another process takes 2-10x as long.
 NOISY_SPREAD = 0.5
 OVERLAPPED = "overlapped optimizer offload"  # the note of a trial whose measured steps overlapped it
+REDUCE_BOTH_WAYS = "gradient all-reduce timed in buckets during backward and in one after it"  # its trial's note
 MAX_STEPS_FACTOR = 3  # a noisy CPU trial runs up to this many times its measured steps
 
 
@@ -76,13 +77,17 @@ class TrialRunner:
         self.agree = agree
 
     def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None,
-                 offload_fraction: float = 1.0, overlap: bool = False) -> Trial:
+                 offload_fraction: float = 1.0, overlap: bool = False, reduce_pairs: int = 0) -> Trial:
+        """A trial of `rung` at micro-batch `micro`. `measured_steps` overrides the workload's; under optimizer
+        offload, `offload_fraction` is the host's share (0: partitioned over the ranks) and `overlap` steps the
+        host during the measured steps' backward; replicated on several ranks, `reduce_pairs` times the
+        all-reduced step that many times each way, in buckets and in one after backward (`ReduceGate`)."""
         work = self.work
         started = time.perf_counter()
         micro_batch = batches.resize(work.batch, micro)
         meter = MemoryMeter(work.placement, work.budget_bytes)
         applied: AppliedRung | None = None
-        timings: tuple[float, float, float, str] | None = None
+        timings: tuple[float, float, float, float, float, str] | None = None
         failure = ""
         compile_failed = False
         poisoned = False
@@ -93,7 +98,7 @@ class TrialRunner:
                     applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
                                          offload_fraction=offload_fraction, overlap=True if overlap else None)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
-                                         gate)
+                                         gate, reduce_pairs)
             except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
                 if is_device_poisoned(exc):
                     poisoned = True  # clean-up must make no CUDA call: it would fail too and hide this error
@@ -120,16 +125,19 @@ class TrialRunner:
                 ["optimizer state partitioned over the ranks, none on the host"] if offload_fraction == 0 else
                 [f"offload fraction {offload_fraction:.2f}"])
         tags += [OVERLAPPED] if overlap else []
+        tags += [REDUCE_BOTH_WAYS] if reduce_pairs and gate.opened and trial.fits else []
         if tags:
             trial = dataclasses.replace(trial, note="; ".join([*tags, trial.note] if trial.note else tags))
         return self.agree(trial)
 
 
-def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int,
-               overlap: bool = False, gate: ReduceGate | None = None) -> tuple[float, float, float, float, str]:
+def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int, overlap: bool = False,
+               gate: ReduceGate | None = None,
+               reduce_pairs: int = 0) -> tuple[float, float, float, float, float, str]:
     """Median (forward+backward seconds, optimizer seconds) over the measured steps, the warm-up steps' time
-    beyond them (compile time, on a compiled configuration), the all-reduce's cost (`ReduceGate`; in the
-    optimizer seconds too), and a note when the timings stayed noisy.
+    beyond them (compile time, on a compiled configuration), the all-reduce's cost in buckets (`ReduceGate`;
+    in the optimizer seconds too) and in one after backward (with `reduce_pairs`, else 0), and a note when the
+    timings stayed noisy.
 
     Under optimizer offload a trial's one micro-batch is also the last, whose backward the host optimizer
     may overlap; in training only the last of k is. The warm-up steps overlap (their peak, which the meter
@@ -158,10 +166,38 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     noisy = spread(times) > NOISY_SPREAD
     note = f"{NOISY} (step times spread {spread(times):.0%} over {len(times)} steps)" if noisy else ""
     compile_s = max(0.0, warmup - work.warmup_steps * (step_s + opt_s))
-    reduce_s = 0.0
+    reduce_s = after_s = 0.0
     if gate is not None and gate.open():
-        reduce_s = max(0.0, _reduced_step(applied, micro_batch, work, tokens, num_items) - step_s)
-    return step_s, opt_s + reduce_s, compile_s, reduce_s, note
+        reduced = lambda overlap: _reduced_step(applied, micro_batch, work, tokens, num_items, overlap)  # noqa: E731
+        bucketed, after = _reduced_steps(reduced, reduce_pairs) if reduce_pairs else ([reduced(True)], [])
+        reduce_s = max(0.0, statistics.median(bucketed) - step_s)
+        after_s = max(0.0, statistics.median(after) - step_s) if after else 0.0
+    return step_s, opt_s + reduce_s, compile_s, reduce_s, after_s, note
+
+
+def _reduced_steps(reduced: Callable[[bool], float], pairs: int) -> tuple[list[float], list[float]]:
+    """Seconds of `pairs` all-reduced steps each way (in buckets during backward, in one after it), in the
+    order ABBA... so a drift of the machine's speed falls on both alike.
+
+    The ranks agree after each step whether any ran out of memory in it: a rank that did raises, the others
+    stop too (their trial is the OOM once agreed), so no rank starts a step's collectives alone."""
+    bucketed: list[float] = []
+    after: list[float] = []
+    for i in range(pairs):
+        for overlap in ((True, False) if i % 2 == 0 else (False, True)):
+            seconds, failure = 0.0, None
+            try:
+                seconds = reduced(overlap)
+            except Exception as exc:  # noqa: BLE001 - an OOM is agreed first; anything else propagates
+                if not is_oom(exc):
+                    raise
+                failure = exc
+            if distributed.agree_oom(failure is not None):
+                if failure is not None:
+                    raise failure
+                return bucketed or [0.0], after or [0.0]
+            (bucketed if overlap else after).append(seconds)
+    return bucketed, after
 
 
 def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
@@ -203,13 +239,15 @@ class ReduceGate:
     def __init__(self, model: nn.Module) -> None:
         self.active = distributed.active() and not is_sharded(model)
         self.met = False
+        self.opened = False  # every rank measured its steps: the all-reduced steps ran (or were started)
 
     def open(self) -> bool:
         """True on every rank when every rank measured its steps: time the all-reduced step."""
         if not self.active or self.met:
             return False
         self.met = True
-        return not distributed.agree_oom(False)
+        self.opened = not distributed.agree_oom(False)
+        return self.opened
 
     def fail(self) -> None:
         """This rank's trial failed before `open`: tell the others, where they wait for it."""
@@ -219,8 +257,9 @@ class ReduceGate:
 
 
 def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
-                  num_items: bool) -> float:
-    """Seconds of one forward+backward whose gradients are all-reduced in buckets during the backward.
+                  num_items: bool, overlap: bool = True) -> float:
+    """Seconds of one forward+backward whose gradients are all-reduced in buckets during the backward (or,
+    `overlap` False, in one bucket after it).
 
     A rank that runs out of memory here still joins every all-reduce (`OverlappedReduce` starts the buckets
     it did not reach), then raises; `agree_trial` makes that the trial's outcome on every rank.
@@ -236,7 +275,7 @@ def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens
         failure = exc
     if weights.loss_total is None:  # its forward failed: it joins the others' collectives with nothing
         weights.loss_total = torch.zeros((), dtype=torch.float64)
-    with distributed.OverlappedReduce(work.model, weights) as reduction:
+    with distributed.OverlappedReduce(work.model, weights, overlap=overlap) as reduction:
         if loss is not None:
             try:
                 applied.backward(loss)
@@ -301,12 +340,12 @@ def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool
 
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
-                timings: tuple[float, float, float, float, str] | None, failure: str, seconds: float,
+                timings: tuple[float, float, float, float, float, str] | None, failure: str, seconds: float,
                 compile_failed: bool = False) -> Trial:
     if timings is None:
         return Trial(rung=rung, micro_batch_size=micro, outcome="error" if compile_failed else "oom",
                      peak_bytes=peak, seconds=seconds, alloc_retries=retries, note=failure[:200])
-    step_s, opt_s, compile_s, reduce_s, noisy = timings
+    step_s, opt_s, compile_s, reduce_s, after_s, noisy = timings
     per_step = global_step_seconds(step_s, opt_s, work.per_rank, micro)
     rate = work.per_rank * work.world_size / per_step if per_step > 0 else 0.0
     outcome = "ok" if peak <= work.limit_bytes else "over_budget"
@@ -315,7 +354,7 @@ def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
     return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, seconds=seconds,
                  step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
                  alloc_retries=retries, compile_seconds=compile_s if rung.compile else 0.0, reduce_seconds=reduce_s,
-                 note=note)
+                 reduce_after_seconds=after_s, note=note)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -69,12 +69,12 @@ def trial_figures(trial: Trial) -> list[float]:
     """What `agree_trial` all-reduces with MAX; the rate goes in negated, so MAX gives the slowest rank's."""
     return [float(_OUTCOME_CODE[trial.outcome]), float(trial.peak_bytes), trial.step_seconds,
             trial.optimizer_seconds, float(trial.alloc_retries), -trial.samples_per_second, trial.seconds,
-            trial.compile_seconds, float(NOISY in trial.note), trial.reduce_seconds]
+            trial.compile_seconds, float(NOISY in trial.note), trial.reduce_seconds, trial.reduce_after_seconds]
 
 
 def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
     """This rank's `trial` with the figures agreed over ranks (`trial_figures`, MAX over ranks)."""
-    code, peak, step_s, opt_s, retries, neg_rate, seconds, compile_s, noisy, reduce_s = agreed
+    code, peak, step_s, opt_s, retries, neg_rate, seconds, compile_s, noisy, reduce_s, after_s = agreed
     outcome = next(k for k, v in _OUTCOME_CODE.items() if v == int(code))
     ran = outcome in ("ok", "over_budget")
     note = trial.note if outcome == trial.outcome else _ANOTHER_RANK[outcome]
@@ -83,7 +83,8 @@ def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
     return dataclasses.replace(trial, outcome=outcome, peak_bytes=int(peak), step_seconds=step_s if ran else 0.0,
                                optimizer_seconds=opt_s if ran else 0.0, alloc_retries=int(retries),
                                samples_per_second=-neg_rate if ran else 0.0, seconds=seconds,
-                               compile_seconds=compile_s, reduce_seconds=reduce_s if ran else 0.0, note=note)
+                               compile_seconds=compile_s, reduce_seconds=reduce_s if ran else 0.0,
+                               reduce_after_seconds=after_s if ran else 0.0, note=note)
 
 
 def _collective_device() -> torch.device:
@@ -206,6 +207,7 @@ def guard_collectives(model: torch.nn.Module) -> bool:
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: big enough to keep the link busy, small enough to start early
+ONE_BUCKET = 2**62  # every gradient of a dtype in one bucket: its all-reduce starts when backward has made the last
 
 
 class OverlappedReduce:
@@ -227,9 +229,14 @@ class OverlappedReduce:
     ranks no longer agree before the last backward as well: that agreement, a wait for the device right
     before it, is what the exit's buckets make unnecessary.) An exception that is not an OOM only removes
     the hooks. `wait` finishes the all-reduces and returns the global mean loss.
+
+    With `overlap` False (`Plan.reduce_overlap`) the gradients go in one bucket, all-reduced once backward has
+    made the last of them: nothing runs beside the backward, which on two H200s trained 2-3% faster than the
+    buckets under the partitioned optimizer state (RESULTS.md tenth session); `fit` times both.
     """
 
-    def __init__(self, model: torch.nn.Module, weights: LossWeights | None, bucket_bytes: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, weights: LossWeights | None, bucket_bytes: int | None = None,
+                 *, overlap: bool = True) -> None:
         device = _collective_device()
         # (samples, tokens, loss total) of this rank; zeros from a rank that ran out of memory before the last
         # backward (`weights` None), which only joins the all-reduces: every rank re-runs the batch after them.
@@ -242,7 +249,7 @@ class OverlappedReduce:
             self._summed.wait()
             self.factor = weights.share(self.totals)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = _buckets(params[::-1], bucket_bytes or BUCKET_BYTES)
+        self.buckets = _buckets(params[::-1], (bucket_bytes or BUCKET_BYTES) if overlap else ONE_BUCKET)
         self.missing = [len(b) for b in self.buckets]  # gradients each bucket still waits for
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.started = 0  # buckets started, always a prefix

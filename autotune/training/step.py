@@ -334,7 +334,9 @@ class TrainingStep:
     def _reduction(self, weights: LossWeights | None) -> ContextManager[distributed.OverlappedReduce | None]:
         """Replicated on several ranks: the all-reduce that overlaps the last backward (None: this rank ran out
         of memory before it, and only joins the all-reduces); else nothing to do."""
-        return distributed.OverlappedReduce(self.model, weights) if self._replicated else contextlib.nullcontext()
+        if not self._replicated:
+            return contextlib.nullcontext()
+        return distributed.OverlappedReduce(self.model, weights, overlap=self.plan.reduce_overlap is not False)
 
     def _last_backward(self, weights: LossWeights) -> None:
         """The last micro-batch's backward; the optimizer steps right after it (overlapped offload arms here)."""

@@ -1,0 +1,52 @@
+"""On replicated ranks: when the gradient all-reduce runs, in buckets during the last backward or in one after it.
+
+Replicated, `TrainingStep` sums the ranks' gradients itself (`distributed.OverlappedReduce`): by default in
+buckets of 25 MiB started while the last micro-batch's backward goes on, as DDP does. That overlap does not
+always pay. On two H200s (GPT-2 medium, 16 GiB a GPU, 16-bit gradients; RESULTS.md tenth session) one bucket
+after backward trained 2-3% faster under the partitioned optimizer state (197,887 against 193,560 tok/s in one
+call, 189,688 against 183,872 in another) and tied under the unpartitioned plans of two other calls; on two
+H100s (seventh and eighth sessions) the overlap won by 4% once and lost by 3% once. Neither wins everywhere.
+
+So `fit` times both on its last pick: one trial whose all-reduced step runs `PAIRS` times each way, in the
+order ABBA... (a drift of the machine's speed falls on both alike), the figures agreed over ranks (MAX: every
+rank decides alike, as it must: the ranks' buckets must match). One bucket after backward is kept when its
+median step is shorter by more than `TIE`; either way `plan.reduce_overlap` says which was measured faster.
+The threshold is small because the choice is cheap to get wrong: where the two tie, they train alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..plan import Trial
+from ..workload.batching import global_step_seconds
+
+PAIRS = 4  # all-reduced steps timed each way: 8 micro-steps beside the trial's own
+TIE = 0.01  # one bucket must shorten the all-reduced micro-step by more than this share to be kept
+
+
+def eligible(world: int, sharded: bool) -> bool:
+    """Several replicated ranks: autotune all-reduces their gradients (FSDP2 reduces inside its own backward)."""
+    return world > 1 and not sharded
+
+
+def choose(best: Trial, timed: Trial, per_rank: int, world: int) -> tuple[Trial, bool, str]:
+    """(the trial to plan from, `plan.reduce_overlap`, a clause for the plan's reason), from `timed`: a trial of
+    `best`'s configuration that timed the all-reduced step both ways (`TrialRunner(..., reduce_pairs=PAIRS)`).
+
+    Kept in buckets, `best` is as it was. After backward, `best` with the all-reduce's cost moved by what the
+    timing trial measured between the two ways, and its rate estimated again from that."""
+    if not timed.fits:
+        return best, True, f"gradient all-reduce in buckets during backward (the trial timing both ways: {timed.outcome})"
+    bucketed = timed.step_seconds + timed.reduce_seconds
+    after = timed.step_seconds + timed.reduce_after_seconds
+    measured = f"an all-reduced micro-step took {after:.4f} s with one after backward, {bucketed:.4f} s in buckets"
+    if after >= bucketed * (1 - TIE):
+        return best, True, f"gradient all-reduce in buckets during backward: {measured}"
+    saved = timed.reduce_seconds - timed.reduce_after_seconds
+    optimizer_s = max(0.0, best.optimizer_seconds - saved)
+    per_step = global_step_seconds(best.step_seconds, optimizer_s, per_rank, best.micro_batch_size)
+    moved = dataclasses.replace(best, optimizer_seconds=optimizer_s,
+                                reduce_seconds=max(0.0, best.reduce_seconds - saved),
+                                samples_per_second=per_rank * world / per_step if per_step > 0 else 0.0)
+    return moved, False, f"gradient all-reduce in one bucket after backward: {measured}"
