@@ -90,7 +90,8 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     differ = _differs_between_ranks(plan.to_dict())
     # The decisions must agree; a trial's note (each rank's own words on its timings) may differ.
     agreed = not [k for k in differ if k not in ("trials", "reason")]
-    out = {"plan": plan.summary(), "sharding": plan.sharding, "reason": plan.reason, "tune_seconds": tune_s,
+    out = {"plan": plan.summary(), "sharding": plan.sharding, "reduce_overlap": plan.reduce_overlap,
+           "reason": plan.reason, "tune_seconds": tune_s,
            "estimate_tokens_per_second": plan.tokens_per_second,
            "plan_reduce_seconds": max((t.reduce_seconds for t in plan.trials if t.rung == plan.rung
                                        and t.micro_batch_size == plan.micro_batch_size), default=0.0),
@@ -100,12 +101,13 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     out.update(_train(step, args, device, rank, world))
     out["sharded_after_apply"] = is_sharded(model)
-    if args.compare_nooverlap and plan.sharding == "none" and world > 1:
-        # The same plan and process, one bucket: the all-reduce starts when backward ends. Beside the steps
-        # above, this is what overlapping it with the last backward gained.
-        buckets, distributed.BUCKET_BYTES = distributed.BUCKET_BYTES, 2**62
-        out["nooverlap"] = _train(step, args, device, rank, world)
-        distributed.BUCKET_BYTES = buckets
+    if args.compare_reduce and plan.sharding == "none" and world > 1:
+        # The same plan and process with the all-reduce the other way from fit's choice (plan.reduce_overlap):
+        # in one bucket after backward where fit kept the buckets, in buckets where it chose one. Beside the
+        # steps above, what fit's choice gained or lost.
+        other = plan.reduce_overlap is False
+        step.plan = dataclasses.replace(step.plan, reduce_overlap=other)
+        out["reduce_other_way"] = {"reduce_overlap": other, **_train(step, args, device, rank, world)}
     started = time.perf_counter()
     step.close()  # partitioned offload: gathers the FP32 weights and the optimizer state from every rank
     out["close_seconds"] = time.perf_counter() - started
@@ -130,7 +132,7 @@ def _trial_and_train(model: torch.nn.Module, example: Any, plan: Any, variant: s
     from autotune.workload.losses import resolve
     from autotune.workload.optimizers import OptimizerSpec
 
-    other, _ = variant_plan(plan, variant)
+    other = variant_plan(plan, variant)
     budget = parse_bytes(args.budget)
     work = Workload(model=model, batch=example, loss_fn=resolve(None, model, chunked=True),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device(args.device),
@@ -152,15 +154,12 @@ def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, de
                  world: int) -> dict[str, Any]:
     """The plan with another host share (`plan.offload_fraction`), trained in the same process after it: what
     the search's share left on the table, or what a smaller one would cost in memory (a share that does not
-    fit shows as a recovery and a peak over the limit). `variant` is SHARE[@MICRO][@one][@kBLOCKS]: another
+    fit shows as a recovery and a peak over the limit). `variant` is SHARE[@MICRO][@one|@buckets][@kBLOCKS]: another
     micro-batch too, one gradient bucket (the all-reduce after backward), BLOCKS repeated blocks recomputed
     (compile as the plan has it); SHARE 0 is no optimizer offload, z optimizer offload with nothing on the host
     (the state partitioned over the ranks)."""
-    other, one = variant_plan(plan, variant)
+    other = variant_plan(plan, variant)
     micro, share = other.micro_batch_size, other.offload_fraction
-    buckets = distributed.BUCKET_BYTES
-    if one:
-        distributed.BUCKET_BYTES = 2**62
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     step = other.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
@@ -169,8 +168,6 @@ def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, de
                **_train(step, args, device, rank, world)}
     except Exception as exc:  # noqa: BLE001 - a share that fails is a result too
         out = {"variant": variant, "offload_fraction": float(share), "error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        distributed.BUCKET_BYTES = buckets
     step.close()
     if device.startswith("cuda"):
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -178,9 +175,9 @@ def _train_share(model: torch.nn.Module, plan: Any, variant: str, args: Args, de
     return out
 
 
-def variant_plan(plan: Any, variant: str) -> tuple[Any, bool]:
-    """`plan` as SHARE[@MICRO][@one][@kBLOCKS] changes it (see `_train_share`), and whether it asks for one
-    gradient bucket."""
+def variant_plan(plan: Any, variant: str) -> Any:
+    """`plan` as SHARE[@MICRO][@one|@buckets][@kBLOCKS] changes it (see `_train_share`): `one` sets
+    `plan.reduce_overlap` False (one gradient bucket, after backward), `buckets` True; else fit's choice stays."""
     share, *rest = variant.split("@")
     partitioned = share == "z"  # optimizer offload with nothing on the host: the state partitioned over the ranks
     share = "0" if partitioned else share
@@ -194,7 +191,9 @@ def variant_plan(plan: Any, variant: str) -> tuple[Any, bool]:
                                 offload="optimizer" if float(share) > 0 or partitioned else "none", checkpointed_blocks=k,
                                 checkpointing="none" if not k else "full" if k >= n else "selective",
                                 accumulation_steps=steps, last_micro_batch_size=last)
-    return other, "one" in rest
+    if "one" in rest or "buckets" in rest:
+        other = dataclasses.replace(other, reduce_overlap="buckets" in rest)
+    return other
 
 
 def run_presharded(args: argparse.Namespace, device: str, world: int, rank: int) -> dict[str, Any]:
@@ -378,7 +377,7 @@ class Args:
     rung_steps: int
     out: str
     bucket_mb: float
-    compare_nooverlap: bool = False
+    compare_reduce: bool = False
     shares: tuple[str, ...] = ()
     trials: tuple[str, ...] = ()
 
@@ -395,11 +394,12 @@ def _parse() -> Args:
     p.add_argument("--rung-steps", type=int, default=3, help="presharded: steps per rung")
     p.add_argument("--bucket-mb", type=float, default=0, help="replicated: gradient bucket size (default DDP's 25); "
                    "a size above the model's gradients starts the all-reduce only when backward ends: no overlap")
-    p.add_argument("--compare-nooverlap", action="store_true",
-                   help="replicated: train the plan again with one gradient bucket (no overlap), same process")
+    p.add_argument("--compare-reduce", action="store_true",
+                   help="replicated: train the plan again with the gradient all-reduce the other way from fit's "
+                   "choice (plan.reduce_overlap: in buckets during backward, or in one after it), same process")
     p.add_argument("--shares", default="", help="replicated, under optimizer offload: after the plan, train it again "
-                   "with each of these host shares, comma-separated: SHARE[@MICRO][@one][@kBLOCKS] (another micro-batch; one "
-                   "gradient bucket; blocks recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload; z: optimizer offload with "
+                   "with each of these host shares, comma-separated: SHARE[@MICRO][@one|@buckets][@kBLOCKS] (another micro-batch; "
+                   "one gradient bucket after backward, or buckets during it; blocks recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload; z: optimizer offload with "
                    "nothing on the host, the state partitioned over the ranks); same process")
     p.add_argument("--trials", default="", help="replicated: after the plan, each of these variants (the --shares "
                    "form) through the search's trial runner (default and 4x measured steps), then trained; same process")
@@ -407,7 +407,7 @@ def _parse() -> Args:
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,
                 global_batch_size=a.global_batch_size, steps=a.steps, rung_steps=a.rung_steps, out=a.out,
-                bucket_mb=a.bucket_mb, compare_nooverlap=a.compare_nooverlap,
+                bucket_mb=a.bucket_mb, compare_reduce=a.compare_reduce,
                 shares=tuple(x.strip() for x in a.shares.split(",") if x.strip()),
                 trials=tuple(x.strip() for x in a.trials.split(",") if x.strip()))
 

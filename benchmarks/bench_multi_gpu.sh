@@ -34,7 +34,7 @@ for case in $CASES; do
   TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
   case $case in
     single) CUDA_VISIBLE_DEVICES=0 ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" ${SHARES_single:+--shares "$SHARES_single"} --out "$OUT" ;;
-    replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-nooverlap ${SHARES_replicated:+--shares "$SHARES_replicated"} ${TRIALS_replicated:+--trials "$TRIALS_replicated"} --out "$OUT" ;;
+    replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-reduce ${SHARES_replicated:+--shares "$SHARES_replicated"} ${TRIALS_replicated:+--trials "$TRIALS_replicated"} --out "$OUT" ;;
     unpartitioned) AUTOTUNE_OFFLOAD_PARTITION=0 $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     link) nvidia-smi topo -m >&2; $TR $B --case link --model gpt2-medium --out "$OUT" ;;
     nooverlap) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --bucket-mb 100000 --out "$OUT" ;;

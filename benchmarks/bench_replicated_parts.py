@@ -65,7 +65,7 @@ def main() -> None:
     variant = a.as_variant or (f"{a.fraction or plan.offload_fraction}@{a.micro or plan.micro_batch_size}"
                                if a.fraction or a.micro else "")  # the older flags, as a variant
     if variant:
-        plan, _ = variant_plan(plan, variant)
+        plan = variant_plan(plan, variant)
     if plan.summary() != out["plan"]:
         out["plan"] = f"{plan.summary()} (fit's: {out['plan']})"
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))

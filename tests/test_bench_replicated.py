@@ -29,13 +29,18 @@ def _torchrun(script: str, *args: str) -> dict:
 
 
 def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
-    out = _torchrun("bench_multi_gpu.py", "--case", "replicated", *COMMON, "--shares", "0.5,0.001@2@one,0@2@k2")
+    out = _torchrun("bench_multi_gpu.py", "--case", "replicated", *COMMON, "--shares", "0.5,0.001@2@one,0@2@k2",
+                    "--compare-reduce")
     assert "error" not in out, out.get("traceback")
+    # fit timed the all-reduce both ways and chose; --compare-reduce trained the other way after the plan
+    assert out["reduce_overlap"] in (True, False) and out["reduce_other_way"]["reduce_overlap"] is not out["reduce_overlap"]
+    assert out["reduce_other_way"]["tokens_per_second"] > 0
     assert out["world_size"] == 2 and out["sharding"] == "none" and "optimizer offload" in out["plan"]
     assert out["ranks_agree"] and out["weights_agree_after_close"]
     first, second, third = out["shares"]
     assert first["variant"] == "0.5" and first["offload_fraction"] == 0.5 and "of 50% of the parameters" in first["final_plan"]
     assert second["micro_batch_size"] == 2 and second["offload_fraction"] == 0.001
+    assert "gradients all-reduced after backward" in second["final_plan"]  # @one
     assert third["offload_fraction"] == 0 and "ckpt 2 blocks" in third["final_plan"]
     assert "offload" not in third["final_plan"]
     for row in (first, second, third):
