@@ -457,7 +457,7 @@ def _loss_notes(loss_fn: Any, loss: Any, model: nn.Module, allowed: frozenset[st
     if loss is chunked_default_loss:
         return ["chunked_loss: the LM head's logits and loss a chunk of tokens at a time (no full logits held)"]
     why = chunked_loss.why_not(model)
-    hf = getattr(getattr(model, "_orig_mod", model), "lm_head", None) is not None
+    hf = getattr(chunked_loss.unwrapped(model), "lm_head", None) is not None
     return [f"chunked_loss skipped: {why}"] if hf and why else []
 
 

@@ -15,6 +15,11 @@ from .sizes import format_bytes
 
 PLAN_FORMAT_VERSION = 2  # 2: compile, checkpointed blocks, offload fraction, sharding, FLOPs
 
+
+def none_on_the_host(world: int | None = None) -> str:
+    """How a plan, a trial and a recovery name optimizer offload with offload_fraction 0 (`Plan.partitioned_state`)."""
+    return f"none on the host: the state partitioned over {f'{world} ranks' if world else 'the ranks'}"
+
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
@@ -279,7 +284,7 @@ class Plan:
         share = (f" of {self.offload_fraction:.0%} of the parameters"
                  if self.offload == "optimizer" and 0 < self.offload_fraction < 1 else "")
         if self.partitioned_state:
-            share = f", none on the host: the state partitioned over {self.world_size} ranks"
+            share = f", {none_on_the_host(self.world_size)}"
         share += " (serial)" if self.offload_overlap is False else ""
         share += ", gradients all-reduced after backward" if self.reduce_overlap is False else ""
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "

@@ -30,7 +30,7 @@ from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, nee
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.losses import LossFn, label_counts, takes_num_items
 from ..workload.optimizers import OptimizerSpec
-from ..plan import NOISY, Rung, Trial
+from ..plan import NOISY, Rung, Trial, none_on_the_host
 from ..sizes import format_bytes
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import is_sharded, reset_after_failure
@@ -122,7 +122,7 @@ class TrialRunner:
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
                             time.perf_counter() - started, compile_failed)
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
-                ["optimizer state partitioned over the ranks, none on the host"] if offload_fraction == 0 else
+                [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
                 [f"offload fraction {offload_fraction:.2f}"])
         tags += [OVERLAPPED] if overlap else []
         tags += [REDUCE_BOTH_WAYS] if reduce_pairs and gate.opened and trial.fits else []

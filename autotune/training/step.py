@@ -53,7 +53,7 @@ from . import clipping
 from .buffers import BufferGuard
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
-from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial
+from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial, none_on_the_host
 from ..settings import FitSettings
 from ..sizes import format_bytes
 from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, ladder, parse_techniques,
@@ -630,7 +630,7 @@ def _shard(plan: Plan, model: nn.Module, optimizer: Any) -> None:
 
 
 def _describe(plan: Plan) -> str:
-    partitioned = ", none on the host (the state partitioned over the ranks)" if plan.partitioned_state else ""
+    partitioned = f", {none_on_the_host()}" if plan.partitioned_state else ""
     return f"{plan.rung.name}{partitioned} at micro-batch {plan.micro_batch_size}"
 
 

@@ -34,6 +34,11 @@ IGNORE_INDEX = -100
 CHUNK_BYTES = 256 << 20  # FP32 logits of one chunk; GPT-2: 1,335 tokens (transients ~2.5x this)
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile's wrapper (where the head and the loss function live), or `model`."""
+    return getattr(model, "_orig_mod", model)
+
+
 def why_not(model: nn.Module) -> str | None:
     """None when the head's loss can be chunked on this model, else why not (for the plan's notes).
 
@@ -41,7 +46,7 @@ def why_not(model: nn.Module) -> str | None:
     straight to `self.loss_function` (GPT-2, Llama, Mistral, Qwen...), with a settable `loss_function`
     (transformers 4.48+). No where the logits are changed in between (Gemma 2's soft-capping, Cohere's scale).
     """
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    model = unwrapped(model)
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear):
         return "the model has no nn.Linear lm_head"
@@ -64,7 +69,7 @@ def why_not(model: nn.Module) -> str | None:
 @contextlib.contextmanager
 def chunked(model: nn.Module) -> Iterator[None]:
     """While inside, `model(**batch, labels=...)` returns the chunked loss (and its hidden states as logits)."""
-    inner = getattr(model, "_orig_mod", model)
+    inner = unwrapped(model)
     head = inner.lm_head
     had_loss = "_loss_function" in vars(inner)
     saved_loss = vars(inner).get("_loss_function")

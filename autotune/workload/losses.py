@@ -138,7 +138,7 @@ def label_counts(model: torch.nn.Module, batch: Any) -> torch.Tensor | None:
 
 def is_causal_lm(model: torch.nn.Module) -> bool:
     """Whether a Hugging Face model shifts its labels by one inside its loss (a causal language model)."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    model = chunked_loss.unwrapped(model)
     loss_type = getattr(model, "loss_type", None)
     if isinstance(loss_type, str):
         return loss_type == "ForCausalLM"
@@ -158,7 +158,7 @@ def takes_num_items(model: torch.nn.Module) -> bool:
     weigh a mean as a sum. Models that do not honour it get their mean weighted by its token count: the
     same gradient, up to the rounding of a loss the model computes in float32.
     """
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    model = chunked_loss.unwrapped(model)
     forward = getattr(type(model), "forward", None)
     try:
         params = inspect.signature(forward).parameters  # type: ignore[arg-type]
