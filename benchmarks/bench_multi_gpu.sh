@@ -3,8 +3,8 @@
 #   bash benchmarks/bench_multi_gpu.sh [OUT.jsonl]
 #   CASES="xl large" bash benchmarks/bench_multi_gpu.sh     # some of them (a call is limited in time)
 # single      replicated GPT-2 medium at 16 GiB, global batch 64, on one GPU (the baseline)
-# replicated  the same on two GPUs: the scaling is its tokens/s over single's; then the same plan again with one bucket
-#             (no overlap), same process: the overlap's gain
+# replicated  the same on two GPUs: the scaling is its tokens/s over single's; then the same plan again with the
+#             gradient all-reduce the other way from fit's choice (plan.reduce_overlap), same process: the choice's gain
 # xl          GPT-2 XL at 16 GiB per GPU handed to fit unsharded: the plan must shard it; then STEPS steps
 # unpartitioned  replicated with every rank stepping every parameter's optimizer offload (beside 'replicated': what
 #             partitioning it over the ranks gained; techniques/offload_partition.py)
