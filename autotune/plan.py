@@ -15,11 +15,6 @@ from .sizes import format_bytes
 
 PLAN_FORMAT_VERSION = 2  # 2: compile, checkpointed blocks, offload fraction, sharding, FLOPs
 
-
-def none_on_the_host(world: int | None = None) -> str:
-    """How a plan, a trial and a recovery name optimizer offload with offload_fraction 0 (`Plan.partitioned_state`)."""
-    return f"none on the host: the state partitioned over {f'{world} ranks' if world else 'the ranks'}"
-
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
@@ -28,6 +23,11 @@ NOISY = "noisy timings"  # how a trial's note says its step times spread wide (t
 OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager
 SOURCES = ("tuned", "cache")
 _LOCAL_FIELDS = ("cache",)  # Plan fields that live in this process only (see Plan.cache)
+
+
+def none_on_the_host(world: int | None = None) -> str:
+    """How a plan, a trial and a recovery name optimizer offload with offload_fraction 0 (`Plan.partitioned_state`)."""
+    return f"none on the host: the state partitioned over {f'{world} ranks' if world else 'the ranks'}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

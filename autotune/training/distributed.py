@@ -235,8 +235,7 @@ class OverlappedReduce:
     buckets under the partitioned optimizer state (RESULTS.md tenth session); `fit` times both.
     """
 
-    def __init__(self, model: torch.nn.Module, weights: LossWeights | None, bucket_bytes: int | None = None,
-                 *, overlap: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, weights: LossWeights | None, *, overlap: bool = True) -> None:
         device = _collective_device()
         # (samples, tokens, loss total) of this rank; zeros from a rank that ran out of memory before the last
         # backward (`weights` None), which only joins the all-reduces: every rank re-runs the batch after them.
@@ -249,7 +248,7 @@ class OverlappedReduce:
             self._summed.wait()
             self.factor = weights.share(self.totals)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = _buckets(params[::-1], (bucket_bytes or BUCKET_BYTES) if overlap else ONE_BUCKET)
+        self.buckets = _buckets(params[::-1], BUCKET_BYTES if overlap else ONE_BUCKET)
         self.missing = [len(b) for b in self.buckets]  # gradients each bucket still waits for
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.started = 0  # buckets started, always a prefix
