@@ -112,34 +112,32 @@ class Partition:
     @torch.no_grad()
     def share_weights(self, params: Sequence[torch.Tensor]) -> None:
         """Every rank's updated device weights to every other rank, in place (each parameter broadcast from
-        its owner; no temporary, so no rank can run out of memory half-way through).
+        its owner, under NCCL all in one group; no temporary, so no rank can run out of memory half-way through).
 
         In a trial (and a plan's first steps) a rank may have run out of memory before it got here and
         wait for the others elsewhere: the check-in first (training/distributed.py) raises an OOM on every
         rank that meets it then, instead of leaving it in a broadcast the failed rank never joins. Outside
         those, an OOM in the optimizer step ends the job (TrainingStep does not recover from one).
         """
-        from ..training.distributed import check_in  # (training imports techniques: imported when used)
+        from ..training.distributed import broadcast_together, check_in  # (training imports techniques)
 
         check_in()
-        works = [self._broadcast(params[i].data, owner, wait=False)
-                 for i, owner in sorted(self.owner.items()) if owner != EVERY]
-        for work in works:
-            if work is not None:
-                work.wait()
+        pairs = [(params[i].data, owner) for i, owner in sorted(self.owner.items()) if owner != EVERY]
+        direct = [(t, src) for t, src in pairs if t.device == self.device and t.is_contiguous()]
+        if direct:
+            broadcast_together(direct).wait()
+        for t, src in pairs:
+            if not (t.device == self.device and t.is_contiguous()):
+                self._broadcast(t, src)
 
-    def _broadcast(self, t: torch.Tensor, src: int, *, wait: bool = True) -> Any:
+    def _broadcast(self, t: torch.Tensor, src: int) -> None:
         if t.device == self.device and t.is_contiguous():
-            work = dist.broadcast(t, src, async_op=True)
-            if not wait:
-                return work
-            work.wait()
-            return None
+            dist.broadcast(t, src)
+            return
         moved = t.to(self.device).contiguous()  # a host tensor under NCCL, or a device tensor under gloo
         dist.broadcast(moved, src)
         if self.rank != src:
             t.copy_(moved)
-        return None
 
     # -- when the offload is undone, or the state is saved ------------------------------------------------
     @torch.no_grad()
