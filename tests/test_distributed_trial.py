@@ -68,13 +68,12 @@ def _phase(rank: int) -> dict:
             "last_note": result.notes[-1], "params": sum(p.numel() for p in work.model.parameters())}
 
 
-def _both_ways(rank: int, oom_at: int | None = None) -> dict:
-    """A trial that times the all-reduced step both ways (fit's `_reduce_timing`); with `oom_at`, rank 1 runs out
-    of memory in that forward (1 warm-up + 3 measured steps, then the all-reduced steps)."""
+def _counted(rank: int, oom_at: int | None = None, **kwargs) -> dict:
+    """A trial that counts its forwards (1 warm-up, the measured steps, then the all-reduced steps); with `oom_at`,
+    rank 1 runs out of memory in that forward. `kwargs` go to the trial runner."""
     import torch
 
     from autotune.plan import Rung
-    from autotune.search import reduce_timing
     from autotune.search.trial import TrialRunner
     from autotune.training import distributed
 
@@ -89,9 +88,15 @@ def _both_ways(rank: int, oom_at: int | None = None) -> dict:
         return loss(m, b)
 
     work.loss_fn = counted
-    trial = TrialRunner(work, agree=distributed.agree_trial)(Rung(precision="fp32"), 4,
-                                                             reduce_pairs=reduce_timing.PAIRS)
+    trial = TrialRunner(work, agree=distributed.agree_trial)(Rung(precision="fp32"), 4, **kwargs)
     return {"trial": {**trial.to_dict(), "note": ""}, "note": trial.note, "forwards": calls["n"]}
+
+
+def _both_ways(rank: int, oom_at: int | None = None) -> dict:
+    """A trial that times the all-reduced step both ways (fit's `_reduce_timing`)."""
+    from autotune.search import reduce_timing
+
+    return _counted(rank, oom_at, reduce_pairs=reduce_timing.PAIRS)
 
 
 def _scenario(name: str, rank: int, world: int) -> dict:
@@ -101,6 +106,12 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         return _both_ways(rank)
     if name == "both_ways_short":  # rank 1 runs out of memory in its third all-reduced step (the second pair's)
         return _both_ways(rank, oom_at=1 + 3 + 3)
+    if name == "counted":
+        return _counted(rank)
+    if name == "longer":  # 4x the measured steps (fit's partitioned-state phase): 4 readings of the all-reduce
+        return _counted(rank, measured_steps=12)
+    if name == "longer_short":  # rank 1 runs out of memory in the second of them
+        return _counted(rank, oom_at=1 + 12 + 2, measured_steps=12)
     if name == "one_rank_short":  # rank 1 cannot hold the AdamW state: it runs out of memory in its warm-up step
         return _trial(rank, 512 * MiB if rank == 0 else 12 * MiB)
     from autotune.plan import Rung
@@ -114,7 +125,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     raise ValueError(name)
 
 
-SCENARIOS = ["roomy", "one_rank_short", "bf16", "partitioned", "phase", "both_ways", "both_ways_short"]
+SCENARIOS = ["roomy", "one_rank_short", "bf16", "partitioned", "phase", "both_ways", "both_ways_short", "counted",
+             "longer", "longer_short"]
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -169,3 +181,14 @@ def test_a_replicated_trial_prices_the_all_reduce_and_no_rank_waits_for_a_failed
     assert [s["trial"]["outcome"] for s in short] == ["oom", "oom"]
     assert [s["forwards"] for s in short] == [4 + 3] * 2  # rank 0 ran its third and stopped after the agreement
     assert all(s["trial"]["reduce_after_seconds"] == 0 for s in short)
+
+    # A trial of 4x the measured steps reads the all-reduced step 4 times (one reading was noisy on the GPU), and
+    # an OOM on one rank in the second stops both there
+    longer = [r["longer"] for r in results]
+    assert longer[0]["trial"] == longer[1]["trial"] and longer[0]["trial"]["outcome"] == "ok"
+    assert longer[0]["trial"]["reduce_seconds"] > 0
+    assert [x["forwards"] for x in longer] == [1 + 12 + 4] * 2
+    assert [r["counted"]["forwards"] for r in results] == [1 + 3 + 1] * 2  # the search's own trials: one reading
+    cut = [r["longer_short"] for r in results]
+    assert [c["trial"]["outcome"] for c in cut] == ["oom", "oom"]
+    assert [c["forwards"] for c in cut] == [1 + 12 + 2] * 2

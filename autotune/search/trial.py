@@ -169,34 +169,44 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     reduce_s = after_s = 0.0
     if gate is not None and gate.open():
         reduced = lambda overlap: _reduced_step(applied, micro_batch, work, tokens, num_items, overlap)  # noqa: E731
-        bucketed, after = _reduced_steps(reduced, reduce_pairs) if reduce_pairs else ([reduced(True)], [])
+        order = _abba(reduce_pairs) if reduce_pairs else [True] * max(1, measured // work.measured_steps)
+        bucketed, after = _reduced_steps(reduced, order)
         reduce_s = max(0.0, statistics.median(bucketed) - step_s)
         after_s = max(0.0, statistics.median(after) - step_s) if after else 0.0
     return step_s, opt_s + reduce_s, compile_s, reduce_s, after_s, note
 
 
-def _reduced_steps(reduced: Callable[[bool], float], pairs: int) -> tuple[list[float], list[float]]:
-    """Seconds of `pairs` all-reduced steps each way (in buckets during backward, in one after it), in the
-    order ABBA... so a drift of the machine's speed falls on both alike.
+def _abba(pairs: int) -> list[bool]:
+    """`pairs` all-reduced steps each way (True: in buckets during backward; False: in one after it), in the
+    order ABBA... so a drift of the machine's speed falls on both alike."""
+    return [overlap for i in range(pairs) for overlap in ((True, False) if i % 2 == 0 else (False, True))]
+
+
+def _reduced_steps(reduced: Callable[[bool], float], order: list[bool]) -> tuple[list[float], list[float]]:
+    """Seconds of all-reduced steps in buckets and in one after backward, one step for each of `order`.
+
+    One step's reading of the all-reduce's cost is noisy: on two H200s the partitioned state's trial read
+    its 16 x 2 step 19 ms (5%) slower than it trained while the pick beside it read as it trained, and the
+    search kept the slower plan (RESULTS.md twelfth session). A trial of several times the measured steps
+    takes as many readings of it (`_run_steps`).
 
     The ranks agree after each step whether any ran out of memory in it: a rank that did raises, the others
     stop too (their trial is the OOM once agreed), so no rank starts a step's collectives alone."""
     bucketed: list[float] = []
     after: list[float] = []
-    for i in range(pairs):
-        for overlap in ((True, False) if i % 2 == 0 else (False, True)):
-            seconds, failure = 0.0, None
-            try:
-                seconds = reduced(overlap)
-            except Exception as exc:  # noqa: BLE001 - an OOM is agreed first; anything else propagates
-                if not is_oom(exc):
-                    raise
-                failure = exc
-            if distributed.agree_oom(failure is not None):
-                if failure is not None:
-                    raise failure
-                return bucketed or [0.0], after or [0.0]
-            (bucketed if overlap else after).append(seconds)
+    for overlap in order:
+        seconds, failure = 0.0, None
+        try:
+            seconds = reduced(overlap)
+        except Exception as exc:  # noqa: BLE001 - an OOM is agreed first; anything else propagates
+            if not is_oom(exc):
+                raise
+            failure = exc
+        if distributed.agree_oom(failure is not None):
+            if failure is not None:
+                raise failure
+            return bucketed or [0.0], after or [0.0]
+        (bucketed if overlap else after).append(seconds)
     return bucketed, after
 
 
