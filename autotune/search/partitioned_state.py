@@ -58,7 +58,9 @@ def price(result: SearchResult, best: Trial, controller: Controller, run: Run, w
     decision rests on those: with the search's 3 measured steps the partitioned step read slow (two H200s, 10
     blocks at 16 x 2: optimizer 45 ms and all-reduce 13 ms a step, 188,274 tok/s; with 12 steps 28 and 7 ms,
     197,413; trained 199,142), and the pick itself measured 164 to 187 samples/s between lends (RESULTS.md
-    tenth session): short readings ranked the partitioned configurations below the pick they beat in training."""
+    tenth session): short readings ranked the partitioned configurations below the pick they beat in training.
+    The all-reduced step, read once in the search's trials, is read LONGER times here too (search/trial.py):
+    read once, it still had the partitioned plan 5% slow in two calls of four (RESULTS.md twelfth session)."""
     first = run(partitioned(best.rung), best.micro_batch_size)
     ran = [first]
     if first.fits and first.peak_bytes < best.peak_bytes:
