@@ -60,7 +60,7 @@ def price(result: SearchResult, best: Trial, controller: Controller, run: Run, w
     197,413; trained 199,142), and the pick itself measured 164 to 187 samples/s between lends (RESULTS.md
     tenth session): short readings ranked the partitioned configurations below the pick they beat in training.
     The all-reduced step, read once in the search's trials, is read LONGER times here too (search/trial.py):
-    read once, it still had the partitioned plan 5% slow in two calls of four (RESULTS.md twelfth session)."""
+    read once, it still had the partitioned plan 5% slow in two calls of three (RESULTS.md twelfth session)."""
     first = run(partitioned(best.rung), best.micro_batch_size)
     ran = [first]
     if first.fits and first.peak_bytes < best.peak_bytes:

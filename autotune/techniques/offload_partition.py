@@ -123,15 +123,19 @@ class Partition:
 
         check_in()
         pairs = [(params[i].data, owner) for i, owner in sorted(self.owner.items()) if owner != EVERY]
-        direct = [(t, src) for t, src in pairs if t.device == self.device and t.is_contiguous()]
+        direct = [(t, src) for t, src in pairs if self._direct(t)]
         if direct:
             broadcast_together(direct).wait()
         for t, src in pairs:
-            if not (t.device == self.device and t.is_contiguous()):
+            if not self._direct(t):
                 self._broadcast(t, src)
 
+    def _direct(self, t: torch.Tensor) -> bool:
+        """Whether the backend can broadcast `t` in place (on its device, contiguous)."""
+        return t.device == self.device and t.is_contiguous()
+
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
-        if t.device == self.device and t.is_contiguous():
+        if self._direct(t):
             dist.broadcast(t, src)
             return
         moved = t.to(self.device).contiguous()  # a host tensor under NCCL, or a device tensor under gloo
