@@ -22,7 +22,7 @@ from .cache.rows import printable
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import NOISE, Controller, Lattice, SearchResult
-from .search import partitioned_state, reduce_timing
+from .search import offload_overlap, partitioned_state, reduce_timing
 from .search.offload_share import choose_offload_fraction, offload_rival
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
@@ -281,7 +281,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         best, fraction = _offload_share(result, runner, tuned, spec, limit, is_sharded(tuned), per_rank)
         best, fraction = _partitioned_state(result, controller, runner, best, fraction, work, is_sharded(tuned),
                                             allowed)
-        overlap = _offload_overlap(result, best, fraction, runner, work, is_sharded(tuned))
+        best, overlap = _offload_overlap(result, best, fraction, runner, work, is_sharded(tuned))
         best, reduce_overlap = _reduce_timing(result, best, fraction, runner, work, is_sharded(tuned))
     except DeviceError as error:
         poisoned = True
@@ -385,35 +385,19 @@ def _rival_or_pick(result: SearchResult, best: Trial, shared: Trial | None, frac
 
 
 def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, runner: TrialRunner,
-                     work: Workload, sharded: bool) -> bool | None:
+                     work: Workload, sharded: bool) -> tuple[Trial, bool | None]:
     """Under optimizer offload on one process, whether the host steps during the last backward: one trial
-    of the chosen configuration with its measured steps overlapped, against the chosen (serial) one.
-
-    Only the last micro-batch's backward and the optimizer tail differ between the two, so they compare
-    step + optimizer seconds, not whole-batch estimates. Neither wins everywhere (H100): overlap saved 2%
-    of GPT-2 XL's step, where a long recomputed backward hides host work, and cost 3% of GPT-2 large's
-    compiled one, whose launches the host optimizer's threads slowed (benchmarks/bench_trial_accuracy.py).
-    Streamed to the GPU (offload_stream.py), the same choice: its segments issued during the last backward,
-    or all after it. None where it is not a choice (no host optimizer, several ranks, FSDP2 shards, the
-    overlap turned off).
-    """
+    of the chosen configuration with its measured steps overlapped (search/offload_overlap.py). Returns the
+    trial to plan from and `plan.offload_overlap`: None where it is not a choice (no host optimizer, several
+    ranks, FSDP2 shards, the overlap turned off)."""
     if best.rung.offload != "optimizer" or work.world_size != 1 or sharded or not overlap_default():
-        return None
-    streamed = streams(work.placement.kind, work.spec.cls_name, best.rung.precision)
-    kind = "streamed optimizer offload" if streamed else "optimizer offload"
+        return best, None
     other = runner(best.rung, best.micro_batch_size, offload_fraction=fraction or 1.0, overlap=True)
     result.trials.append(other)
-    serial, overlapped = best.step_seconds + best.optimizer_seconds, other.step_seconds + other.optimizer_seconds
-    # Streamed, the overlap allocates nothing the serial step does not (its buffers exist either way; W1 on an
-    # H100: 18.66 GiB allocated at the peak both ways), so a peak over the limit is the allocator's cache laid
-    # out differently in this trial (W1: 21.66 against 21.52 GiB reserved): the plan keeps the serial
-    # trial's peak, and only the time decides.
-    fits = other.fits or (streamed and other.outcome == "over_budget")
-    faster = fits and overlapped < serial
-    measured = (f"the last micro-batch and the optimizer took {overlapped:.3f} s overlapped, {serial:.3f} s serial"
-                if fits else f"the overlapped trial: {other.outcome}")
-    result.reason = f"{result.reason}; {'overlapped' if faster else 'serial'} {kind}: {measured}"
-    return faster
+    streamed = streams(work.placement.kind, work.spec.cls_name, best.rung.precision)
+    best, overlap, clause = offload_overlap.choose(best, other, work.per_rank, streamed)
+    result.reason = f"{result.reason}; {clause}"
+    return best, overlap
 
 
 def _reduce_timing(result: SearchResult, best: Trial, fraction: float | None, runner: TrialRunner,

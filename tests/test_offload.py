@@ -25,7 +25,7 @@ from autotune.search.trial import OVERLAPPED
 from autotune.techniques import offload_pipeline, optimizer_8bit, parse_techniques
 from autotune.techniques.offload import HostOptimizer, host_share, norm_parameters
 from autotune.training.step import TrainingStep
-from autotune.workload.batching import solve_accumulation
+from autotune.workload.batching import global_step_seconds, solve_accumulation
 from autotune.workload.optimizers import OptimizerSpec
 
 HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit
@@ -256,6 +256,11 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
     serial_s, overlapped_s = share.step_seconds + share.optimizer_seconds, overlapped.step_seconds + overlapped.optimizer_seconds
     assert plan.offload_overlap is (overlapped.fits and overlapped_s < serial_s)
     assert ("overlapped optimizer offload:" if plan.offload_overlap else "serial optimizer offload:") in plan.reason
+    # The estimate is of the step the plan trains: overlapped, the once-a-step part shortened by what it saved
+    once = share.optimizer_seconds - (serial_s - overlapped_s) if plan.offload_overlap else share.optimizer_seconds
+    expected = 4 / global_step_seconds(share.step_seconds, max(0.0, once), 4, share.micro_batch_size)
+    assert plan.samples_per_second == pytest.approx(expected, rel=1e-9)
+    assert plan.offload_overlap is not None
     # Training with the plan splits as the trial did and stays under the limit too.
     m = copy.deepcopy(model)
     step = plan.apply(m, torch.optim.AdamW(m.parameters()))

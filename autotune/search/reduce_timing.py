@@ -16,10 +16,8 @@ The threshold is small because the choice is cheap to get wrong: where the two t
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..plan import Trial
-from ..workload.batching import global_step_seconds
+from .trial import retimed
 
 PAIRS = 4  # all-reduced steps timed each way: 8 micro-steps beside the trial's own
 TIE = 0.01  # one bucket must shorten the all-reduced micro-step by more than this share to be kept
@@ -44,9 +42,6 @@ def choose(best: Trial, timed: Trial, per_rank: int, world: int) -> tuple[Trial,
     if after >= bucketed * (1 - TIE):
         return best, True, f"gradient all-reduce in buckets during backward: {measured}"
     saved = timed.reduce_seconds - timed.reduce_after_seconds
-    optimizer_s = max(0.0, best.optimizer_seconds - saved)
-    per_step = global_step_seconds(best.step_seconds, optimizer_s, per_rank, best.micro_batch_size)
-    moved = dataclasses.replace(best, optimizer_seconds=optimizer_s,
-                                reduce_seconds=max(0.0, best.reduce_seconds - saved),
-                                samples_per_second=per_rank * world / per_step if per_step > 0 else 0.0)
+    moved = retimed(best, max(0.0, best.optimizer_seconds - saved), per_rank, world,
+                    reduce_seconds=max(0.0, best.reduce_seconds - saved))
     return moved, False, f"gradient all-reduce in one bucket after backward: {measured}"

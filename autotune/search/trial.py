@@ -367,6 +367,15 @@ def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
                  reduce_after_seconds=after_s, note=note)
 
 
+def retimed(trial: Trial, optimizer_seconds: float, per_rank: int, world: int, **changes: Any) -> Trial:
+    """`trial` with its once-a-step cost set to `optimizer_seconds` (and any `changes`), its rate estimated
+    again: for a choice made after the trial (how the optimizer or the all-reduce meets the last backward)
+    that measured the once-a-step part shorter."""
+    per_step = global_step_seconds(trial.step_seconds, optimizer_seconds, per_rank, trial.micro_batch_size)
+    return dataclasses.replace(trial, optimizer_seconds=optimizer_seconds, **changes,
+                               samples_per_second=per_rank * world / per_step if per_step > 0 else 0.0)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
