@@ -19,13 +19,16 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = 120  # under test_distributed_step's 180 s join deadline
 
 
-def join(rank: int, world: int, init_file: str) -> None:
+def join(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
+    """Join the group; under NCCL (two GPUs, tests/test_nccl_gpu.py) on GPU `rank`."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios, run) -> None:
+def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios, run, backend: str = "gloo") -> None:
     """A spawned rank's body: join, run each scenario (`run(name, rank, world)` -> dict), and write
     rank<N>.json with {"ok": ..., **result} or the traceback, a barrier after each scenario."""
     import json
@@ -33,7 +36,7 @@ def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios
     import traceback
 
     os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
-    join(rank, world, init_file)
+    join(rank, world, init_file, backend)
     results = {}
     try:
         for name in scenarios:

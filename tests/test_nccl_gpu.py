@@ -8,19 +8,21 @@ to one collective per tensor, so only two real GPUs test the grouped path. Skipp
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
+import sys
 
 import pytest
 import torch
-import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import run_scenarios, spawn  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                   reason="needs two CUDA GPUs")]
 
 TIMEOUT_S = 120
 SHAPES = [(3,), (1024, 7), (50_257, 64), (1,), (4096,)]  # odd sizes, one large, across both dtypes
+SCENARIOS = ["broadcast", "all_reduce"]
 
 
 def _tensors(rank: int) -> list[torch.Tensor]:
@@ -33,41 +35,28 @@ def _tensors(rank: int) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _scenario(name: str, rank: int, world: int) -> dict:
     from autotune.training.distributed import all_reduce_together, broadcast_together
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    result: dict = {}
-    try:
+    if name == "broadcast":
         mine = _tensors(rank)
         sources = [k % world for k in range(len(mine))]  # alternate owners, as a partition's runs do
         broadcast_together(list(zip(mine, sources))).wait()
         expected = [_tensors(src)[k] for k, src in enumerate(sources)]
-        result["broadcast"] = all(torch.equal(a, b) for a, b in zip(mine, expected))
-        floats = [t for t in _tensors(rank) if t.dtype == torch.float32]
-        all_reduce_together(floats).wait()
-        summed = [sum(_tensors(r)[len(SHAPES) + k] for r in range(world)) for k in range(len(floats))]
-        result["all_reduce"] = all(torch.equal(a, b) for a, b in zip(floats, summed))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        result["error"] = repr(exc)
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.destroy_process_group()
+        return {"equal": all(torch.equal(a, b) for a, b in zip(mine, expected))}
+    floats = [t for t in _tensors(rank) if t.dtype == torch.float32]
+    all_reduce_together(floats).wait()
+    summed = [sum(_tensors(r)[len(SHAPES) + k] for r in range(world)) for k in range(len(floats))]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(floats, summed))}
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    run_scenarios(rank, world, init_file, out_dir, SCENARIOS, _scenario, backend="nccl")
 
 
 def test_grouped_broadcasts_and_all_reduces_reach_every_rank():
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True,
-                           start_method="spawn")
-        results = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(2)]
+    results = spawn(_rank_main, 2, TIMEOUT_S)
     for rank, r in enumerate(results):
-        assert "error" not in r, f"rank {rank}: {r['error']}"
-        assert r["broadcast"], f"rank {rank}: a grouped broadcast left a tensor unlike its source's"
-        assert r["all_reduce"], f"rank {rank}: a grouped all-reduce left a tensor unlike the sum"
+        for name in SCENARIOS:
+            assert r[name]["ok"], f"rank {rank}, {name}: {r[name].get('error', '')[-2000:]}"
+            assert r[name]["equal"], f"rank {rank}: a grouped {name} left a tensor unlike what it should hold"

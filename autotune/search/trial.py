@@ -356,8 +356,7 @@ def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
         return Trial(rung=rung, micro_batch_size=micro, outcome="error" if compile_failed else "oom",
                      peak_bytes=peak, seconds=seconds, alloc_retries=retries, note=failure[:200])
     step_s, opt_s, compile_s, reduce_s, after_s, noisy = timings
-    per_step = global_step_seconds(step_s, opt_s, work.per_rank, micro)
-    rate = work.per_rank * work.world_size / per_step if per_step > 0 else 0.0
+    rate = _rate(step_s, opt_s, work.per_rank, work.world_size, micro)
     outcome = "ok" if peak <= work.limit_bytes else "over_budget"
     note = noisy if outcome == "ok" else (f"peak {format_bytes(peak)} is above the {format_bytes(work.limit_bytes)} "
                                           "limit (budget less margin)")
@@ -371,9 +370,14 @@ def retimed(trial: Trial, optimizer_seconds: float, per_rank: int, world: int, *
     """`trial` with its once-a-step cost set to `optimizer_seconds` (and any `changes`), its rate estimated
     again: for a choice made after the trial (how the optimizer or the all-reduce meets the last backward)
     that measured the once-a-step part shorter."""
-    per_step = global_step_seconds(trial.step_seconds, optimizer_seconds, per_rank, trial.micro_batch_size)
-    return dataclasses.replace(trial, optimizer_seconds=optimizer_seconds, **changes,
-                               samples_per_second=per_rank * world / per_step if per_step > 0 else 0.0)
+    rate = _rate(trial.step_seconds, optimizer_seconds, per_rank, world, trial.micro_batch_size)
+    return dataclasses.replace(trial, optimizer_seconds=optimizer_seconds, **changes, samples_per_second=rate)
+
+
+def _rate(step_s: float, optimizer_s: float, per_rank: int, world: int, micro: int) -> float:
+    """Samples a second over all ranks, from one micro-step's and the once-a-step part's seconds."""
+    per_step = global_step_seconds(step_s, optimizer_s, per_rank, micro)
+    return per_rank * world / per_step if per_step > 0 else 0.0
 
 
 def _first_line(exc: BaseException) -> str:
