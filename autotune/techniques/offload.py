@@ -75,7 +75,12 @@ def device_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 def master_dtype(p: torch.Tensor) -> torch.dtype:
     """The host master's dtype: FP32 for 16- and 32-bit weights (the point of a master copy), the
     parameter's own for float64 (or complex), which FP32 would round."""
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16, torch.float32) else p.dtype
+    return _master_dtype_of(p.dtype)
+
+
+def _master_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    """`master_dtype` for a parameter that had `dtype`."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16, torch.float32) else dtype
 
 
 def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -156,6 +161,7 @@ class HostOptimizer:
         self.gathered = Gathered()  # their state, when gathered (`gather`)
         self.gather_on_restore = False  # set by TrainingStep: restore() gathers the other ranks' weights and state
         self._kept = kept
+        self._weights: dict[int, torch.Tensor] | None = None  # other ranks' weights, while a state dict is built
         with host_memory():
             self.master, self._flat = self._host_masters()
             slots = [self.master.get(i, p) for i, p in enumerate(self.params)]
@@ -330,6 +336,7 @@ class HostOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        self._weights = None  # gathered for a state dict before this step: stale after it
         pipeline = self.pipeline
         if pipeline is not None and pipeline.armed:
             try:
@@ -510,6 +517,66 @@ class HostOptimizer:
             if id(self.params[i]) in self._kept:
                 continue
             self.params[i].data = self.params[i].data.to(self.dtypes[i])
+
+    # -- the weights training uses, for the model's state dict -------------------------------------------
+    def holds_weight(self, i: int) -> bool:
+        """Whether position i's full-precision weight lives apart from its device parameter: a master here
+        (host or device share) or on the rank that steps it. Kept FP32 parameters are their own masters."""
+        if id(self.params[i]) in self._kept:
+            return False
+        return i in self.master or i in self.device_master or i in self.foreign
+
+    def weight(self, i: int) -> torch.Tensor:
+        """Position i's full-precision weight (see `holds_weight`), detached.
+
+        A host master is returned as a copy with its own storage: the masters are views of one pinned buffer
+        (which a safetensors save would refuse as shared memory) and an overlapped step re-points them. Under
+        the partitioned state another rank's weight is gathered (`gather_weights`), a collective.
+        """
+        if i in self.master:
+            with host_memory():
+                return self.master[i].detach().clone()
+        if i in self.device_master:
+            return self.device_master[i].detach()
+        self.gather_weights()
+        assert self._weights is not None
+        return self._weights[i]
+
+    def gather_weights(self) -> None:
+        """Partitioned: the other ranks' full-precision weights, once until `forget_weights` (a collective)."""
+        if self._weights is None and self.partition is not None:
+            self._weights = self._gather_foreign()
+
+    def _gather_foreign(self) -> dict[int, torch.Tensor]:
+        """The full-precision weights other ranks hold the masters of, as host tensors: every rank sends its
+        own and receives the rest (a collective, in the same order on every rank)."""
+        assert self.partition is not None
+        own = {**{i: m for i, m in self.device_master.items() if m is not self.params[i]}, **self.master}
+        shapes = [p.shape for p in self.params]
+        dtypes = [_master_dtype_of(d) for d in self.dtypes]
+        kept = [i for i, p in enumerate(self.params) if id(p) in self._kept]
+        with host_memory():
+            return self.partition.gather_masters(own, shapes, dtypes, skip=kept)
+
+    def forget_weights(self) -> None:
+        """Drop the other ranks' weights gathered for a state dict (host memory held only while it is built)."""
+        self._weights = None
+
+    def has_master(self, i: int) -> bool:
+        """Whether this rank keeps a master of position i that the step writes back into the parameter (a
+        kept FP32 parameter may have one too: the host steps it)."""
+        return i in self.master or (i in self.device_master and self.device_master[i] is not self.params[i])
+
+    @torch.no_grad()
+    def load_weight(self, i: int, value: torch.Tensor) -> None:
+        """Position i's full-precision weight from a checkpoint: into its master, so the next step trains from
+        it unrounded (the device's 16-bit copy is loaded by torch itself). Another rank's master is loaded there."""
+        value = local_part(value.detach())
+        if i in self.master:
+            with host_memory():
+                self.master[i].copy_(value)
+        elif self.has_master(i):
+            self.device_master[i].copy_(value)
 
     # -- state, in the layout of the user's optimizer -----------------------------------------------------
     def owners(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:

@@ -159,6 +159,23 @@ class Partition:
             self._broadcast(p.data, owner)
 
     @torch.no_grad()
+    def gather_masters(self, own: dict[int, torch.Tensor], shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype],
+                       skip: Collection[int] = ()) -> dict[int, torch.Tensor]:
+        """The full-precision weights of the parameters other ranks step, as host tensors (a model state dict
+        under the partitioned state). `own`: this rank's masters by position; `skip`: positions current on every
+        rank. Every rank walks the same parameters in the same order."""
+        out: dict[int, torch.Tensor] = {}
+        for i, owner in sorted(self.owner.items()):
+            if owner == EVERY or i in skip:
+                continue
+            if owner == self.rank:
+                self._broadcast(own[i].detach(), owner)
+                continue
+            out[i] = torch.empty(shapes[i], dtype=dtypes[i])
+            self._broadcast(out[i], owner)
+        return out
+
+    @torch.no_grad()
     def gather_state(self, states: dict[int, dict[str, Any]], keys: Sequence[torch.Tensor], into: Gathered) -> None:
         """The state of every parameter another rank steps, into `into.state[keys[i]]` (host tensors).
 

@@ -50,8 +50,10 @@ class OffloadLink:
                     self.pairs.append((index, p, *owners[len(self.pairs)]))
                 index += 1
         user.state.clear()  # apply_rung copied it to the host; dropping it frees the device memory
+        self._incoming: dict[Any, Any] = {}  # a loaded state dict's state, taken before torch casts it
         self.handles = [user.register_step_pre_hook(self._refuse_step),
                         user.register_state_dict_post_hook(self._state_dict),
+                        user.register_load_state_dict_pre_hook(self._loading),
                         user.register_load_state_dict_post_hook(self._loaded)]
 
     def sync_hyperparameters(self) -> None:
@@ -108,9 +110,19 @@ class OffloadLink:
         state_dict["state"] = {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if key in opt.state}
         return state_dict
 
+    def _loading(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # torch casts a loaded state to each parameter's dtype, the 16-bit device copy here: the state goes
+        # to the host optimizer as saved (`_loaded`), and the user's optimizer loads only its groups.
+        # Keyed by position in the groups (a saved dict names its parameters by its own ids, in that order).
+        saved = [pid for group in state_dict.get("param_groups", []) for pid in group["params"]]
+        state = state_dict.get("state", {})
+        self._incoming = {k: state[pid] for k, pid in enumerate(saved) if pid in state}
+        return {**state_dict, "state": {}}
+
     def _loaded(self, optimizer: Any) -> None:
-        # The user loaded a checkpoint into their optimizer: move it into the host optimizer.
-        state = {k: self.user.state[p] for k, (_, p, _, _) in enumerate(self.pairs) if p in self.user.state}
+        # The user loaded a checkpoint into their optimizer: move its state, unrounded, into the host optimizer.
+        incoming, self._incoming = self._incoming, {}
+        state = {k: incoming[index] for k, (index, _, _, _) in enumerate(self.pairs) if index in incoming}
         if self.host is not None:
             self.host.load_user_state({"state": state})
         self.user.state.clear()

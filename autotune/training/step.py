@@ -33,6 +33,7 @@ import dataclasses
 import gc
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -51,6 +52,7 @@ from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_pois
 from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
 from . import clipping
 from .buffers import BufferGuard
+from .model_link import ModelLink
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
 from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial, none_on_the_host
@@ -133,6 +135,7 @@ class TrainingStep:
             if hook is not None and not callable(hook):
                 raise InvalidSetting(f"{name} must be a callable taking the step, got {type(hook).__name__}")
         refuse_meta(model)
+        _refuse_second_step(model)
         self.max_grad_norm = clipping.check_max_norm(max_grad_norm)
         self.before_optimizer_step = before_optimizer_step
         self.after_optimizer_step = after_optimizer_step
@@ -170,6 +173,7 @@ class TrainingStep:
         # rung builds when none was given. None only when a rung built a HostOptimizer from scratch.
         self._device_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self._link: OffloadLink | None = None
+        self._model_link: ModelLink | None = None
         self._eight_bit: Any = None  # the 8-bit optimizer of an 8-bit plan (techniques.optimizer_8bit)
         self._grow_cap = plan.micro_batch_size  # growing back never goes past what the tuning chose
         self._grow_wait = grow_after or 0
@@ -181,6 +185,7 @@ class TrainingStep:
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
         self._buffers = BufferGuard(model, self.placement.torch_device)
         self._applied = self._apply(plan.rung)
+        _OPEN[model] = weakref.ref(self)
 
     # -- the public surface ----------------------------------------------------------------------------
     @property
@@ -229,6 +234,8 @@ class TrainingStep:
         if self._applied is not None:
             self._teardown()
             self._applied = None  # type: ignore[assignment]
+            if _OPEN.get(self.model, lambda: None)() is self:
+                del _OPEN[self.model]
 
     def __enter__(self) -> TrainingStep:
         return self
@@ -539,6 +546,7 @@ class TrainingStep:
             self._eight_bit = applied.optimizer  # its 8-bit state carries across rungs (recovery)
         elif isinstance(applied.optimizer, HostOptimizer):
             applied.optimizer.gather_on_restore = True  # partitioned over ranks: close() gathers weights and state
+            self._model_link = ModelLink(self.model, applied.optimizer)
             if self._device_optimizer is not None:
                 self._link = OffloadLink(self._device_optimizer, applied.optimizer)
         elif self._device_optimizer is None:
@@ -547,6 +555,9 @@ class TrainingStep:
 
     def _teardown(self) -> None:
         link, self._link = self._link, None
+        model_link, self._model_link = self._model_link, None
+        if model_link is not None:
+            model_link.close()  # before the weights come back: the parameters are the truth again
         self._applied.remove()  # under optimizer offload: FP32 weights back on the device
         self._drop_gradients()
         if link is not None:
@@ -562,6 +573,19 @@ class TrainingStep:
 
     def _config(self) -> str:
         return _describe(self.plan)
+
+
+# The open step of each model: a second `apply` on top of the first would build its offload over the first's
+# 16-bit working copies, and the two would each step the model, one update lost.
+_OPEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TrainingStep]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_second_step(model: nn.Module) -> None:
+    ref = _OPEN.get(model)
+    step = ref() if ref is not None else None
+    if step is not None and step._applied is not None:
+        raise InvalidSetting(f"this model already has an open training step (plan.apply was called on it before, "
+                             f"{_describe(step.plan)}); call step.close() on that one first, or keep using it")
 
 
 # -- plan arithmetic ---------------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""The user's model under optimizer offload: its state dict holds the full-precision weights training uses.
+
+Under optimizer offload the device parameters are 16-bit working copies; the FP32 masters live in the
+`HostOptimizer` (on the host, on the device for its device share, or on another rank under the partitioned
+state). Left alone, `model.state_dict()` would save the 16-bit copies and `model.load_state_dict()` would
+write only them, to be overwritten by the masters at the next step. `ModelLink` hooks each module that owns
+such a parameter, so that a checkpoint saved mid-training holds the masters and one loaded after
+`plan.apply` is what the next step trains from, in full precision.
+
+Saved masters are host tensors (the GPU may have no room for an FP32 copy of the model: that is why the plan
+offloads). Under the partitioned state, `model.state_dict()` gathers the other ranks' masters: a collective
+that every rank must call, as with FSDP's `get_model_state_dict`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+
+from ..techniques.offload import HostOptimizer
+
+
+class ModelLink:
+    """Keeps `model.state_dict()` / `load_state_dict()` on the masters while `host` steps the model."""
+
+    def __init__(self, model: nn.Module, host: HostOptimizer) -> None:
+        self.host = host
+        position = {id(p): i for i, p in enumerate(host.params)}
+        self.handles: list[Any] = []
+        for module in model.modules():
+            mine = [(name, position[id(p)]) for name, p in module._parameters.items()
+                    if p is not None and id(p) in position]
+            saved = [(name, i) for name, i in mine if host.holds_weight(i)]
+            loaded = [(name, i) for name, i in mine if host.has_master(i)]
+            if saved:
+                self.handles.append(module.register_state_dict_post_hook(functools.partial(self._saved, saved)))
+            if loaded:
+                self.handles.append(module.register_load_state_dict_pre_hook(functools.partial(self._loading, loaded)))
+        if host.partition is not None and host.foreign:
+            # Every rank gathers once per call at the root, whichever of its modules asks first.
+            self.handles.append(model.register_state_dict_pre_hook(lambda *_: host.gather_weights()))
+        # Registered last on the root, so it runs after every module's: the gathered weights are let go.
+        self.handles.append(model.register_state_dict_post_hook(lambda *_: host.forget_weights()))
+
+    def close(self) -> None:
+        """Remove the hooks (the offload is undone: the parameters are the weights again)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.host.forget_weights()
+
+    def _saved(self, owned: list[tuple[str, int]], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+               local_metadata: Any) -> None:
+        for name, i in owned:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = self.host.weight(i)
+
+    def _loading(self, owned: list[tuple[str, int]], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                 *args: Any) -> None:
+        for name, i in owned:
+            value = state_dict.get(prefix + name)
+            if value is not None and tuple(value.shape) == tuple(module._parameters[name].shape):
+                self.host.load_weight(i, value)  # a mismatched shape is left to torch's own error
