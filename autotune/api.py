@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from .supervisor import agent
 from .workload import batch as batches
 from .cache import store as plan_cache
-from .cache.rows import printable
+from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, printable, sanitized
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import NOISE, Controller, Lattice, SearchResult
@@ -37,8 +38,8 @@ from .sizes import format_bytes, parse_bytes
 from .settings import FitSettings
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
-from .techniques import (anchors, drop_rungs_over, eight_bit_anchors, find_blocks, parse_techniques, profile_blocks,
-                         resident_floor, serve_dtypes)
+from .techniques import (anchors, drop_rungs_over, dtype_conflict, eight_bit_anchors, find_blocks, parse_techniques,
+                         profile_blocks, resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters, overlap_default
 from .techniques.offload_stream import streams
 from .techniques import offload_partition
@@ -144,7 +145,10 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     key = plan_cache.plan_key(parts)
 
     if store is not None and not settings.retune:
-        hit = _cached(store, parts, settings, placement, budget_now)
+        def verify(plan: Plan) -> Trial:
+            return _verify(plan, model, batch, optimizer, loss_fn, settings, placement, allowed, per_rank, world)
+
+        hit = _cached(store, parts, settings, placement, budget_now, verify)
         if hit is not None:
             return hit
         _raise_if_nothing_fits(store, key)
@@ -176,12 +180,13 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
 
 
 def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSettings, placement: Placement,
-            budget_now: int) -> Plan | None:
+            budget_now: int, verify: Callable[[Plan], Trial]) -> Plan | None:
     """The cached plan for `parts`, if one still fits today's memory.
 
     Under a default budget, the plans of the neighbouring budget steps serve too when their peak fits under
     today's reading less the margin. Under an explicit `memory_budget` the user's figure stands, and a plan
-    whose peak no longer fits the memory usable now is served with a warning naming both figures.
+    whose peak no longer fits the memory usable now is served with a warning naming both figures. A plan
+    not measured on this machine (imported, or a teammate's) is served only once `verify` ran it (`_trusted`).
     """
     explicit = settings.memory_budget is not None
     budgets = [parts["budget_bytes"]] if explicit else neighbour_budgets(parts["budget_bytes"], placement.total_bytes)
@@ -190,6 +195,9 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
         hit = store.get(key)
         if hit is None or not (explicit or fits(hit.peak_memory_bytes, settings.margin, budget_now)):
             continue
+        hit = _trusted(store, key, {**parts, "budget_bytes": budget}, hit, verify)
+        if hit is None:
+            continue
         log.info("plan cache hit %s: %s", key[:12], hit.summary())
         if explicit:
             short = shortfall(hit.peak_memory_bytes, placement, "the cached plan")
@@ -197,6 +205,92 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
                 log.warning("autotune: %s", short)
         return dataclasses.replace(hit, source="cache", cache=store)
     return None
+
+
+def _trusted(store: plan_cache.PlanCache, key: str, parts: dict[str, Any], hit: Plan,
+             verify: Callable[[Plan], Trial]) -> Plan | None:
+    """`hit` as it may be served, or None (then the search runs).
+
+    A plan measured on this machine is served as stored. One from elsewhere is a claim: it must be a
+    configuration its key allows with numbers a measurement could give, and one trial of it here must fit;
+    a plan whose trial does not is marked unsafe, so neither this cache nor the team directory serves it again.
+    """
+    origin = _origin(store, key, hit)
+    hit = sanitized(hit)  # a row imported before its text was escaped on reading
+    if origin in MEASURED_HERE:
+        return hit
+    try:
+        check_plan_matches(hit, key, parts)
+        check_plan_sane(hit, parts)
+    except ValueError as exc:
+        log.warning("autotune: %s", printable(f"not serving the cached plan {key[:12]} from {origin}: {exc}"))
+        return None
+    log.info("autotune: %s", printable(f"verifying the cached plan {key[:12]} from {origin} with one trial"))
+    trial = verify(hit)
+    if trial.fits:
+        clause = f"verified here by one trial (a plan from {origin}, peak {format_bytes(trial.peak_bytes)})"
+        return dataclasses.replace(hit, peak_memory_bytes=trial.peak_bytes, trials=(*hit.trials, trial),
+                                   reason=printable(f"{hit.reason}; {clause}"))
+    what = f"{trial.outcome}{f' ({trial.note})' if trial.note else ''}"
+    store.mark_unsafe(key, micro_batch_size=hit.micro_batch_size, note=printable(
+        f"verification trial: {what}; a plan from {origin}")[:200])
+    log.warning("autotune: %s", printable(
+        f"the cached plan {key[:12]} from {origin} ({hit.rung.name} at micro-batch {hit.micro_batch_size}) did not "
+        f"fit in a trial here: {what}; marked unsafe, tuning instead"))
+    return None
+
+
+def _origin(store: plan_cache.PlanCache, key: str, plan: Plan) -> str:
+    """Where the plan `store.get(key)` returned came from: this cache's row (its origin), else the team directory."""
+    for entry in store.entries(key):
+        if entry.key == key and entry.plan is not None and dataclasses.replace(entry.plan, key=key) == plan:
+            return entry.origin
+    return store.team.origin if store.team is not None else "an unknown source"
+
+
+def _verify(plan: Plan, model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings,
+            placement: Placement, allowed: frozenset[str], per_rank: int, world: int) -> Trial:
+    """One trial of `plan`'s configuration at its micro-batch, on the model as training will run it (an FSDP2
+    plan on a sharded copy), leaving the model, optimizer and RNG as they were (as `_tune` does)."""
+    conflict = dtype_conflict(plan.rung, model)
+    if conflict is not None:  # such a rung crashes in its first step: the search never tries it either
+        return Trial(rung=plan.rung, micro_batch_size=plan.micro_batch_size, outcome="error", note=conflict)
+    spec = OptimizerSpec.from_user(optimizer, model)
+    copied = plan.sharding == "fsdp2" and not is_sharded(model)
+    home = _device_of(model)
+    away = torch.device("cpu") if copied else placement.torch_device
+    snapshot = Snapshot.take(model, optimizer)
+    poisoned = False
+    try:
+        if home != away:
+            model.to(away)
+        tuned = sharded_copy(model, plan.precision) if copied else model
+        if is_sharded(tuned):
+            distributed.guard_collectives(tuned)
+        example = batches.detached(batches.to_device(batch, placement.torch_device))
+        loss = resolve_loss(loss_fn, tuned, chunked="chunked_loss" in allowed)
+        work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=placement,
+                        budget_bytes=plan.memory_budget_bytes,
+                        limit_bytes=int((1 - plan.margin) * plan.memory_budget_bytes), per_rank=per_rank,
+                        world_size=world, blocks=find_blocks(tuned, plan.block_paths),
+                        warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
+        fraction = plan.offload_fraction if plan.offload == "optimizer" else 1.0
+        trial = TrialRunner(work, agree=distributed.agree_trial)(plan.rung, plan.micro_batch_size,
+                                                                  offload_fraction=fraction,
+                                                                  overlap=plan.offload_overlap is True)
+        del tuned, work, loss
+    except DeviceError as error:
+        poisoned = True
+        _put_back_noting(error, model, home, snapshot)
+        raise
+    finally:
+        if not poisoned:
+            _put_back(model, home, snapshot)
+    if copied:  # the sharded copy holds reference cycles (FSDP's hooks): free its device shards now
+        gc.collect()
+        if placement.kind == "cuda":
+            torch.cuda.empty_cache()
+    return trial
 
 
 def _raise_if_nothing_fits(store: plan_cache.PlanCache, key: str) -> None:

@@ -11,6 +11,11 @@ recomputed from the parts. JSON is parsed, never executed; nothing is unpickled.
 and may be damaged or hostile, so reading is bounded before parsing: a line is read at most `MAX_LINE_BYTES` at a
 time (a longer one is skipped, never held whole), must be UTF-8, and may nest at most `MAX_DEPTH` deep.
 Each failure is a rejected row with its line number and reason; nothing a file holds raises.
+
+A row is a claim, not a measurement made here, so it is held to what its key allows and what its numbers
+can be: a configuration the key's techniques allow (`check_plan_matches`), a peak no smaller than its
+model's parameters and a micro-batch within the per-rank batch (`check_plan_sane`). Its text (reason,
+notes, messages) is escaped (`printable`) and its times are clamped to now as it is read.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -41,6 +47,8 @@ MAX_LINE_CHARS = MAX_LINE_BYTES  # the same bound for a line already in memory
 MAX_DEPTH = 32  # a row nests about 6 deep (row > plan > trials > [i] > rung); JSON deeper than this is not ours
 _SKIP_CHUNK = 2**16  # bytes read at a time while skipping the rest of an over-long line
 TEAM_FILE_GLOB = "*.jsonl"
+MAX_MICRO_BATCHES = 2**20  # per rank per optimizer step: a plan holds its split, one entry per micro-batch
+MEASURED_HERE = ("tuned", "replaced")  # origins of plans measured on this machine (a search, a recovery)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +83,8 @@ class Failure:
             raise ValueError(f"unknown failure field(s): {', '.join(unknown)}")
         if "micro_batch_size" not in d:
             raise ValueError("a failure needs micro_batch_size")
-        return cls(**d)
+        failure = cls(**d)
+        return dataclasses.replace(failure, note=printable(failure.note), time=not_after_now(failure.time))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,7 +129,8 @@ class NothingFits:
             raise ValueError("trials must be a list")
         trials = tuple(_trial_from(i, t) for i, t in enumerate(d["trials"]))
         _check_time("time", d["time"])
-        return cls(key=d["key"], parts=d["parts"], message=message, trials=trials, time=float(d["time"]))
+        return cls(key=d["key"], parts=d["parts"], message=printable(message), trials=trials,
+                   time=not_after_now(float(d["time"])))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,13 +166,16 @@ class PlanRow:
         """Validate a decoded plan row; see `from_json`."""
         _check_fields(d, ROW_FIELDS + ("kind",), ROW_FIELDS, PLAN_KIND)
         _check_key(d)
-        plan = _plan_from(d["plan"])
+        _check_split(d["plan"])
+        plan = sanitized(_plan_from(d["plan"]))
         check_plan_matches(plan, d["key"], d["parts"])
+        check_plan_sane(plan, d["parts"])
         if not isinstance(d["failures"], list):
             raise ValueError("failures must be a list")
         failures = tuple(Failure.from_dict(f) for f in d["failures"])
         _check_time("updated", d["updated"])
-        return cls(key=d["key"], parts=d["parts"], plan=plan, failures=failures, updated=float(d["updated"]))
+        return cls(key=d["key"], parts=d["parts"], plan=plan, failures=failures,
+                   updated=not_after_now(float(d["updated"])))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,13 +234,54 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
         if have != want:
             raise ValueError(f"plan.{name} is {have!r} but the key parts say {want!r}")
     allowed = set(parts["techniques"])
-    if plan.checkpointing != "none" and "checkpointing" not in allowed:
-        raise ValueError("plan uses checkpointing, which its key parts do not allow")
-    if plan.offload != "none" and "offload" not in allowed:
-        raise ValueError("plan uses offload, which its key parts do not allow")
+    used = {f"{plan.precision} precision": plan.precision != "fp32" and "bf16" not in allowed,
+            "checkpointing": plan.checkpointing != "none" and "checkpointing" not in allowed,
+            "offload": plan.offload != "none" and "offload" not in allowed,
+            "compile": plan.compile and "compile" not in allowed,
+            "8-bit optimizer state": plan.optimizer_8bit and "optimizer_8bit" not in allowed}
+    for what, refused in used.items():
+        if refused:
+            raise ValueError(f"plan uses {what}, which its key parts do not allow (techniques "
+                             f"{sorted(allowed)})")
+    wider = sorted(set(plan.techniques or ()) - allowed)
+    if wider:
+        raise ValueError(f"plan.techniques name {', '.join(wider)}, which its key parts do not allow (techniques "
+                         f"{sorted(allowed)})")
     cap = parts["max_micro_batch"]
     if cap is not None and plan.micro_batch_size > cap:
         raise ValueError(f"plan.micro_batch_size {plan.micro_batch_size} is over the key's max_micro_batch {cap}")
+
+
+def check_plan_sane(plan: Plan, parts: dict[str, Any]) -> None:
+    """A plan's numbers must be ones a measurement of its key could give: a micro-batch within the per-rank
+    batch, and a peak no smaller than its model's parameters at one byte each (a rank's shard under FSDP2).
+
+    Raises:
+        ValueError: naming the first number that cannot be.
+    """
+    per_rank = plan.global_batch_size // plan.world_size
+    if plan.micro_batch_size > per_rank:
+        raise ValueError(f"plan.micro_batch_size {plan.micro_batch_size} is over the per-rank batch {per_rank} "
+                         f"(global batch {plan.global_batch_size} over {plan.world_size} rank(s))")
+    parameters = parts["model"]["parameters"]
+    held = parameters // plan.world_size if plan.sharding == "fsdp2" else parameters
+    floor = max(1, held)  # every parameter sits on the device during a step, in one byte or more
+    if plan.peak_memory_bytes < floor:
+        raise ValueError(f"plan.peak_memory_bytes {plan.peak_memory_bytes:,} is under {floor:,}, the least "
+                         f"its model's {parameters:,} parameters take on a device, so it was not measured")
+
+
+def sanitized(plan: Plan) -> Plan:
+    """`plan` with every text it carries (reason, device name, block paths, trial notes) as printable strings:
+    a plan from a file or a teammate may hold terminal escape sequences, and these texts are printed."""
+    trials = tuple(dataclasses.replace(t, note=printable(str(t.note))) for t in plan.trials)
+    return dataclasses.replace(plan, reason=printable(str(plan.reason)), device_name=printable(str(plan.device_name)),
+                               block_paths=tuple(printable(p) for p in plan.block_paths), trials=trials)
+
+
+def not_after_now(seconds: float) -> float:
+    """A time read from a row, no later than now: a row dated in the future would outrank every later plan."""
+    return min(seconds, time.time())
 
 
 def parse_row(line: str) -> PlanRow | NothingFits:
@@ -384,7 +438,21 @@ def _trial_from(i: int, d: Any) -> Trial:
         raise ValueError(f"trials[{i}]: {exc}") from None
     if not isinstance(trial.note, str):  # printed by `autotune run` when the refusal is served
         raise ValueError(f"trials[{i}]: note must be a string, got {type(trial.note).__name__}")
-    return trial
+    return dataclasses.replace(trial, note=printable(trial.note))
+
+
+def _check_split(d: Any) -> None:
+    """Refuse a plan whose split of the batch would not fit in memory, before `Plan` builds it."""
+    if not isinstance(d, dict):
+        return  # `Plan.from_dict` says why
+    sizes = [d.get(name) for name in ("global_batch_size", "world_size", "micro_batch_size")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        return
+    global_batch, world, micro = sizes
+    steps = -(-(global_batch // world) // micro)
+    if steps > MAX_MICRO_BATCHES:
+        raise ValueError(f"plan splits a global batch of {global_batch:,} over {world} rank(s) into {steps:,} "
+                         f"micro-batches of {micro} per step, over the {MAX_MICRO_BATCHES:,} a plan may have")
 
 
 def _check_time(name: str, value: Any) -> None:
