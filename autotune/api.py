@@ -32,7 +32,7 @@ from .devices.placement import Placement, check_budget, default_budget, refuse_m
 from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from .workload import chunked_loss
 from .workload.losses import chunked_default_loss, resolve as resolve_loss
-from .workload.optimizers import OptimizerSpec, state_tensors_per_parameter
+from .workload.optimizers import OptimizerSpec, check_optimizer, state_tensors_per_parameter
 from .plan import Plan, Rung, Trial
 from .sizes import format_bytes, parse_bytes
 from .settings import FitSettings
@@ -109,6 +109,7 @@ def fit(
     if not isinstance(model, nn.Module):
         raise InvalidSetting(f"model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_meta(model)
+    check_optimizer(optimizer, model)  # before the cache: a hit must not serve an optimizer that trains nothing
     settings = FitSettings.resolve(global_batch_size=global_batch_size, memory_budget=memory_budget,
                                    margin=margin, device=device, cache=cache, techniques=techniques,
                                    measured_steps=trial_steps, max_trials=max_trials, retune=retune)

@@ -7,10 +7,13 @@ otherwise the default below. Each default is defined once, here.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidSetting
+from .sizes import brief, parse_bytes
+from .workload.batching import check_global_batch_size
 
 ENV_PREFIX = "AUTOTUNE_"
 DEFAULT_MARGIN = 0.10
@@ -46,20 +49,27 @@ class FitSettings:
     retune: bool = False
 
     def __post_init__(self) -> None:
-        if self.global_batch_size is not None and (
-                isinstance(self.global_batch_size, bool) or not isinstance(self.global_batch_size, int)
-                or self.global_batch_size < 1):
-            raise InvalidSetting(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
-        if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 0.9:
-            raise InvalidSetting(f"margin must be a fraction in [0, 0.9), e.g. 0.1 for 10% headroom; got {self.margin!r}")
+        if self.global_batch_size is not None:
+            check_global_batch_size(self.global_batch_size)
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)  # NaN, infinite, negative or unreadable: refused before any work
+        if (isinstance(self.margin, bool) or not isinstance(self.margin, (int, float))
+                or not 0 <= self.margin < 0.9):  # NaN fails the range test too
+            raise InvalidSetting(f"margin must be a fraction in [0, 0.9), e.g. 0.1 for 10% headroom; "
+                                 f"got {brief(self.margin)}")
         for name in ("measured_steps", "max_trials"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidSetting(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidSetting(f"{name} must be a positive integer, got {brief(value)}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise InvalidSetting(f"warmup_steps must be 0 or a positive integer, got {brief(self.warmup_steps)}")
         if self.measured_steps < 2 and self.warmup_steps < 1:
             raise InvalidSetting("a trial needs at least two optimizer steps: warmup_steps >= 1 and measured_steps >= 1")
-        if self.max_micro_batch is not None and (not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1):
-            raise InvalidSetting(f"max_micro_batch must be a positive integer, got {self.max_micro_batch!r}")
+        if self.max_micro_batch is not None and (isinstance(self.max_micro_batch, bool)
+                                                 or not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1):
+            raise InvalidSetting(f"max_micro_batch must be a positive integer, got {brief(self.max_micro_batch)}")
+        if self.techniques is not None:
+            object.__setattr__(self, "techniques", _technique_names(self.techniques))
 
     @classmethod
     def resolve(cls, **given: Any) -> FitSettings:
@@ -76,6 +86,18 @@ class FitSettings:
             if value is not None:
                 values[name] = value
         return cls(**values)
+
+
+def _technique_names(techniques: Any) -> str | tuple[str, ...]:
+    """A comma-separated string as given, else the names as a tuple (a generator is read once, here)."""
+    if isinstance(techniques, str):
+        return techniques
+    if isinstance(techniques, Iterable) and not isinstance(techniques, (bytes, dict)):
+        names = tuple(techniques)
+        if all(isinstance(t, str) for t in names):
+            return names
+    raise InvalidSetting(f"techniques must be technique names, e.g. techniques=('bf16', 'checkpointing') or "
+                         f"techniques=() for none; got {brief(techniques)}")
 
 
 def _from_env(name: str) -> Any:

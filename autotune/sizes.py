@@ -18,6 +18,9 @@ _UNITS = {
     "t": 2**40, "tib": 2**40, "tb": 10**12,
 }
 
+# The largest size accepted (1 EiB): beyond any device, and still exact as a float and an int64.
+MAX_BYTES = 2**60
+
 
 def format_bytes(n: int | float) -> str:
     """"12 KiB" below a MiB, "512.0 MiB" below a GiB, "23.50 GiB" from there."""
@@ -33,15 +36,32 @@ def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int
     if isinstance(value, (int, float)):
         if value <= 0:
             raise InvalidSetting(f"{setting} must be positive, got {value!r}")
-        return int(value)
+        return _bounded(value, value, setting)
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if match and match.group(2).lower() in _UNITS:
             number = float(match.group(1)) * _UNITS[match.group(2).lower()]
             if number >= 1:
-                return int(number)
+                return _bounded(number, value, setting)
             raise InvalidSetting(f"{setting}={value!r} is {'negative' if number < 0 else 'under one byte'}: "
                                  "a budget must be positive, e.g. '24GiB'.")
     raise InvalidSetting(
         f"{setting}={value!r} is not a size autotune understands; write bytes as an integer or a number "
         "with a unit, e.g. '24GiB', '16GB', '512MiB' or 25769803776.")
+
+
+def _bounded(number: int | float, value: object, setting: str) -> int:
+    """`number` as whole bytes, refused when it is NaN, infinite or larger than any memory (`MAX_BYTES`)."""
+    if not number <= MAX_BYTES:  # NaN fails every comparison, so it lands here too
+        raise InvalidSetting(f"{setting}={brief(value)} is not a memory size: at most 1 EiB ({MAX_BYTES} bytes); "
+                             "pass the memory one GPU may use, e.g. '24GiB'.")
+    return int(number)
+
+
+def brief(value: object) -> str:
+    """`repr(value)` cut to a readable length, for an error message; an integer too long to print is named by
+    its magnitude (Python refuses to print one of more than 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**40:
+        return f"{'-' if value < 0 else ''}about 2**{abs(value).bit_length() - 1}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"

@@ -80,10 +80,24 @@ def default_path() -> Path:
     """`$AUTOTUNE_CACHE`, else `$XDG_CACHE_HOME/autotune/plans.db`, else `~/.cache/autotune/plans.db`."""
     env = os.environ.get(CACHE_ENV, "")
     if env and env.lower() not in ("0", "false", "off", "no"):
-        return Path(env).expanduser()
+        return expanded(env)
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # XDG: relative values are ignored
     return base / "autotune" / "plans.db"
+
+
+def expanded(path: str | os.PathLike[str]) -> Path:
+    """`path` with a leading `~` or `~user` expanded; as given when that home directory is unknown (the cache
+    then runs without its file, see `unknown_home`)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # pathlib's answer for an unknown user, or no $HOME
+        return Path(path)
+
+
+def unknown_home(path: Path) -> str | None:
+    """The `~user` part of a path `expanded` could not expand, else None."""
+    return path.parts[0] if path.parts and path.parts[0].startswith("~") else None
 
 
 def open_cache(setting: Any) -> PlanCache | None:
@@ -127,7 +141,7 @@ class PlanCache:
         Raises:
             CacheError: only with `strict=True`, when the database cannot be used.
         """
-        self.path = Path(path).expanduser() if path is not None else default_path()
+        self.path = expanded(path) if path is not None else default_path()
         self.timeout = float(timeout)
         self.strict = strict
         team = team_dir if team_dir is not None else os.environ.get(TEAM_DIR_ENV) or None
@@ -136,6 +150,9 @@ class PlanCache:
         self._db: Database | None = None
         self._pid = os.getpid()
         self._lock = threading.RLock()  # one connection, shared by threads one statement at a time
+        home = unknown_home(self.path)
+        if home is not None:  # never a directory literally named "~user" in the working directory
+            self._off("readonly", f"no home directory is known for {home}")
         with self._lock:
             self._database()
 

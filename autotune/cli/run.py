@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from ..cache.rows import printable
 from ..plan import Plan, Trial
 from ..plotting import PlotUnavailable, draw_search, require_matplotlib
 from ..sizes import format_bytes
+from ..workload.batching import check_global_batch_size
 from ..supervisor.runner import (
     DEFAULT_GRACE,
     DEFAULT_MAX_RESTARTS,
@@ -54,20 +56,52 @@ def _presets_help() -> str:
     return "\n".join(lines) + "\n"
 
 
-@click.command(context_settings={"allow_interspersed_args": False}, epilog=EXAMPLES + "\n" + _presets_help())
+class UsageLine(click.ClickException):
+    """A usage error, shown as one line ("autotune: error: ...") with exit code 2: no usage block, no traceback."""
+
+    exit_code = 2
+
+    def show(self, file: object = None) -> None:
+        click.echo(f"autotune: error: {self.format_message()}", err=True)
+
+
+class _RunCommand(click.Command):
+    """`autotune run`, whose option errors (a number out of range, a missing script) are one `UsageLine`."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: object) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[arg-type]
+        except click.UsageError as exc:
+            raise UsageLine(exc.format_message()) from None
+
+
+class _Finite(click.FloatRange):
+    """A float option that refuses NaN and infinity, which no count of seconds or fraction can be."""
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number; pass a plain number (autotune run --help says which)",
+                      param, ctx)
+        return super().convert(number, param, ctx)  # then the range
+
+
+@click.command(cls=_RunCommand, context_settings={"allow_interspersed_args": False},
+               epilog=EXAMPLES + "\n" + _presets_help())
 @click.option("--global-batch-size", type=click.IntRange(min=1), help="Samples per optimizer step over all ranks.")
 @click.option("--budget", metavar="SIZE", help="Memory budget per GPU, e.g. 24GiB (default: free memory; "
               "on the CPU the simulated ceiling).")
 @click.option("--cache", metavar="PATH", help="Plan cache file, or 'off' (default: $AUTOTUNE_CACHE, else the user "
               "cache).")
-@click.option("--margin", type=float, help="Fraction of the budget kept free (default 0.1).")
+@click.option("--margin", type=_Finite(min=0, max=0.9, max_open=True), help="Fraction of the budget kept free (default 0.1).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=DEFAULT_MAX_RESTARTS, show_default=True,
               help="Restarts after an out-of-memory death before giving up (exit 3).")
 @click.option("--trial-steps", type=click.IntRange(min=1), help="Measured optimizer steps per trial, after one "
               "warm-up step (default 3).")
-@click.option("--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TRIAL_TIMEOUT,
+@click.option("--trial-timeout", type=_Finite(min=0, min_open=True), default=DEFAULT_TRIAL_TIMEOUT,
               show_default=True, help="Seconds a zero-change trial may take before it is stopped (exit 124).")
-@click.option("--grace-period", type=click.FloatRange(min=0), default=DEFAULT_GRACE, show_default=True,
+@click.option("--grace-period", type=_Finite(min=0), default=DEFAULT_GRACE, show_default=True,
               help="Seconds between forwarding SIGINT/SIGTERM to the job and killing it.")
 @click.option("--tune-only", is_flag=True, help="Stop once the plan is chosen; do not train.")
 @click.option("--retune", is_flag=True, help="Tune again even when the plan cache holds a plan for this job.")
@@ -109,12 +143,14 @@ def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, jso
         except PlotUnavailable as exc:
             _fail(f"--plot: {exc}", 4)
     try:
+        if options["global_batch_size"] is not None:
+            check_global_batch_size(options["global_batch_size"], "--global-batch-size")
         # The remaining options are named as RunOptions' fields.
         opts = RunOptions(script=script, script_args=script_args, json_output=json_output, verbose=verbose > 0,
                           progress=quiet == 0, **options)  # type: ignore[arg-type]
         result = run_script(opts, on_plan=lambda plan: _on_plan(plan, json_output, picture))
     except InvalidSetting as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise UsageLine(str(exc)) from exc
     except NoFeasiblePlan as exc:
         if not json_output:
             click.echo(format_trials(exc.trials), err=True)

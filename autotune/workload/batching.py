@@ -6,12 +6,27 @@ import math
 from collections.abc import Sequence
 
 from ..errors import InvalidSetting
+from ..sizes import brief
+
+# Samples per optimizer step over all ranks, at most. Each rank's share is one batch in memory, and the
+# search walks every micro-batch size up to it, so a number beyond any real training run is a typo.
+MAX_GLOBAL_BATCH_SIZE = 2**20
+
+
+def check_global_batch_size(value: object, setting: str = "global_batch_size") -> int:
+    """`value` when it is a positive integer of at most `MAX_GLOBAL_BATCH_SIZE`; else an `InvalidSetting`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidSetting(f"{setting} must be a positive integer, got {brief(value)}")
+    if value > MAX_GLOBAL_BATCH_SIZE:
+        raise InvalidSetting(
+            f"{setting} ({brief(value)}) is too large: at most {MAX_GLOBAL_BATCH_SIZE:,} samples per optimizer step "
+            f"over all ranks; pass the samples of one optimizer step (e.g. 64), not of an epoch or a run.")
+    return value
 
 
 def per_rank_batch(global_batch_size: int, world_size: int) -> int:
     """Samples each rank handles per optimizer step; the global batch must divide by the world size."""
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise InvalidSetting(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    check_global_batch_size(global_batch_size)
     if world_size < 1:
         raise InvalidSetting(f"world_size must be at least 1, got {world_size}")
     if global_batch_size % world_size:
@@ -34,8 +49,23 @@ def solve_accumulation(per_rank: int, micro_batch_size: int, smallest: int = 1) 
     """
     if micro_batch_size < 1 or per_rank < 1:
         raise InvalidSetting(f"micro-batch ({micro_batch_size}) and per-rank batch ({per_rank}) must be positive")
-    sizes = split_sizes(per_rank, micro_batch_size, smallest)
-    return len(sizes), sizes[-1]
+    steps, _, last = split_shape(per_rank, micro_batch_size, smallest)
+    return steps, last
+
+
+def split_shape(n: int, micro_batch_size: int, smallest: int = 1) -> tuple[int, int, int]:
+    """(count, first, last) of `split_sizes(n, micro_batch_size, smallest)`, computed without building it.
+
+    The split is some micro-batches of `first` samples then the rest of `last` (`first` >= `last`).
+    """
+    micro = min(micro_batch_size, n)
+    steps = ceil_div(n, micro)
+    last = n - (steps - 1) * micro
+    if last >= smallest or n < smallest:
+        return steps, micro, last
+    steps = min(steps, n // smallest)
+    small, larger = divmod(n, steps)
+    return steps, small + 1 if larger else small, small
 
 
 def split_sizes(n: int, micro_batch_size: int, smallest: int = 1) -> list[int]:
@@ -46,22 +76,18 @@ def split_sizes(n: int, micro_batch_size: int, smallest: int = 1) -> list[int]:
     above `micro_batch_size`; only where that is impossible (7 at 2) are there fewer, one a sample larger
     (3+2+2). A batch of fewer than `smallest` samples is one micro-batch: nothing can split it better.
     """
-    micro = min(micro_batch_size, n)
-    steps = math.ceil(n / micro)
-    last = n - (steps - 1) * micro
-    if last >= smallest or n < smallest:
-        return [micro] * (steps - 1) + [last]
-    steps = min(steps, n // smallest)
-    small, larger = divmod(n, steps)
-    return [small + 1] * larger + [small] * (steps - larger)
+    steps, first, last = split_shape(n, micro_batch_size, smallest)
+    # k micro-batches of `first` and the rest of `last` sum to n: k = (n - steps x last) / (first - last).
+    k = steps - 1 if first == last else (n - steps * last) // (first - last)
+    return [first] * k + [last] * (steps - k)
 
 
 def smallest_micro_batch(per_rank: int, smallest: int) -> int | None:
     """The smallest micro-batch whose split of `per_rank` holds no micro-batch under `smallest` samples and
     none over itself (2 for an even batch, 3 for an odd one, when `smallest` is 2); None if none can."""
     for micro in range(max(1, smallest), per_rank + 1):
-        sizes = split_sizes(per_rank, micro, smallest)
-        if min(sizes) >= smallest and max(sizes) <= micro:
+        _, first, last = split_shape(per_rank, micro, smallest)
+        if last >= smallest and first <= micro:
             return micro
     return None
 

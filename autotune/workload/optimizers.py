@@ -32,6 +32,7 @@ class OptimizerSpec:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise InvalidSetting("model has no parameter with requires_grad=True; there is nothing to train")
+        check_optimizer(optimizer, model)
         index = {id(p): i for i, p in enumerate(params)}
         if optimizer is None:
             return cls(_class_builder(torch.optim.AdamW, {}), (((tuple(range(len(params)))), {}),), "AdamW")
@@ -78,6 +79,24 @@ class OptimizerSpec:
     def order(self) -> list[int]:
         """Trainable-parameter indices in the order of the groups: position k of an optimizer state dict."""
         return [i for ids, _ in self.groups for i in ids]
+
+
+def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
+    """Refuse a `torch.optim.Optimizer` that holds none of the model's trainable parameters: one built over
+    another model (or only frozen ones) would tune and train nothing of this one."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if not trainable or any(id(p) in trainable for p in held):
+        return
+    mine = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in mine for p in held)
+    what = (f"all {len(held)} of its parameters belong to another model" if foreign == len(held)
+            else f"{len(held) - foreign} of its {len(held)} parameters are the model's but frozen")
+    raise InvalidSetting(f"optimizer holds none of the model's trainable parameters ({what}); build it over this "
+                         f"model, e.g. {type(optimizer).__name__}(model.parameters(), ...), or pass optimizer=None "
+                         "for AdamW")
 
 
 # State tensors the size of each parameter that an optimizer keeps, at least (SGD's momentum buffer exists
