@@ -5,6 +5,13 @@ upsert) or one `BEGIN IMMEDIATE` transaction, which takes the write lock up fron
 read-modify-write, which fails with "database is locked" under concurrent writers. `PRAGMA user_version`
 holds the schema version and `MIGRATIONS` bring an older file forward; `PRAGMA application_id` marks
 the file as ours, so a database that belongs to something else is never written to.
+
+SQLite's locks are POSIX record locks, which a process drops on *every* descriptor of a file when it closes
+*any* one of them: a header read with `open()` while a connection of this process has the file open would
+release that connection's locks, and another process could then checkpoint and delete the WAL under it
+(its writes lost, its reads of a stale index failing as "malformed"). So the header is read only while no
+connection opened here is open (`_held_here`), and "corrupt" is decided by SQLite's integrity check run
+in a fresh process (`check_integrity`), never by the error one statement met.
 """
 
 from __future__ import annotations
@@ -18,8 +25,13 @@ import random
 import shutil
 import sqlite3
 import stat
+import subprocess
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -63,9 +75,13 @@ def open_database(path: Path, timeout: float) -> Database:
     fstype = filesystem_type(path)
     if is_network_filesystem(fstype):
         raise Unusable("network", f"it is on {fstype}")
-    _check_is_sqlite(path)
-    _create_private(path)
-    conn = sqlite3.connect(str(path), timeout=timeout, check_same_thread=False)  # PlanCache's lock serialises
+    with _open_lock:  # no other thread opens a connection between the header check and this one's registration
+        if not _held_here(path):  # a file this process holds open was checked when it was opened
+            _check_is_sqlite(path)
+        _create_private(path)
+        # check_same_thread off: PlanCache's lock serialises the threads sharing a connection.
+        conn = sqlite3.connect(str(path), timeout=timeout, check_same_thread=False, factory=_Connection)
+        _register(path, conn)
     try:
         db = Database(conn, execute_plugins=False)
         version = _check_header(db)
@@ -79,6 +95,53 @@ def open_database(path: Path, timeout: float) -> Database:
     except BaseException:
         conn.close()
         raise
+
+
+class _Connection(sqlite3.Connection):
+    """A connection that can be weakly referenced, so the registry of open files never keeps one alive."""
+
+
+_open_lock = threading.Lock()
+_open: dict[tuple[int, int], list[weakref.ref[_Connection]]] = {}  # (device, inode) -> connections opened here
+os.register_at_fork(after_in_child=_open.clear)  # a forked child inherits no lock, so it holds no file open
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _register(path: Path, conn: _Connection) -> None:
+    identity = _identity(path)
+    if identity is not None:
+        _open.setdefault(identity, []).append(weakref.ref(conn))
+
+
+def _is_open(ref: weakref.ref[_Connection]) -> bool:
+    conn = ref()
+    if conn is None:
+        return False
+    try:
+        conn.total_changes  # noqa: B018 - raises once the connection is closed
+    except sqlite3.ProgrammingError:
+        return False
+    return True
+
+
+def _held_here(path: Path) -> bool:
+    """Whether a connection this process opened to the file at `path` (that very file, by inode) is still open."""
+    identity = _identity(path)
+    if identity is None:
+        return False
+    live = [ref for ref in _open.get(identity, ()) if _is_open(ref)]
+    if live:
+        _open[identity] = live
+    else:
+        _open.pop(identity, None)
+    return bool(live)
 
 
 def _check_is_sqlite(path: Path) -> None:
@@ -448,16 +511,66 @@ def message(problem: str, path: Path, detail: str, timeout: float) -> str:
     return f"plan cache {path} ({detail}): {fix}."
 
 
+@dataclass(frozen=True, slots=True)
+class Integrity:
+    """SQLite's verdict on a database file: `damaged` only when its own check says so."""
+
+    damaged: bool
+    detail: str  # SQLite's first complaint, or why the check could not tell
+
+
+# Run by `check_integrity` in a fresh interpreter, with nothing but the sqlite3 module; it opens the file as any
+# connection does (not read-only, which would leave its -wal and -shm files behind) and writes nothing.
+_INTEGRITY_SCRIPT = """
+import sqlite3, sys
+try:
+    conn = sqlite3.connect(sys.argv[1], uri=True, timeout=float(sys.argv[2]))
+    try:
+        rows = [row[0] for row in conn.execute("PRAGMA integrity_check(1)")]
+    finally:
+        conn.close()
+except sqlite3.DatabaseError as exc:
+    name, text = getattr(exc, "sqlite_errorname", "") or "", str(exc)
+    bad = name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")) or "malformed" in text or "not a database" in text
+    print(("damaged " if bad else "unknown ") + text)
+else:
+    print("sound ok" if rows == ["ok"] else "damaged " + " ".join(" ".join(map(str, rows)).split()))
+"""
+
+
+def check_integrity(path: Path, timeout: float) -> Integrity:
+    """Whether SQLite's `PRAGMA integrity_check` finds the file at `path` damaged.
+
+    It runs in a fresh interpreter, whose view of the file is the file's own: this process's connections
+    may share a stale WAL index (see the module docstring), which would fail any check run here. When the
+    check cannot run or cannot tell (locked, unreadable), the file is not called damaged.
+    """
+    uri = Path(os.path.abspath(path)).as_uri() + "?mode=rw"  # rw: a missing file is not created
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _INTEGRITY_SCRIPT, uri, str(timeout)], capture_output=True,
+                              text=True, timeout=timeout + 60, check=False)  # -I: no site or PYTHON* settings
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Integrity(damaged=False, detail=f"the integrity check could not run: {exc}")
+    verdict, _, detail = done.stdout.strip().partition(" ")
+    if verdict not in ("sound", "damaged"):
+        return Integrity(damaged=False, detail=f"the integrity check could not tell: {detail or done.stderr[-200:]}")
+    return Integrity(damaged=verdict == "damaged", detail=f"integrity_check: {detail}")
+
+
 def move_aside(path: Path) -> Path | None:
     """Rename our corrupt file (and its -wal / -shm) to `<name>.corrupt-<time>`; None if it is not ours.
 
     Ours: a regular file of this user whose header says autotune plan cache (`is_ours`). A file that
-    merely fails to open as SQLite may be anybody's, and is never renamed.
+    merely fails to open as SQLite may be anybody's, and is never renamed. Nor is one that a connection
+    of this process still holds open: reading its header would release that connection's locks.
     """
     try:
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or not is_ours(path):
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return None
+        with _open_lock:
+            if _held_here(path) or not is_ours(path):
+                return None
         stamp = time.strftime("%Y%m%dT%H%M%S")
         target, n = path.with_name(f"{path.name}.corrupt-{stamp}"), 1
         while target.exists():  # two corruptions within a second keep both files

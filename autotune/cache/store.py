@@ -355,16 +355,23 @@ class PlanCache:
     # -- the database, and what to do when it fails -------------------------------------------------------
 
     def _use(self, what: str, action: Callable[[Database], T], default: T) -> T:
-        """Run `action` on the database; on trouble, report it once and return `default`."""
+        """Run `action` on the database; on trouble, report it once and return `default`.
+
+        After a "corrupt" error the action runs once more on a new connection: to the same file when SQLite's
+        integrity check finds it sound, to a new one when the damaged file was moved aside. Every action is
+        one statement, one transaction or an idempotent insert, so running it twice stores nothing twice.
+        """
         with self._lock:
-            db = self._database()
-            if db is None:
-                return default
-            try:
-                return action(db)
-            except sqlite3.Error as exc:
-                self._trouble(exc, what)
-                return default
+            for attempt in range(2):
+                db = self._database()
+                if db is None:
+                    return default
+                try:
+                    return action(db)
+                except sqlite3.Error as exc:
+                    if not self._trouble(exc, what, again=attempt == 0):
+                        return default
+            return default
 
     def _database(self) -> Database | None:
         if self._pid != os.getpid():  # forked: a SQLite connection must not cross fork(), so open our own
@@ -374,31 +381,48 @@ class PlanCache:
         return self._db
 
     def _connect(self) -> Database | None:
-        for _ in range(2):  # a corrupt file is moved aside on the first failure, then a new one is made
+        for attempt in range(2):  # again after a corrupt file was moved aside, or a sound one met a "corrupt" error
             try:
                 return cache_db.open_database(self.path, self.timeout)
             except cache_db.Unusable as exc:
                 self._off(exc.problem, exc.detail)
-            except (sqlite3.Error, OSError) as exc:
-                self._trouble(exc, "open")
-            if self.problem is not None:
                 return None
+            except (sqlite3.Error, OSError) as exc:
+                if not self._trouble(exc, "open", again=attempt == 0):
+                    return None
         self._off("io", "a new file could not be opened after moving the corrupt one aside")
         return None
 
-    def _trouble(self, exc: BaseException, what: str) -> None:
+    def _trouble(self, exc: BaseException, what: str, *, again: bool = False) -> bool:
+        """Close the connection and deal with `exc`; True when the caller may try once more on a new connection.
+
+        A "corrupt" error moves the file aside only when SQLite's integrity check finds it damaged; a sound
+        file is kept, and (unless `again` is off) the caller tries again.
+        """
         self.close()
         problem = cache_db.classify(exc, self.path)
         code = getattr(exc, "sqlite_errorname", "")  # Python 3.11+; says BUSY from BUSY_RECOVERY and the like
         detail = f"{what}: {exc}" + (f" [{code}]" if code else "")
         if problem == "corrupt":
-            moved = cache_db.move_aside(self.path)
-            if moved is not None:  # recovered: the next call starts a new file
-                self._say(problem, f"{detail}; moved it aside to {moved.name} and started a new one", warn=True)
-                return
-            detail += "; it is not ours to move (not an autotune cache by its header, another user's, or not a " \
-                      "regular file), so it is left alone"
+            integrity = cache_db.check_integrity(self.path, self.timeout)
+            if not integrity.damaged:
+                if again:
+                    log.debug("plan cache %s: %s, but SQLite finds the file sound (%s); trying again", self.path,
+                              detail, integrity.detail)
+                    return True
+                problem = "io"
+                detail += f"; SQLite finds the file sound ({integrity.detail}), so it is kept"
+            else:
+                detail += f"; {integrity.detail}"
+                moved = cache_db.move_aside(self.path)
+                if moved is not None:  # recovered: the next connection starts a new file
+                    self._say("corrupt", f"{detail}; moved it aside to {moved.name} and started a new one",
+                              warn=True)
+                    return True
+                detail += "; it is not ours to move (not an autotune cache by its header, another user's, not a " \
+                          "regular file, or still open in this process), so it is left alone"
         self._off(problem, detail)
+        return False
 
     def _off(self, problem: str, detail: str) -> None:
         self.problem = problem

@@ -98,21 +98,29 @@ class FlagMap:
         return cls(**knobs)  # type: ignore[arg-type]
 
     def apply(self, args: Sequence[str], *, micro: int, accumulation: int, rung: Rung) -> list[str]:
-        """The script's arguments with every mapped flag replaced by the plan's value."""
-        out = [*self.unmapped(args), self.micro_batch, str(micro), self.accumulation, str(accumulation)]
+        """The script's arguments with every mapped flag replaced by the plan's value.
+
+        The plan's flags go before a bare `--`, since a parser reads everything after it as positionals.
+        """
+        options, rest = _split_options(args)
+        out = [*self.unmapped(options), self.micro_batch, str(micro), self.accumulation, str(accumulation)]
         for switch, on in ((self.checkpointing, rung.checkpointing != "none"), (self.bf16, rung.precision == "bf16"),
                            (self.compile, rung.compile)):
             if switch is not None:
                 out += switch.tokens(on)
-        return out
+        return out + rest
 
     def unmapped(self, args: Sequence[str]) -> list[str]:
-        """The script's arguments without any mapped flag (or its value): what the plan does not decide."""
-        out = _without(args, self.micro_batch, takes_value=True)
+        """The script's arguments without any mapped flag (or its value): what the plan does not decide.
+
+        Arguments after a bare `--` are positionals, kept as they are even when one spells a mapped flag.
+        """
+        options, rest = _split_options(args)
+        out = _without(options, self.micro_batch, takes_value=True)
         out = _without(out, self.accumulation, takes_value=True)
         for switch in self.switches():
             out = _without(out, switch.flag, takes_value=switch.value is not None)
-        return out
+        return out + rest
 
     def switches(self) -> list[Switch]:
         return [s for s in (self.checkpointing, self.bf16, self.compile) if s is not None]
@@ -125,8 +133,9 @@ class FlagMap:
 
     def global_batch(self, args: Sequence[str], world_size: int) -> int | None:
         """micro x accumulation x world size from the script's own arguments, when both are given."""
-        micro = _value_of(args, self.micro_batch)
-        accumulation = _value_of(args, self.accumulation)
+        options, _ = _split_options(args)
+        micro = _value_of(options, self.micro_batch)
+        accumulation = _value_of(options, self.accumulation)
         if micro is None or accumulation is None:
             return None
         return micro * accumulation * world_size
@@ -159,6 +168,13 @@ def _split(entry: str) -> tuple[str, str, str | None]:
         raise InvalidSetting(f"--map {entry!r}: the value after {flag}= is empty; write e.g. "
                              f"--map {key}={flag}=true, or --map {key}={flag} for a plain switch")
     return key, flag, value if has_value else None
+
+
+def _split_options(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the arguments before the first bare `--`, the `--` and everything after it)."""
+    args = list(args)
+    end = args.index("--") if "--" in args else len(args)
+    return args[:end], args[end:]
 
 
 def _without(args: Sequence[str], flag: str, *, takes_value: bool) -> list[str]:

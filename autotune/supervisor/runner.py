@@ -14,6 +14,8 @@ Either way the real run's optimizer steps are timed whole (`measure.py`), and it
 set beside the plan's claim (`claims.py`) and stored on the cached plan.
 
 Every job runs in a process group of its own (`process.py`); SIGINT and SIGTERM are forwarded to it.
+The supervisor opens the plan cache once, when it first needs it, and closes it when the run ends
+(`script_cache.RunCache`).
 `run` returns a `RunResult` whose `exit_code` follows DESIGN.md: 0 success, the script's own code for a
 failure that is not about memory (never retried), 3 when nothing fits or the restarts are spent,
 5 when the job ran but nothing was tuned (no `fit`, no `--map`), 128 + signal when interrupted, and 124 when a zero-change trial outlived --trial-timeout. Settings
@@ -44,7 +46,7 @@ from ..techniques import parse_techniques
 from .verdict import Verdict, classify
 from . import claims
 from .flags import FlagMap, preset_maps
-from .script_cache import ScriptCache, open_store, script_parts
+from .script_cache import RunCache, ScriptCache, script_parts
 from .zero_change import ScriptTrials, ScriptTuner, TrialFailed, compile_searched, resolve_target, script_rungs
 
 log = logging.getLogger(__name__)
@@ -155,12 +157,12 @@ def run(options: RunOptions, on_plan: Callable[[Plan], None] | None = None) -> R
         InvalidSetting: a setting is wrong. NoFeasiblePlan: nothing fits. DeviceError: no usable GPU.
     """
     forwarder = SignalForwarder()
-    with forwarder.installed():
+    with forwarder.installed(), RunCache(options.cache) as cache:
         launcher = Launcher(options=options, forwarder=forwarder)
         try:
             if options.zero_change:
-                return _zero_change(options, launcher, on_plan)
-            return _cooperative(options, launcher)
+                return _zero_change(options, launcher, cache, on_plan)
+            return _cooperative(options, launcher, cache)
         except Interrupted as exc:  # the plan in force goes with it: `--json` still prints what was tuned
             return RunResult(exit_code=128 + exc.signum, plan=launcher.plan,
                              message=f"interrupted by {signal.Signals(exc.signum).name}; the job was stopped")
@@ -247,7 +249,7 @@ def _cooperative_env(opts: RunOptions) -> dict[str, str]:
     return env
 
 
-def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
+def _cooperative(opts: RunOptions, launcher: Launcher, cache: RunCache) -> RunResult:
     base = _cooperative_env(opts)
     attempts: list[Attempt] = []
     cap: int | None = None
@@ -266,7 +268,7 @@ def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
             return _nothing_tuned(opts, verdict, attempts)
         if verdict.kind != "oom":
             if verdict.plan is not None:
-                plan = _record_run(opts, claims.judge(verdict.plan, verdict.records))
+                plan = _record_run(cache, claims.judge(verdict.plan, verdict.records))
             return _finish(verdict, plan, attempts)
         failed = verdict.plan
         if failed is None:
@@ -274,7 +276,7 @@ def _cooperative(opts: RunOptions, launcher: Launcher) -> RunResult:
                 f"the script ran out of memory ({verdict.note}) before autotune.fit reported a plan, so autotune "
                 "cannot choose a smaller one. If the script takes its batch size as flags, run it in zero-change "
                 "mode: --map micro_batch=FLAG --map accumulation=FLAG."))
-        _record_failure(opts, failed, verdict.note, number)
+        _record_failure(cache, failed, verdict.note, number)
         cap = failed.micro_batch_size - 1
         if cap < 1:
             return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
@@ -296,9 +298,9 @@ def _warn_if_ranks_alone(opts: RunOptions, plan: Plan | None) -> None:
                     "autotune.fit, or drop --nproc-per-node", opts.world_size, plan.global_batch_size)
 
 
-def _record_failure(opts: RunOptions, plan: Plan, note: str, number: int) -> None:
+def _record_failure(cache: RunCache, plan: Plan, note: str, number: int) -> None:
     """Mark `plan` unsafe in the cache so the next `fit` returns a smaller one; never fails the run."""
-    store = open_store(opts.cache) if plan.key else None
+    store = cache.store() if plan.key else None
     if store is None:
         return
     store.mark_unsafe(plan.key, micro_batch_size=plan.micro_batch_size,
@@ -306,9 +308,9 @@ def _record_failure(opts: RunOptions, plan: Plan, note: str, number: int) -> Non
     log.info("recorded the OOM against plan %s in the cache", plan.key[:12])
 
 
-def _record_run(opts: RunOptions, plan: Plan) -> Plan:
+def _record_run(cache: RunCache, plan: Plan) -> Plan:
     """Store what the run measured on `fit`'s cached plan (`autotune cache show` lists it); returns `plan`."""
-    store = open_store(opts.cache) if plan.key and plan.measured_samples_per_second is not None else None
+    store = cache.store() if plan.key and plan.measured_samples_per_second is not None else None
     if store is not None:
         store.replace(plan.key, plan)
     return plan
@@ -316,8 +318,9 @@ def _record_run(opts: RunOptions, plan: Plan) -> Plan:
 
 # -- zero-change mode -----------------------------------------------------------------------------------
 
-def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan], None] | None) -> RunResult:
-    tuner, cache = _tuner(opts, launcher)
+def _zero_change(opts: RunOptions, launcher: Launcher, run_cache: RunCache,
+                 on_plan: Callable[[Plan], None] | None) -> RunResult:
+    tuner, cache = _tuner(opts, launcher, run_cache)
     plan = cache.first_plan(tuner, retune=opts.retune)
     if on_plan is not None:
         on_plan(plan)
@@ -352,7 +355,7 @@ def _zero_change(opts: RunOptions, launcher: Launcher, on_plan: Callable[[Plan],
     return _spent(opts, plan, attempts)
 
 
-def _tuner(opts: RunOptions, launcher: Launcher) -> tuple[ScriptTuner, ScriptCache]:
+def _tuner(opts: RunOptions, launcher: Launcher, cache: RunCache) -> tuple[ScriptTuner, ScriptCache]:
     flags = FlagMap.parse(opts.maps, opts.preset)
     world = opts.world_size
     global_batch = opts.global_batch_size or flags.global_batch(opts.script_args, world)
@@ -387,7 +390,7 @@ def _tuner(opts: RunOptions, launcher: Launcher) -> tuple[ScriptTuner, ScriptCac
                          world_size=world, device_kind=target.kind, device_name=target.name,
                          total_bytes=target.total_bytes, budget_bytes=target.budget_bytes, margin=margin,
                          techniques=allowed)
-    return tuner, ScriptCache(open_store(opts.cache), parts)
+    return tuner, ScriptCache(cache.store(), parts)
 
 
 # -- endings --------------------------------------------------------------------------------------------

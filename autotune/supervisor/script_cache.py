@@ -76,6 +76,37 @@ def open_store(setting: str | None) -> Any:
         return None
 
 
+class RunCache:
+    """The plan cache of one `autotune run`: opened on first use, once, and closed when the run ends.
+
+    One connection for the whole run, closed at its end: a connection per record, left for the garbage
+    collector, would pile up open files while the jobs' own connections come and go.
+    """
+
+    def __init__(self, setting: str | None) -> None:
+        self.setting = setting
+        self._store: Any = None
+        self._opened = False
+
+    def __enter__(self) -> RunCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def store(self) -> Any:
+        """The open `PlanCache`, or None when the cache is off or unavailable (said once, by `open_store`)."""
+        if not self._opened:
+            self._store, self._opened = open_store(self.setting), True
+        return self._store
+
+    def close(self) -> None:
+        """Close the connection; a later `store()` opens none (the run is over)."""
+        if self._store is not None:
+            self._store.close()
+        self._store, self._opened = None, True
+
+
 class ScriptCache:
     """One zero-change workload's entry in the plan cache; every method carries on quietly without a cache."""
 
