@@ -1,0 +1,91 @@
+"""Checkpoints under the optimizer state partitioned over two gloo ranks: each rank keeps the masters and
+moments of its own runs of parameters, so `model.state_dict()` and `optimizer.state_dict()` gather the other
+rank's (a collective every rank calls, as with FSDP's state dicts); rank 0 saves them. Two new ranks load the
+checkpoint before or after `plan.apply` and resume to the bitwise result of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+CASES = {"partitioned": None, "partitioned-none-on-host": 0.0}  # name -> plan.offload_fraction
+MODES = ("load-before-apply", "load-after-apply")
+TIMEOUT_S = 240
+
+
+def _plan(case: str, world: int):
+    from test_checkpoint_resume import N, plan_for
+
+    plan = plan_for("optimizer-offload")
+    return dataclasses.replace(plan, world_size=world, global_batch_size=N * world, offload_fraction=CASES[case])
+
+
+def _run(case: str, rank: int, world: int, folder: str, mode: str) -> dict:
+    """`whole`: train, checkpoint at SAVED_AT (rank 0 saves); else resume from it. Saves the final weights."""
+    import torch.distributed as dist
+    from test_checkpoint_resume import SAVED_AT, STEPS, Net, adamw, batch
+    from autotune.training.step import TrainingStep
+
+    ckpt = os.path.join(folder, f"{case}.pt")
+    torch.manual_seed(0 if mode == "whole" else 1)  # a resumed model starts from other weights
+    model = Net()
+    opt = adamw(model)
+    if mode == "load-before-apply":
+        saved = torch.load(ckpt)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    step = TrainingStep(_plan(case, world), model, opt)
+    host = step.optimizer
+    if mode == "load-after-apply":
+        saved = torch.load(ckpt)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    dtypes: list[str] = []
+    for k in range(0 if mode == "whole" else SAVED_AT, STEPS):
+        if mode == "whole" and k == SAVED_AT:
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict()}  # every rank: collectives
+            dtypes = sorted({str(v.dtype) for v in state["model"].values()})
+            if rank == 0:
+                torch.save(state, ckpt)
+            dist.barrier()
+        step(batch(k + 10 * rank))  # each rank its own share of the global batch
+    partitioned = bool(host.foreign)
+    step.close()
+    torch.save(model.state_dict(), os.path.join(folder, f"{case}.{mode}.rank{rank}.pt"))
+    return {"partitioned": partitioned, "dtypes": dtypes}
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, folder: str, mode: str) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ranks import run_scenarios
+
+    run_scenarios(rank, world, init_file, out_dir, tuple(CASES), lambda case, r, w: _run(case, r, w, folder, mode))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from ranks import spawn
+
+    folder = str(tmp_path_factory.mktemp("ranks"))
+    return {"folder": folder, **{mode: spawn(_rank_main, 2, TIMEOUT_S, folder, mode) for mode in ("whole", *MODES)}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_partitioned_state_resumes_bitwise_on_two_ranks(runs, case, mode):
+    for phase in ("whole", mode):
+        for rank, result in enumerate(runs[phase]):
+            assert result[case]["ok"], f"{phase}, rank {rank}:\n{result[case].get('error')}"
+    assert all(r[case]["partitioned"] for r in runs["whole"])  # each rank stepped only its runs
+    assert runs["whole"][0][case]["dtypes"] == ["torch.float32"]  # the other rank's masters, not 16-bit copies
+    for rank in range(2):
+        want = torch.load(os.path.join(runs["folder"], f"{case}.whole.rank{rank}.pt"))
+        got = torch.load(os.path.join(runs["folder"], f"{case}.{mode}.rank{rank}.pt"))
+        differ = [k for k in want if not torch.equal(want[k], got[k])]
+        assert not differ, f"rank {rank}: {len(differ)} of {len(want)} tensors differ, e.g. {differ[:3]}"
