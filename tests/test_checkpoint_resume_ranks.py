@@ -1,7 +1,9 @@
 """Checkpoints under the optimizer state partitioned over two gloo ranks: each rank keeps the masters and
 moments of its own runs of parameters, so `model.state_dict()` and `optimizer.state_dict()` gather the other
-rank's (a collective every rank calls, as with FSDP's state dicts); rank 0 saves them. Two new ranks load the
-checkpoint before or after `plan.apply` and resume to the bitwise result of the uninterrupted run.
+rank's (a collective every rank calls, as with FSDP's state dicts); rank 0 saves them. FSDP2-sharded models, with
+and without optimizer offload, save and load through torch's distributed checkpoint API (`get_state_dict` /
+`set_state_dict`, full state dicts). Two new ranks load the checkpoint before or after `plan.apply` and resume
+to the bitwise result of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import os
 import pytest
 import torch
 
-CASES = {"partitioned": None, "partitioned-none-on-host": 0.0}  # name -> plan.offload_fraction
+# name -> plan.offload_fraction; "fsdp2" cases shard the model and save through torch's distributed checkpoint API
+CASES = {"partitioned": None, "partitioned-none-on-host": 0.0, "fsdp2-offload": None, "fsdp2-bf16": None}
 MODES = ("load-before-apply", "load-after-apply")
 TIMEOUT_S = 240
 
@@ -20,7 +23,7 @@ TIMEOUT_S = 240
 def _plan(case: str, world: int):
     from test_checkpoint_resume import N, plan_for
 
-    plan = plan_for("optimizer-offload")
+    plan = plan_for("bf16" if case == "fsdp2-bf16" else "optimizer-offload")
     return dataclasses.replace(plan, world_size=world, global_batch_size=N * world, offload_fraction=CASES[case])
 
 
@@ -30,33 +33,59 @@ def _run(case: str, rank: int, world: int, folder: str, mode: str) -> dict:
     from test_checkpoint_resume import SAVED_AT, STEPS, Net, adamw, batch
     from autotune.training.step import TrainingStep
 
+    from autotune.techniques.sharding import shard
+
     ckpt = os.path.join(folder, f"{case}.pt")
+    fsdp = case.startswith("fsdp2")
     torch.manual_seed(0 if mode == "whole" else 1)  # a resumed model starts from other weights
-    model = Net()
+    model = shard(Net()) if fsdp else Net()
     opt = adamw(model)
+    save, load = (_dcp_save, _dcp_load) if fsdp else (_save, _load)
     if mode == "load-before-apply":
-        saved = torch.load(ckpt)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
+        load(model, opt, torch.load(ckpt))
     step = TrainingStep(_plan(case, world), model, opt)
     host = step.optimizer
     if mode == "load-after-apply":
-        saved = torch.load(ckpt)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
+        load(model, opt, torch.load(ckpt))
     dtypes: list[str] = []
     for k in range(0 if mode == "whole" else SAVED_AT, STEPS):
         if mode == "whole" and k == SAVED_AT:
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict()}  # every rank: collectives
+            state = save(model, opt)  # every rank: collectives
             dtypes = sorted({str(v.dtype) for v in state["model"].values()})
             if rank == 0:
                 torch.save(state, ckpt)
             dist.barrier()
         step(batch(k + 10 * rank))  # each rank its own share of the global batch
-    partitioned = bool(host.foreign)
+    partitioned = bool(getattr(host, "foreign", None)) or fsdp
     step.close()
-    torch.save(model.state_dict(), os.path.join(folder, f"{case}.{mode}.rank{rank}.pt"))
+    final = _dcp_save(model, opt)["model"] if fsdp else model.state_dict()
+    torch.save(final, os.path.join(folder, f"{case}.{mode}.rank{rank}.pt"))
     return {"partitioned": partitioned, "dtypes": dtypes}
+
+
+def _save(model, opt) -> dict:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def _load(model, opt, saved: dict) -> None:
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+
+
+def _dcp_save(model, opt) -> dict:
+    """Full (unsharded) state dicts through torch's distributed checkpoint API, as FSDP2 users save them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(model, opt, options=options)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _dcp_load(model, opt, saved: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str, folder: str, mode: str) -> None:
@@ -65,7 +94,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, folder: str,
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ranks import run_scenarios
 
-    run_scenarios(rank, world, init_file, out_dir, tuple(CASES), lambda case, r, w: _run(case, r, w, folder, mode))
+    cases = tuple(c for c in CASES if mode == "whole" or (c, mode) in PAIRS)
+    run_scenarios(rank, world, init_file, out_dir, cases, lambda case, r, w: _run(case, r, w, folder, mode))
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +106,18 @@ def runs(tmp_path_factory) -> dict:
     return {"folder": folder, **{mode: spawn(_rank_main, 2, TIMEOUT_S, folder, mode) for mode in ("whole", *MODES)}}
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", list(CASES))
+# torch's distributed checkpoint API loads a full optimizer state only into an optimizer whose state exists
+# (it reads the local layout first); under optimizer offload that is after the first step, so an FSDP2 user
+# loads it before `plan.apply` (or after a step), as the README says.
+PAIRS = [(case, mode) for case in CASES for mode in MODES if (case, mode) != ("fsdp2-offload", "load-after-apply")]
+
+
+@pytest.mark.parametrize(("case", "mode"), PAIRS)
 def test_partitioned_state_resumes_bitwise_on_two_ranks(runs, case, mode):
     for phase in ("whole", mode):
         for rank, result in enumerate(runs[phase]):
             assert result[case]["ok"], f"{phase}, rank {rank}:\n{result[case].get('error')}"
-    assert all(r[case]["partitioned"] for r in runs["whole"])  # each rank stepped only its runs
+    assert all(r[case]["partitioned"] for r in runs["whole"])  # each rank stepped (or held) only its part
     assert runs["whole"][0][case]["dtypes"] == ["torch.float32"]  # the other rank's masters, not 16-bit copies
     for rank in range(2):
         want = torch.load(os.path.join(runs["folder"], f"{case}.whole.rank{rank}.pt"))

@@ -599,7 +599,7 @@ class HostOptimizer:
         if self.partition is None or (self.optimizer is None and self.device_optimizer is None):  # restored
             return
         states = {i: opt.state[key] for i, (opt, key) in zip(self.spec.order(), self.owners())
-                  if opt is not self.gathered and key in opt.state}
+                  if opt is not self.gathered and opt.state.get(key)}
         self.partition.gather_state(states, self.params, self.gathered)
 
     def state_dict(self) -> dict[str, Any]:
@@ -607,7 +607,7 @@ class HostOptimizer:
         rank, so every rank must call it)."""
         self.gather()
         sd = (self.optimizer or self.device_optimizer).state_dict()
-        sd["state"] = {k: opt.state[key] for k, (opt, key) in enumerate(self.owners()) if key in opt.state}
+        sd["state"] = {k: opt.state[key] for k, (opt, key) in enumerate(self.owners()) if opt.state.get(key)}
         return sd
 
     def load_user_state(self, state_dict: dict[str, Any]) -> None:

@@ -50,11 +50,22 @@ class OffloadLink:
                     self.pairs.append((index, p, *owners[len(self.pairs)]))
                 index += 1
         user.state.clear()  # apply_rung copied it to the host; dropping it frees the device memory
+        self.mirror()
         self._incoming: dict[Any, Any] = {}  # a loaded state dict's state, taken before torch casts it
         self.handles = [user.register_step_pre_hook(self._refuse_step),
                         user.register_state_dict_post_hook(self._state_dict),
                         user.register_load_state_dict_pre_hook(self._loading),
                         user.register_load_state_dict_post_hook(self._loaded)]
+
+    def mirror(self) -> None:
+        """The user's `optimizer.state` holds the host state itself (the same dicts, no copy): what it reports
+        is what trains, and code that reads it to see whether the state exists (torch's distributed checkpoint
+        API steps an optimizer whose state is empty to build one, which the offload refuses) sees that it does. Called after each step and
+        each load, which may create or replace the host's entries."""
+        self.user.state.clear()
+        for _, p, opt, key in self.pairs:
+            if isinstance(opt, torch.optim.Optimizer):  # not another rank's, gathered only for a state dict
+                self.user.state[p] = opt.state[key]  # (a defaultdict: an empty entry until the first step fills it)
 
     def sync_hyperparameters(self) -> None:
         """Copy lr, betas, weight decay... from the user's groups (an LR scheduler writes there)."""
@@ -107,7 +118,7 @@ class OffloadLink:
     def _state_dict(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self.host is not None:
             self.host.gather()  # partitioned over ranks: the other ranks' state (a collective)
-        state_dict["state"] = {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if key in opt.state}
+        state_dict["state"] = {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if opt.state.get(key)}
         return state_dict
 
     def _loading(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +136,7 @@ class OffloadLink:
         state = {k: incoming[index] for k, (index, _, _, _) in enumerate(self.pairs) if index in incoming}
         if self.host is not None:
             self.host.load_user_state({"state": state})
-        self.user.state.clear()
+        self.mirror()
         self.sync_hyperparameters()
 
 

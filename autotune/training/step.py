@@ -408,6 +408,8 @@ class TrainingStep:
             self._link.sync_hyperparameters()
         try:
             self._applied.optimizer_step()
+            if self._link is not None:
+                self._link.mirror()  # the first step creates the host state the user's optimizer shows
         except Exception as exc:
             if is_oom(exc):
                 # Not retried: the micro-batch does not change the optimizer's memory, and a step that died
