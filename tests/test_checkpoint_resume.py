@@ -35,6 +35,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     "optimizer-offload-serial": (dict(precision="bf16", offload="optimizer", offload_overlap=False), {}),
     "optimizer-offload-partial": (dict(precision="bf16", offload="optimizer", offload_fraction=0.5), {}),
     "optimizer-offload-streamed": (dict(precision="bf16", offload="optimizer"), {"AUTOTUNE_OFFLOAD_STREAM": "1"}),
+    "optimizer-8bit": (dict(precision="bf16", optimizer_8bit=True), {}),  # torchao's AdamW8bit in the user's place
 }
 MODES = ("load-before-apply", "load-after-apply")
 
@@ -53,7 +54,7 @@ class Block(nn.Module):
 class Net(nn.Module):
     """`model(x, y)`: mean squared error; x (B, T, 3), y (B, T). FP32, so optimizer offload has masters to keep."""
 
-    def __init__(self, width: int = 16, depth: int = 3) -> None:
+    def __init__(self, width: int = 64, depth: int = 3) -> None:  # (64, 192) weights: 8-bit state in torchao
         super().__init__()
         self.inp = nn.Linear(3, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
@@ -129,7 +130,7 @@ def resume(case: str, mode: str, path: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(1)
         model = Net()
         opt = adamw(model)
-        checkpoint = torch.load(path)
+        checkpoint = torch.load(path, weights_only=False)  # our own file; torchao's 8-bit state is a tensor subclass
         if mode == "load-before-apply":
             model.load_state_dict(checkpoint["model"])
             opt.load_state_dict(checkpoint["optimizer"])
@@ -184,10 +185,15 @@ def test_a_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, case, m
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_checkpoint_holds_fp32_weights_and_state(runs, case):
-    checkpoint = torch.load(os.path.join(runs["folder"], f"{case}.pt"))
+    checkpoint = torch.load(os.path.join(runs["folder"], f"{case}.pt"), weights_only=False)
     assert {v.dtype for v in checkpoint["model"].values()} == {torch.float32}
     state = checkpoint["optimizer"]["state"]
-    assert state and all(s["exp_avg_sq"].dtype == torch.float32 for s in state.values())
+    assert state and len(state) == len(checkpoint["model"])  # every parameter's, none lost
+    if case == "optimizer-8bit":  # the 8-bit optimizer's own state: block-quantized where a weight is large
+        assert any(type(s["exp_avg"]).__name__ == "OptimState8bit" for s in state.values())
+    else:
+        assert all(s["exp_avg_sq"].dtype == torch.float32 and type(s["exp_avg_sq"]) is torch.Tensor
+                   for s in state.values())
 
 
 def test_the_checkpoint_under_optimizer_offload_is_the_masters_not_the_16_bit_copies():

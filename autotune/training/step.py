@@ -52,6 +52,7 @@ from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_pois
 from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
 from . import clipping
 from .buffers import BufferGuard
+from .eight_bit_link import EightBitLink
 from .model_link import ModelLink
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
@@ -174,6 +175,7 @@ class TrainingStep:
         self._device_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self._link: OffloadLink | None = None
         self._model_link: ModelLink | None = None
+        self._eight_link: EightBitLink | None = None
         self._eight_bit: Any = None  # the 8-bit optimizer of an 8-bit plan (techniques.optimizer_8bit)
         self._grow_cap = plan.micro_batch_size  # growing back never goes past what the tuning chose
         self._grow_wait = grow_after or 0
@@ -546,6 +548,8 @@ class TrainingStep:
                              offload_fraction=fraction, overlap=self.plan.offload_overlap if planned else None)
         if rung.optimizer_8bit:
             self._eight_bit = applied.optimizer  # its 8-bit state carries across rungs (recovery)
+            if self._device_optimizer is not None and self._device_optimizer is not applied.optimizer:
+                self._eight_link = EightBitLink(self._device_optimizer, applied.optimizer)
         elif isinstance(applied.optimizer, HostOptimizer):
             applied.optimizer.gather_on_restore = True  # partitioned over ranks: close() gathers weights and state
             self._model_link = ModelLink(self.model, applied.optimizer)
@@ -558,6 +562,9 @@ class TrainingStep:
     def _teardown(self) -> None:
         link, self._link = self._link, None
         model_link, self._model_link = self._model_link, None
+        eight_link, self._eight_link = self._eight_link, None
+        if eight_link is not None:
+            eight_link.close()
         if model_link is not None:
             model_link.close()  # before the weights come back: the parameters are the truth again
         self._applied.remove()  # under optimizer offload: FP32 weights back on the device
