@@ -92,6 +92,20 @@ def test_an_unknown_users_home_in_autotune_cache_trains_without_the_cache_and_wa
     assert list(tmp_path.iterdir()) == []  # no directory named "~user" made here
 
 
+def test_an_unknown_users_home_in_autotune_team_dir_trains_without_the_team_directory_and_warns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = _no_such_home()
+    monkeypatch.setenv("AUTOTUNE_TEAM_DIR", f"{home}/x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(CacheWarning) as caught:
+        plan = _fit(cache=tmp_path / "plans.db")
+    assert plan.source == "tuned" and plan.trials
+    assert [str(w.message) for w in caught] == [
+        f"team directory {home}/x ($AUTOTUNE_TEAM_DIR) skipped: no home directory is known for {home}"]
+    assert (tmp_path / "plans.db").exists()  # the local cache still works
+    assert not any(p.name.startswith("~") for p in tmp_path.iterdir())
+
+
 # -- the command line --------------------------------------------------------------------------------------
 
 def _one_line_usage_error(args: list[str]) -> str:
@@ -153,4 +167,21 @@ def test_run_prints_a_cache_warning_as_one_plain_line(tmp_path: Path, monkeypatc
                       "cannot be written here. Set AUTOTUNE_CACHE to a writable path, or pass cache=False; to share "
                       "plans read-only, use AUTOTUNE_TEAM_DIR instead."], result.stderr
     assert "CacheWarning" not in result.stderr and "warnings.warn" not in result.stderr
+    assert not any(p.name.startswith("~") for p in tmp_path.iterdir())
+
+
+def test_run_prints_the_jobs_cache_warning_as_one_plain_line(tmp_path: Path) -> None:
+    """Cooperative mode: `fit` opens the cache inside the job's own process, and warns there."""
+    home = _no_such_home()
+    env = {**os.environ, "AUTOTUNE_CACHE": f"{home}/x.db", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "autotune", "run", "--device", "cpu", "--budget", "64MiB",
+                           "--trial-steps", "1", str(ROOT / "tests" / "scripts" / "cooperative_fit.py"),
+                           str(tmp_path / "launches")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stderr.splitlines() if "x.db" in line]
+    assert warned == [f"autotune: warning: plan cache {home}/x.db (no home directory is known for {home}): it "
+                      "cannot be written here. Set AUTOTUNE_CACHE to a writable path, or pass cache=False; to share "
+                      "plans read-only, use AUTOTUNE_TEAM_DIR instead."], done.stderr
+    assert "CacheWarning" not in done.stderr and "warnings.warn" not in done.stderr and "PlanCache(" not in done.stderr
     assert not any(p.name.startswith("~") for p in tmp_path.iterdir())

@@ -8,8 +8,10 @@ precision or technique its key does not allow, a date in the future, terminal es
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,14 @@ from click.testing import CliRunner
 
 import autotune
 from autotune.cache.key import plan_key
-from autotune.cache.rows import PlanRow
+from autotune.cache.rows import NothingFits, PlanRow
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 
 SMALL = "1MiB"  # the tiny GPT fits at micro-batch 4 in FP32 here, not at 8
 ESCAPES = "\x1b[2J\x1b]0;owned\x07"  # clear the screen, retitle the terminal, bell
 YEAR = 365 * 24 * 3600.0
+YEAR_3000 = 32503680000.0  # 3000-01-01 in seconds since the epoch
 
 
 def fit(cache: Path | PlanCache, **settings: Any) -> autotune.Plan:
@@ -182,6 +185,37 @@ def test_an_imported_row_dated_in_the_future_is_clamped_and_replaced_by_a_retune
     assert plan.source == "tuned"
     (entry,) = PlanCache(tmp_path / "bob.db").entries()
     assert entry.origin == "tuned", "the retuned plan replaced the imported one"
+
+
+def dated(path: Path, table: str, column: str, when: float) -> None:
+    """Set every row's date in `table` of the cache file at `path`, as an import that kept its file's dates did."""
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute(f"UPDATE {table} SET {column} = ?", (when,))
+
+
+def test_a_stored_plan_dated_in_the_future_is_replaced_by_a_retune(alice: dict, tmp_path: Path) -> None:
+    path = tmp_path / "alice.jsonl"
+    path.write_text(json.dumps(alice) + "\n")
+    with PlanCache(tmp_path / "bob.db") as bob:
+        assert bob.import_(path).accepted == (alice["key"],)
+    dated(tmp_path / "bob.db", "plans", "updated", YEAR_3000)
+    plan = bob_fits(tmp_path, retune=True)
+    assert plan.source == "tuned"
+    (entry,) = PlanCache(tmp_path / "bob.db").entries()
+    assert entry.origin == "tuned" and entry.updated <= time.time(), "the retuned plan replaced the stored one"
+
+
+def test_a_stored_refusal_dated_in_the_future_is_replaced_by_a_newer_import(tmp_path: Path) -> None:
+    _, parts = sample(0)
+    with PlanCache(tmp_path / "bob.db") as bob:
+        key = bob.record_nothing_fits(parts, "an old search")
+    dated(tmp_path / "bob.db", "nothing_fits", "time", YEAR_3000)
+    path = tmp_path / "refusal.jsonl"
+    path.write_text(NothingFits(key=key, parts=parts, message="a new search", time=time.time()).to_json() + "\n")
+    with PlanCache(tmp_path / "bob.db") as bob:
+        assert bob.import_(path).nothing_fits == (key,)
+        record = bob.nothing_fits(key)
+    assert record is not None and record.message == "a new search" and record.origin == "import:refusal.jsonl"
 
 
 def test_escapes_in_a_team_row_are_escaped_in_the_served_plan(

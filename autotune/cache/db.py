@@ -47,6 +47,7 @@ SCHEMA_VERSION = 3  # 2: the nothing_fits table; 3: its origin column
 APPLICATION_ID = 0x41545043  # "ATPC" in the SQLite header: this file is an autotune plan cache
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 FULL_BELOW_BYTES = 2**20  # an I/O error with less free space than this on the cache's file system is "full"
+CLOCK_SKEW = 60.0  # seconds a stored date may run ahead of this clock and still outrank a row written now
 CACHE_ENV = "AUTOTUNE_CACHE"
 TEAM_DIR_ENV = "AUTOTUNE_TEAM_DIR"
 # SQLite's locking is unreliable on these ("WAL does not work over a network filesystem"); fuse covers
@@ -281,7 +282,7 @@ INSERT INTO plans (key, parts, plan, origin, created, updated)
 VALUES (:key, :parts, :plan, :origin, :now, :updated)
 ON CONFLICT(key) DO UPDATE SET parts = excluded.parts, plan = excluded.plan, origin = excluded.origin,
     updated = excluded.updated
-WHERE excluded.updated >= plans.updated
+WHERE excluded.updated >= plans.updated OR plans.updated > :latest
 """
 _INSERT_FAILURE = """
 INSERT OR IGNORE INTO failures (key, micro_batch_size, shapes, note, time)
@@ -290,10 +291,12 @@ VALUES (:key, :micro_batch_size, :shapes, :note, :time)
 
 
 def upsert(db: Database, row: PlanRow, origin: str) -> None:
-    """Insert or replace a plan in one statement; an older row never overwrites a newer one (`updated`)."""
+    """Insert or replace a plan in one statement; an older row never overwrites a newer one (`updated`), and a
+    stored row dated in the future (a clock set wrong, a date written unclamped) counts as older than any."""
+    now = time.time()
     db.execute(_UPSERT_PLAN, {"key": row.key, "parts": json.dumps(row.parts, sort_keys=True),
                               "plan": json.dumps(row.plan.to_dict()), "origin": origin,
-                              "now": max(time.time(), row.updated), "updated": row.updated})
+                              "now": max(now, row.updated), "updated": row.updated, "latest": now + CLOCK_SKEW})
 
 
 def replace_plan(db: Database, key: str, plan: Plan) -> int:
@@ -316,7 +319,8 @@ def import_rows(db: Database, plans: Iterable[PlanRow], refusals: Iterable[Nothi
             upsert(db, row, origin)
             insert_failures(db, row.key, row.failures)
         for refusal in refusals:
-            db.execute(_IMPORT_NOTHING_FITS, _nothing_fits_params(refusal, origin))
+            db.execute(_IMPORT_NOTHING_FITS, {**_nothing_fits_params(refusal, origin),
+                                              "latest": time.time() + CLOCK_SKEW})
     return True
 
 
@@ -324,13 +328,13 @@ def import_rows(db: Database, plans: Iterable[PlanRow], refusals: Iterable[Nothi
 # record of its own. A plan is a configuration measured to fit, which beats a search that found none (a
 # refusal would also hide it once an OOM in training marks the plan unsafe: the next search must then run,
 # bounded below that OOM, not be refused). Between two refusals the newer one is kept: both say the same,
-# and the newer message and trials describe the latest search.
+# and the newer message and trials describe the latest search; a stored one dated in the future is older.
 _IMPORT_NOTHING_FITS = """
 INSERT INTO nothing_fits (key, parts, message, trials, time, origin)
 SELECT :key, :parts, :message, :trials, :time, :origin WHERE NOT EXISTS (SELECT 1 FROM plans WHERE key = :key)
 ON CONFLICT(key) DO UPDATE SET parts = excluded.parts, message = excluded.message, trials = excluded.trials,
     time = excluded.time, origin = excluded.origin
-WHERE excluded.time > nothing_fits.time
+WHERE excluded.time > nothing_fits.time OR nothing_fits.time > :latest
 """
 
 
@@ -583,6 +587,20 @@ def move_aside(path: Path) -> Path | None:
     except OSError as exc:
         log.debug("plan cache: could not move %s aside: %s", path, exc)
         return None
+
+
+def expanded(path: str | os.PathLike[str]) -> Path:
+    """`path` with a leading `~` or `~user` expanded; as given when that home directory is unknown (the cache
+    then runs without that file or team directory, see `unknown_home`)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # pathlib's answer for an unknown user, or no $HOME
+        return Path(path)
+
+
+def unknown_home(path: Path) -> str | None:
+    """The `~user` part of a path `expanded` could not expand, else None."""
+    return path.parts[0] if path.parts and path.parts[0].startswith("~") else None
 
 
 def filesystem_type(path: str | os.PathLike[str], mounts: Iterable[tuple[str, str]] | None = None) -> str:

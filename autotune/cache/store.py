@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, TextIO, TypeVar
 from sqlite_utils import Database
 
 from . import db as cache_db
-from .db import CACHE_ENV, TEAM_DIR_ENV, filesystem_type, is_network_filesystem
+from .db import CACHE_ENV, TEAM_DIR_ENV, expanded, filesystem_type, is_network_filesystem, unknown_home
 from .key import check_parts, key_parts, plan_key
 from .rows import (CacheEntry, Failure, NothingFits, PlanRow, check_plan_matches, parse_row, printable, read_rows,
                    write_rows)
@@ -84,20 +84,6 @@ def default_path() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # XDG: relative values are ignored
     return base / "autotune" / "plans.db"
-
-
-def expanded(path: str | os.PathLike[str]) -> Path:
-    """`path` with a leading `~` or `~user` expanded; as given when that home directory is unknown (the cache
-    then runs without its file, see `unknown_home`)."""
-    try:
-        return Path(path).expanduser()
-    except RuntimeError:  # pathlib's answer for an unknown user, or no $HOME
-        return Path(path)
-
-
-def unknown_home(path: Path) -> str | None:
-    """The `~user` part of a path `expanded` could not expand, else None."""
-    return path.parts[0] if path.parts and path.parts[0].startswith("~") else None
 
 
 def open_cache(setting: Any) -> PlanCache | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from .db import expanded, unknown_home
 from .rows import TEAM_FILE_GLOB, NothingFits, PlanRow, read_rows
 
 
@@ -21,7 +22,7 @@ class TeamDir:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path).expanduser()
+        self.path = expanded(path)
         self.problems: list[str] = []  # one line per unreadable file or file with rejected rows
         self._rows: dict[str, PlanRow] | None = None
         self._nothing_fits: dict[str, NothingFits] = {}
@@ -52,6 +53,11 @@ class TeamDir:
 
     def _load(self) -> dict[str, PlanRow]:
         merged: dict[str, PlanRow] = {}
+        home = unknown_home(self.path)
+        if home is not None:  # never a directory literally named "~user" in the working directory
+            self.problems.append(f"team directory {self.path} ($AUTOTUNE_TEAM_DIR) skipped: no home directory is "
+                                 f"known for {home}")
+            return merged
         try:
             files = sorted(self.path.glob(TEAM_FILE_GLOB)) if self.path.is_dir() else None
         except OSError as exc:

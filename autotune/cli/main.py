@@ -6,14 +6,10 @@ Each command parses its options, makes one library call, and maps autotune's err
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-from typing import Any, TextIO
-
 import click
 
 from .. import __version__
-from ..cache.store import CacheWarning
+from ..supervisor.agent import plain_cache_warnings
 from .cache import cache
 from .doctor import doctor
 from .plot import plot
@@ -34,26 +30,6 @@ def main() -> None:
       autotune plot --output search.png         what the newest search tried, drawn
     """
     click.get_current_context().call_on_close(plain_cache_warnings())
-
-
-def plain_cache_warnings() -> Callable[[], None]:
-    """Show the plan cache's warnings as one "autotune: warning: ..." line on stderr, not in Python's warning
-    format with a source line; other warnings as before. Returns the function that puts the old display back.
-    """
-    before = warnings.showwarning
-
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: TextIO | None = None, line: str | None = None) -> None:
-        if issubclass(category, CacheWarning):
-            click.echo(f"autotune: warning: {message}", err=True)
-        else:
-            before(message, category, filename, lineno, file, line)
-
-    def restore(*_: Any) -> None:
-        warnings.showwarning = before
-
-    warnings.showwarning = show
-    return restore
 
 
 main.add_command(run)

@@ -28,9 +28,11 @@ import runpy
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TextIO
 
+from ..cache.store import CacheWarning
 from ..plan import Plan
 from .measure import PeakMeter, StepWatch, clock
 from ..sizes import format_bytes
@@ -196,6 +198,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m autotune.supervisor.bootstrap SCRIPT [ARGS...]")
     if os.environ.get(LOG_LEVEL_ENV):
         configure_logging(os.environ[LOG_LEVEL_ENV])
+    plain_cache_warnings()
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
@@ -277,6 +280,28 @@ def configure_logging(level: int | str) -> Callable[[], None]:
         logger.handlers[:], logger.propagate = before[0], before[2]
         logger.setLevel(before[1])
 
+    return restore
+
+
+def plain_cache_warnings() -> Callable[[], None]:
+    """Show the plan cache's warnings as one "autotune: warning: ..." line on stderr, not in Python's warning
+    format with a source line; other warnings as before. Returns the function that puts the old display back.
+
+    Used by the CLI and inside the jobs it starts, where `fit` opens the cache.
+    """
+    before = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        if issubclass(category, CacheWarning):
+            (file or sys.stderr).write(f"autotune: warning: {message}\n")
+        else:
+            before(message, category, filename, lineno, file, line)
+
+    def restore(*_: Any) -> None:
+        warnings.showwarning = before
+
+    warnings.showwarning = show
     return restore
 
 
