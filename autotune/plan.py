@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .workload.batching import split_sizes
+from .workload.batching import solve_accumulation
 from .sizes import format_bytes
 
 PLAN_FORMAT_VERSION = 2  # 2: compile, checkpointed blocks, offload fraction, sharding, FLOPs
@@ -235,9 +235,9 @@ class Plan:
             if not isinstance(self.techniques, (list, tuple)) or not all(isinstance(t, str) for t in self.techniques):
                 raise ValueError(f"Plan.techniques must be a list of technique names or None, got {self.techniques!r}")
             object.__setattr__(self, "techniques", tuple(self.techniques))  # a JSON list from the cache
-        sizes = split_sizes(per_rank, self.micro_batch_size, self.min_micro_batch_size)
+        split = solve_accumulation(per_rank, self.micro_batch_size, self.min_micro_batch_size)
         covered = (self.accumulation_steps - 1) * self.micro_batch_size + self.last_micro_batch_size
-        if (len(sizes), sizes[-1]) != (self.accumulation_steps, self.last_micro_batch_size):
+        if split != (self.accumulation_steps, self.last_micro_batch_size):
             raise ValueError(f"Plan covers {covered} samples per rank but the global batch needs {per_rank}: "
                              "micro_batch_size, accumulation_steps and last_micro_batch_size disagree")
         if not all(isinstance(t, Trial) for t in self.trials):
