@@ -1,0 +1,63 @@
+"""Host memory: what this process may use, and what it uses now.
+
+Plans that save the GPU spend the host (optimizer offload keeps FP32 masters, gradients and moments there;
+activation offload parks block inputs there; `fit` keeps a copy of the model to put back). The host is a
+budget beside the device's: `fit(host_memory_budget=...)`, by default what this process may use, which is the
+smaller of the machine's available memory and what its cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`)
+still allows, less a margin the page cache and the interpreter need.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+
+HOST_MARGIN = 0.10  # of the usable memory: the page cache, the allocator's slack, the interpreter's growth
+_CGROUP_V2 = Path("/sys/fs/cgroup")
+_CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number near 2**63
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value < _UNLIMITED else None
+
+
+def cgroup_room(root_v2: Path = _CGROUP_V2, root_v1: Path = _CGROUP_V1) -> int | None:
+    """Bytes this process's cgroup still allows (its limit less its usage), or None where no limit is set.
+
+    The roots are parameters so that tests can point them at a fake cgroup tree."""
+    limit, used = _read_int(root_v2 / "memory.max"), _read_int(root_v2 / "memory.current")
+    if limit is None:
+        limit, used = _read_int(root_v1 / "memory.limit_in_bytes"), _read_int(root_v1 / "memory.usage_in_bytes")
+    if limit is None:
+        return None
+    return max(0, limit - (used or 0))
+
+
+def available_bytes() -> int:
+    """Host memory this process could still allocate: the machine's available memory, capped by the cgroup."""
+    room = cgroup_room()
+    free = psutil.virtual_memory().available
+    return free if room is None else min(free, room)
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (pinned host memory is resident too)."""
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def default_budget() -> int:
+    """What a plan may add to this process's host memory by default: what is available, less `HOST_MARGIN`."""
+    return int(available_bytes() * (1 - HOST_MARGIN))

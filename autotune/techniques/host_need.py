@@ -1,0 +1,77 @@
+"""What a configuration holds in host memory, computed before it runs.
+
+Under optimizer offload each parameter of the host share keeps, on the host: its master (FP32, or its own
+dtype when wider), the master's gradient (same size), the optimizer's state (`state_tensors` parameter-sized
+tensors, two for AdamW), on CUDA a 16-bit staging copy for the overlapped CPU step, and for the streamed step
+overlapped with backward a second set of master and moments (the step writes into it, so an attempt that runs
+out of memory half-way leaves the first intact). Partitioned over replicated ranks, each rank holds 1/world of
+that. Every configuration of a tune also holds `fit`'s copy of the model, to put it back afterwards.
+
+The figures are what `HostOptimizer` allocates, so a configuration over the host budget is refused before
+it allocates anything (the process is never left to the kernel's OOM killer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .offload import host_share, master_dtype
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostNeed:
+    """Host bytes of one configuration, by what holds them."""
+
+    masters: int = 0  # FP32 masters of the host share
+    gradients: int = 0  # their FP32 gradients
+    state: int = 0  # the optimizer's state of the host share
+    staging: int = 0  # 16-bit staging copies (the overlapped CPU step on CUDA)
+    overlap: int = 0  # the streamed step's second set of masters and moments
+    snapshot: int = 0  # fit's copy of the model, held for the whole tune
+
+    @property
+    def total(self) -> int:
+        return self.masters + self.gradients + self.state + self.staging + self.overlap + self.snapshot
+
+    def describe(self) -> str:
+        """The non-zero parts, largest first, e.g. "masters 2.9 GiB, state 5.8 GiB"."""
+        from ..sizes import format_bytes
+
+        parts = [(n, getattr(self, n)) for n in ("masters", "gradients", "state", "staging", "overlap", "snapshot")]
+        return ", ".join(f"{name} {format_bytes(b)}" for name, b in sorted(parts, key=lambda p: -p[1]) if b)
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as they are: what a snapshot of it copies to the host."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def offload_need(params: Sequence[nn.Parameter], *, fraction: float, state_tensors: int, cuda: bool,
+                 streamed: bool, overlap: bool, ranks: int = 1) -> HostNeed:
+    """Host bytes optimizer offload of `fraction` of `params` allocates (see the module docstring).
+
+    `streamed`: the GPU steps the host share (its moments in the stepper's buffers, no staging copies);
+    `overlap`: that step overlaps backward (a second set); `ranks`: the partition's width (1: not partitioned).
+    """
+    numels = [p.numel() for p in params]
+    share = [params[i] for i in host_share(numels, fraction)]
+    if not share:
+        return HostNeed()
+    widths = [(p.numel(), torch.empty((), dtype=master_dtype(p)).element_size()) for p in share]
+    masters = sum(n * w for n, w in widths) // ranks
+    elements = sum(n for n, _ in widths) // ranks
+    staging = 2 * elements if cuda and not streamed and overlap else 0
+    second = (masters + 2 * 4 * elements) if streamed and overlap else 0
+    return HostNeed(masters=masters, gradients=masters, state=state_tensors * 4 * elements, staging=staging,
+                    overlap=second)
+
+
+def with_snapshot(need: HostNeed, model: nn.Module) -> HostNeed:
+    """`need` plus fit's copy of `model`."""
+    return HostNeed(masters=need.masters, gradients=need.gradients, state=need.state, staging=need.staging,
+                    overlap=need.overlap, snapshot=model_bytes(model))

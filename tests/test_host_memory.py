@@ -1,0 +1,95 @@
+"""Host memory: the cgroup's room, and the host bytes a configuration needs, against what optimizer offload
+really allocates (counted tensor by tensor after a real step, not asserted from the same arithmetic)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.devices import host
+from autotune.techniques.host_need import model_bytes, offload_need, with_snapshot
+from autotune.techniques.offload import HostOptimizer
+from autotune.workload.optimizers import OptimizerSpec, state_tensors_per_parameter
+
+
+def test_cgroup_v2_room_is_its_limit_less_its_usage(tmp_path):
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("400\n")
+    assert host.cgroup_room(tmp_path, tmp_path / "none") == 600
+    (tmp_path / "memory.max").write_text("max\n")  # v2 without a limit, and no v1 hierarchy
+    assert host.cgroup_room(tmp_path, tmp_path / "none") is None
+
+
+def test_cgroup_v1_room_and_its_huge_no_limit(tmp_path):
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(str(2**30))
+    (v1 / "memory.usage_in_bytes").write_text(str(2**29))
+    assert host.cgroup_room(tmp_path / "nov2", v1) == 2**29
+    (v1 / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # what v1 reports without a limit
+    assert host.cgroup_room(tmp_path / "nov2", v1) is None
+
+
+def test_the_default_host_budget_is_under_what_is_available():
+    available = host.available_bytes()
+    assert 0 < host.default_budget() < available
+    assert host.resident_bytes() > 0
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.norm = nn.LayerNorm(64)
+        self.b = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x))).pow(2).mean()
+
+
+def _host_bytes(host_opt: HostOptimizer) -> int:
+    """Bytes of every host tensor the offload holds: masters, their gradients, the optimizer's state."""
+    tensors = [t for m in host_opt.master.values() for t in (m, m.grad)]
+    tensors += [v for s in host_opt.optimizer.state.values() for v in s.values() if v.dim()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_offload_need_is_what_the_host_optimizer_allocates(fraction, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")  # the CPU step: masters, gradients and torch's AdamW state
+    torch.manual_seed(0)
+    model = Net()
+    params = [p for p in model.parameters() if p.requires_grad]
+    spec = OptimizerSpec.from_user(torch.optim.AdamW(params, lr=1e-3), model)
+    host_opt = HostOptimizer(params, spec, torch.bfloat16, fraction=fraction, overlap=False)
+    model(torch.randn(4, 32).to(torch.bfloat16)).backward()
+    host_opt.step()  # the state appears at the first step
+    need = offload_need(params, fraction=fraction, state_tensors=state_tensors_per_parameter(spec), cuda=False,
+                        streamed=False, overlap=False)
+    assert need.total == _host_bytes(host_opt)
+    assert need.state == 2 * need.masters  # AdamW: two moments the size of the FP32 masters
+    host_opt.restore()
+
+
+def test_streamed_overlap_adds_a_second_set_and_partitions_divide():
+    params = list(Net().parameters())
+    one = offload_need(params, fraction=1.0, state_tensors=2, cuda=True, streamed=True, overlap=True)
+    assert one.overlap == one.masters + one.state and one.staging == 0
+    halves = offload_need(params, fraction=1.0, state_tensors=2, cuda=True, streamed=True, overlap=True, ranks=2)
+    assert halves.total == pytest.approx(one.total / 2, abs=16)
+    cpu_step = offload_need(params, fraction=1.0, state_tensors=2, cuda=True, streamed=False, overlap=True)
+    assert cpu_step.staging == sum(p.numel() for p in params) * 2  # a bf16 copy of each, out and back
+    assert offload_need(params, fraction=0.0, state_tensors=2, cuda=True, streamed=True, overlap=True).total == 0
+
+
+def test_the_snapshot_counts_the_model_as_it_is():
+    model = Net().to(torch.float64)
+    need = with_snapshot(offload_need(list(model.parameters()), fraction=1.0, state_tensors=2, cuda=False,
+                                      streamed=False, overlap=False), model)
+    assert need.snapshot == model_bytes(model) == sum(p.numel() * 8 for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    assert need.masters == need.snapshot  # float64 masters keep their width
+    assert "snapshot" in need.describe() and os.linesep not in need.describe()
