@@ -23,10 +23,11 @@ from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, prin
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import NOISE, Controller, Lattice, SearchResult
-from .search import offload_overlap, partitioned_state, reduce_timing
+from .search import host_budget, offload_overlap, partitioned_state, reduce_timing
 from .search.offload_share import choose_offload_fraction, offload_rival
 from .search.flops import flops_per_sample, utilization
 from .devices.peaks import device_peak
+from .devices import host as host_memory
 from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
@@ -58,6 +59,7 @@ def fit(
     optimizer: Any = None,
     loss_fn: Any = None,
     memory_budget: int | str | None = None,
+    host_memory_budget: int | str | None = None,
     device: str | torch.device | None = None,
     cache: Any = None,
     techniques: Any = None,
@@ -79,6 +81,9 @@ def fit(
             stepped), or a factory `params -> Optimizer`.
         loss_fn: `(model, batch) -> loss`; default `model(**batch).loss` or a scalar output.
         memory_budget: bytes or a string like "24GiB"; default what the device can give this process.
+        host_memory_budget: host RAM the plan may use (offload's masters, moments and pinned buffers, and fit's
+            copy of the model), bytes or a string like "96GiB"; default what this process may use (available
+            memory, capped by a cgroup limit) less 10%. A configuration over it is never run.
         device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
         cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
         techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile",
@@ -111,7 +116,7 @@ def fit(
     refuse_meta(model)
     check_optimizer(optimizer, model)  # before the cache: a hit must not serve an optimizer that trains nothing
     settings = FitSettings.resolve(global_batch_size=global_batch_size, memory_budget=memory_budget,
-                                   margin=margin, device=device, cache=cache, techniques=techniques,
+                                   host_memory_budget=host_memory_budget, margin=margin, device=device, cache=cache, techniques=techniques,
                                    measured_steps=trial_steps, max_trials=max_trials, retune=retune)
     placement = resolve_device(settings.device)
     store = plan_cache.open_cache(settings.cache)
@@ -180,6 +185,13 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     return plan
 
 
+def host_limit(settings: FitSettings) -> int:
+    """The host bytes a tune and its plan may use: `host_memory_budget`, else what this process may use now."""
+    if settings.host_memory_budget is not None:
+        return parse_bytes(settings.host_memory_budget, "host_memory_budget")
+    return host_memory.default_budget()
+
+
 def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSettings, placement: Placement,
             budget_now: int, verify: Callable[[Plan], Trial]) -> Plan | None:
     """The cached plan for `parts`, if one still fits today's memory.
@@ -195,6 +207,8 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
         key = plan_cache.plan_key({**parts, "budget_bytes": budget})
         hit = store.get(key)
         if hit is None or not (explicit or fits(hit.peak_memory_bytes, settings.margin, budget_now)):
+            continue
+        if (hit.host_peak_bytes or 0) > host_limit(settings):  # tuned where the host had more room: tune here
             continue
         hit = _trusted(store, key, {**parts, "budget_bytes": budget}, hit, verify)
         if hit is None:
@@ -360,10 +374,13 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                           shares=blocks.shares() if blocks is not None else None,
                           compile=_compile_allowed(allowed, placement, compile_notes, is_sharded(tuned)), floors=dict(zip(rungs, floors)))
         rungs, dropped = drop_rungs_over(rungs, floors, limit)  # floors count what this rank holds: its shard
+        rungs, host_notes = host_budget.keep_within(rungs, tuned, spec, placement.kind, host_limit(settings))
+        dropped += host_notes
         work = Workload(model=tuned, batch=example,
                         loss_fn=loss, spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
-                        warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
+                        warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps,
+                        host_limit_bytes=host_limit(settings))
         flops = flops_per_sample(tuned, work.batch, work.loss_fn, placement)
         runner = TrialRunner(work, agree=distributed.agree_trial)
         longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
@@ -410,7 +427,9 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
                 trials=tuple(result.trials), flops_per_sample=flops, sharding=sharding, reduce_overlap=reduce_overlap,
                 mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision),
-                min_micro_batch_size=result.smallest, techniques=tuple(sorted(allowed)))
+                min_micro_batch_size=result.smallest, techniques=tuple(sorted(allowed)),
+                host_peak_bytes=host_budget.need(best.rung, model, spec, placement.kind, fraction=fraction or 1.0,
+                                                 overlap=overlap, snapshot=False).total)
 
 
 def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, spec: OptimizerSpec, limit: int,
@@ -487,6 +506,13 @@ def _offload_overlap(result: SearchResult, best: Trial, fraction: float | None, 
     ranks, FSDP2 shards, the overlap turned off)."""
     if best.rung.offload != "optimizer" or work.world_size != 1 or sharded or not overlap_default():
         return best, None
+    overlapped = host_budget.need(best.rung, work.model, work.spec, work.placement.kind, fraction=fraction or 1.0,
+                                  overlap=True)
+    if work.host_limit_bytes is not None and overlapped.total > work.host_limit_bytes:
+        result.reason = (f"{result.reason}; serial optimizer offload: overlapped, the host would hold "
+                         f"{format_bytes(overlapped.total)}, over the host budget of "
+                         f"{format_bytes(work.host_limit_bytes)}")
+        return best, False
     other = runner(best.rung, best.micro_batch_size, offload_fraction=fraction or 1.0, overlap=True)
     result.trials.append(other)
     streamed = streams(work.placement.kind, work.spec.cls_name, best.rung.precision)

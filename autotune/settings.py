@@ -24,6 +24,7 @@ DEFAULT_MAX_TRIALS = 24
 ENV = {
     "global_batch_size": "AUTOTUNE_GLOBAL_BATCH_SIZE",
     "memory_budget": "AUTOTUNE_MEMORY_BUDGET",
+    "host_memory_budget": "AUTOTUNE_HOST_BUDGET",
     "margin": "AUTOTUNE_MARGIN",
     "device": "AUTOTUNE_DEVICE",
     "cache": "AUTOTUNE_CACHE",
@@ -38,6 +39,7 @@ ENV = {
 class FitSettings:
     global_batch_size: int | None = None
     memory_budget: int | str | None = None
+    host_memory_budget: int | str | None = None
     margin: float = DEFAULT_MARGIN
     device: str | None = None
     cache: Any = None
@@ -53,6 +55,8 @@ class FitSettings:
             check_global_batch_size(self.global_batch_size)
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)  # NaN, infinite, negative or unreadable: refused before any work
+        if self.host_memory_budget is not None:
+            parse_bytes(self.host_memory_budget, "host_memory_budget")
         if (isinstance(self.margin, bool) or not isinstance(self.margin, (int, float))
                 or not 0 <= self.margin < 0.9):  # NaN fails the range test too
             raise InvalidSetting(f"margin must be a fraction in [0, 0.9), e.g. 0.1 for 10% headroom; "

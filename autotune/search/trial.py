@@ -62,6 +62,7 @@ class Workload:
     blocks: BlockGroup | None = None
     warmup_steps: int = 1
     measured_steps: int = 3
+    host_limit_bytes: int | None = None  # the host budget (fit refuses configurations over it before they run)
 
 
 def agree_local(trial: Trial) -> Trial:

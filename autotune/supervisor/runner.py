@@ -69,6 +69,7 @@ class RunOptions:
     script_args: tuple[str, ...] = ()
     global_batch_size: int | None = None
     budget: str | None = None
+    host_budget: str | None = None  # host memory the plan may use (cooperative: the job's fit reads it)
     cache: str | None = None  # a path, or "off"; default $AUTOTUNE_CACHE, else the user cache
     margin: float | None = None
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -102,6 +103,8 @@ class RunOptions:
                                      f"{self.nproc_per_node}: {exc}") from None
         if self.budget is not None:
             parse_bytes(self.budget, "--budget")
+        if self.host_budget is not None:
+            parse_bytes(self.host_budget, "--host-budget")
         preset_maps(self.preset)  # an unknown preset fails here, listing the known ones
         # The same checks fit applies, so a bad value fails here and not inside the job.
         FitSettings(global_batch_size=self.global_batch_size, margin=DEFAULT_MARGIN if self.margin is None
@@ -238,6 +241,7 @@ def _show_tail(text: str, lines: int = 40) -> None:
 def _cooperative_env(opts: RunOptions) -> dict[str, str]:
     """The run's options as the `AUTOTUNE_*` variables `fit` reads; options not given are left out."""
     given = {"global_batch_size": opts.global_batch_size, "memory_budget": opts.budget, "margin": opts.margin,
+             "host_memory_budget": opts.host_budget,
              "device": opts.device, "cache": opts.cache, "measured_steps": opts.trial_steps}
     env = {ENV[name]: str(value) for name, value in given.items() if value is not None}
     if opts.tune_only:

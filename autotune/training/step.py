@@ -45,6 +45,7 @@ from ..workload import batch as batches
 from . import distributed
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import smallest_micro_batch, solve_accumulation, split_sizes
+from ..devices import host as host_memory
 from ..devices.ceiling import SimulatedCeiling
 from ..devices.headroom import shortfall
 from ..devices.placement import Placement, refuse_meta, release_memory, resolve_device
@@ -149,6 +150,7 @@ class TrainingStep:
         short = shortfall(plan.peak_memory_bytes, self.placement, "the plan")  # memory taken since tuning?
         if short is not None:
             log.warning("autotune: %s", short)
+        _check_host(plan)
         if plan.sharding == "fsdp2" and not is_sharded(model):  # fit chose FSDP2: shard here, for good
             _shard(plan, model, optimizer)
         self.spec = OptimizerSpec.from_user(optimizer, model)
@@ -644,6 +646,16 @@ def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: 
              if not (plan.optimizer_8bit and r.offload == "optimizer")]
     rungs, _ = serve_dtypes(rungs, model)
     return rungs
+
+
+def _check_host(plan: Plan) -> None:
+    """Warn, with both figures, when the host has less memory available now than the plan allocates there."""
+    available = host_memory.available_bytes()
+    if plan.host_peak_bytes and available < plan.host_peak_bytes:
+        log.warning("autotune: the plan allocates %s of host memory (%s) and %s is available now; free host "
+                    "memory or tune again with host_memory_budget (autotune run --host-budget) at most %s",
+                    format_bytes(plan.host_peak_bytes), plan.rung.name, format_bytes(available),
+                    format_bytes(available))
 
 
 def _placement(plan: Plan, model: nn.Module) -> Placement:

@@ -1,0 +1,66 @@
+"""The host budget in the search: configurations whose host memory is over it are never run.
+
+Each rung's host need is computed before any trial (`techniques/host_need.py`: what optimizer offload
+allocates there, and fit's copy of the model); a rung over `host_memory_budget` is left out with a note that
+gives both figures, so a trial never allocates past the budget and the process is never left to the kernel's
+OOM killer. When no rung fits the host, `NoFeasiblePlan` says it is the host. The plan records the host memory
+its own configuration allocates (`plan.host_peak_bytes`), which `plan.apply` checks against what is free.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import NoFeasiblePlan
+from ..plan import Rung
+from ..sizes import format_bytes
+from ..techniques import offload_partition
+from ..techniques.host_need import HostNeed, offload_need, with_snapshot
+from ..techniques.offload import overlap_default
+from ..techniques.offload_stream import STREAMED, stream_wanted
+from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
+
+ADVICE = ("raise host_memory_budget (autotune run --host-budget), free host memory, or allow a rung that keeps "
+          "the optimizer state on the device (more blocks recomputed, a smaller micro-batch, 8-bit state)")
+
+
+def need(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str, *, fraction: float = 1.0,
+         overlap: bool | None = None, snapshot: bool = True) -> HostNeed:
+    """Host bytes of `rung` on `model`: its offload's buffers, with fit's copy of the model where `snapshot`.
+
+    `overlap` as the plan's `offload_overlap` (None: what a trial does, which overlaps where it can)."""
+    offload = HostNeed()
+    if rung.offload == "optimizer":
+        params = [p for p in model.parameters() if p.requires_grad]
+        sharded = any(type(p).__name__ == "DTensor" for p in params)
+        ranks = offload_partition.ranks(rung.precision, sharded)
+        streamed = (stream_wanted(device_type) and spec.cls_name in STREAMED and rung.precision != "fp16"
+                    and not sharded)
+        overlapping = overlap_default() and overlap is not False and ranks == 1
+        offload = offload_need(params, fraction=fraction, state_tensors=state_tensors_per_parameter(spec),
+                               cuda=device_type == "cuda", streamed=streamed,
+                               overlap=overlapping and (overlap is True or not streamed), ranks=ranks)
+    return with_snapshot(offload, model) if snapshot else offload
+
+
+def keep_within(rungs: list[Rung], model: nn.Module, spec: OptimizerSpec, device_type: str,
+                limit_bytes: int) -> tuple[list[Rung], list[str]]:
+    """The rungs whose host need fits `limit_bytes`, and a note naming those left out with both figures.
+
+    Raises:
+        NoFeasiblePlan: no rung fits the host (the message names the host and each figure).
+    """
+    needs = {r: need(r, model, spec, device_type) for r in rungs}
+    over = [r for r in rungs if needs[r].total > limit_bytes]
+    if not over:
+        return list(rungs), []
+    if len(over) == len(rungs):
+        least = min(over, key=lambda r: needs[r].total)
+        raise NoFeasiblePlan(f"nothing fits in host memory: the least any allowed configuration needs there is "
+                             f"{format_bytes(needs[least].total)} ({least.name}: {needs[least].describe()}), over "
+                             f"the host budget of {format_bytes(limit_bytes)}; {ADVICE}")
+    least = min(over, key=lambda r: needs[r].total)
+    names = ", ".join(sorted({r.name for r in over}))
+    note = (f"{names} skipped: host memory {format_bytes(needs[least].total)} or more "
+            f"({needs[least].describe()}), over the host budget of {format_bytes(limit_bytes)}")
+    return [r for r in rungs if r not in over], [note]

@@ -1,0 +1,106 @@
+"""`fit(host_memory_budget=...)`: configurations whose host memory is over it are never run, the plan says
+what it allocates on the host, and a plan tuned with more host room is not served where there is less.
+
+The model's FP32 weights, gradients and AdamW state alone overflow the device limit, so only optimizer
+offload can fit the device; its host need (masters, gradients, moments, fit's copy of the model) decides.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import autotune
+from autotune.plan import Rung
+from autotune.search import host_budget
+from autotune.techniques import resident_floor
+from autotune.workload.optimizers import OptimizerSpec
+from gpt import GPT, GPTConfig, random_batch
+
+CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
+OFFLOAD = Rung(checkpointing="full", offload="optimizer")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return GPT(CFG), random_batch(CFG, 4)
+
+
+def _fit(model, batch, **kw):
+    floor = resident_floor(Rung(), model, state_tensors=2)  # the device limit (90% of it) under the plain floor
+    return autotune.fit(model, batch, global_batch_size=8, memory_budget=int(floor), device="cpu", trial_steps=1,
+                        techniques=("bf16", "checkpointing", "offload"), **kw)
+
+
+def _need(model) -> int:
+    return host_budget.need(OFFLOAD, model, OptimizerSpec.from_user(None, model), "cpu").total
+
+
+def test_a_host_budget_under_offloads_need_names_the_host(gpt):
+    model, batch = gpt
+    need = _need(model)
+    with pytest.raises(autotune.NoFeasiblePlan, match=r"nothing fits in host memory.*host budget of") as err:
+        _fit(model, batch, host_memory_budget=need - 1, cache=False)
+    assert "host_memory_budget" in str(err.value) and "--host-budget" in str(err.value)
+
+
+def test_a_host_budget_that_holds_offload_gives_a_plan_under_it(gpt, tmp_path):
+    model, batch = gpt
+    need = _need(model)
+    cache = str(tmp_path / "plans.db")
+    plan = _fit(model, batch, host_memory_budget=need + 2**20, cache=cache)
+    assert plan.offload == "optimizer" and plan.source == "tuned"
+    # what the plan allocates on the host, without fit's copy of the model: under the budget
+    assert 0 < plan.host_peak_bytes <= need + 2**20
+    again = _fit(model, batch, host_memory_budget=need + 2**20, cache=cache)
+    assert again.source == "cache" and again.host_peak_bytes == plan.host_peak_bytes  # through the cache
+    # A host with less room than the plan allocates: not served from the cache; tuned, and nothing fits there.
+    with pytest.raises(autotune.NoFeasiblePlan, match="host memory"):
+        _fit(model, batch, host_memory_budget=plan.host_peak_bytes - 1, cache=cache)
+
+
+def test_rungs_over_the_host_budget_are_skipped_with_both_figures(gpt):
+    model, batch = gpt
+    need = _need(model)
+    plain = host_budget.need(Rung(), model, OptimizerSpec.from_user(None, model), "cpu").total
+    assert plain < need  # without offload the host holds only fit's copy of the model
+    rungs, notes = host_budget.keep_within([Rung(), OFFLOAD], model, OptimizerSpec.from_user(None, model), "cpu",
+                                           need - 1)
+    assert rungs == [Rung()]
+    assert "bf16+full ckpt+optimizer offload skipped: host memory" in notes[0] and "over the host budget" in notes[0]
+
+
+def test_a_bad_host_budget_is_refused_naming_the_setting(gpt):
+    model, batch = gpt
+    for bad in ("lots", float("nan"), -5):
+        with pytest.raises(autotune.InvalidSetting, match="host_memory_budget"):
+            _fit(model, batch, host_memory_budget=bad, cache=False)
+
+
+def test_apply_warns_when_the_host_has_less_free_than_the_plan_allocates(gpt, caplog):
+    import dataclasses
+
+    model, batch = gpt
+    plan = _fit(model, batch, host_memory_budget=_need(model) + 2**20, cache=False)
+    greedy = dataclasses.replace(plan, host_peak_bytes=2**60)
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        step = greedy.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    step.close()
+    assert any("of host memory" in r.getMessage() and "available now" in r.getMessage() for r in caplog.records)
+
+
+def test_autotune_run_passes_the_host_budget_to_the_job_and_refuses_a_bad_one(tmp_path):
+    from click.testing import CliRunner
+
+    from autotune.cli import main as cli
+    from autotune.supervisor.runner import RunOptions, _cooperative_env
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    env = _cooperative_env(RunOptions(script=str(script), host_budget="96GiB"))
+    assert env["AUTOTUNE_HOST_BUDGET"] == "96GiB"  # the job's fit reads it (FitSettings.resolve)
+    result = CliRunner().invoke(cli, ["run", "--host-budget", "lots", str(script)])
+    assert result.exit_code == 2 and "--host-budget" in result.output and "Traceback" not in result.output
