@@ -228,6 +228,11 @@ def release_memory(placement: Placement, *, reset_peak: bool = False) -> None:
         return
     torch.cuda.synchronize(placement.index)
     torch.cuda.empty_cache()
+    # Pinned host blocks a trial freed stay cached by torch's host allocator, and a tune that tries offload at
+    # several shares would hold the sum of them: give them back, so its host peak is its largest configuration.
+    empty_host = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        empty_host()
     if reset_peak:
         torch.cuda.reset_peak_memory_stats(placement.index)
 
