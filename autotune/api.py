@@ -412,6 +412,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     reason = result.reason + "".join(f"; {n}" for n in [*first, *rest][:2 + len(first)])
     if sharding_reason:  # the first decision: it changed what every trial ran on
         reason = f"{sharding_reason}; {reason}"
+    if work.loss_form is not None and work.loss_form.note:  # never cut: what of the loss was weighted whole
+        reason += f"; {work.loss_form.note}"
     if noise_note(result.trials):  # after the notes, never cut: the one thing that says how far to trust this
         reason += f"; {noise_note(result.trials)}"
     return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,

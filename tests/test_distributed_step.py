@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-SCENARIOS = ("mean-uneven", "tokens-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
+SCENARIOS = ("mean-uneven", "tokens-uneven", "parts-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
              "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven", "partitioned-oom-on-one-rank")
 # Gradient clipping over the global batch (test_clipping.py has one process): two ranks only.
 CLIP_SCENARIOS = ("clip-mean-uneven", "clip-tokens-uneven", "sharded-clip-mean-uneven", "sharded-clip-tokens-uneven")
@@ -45,9 +45,14 @@ def _reference(model, shares, loss_fn=None, max_norm=None):
     if loss_fn is None:  # a mean over samples: each share's mean weighted by its samples
         n = sum(len(b[0]) for b in shares)
         loss = sum(m(*b) * len(b[0]) for b in shares) / n
-    else:  # tokens: every share's sum over the total count
+    else:  # tokens: every share's sum over the total count (and named parts each by its own kind)
         outs = [loss_fn(m, b) for b in shares]
-        loss = sum(o[0] for o in outs) / sum(o[1] for o in outs)
+        if isinstance(outs[0], dict):  # test_loss_parts.parts_loss: a token part and a per-sample mean
+            n = sum(len(b["x"]) for b in shares)
+            loss = (sum(o["tokens"][0] for o in outs) / sum(o["tokens"][1] for o in outs)
+                    + sum(o["regularizer"] * len(b["x"]) for o, b in zip(outs, shares)) / n)
+        else:
+            loss = sum(o[0] for o in outs) / sum(o[1] for o in outs)
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)) if max_norm is not None else None
     opt.step()
@@ -133,6 +138,13 @@ def _scenario(name: str, rank: int, world: int) -> dict:
             model = _token_net(model)  # FSDP gathers the root's parameters in forward: the loss must call it
         shares = [padded_batch(lengths[r], t=12, seed=20 + r) for r in range(world)]
         loss_fn = token_loss
+    elif name == "parts-uneven":
+        # a token part and a per-sample regularizer, each weighted by its own share of the global batch
+        from test_loss_parts import labelled_batch, parts_loss
+
+        lengths = [[0, 3], [9, 1, 4], [2, 12, 5, 7], [1, 1, 1, 1, 11]]
+        shares = [labelled_batch(lengths[r], seed=50 + r) for r in range(world)]
+        loss_fn = parts_loss
     elif name in ("oom-on-one-rank", "oom-at-last-micro-batch"):
         # a plan of `world` ranks (what a partitioned one must be) needs equal shares
         shares = _shares(world, seed=30, **({"n_of": lambda r: 3} if partitioned else {}))
@@ -190,7 +202,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     else:
         raise ValueError(name)
 
-    plan = make_plan(2, sum(len(b[0]) for b in shares), budget=budget)
+    plan = make_plan(2, sum(len(b["x"] if isinstance(b, dict) else b[0]) for b in shares), budget=budget)
     if partitioned:
         plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), offload="optimizer",
                                    offload_fraction=0.0, world_size=world, global_batch_size=plan.global_batch_size)
@@ -261,7 +273,7 @@ def _check(ranks: list[dict], name: str) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("name", ["mean-uneven", "tokens-uneven"])
+@pytest.mark.parametrize("name", ["mean-uneven", "tokens-uneven", "parts-uneven"])
 def test_step_on_two_ranks_equals_one_full_batch_step(two_ranks, name):
     results = _check(two_ranks, name)
     assert all(r["micro"] == 2 and not r["recoveries"] for r in results)
@@ -313,7 +325,8 @@ def test_clipping_over_ranks_equals_clip_grad_norm_on_one_full_batch_step(two_ra
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_four_ranks(four_ranks, name):
     results = _check(four_ranks, name)
-    recovered = name not in ("mean-uneven", "tokens-uneven", "sharded-mean-uneven", "sharded-tokens-uneven")
+    recovered = name not in ("mean-uneven", "tokens-uneven", "parts-uneven", "sharded-mean-uneven",
+                             "sharded-tokens-uneven")
     assert all(r["micro"] == (1 if recovered else 2) for r in results)
     assert all(len(r["recoveries"]) == int(recovered) for r in results)
 

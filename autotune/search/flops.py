@@ -21,7 +21,7 @@ from ..devices.peaks import DevicePeak
 from ..devices.placement import Placement
 from ..errors import DeviceError, is_device_poisoned, is_oom
 from ..workload import batch as batches
-from ..workload.losses import LossFn, split_loss
+from ..workload.losses import LossFn, full_batch_loss
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,7 @@ def _count(model: nn.Module, batch: Any, loss_fn: LossFn) -> float:
     model.train()
     counter = FlopCounterMode(display=False)
     with counter:
-        loss, count = split_loss(loss_fn(model, batch))
-        if count is not None:
-            loss = loss / count
-        loss.backward()
+        full_batch_loss(loss_fn(model, batch)).backward()
     return float(counter.get_total_flops())
 
 

@@ -28,7 +28,7 @@ from ..workload.batching import global_step_seconds
 from ..devices.placement import MemoryMeter, Placement, now, release_memory
 from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
 from ..workload.accumulation import LossWeights, weighted_loss
-from ..workload.losses import LossFn, label_counts, takes_num_items
+from ..workload.losses import LossFn, LossForm, label_counts
 from ..workload.optimizers import OptimizerSpec
 from ..plan import NOISY, Rung, Trial, none_on_the_host
 from ..sizes import format_bytes
@@ -63,6 +63,7 @@ class Workload:
     warmup_steps: int = 1
     measured_steps: int = 3
     host_limit_bytes: int | None = None  # the host budget (fit refuses configurations over it before they run)
+    loss_form: LossForm | None = None  # what the model's own loss holds, learned by the trials; None: not yet
 
 
 def agree_local(trial: Trial) -> Trial:
@@ -155,8 +156,10 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     work.model.train()
     counts = label_counts(work.model, micro_batch)
     tokens = None if counts is None else float(counts.sum())
-    num_items = takes_num_items(work.model)
-    step = lambda armed: _timed_step(applied, micro_batch, work, tokens, num_items, armed)  # noqa: E731
+    if work.loss_form is None:
+        work.loss_form = LossForm.of(work.model)
+    form = work.loss_form
+    step = lambda armed: _timed_step(applied, micro_batch, work, tokens, form, armed)  # noqa: E731
     warmup = sum(sum(step(True)) for _ in range(work.warmup_steps))
     times = [step(overlap) for _ in range(measured)]
     # Not under torch.distributed: each rank would judge its own spread and run its own number of steps (a
@@ -169,7 +172,7 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     compile_s = max(0.0, warmup - work.warmup_steps * (step_s + opt_s))
     reduce_s = after_s = 0.0
     if gate is not None and gate.open():
-        reduced = lambda overlap: _reduced_step(applied, micro_batch, work, tokens, num_items, overlap)  # noqa: E731
+        reduced = lambda overlap: _reduced_step(applied, micro_batch, work, tokens, form, overlap)  # noqa: E731
         order = _abba(reduce_pairs) if reduce_pairs else [True] * max(1, measured // work.measured_steps)
         bucketed, after = _reduced_steps(reduced, order)
         reduce_s = max(0.0, statistics.median(bucketed) - step_s)
@@ -212,11 +215,11 @@ def _reduced_steps(reduced: Callable[[bool], float], order: list[bool]) -> tuple
 
 
 def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
-                num_items: bool, armed: bool) -> tuple[float, float]:
+                form: LossForm, armed: bool) -> tuple[float, float]:
     """One optimizer step at one micro-batch: (forward+backward seconds, optimizer seconds)."""
     t0 = now(work.placement)
     weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
-    loss = _loss(applied, micro_batch, work, weights, tokens, num_items)
+    loss = _loss(applied, micro_batch, work, weights, tokens, form)
     if loss is not None:
         applied.backward(loss, last=armed)  # armed: the host optimizer steps during it (see `_run_steps`)
     del loss, weights
@@ -227,12 +230,12 @@ def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: 
 
 
 def _loss(applied: AppliedRung, micro_batch: Any, work: Workload, weights: LossWeights, tokens: float | None,
-          num_items: bool) -> Any:
+          form: LossForm) -> Any:
     """The forward: the same loss the training step computes (num_items_in_batch included), one micro-batch
     a step."""
     with applied.autocast():
         return weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights,
-                             batches.batch_size(micro_batch), expected=tokens, num_items=num_items)
+                             batches.batch_size(micro_batch), expected=tokens, form=form)
 
 
 class ReduceGate:
@@ -268,7 +271,7 @@ class ReduceGate:
 
 
 def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
-                  num_items: bool, overlap: bool = True) -> float:
+                  form: LossForm, overlap: bool = True) -> float:
     """Seconds of one forward+backward whose gradients are all-reduced in buckets during the backward (or,
     `overlap` False, in one bucket after it).
 
@@ -279,7 +282,7 @@ def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens
     weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
     loss, failure = None, None
     try:
-        loss = _loss(applied, micro_batch, work, weights, tokens, num_items)
+        loss = _loss(applied, micro_batch, work, weights, tokens, form)
     except Exception as exc:  # noqa: BLE001 - an OOM is held until the ranks' all-reduces are done
         if not is_oom(exc):
             raise

@@ -237,9 +237,9 @@ class OverlappedReduce:
 
     def __init__(self, model: torch.nn.Module, weights: LossWeights | None, *, overlap: bool = True) -> None:
         device = _collective_device()
-        # (samples, tokens, loss total) of this rank; zeros from a rank that ran out of memory before the last
-        # backward (`weights` None), which only joins the all-reduces: every rank re-runs the batch after them.
-        self.totals = weights.totals(device) if weights is not None else torch.zeros(3, dtype=torch.float64, device=device)
+        # (samples, tokens, loss total, means total) of this rank; zeros from a rank that ran out of memory before
+        # the last backward (`weights` None), which only joins the all-reduces: every rank re-runs the batch after.
+        self.totals = weights.totals(device) if weights is not None else torch.zeros(4, dtype=torch.float64, device=device)
         self._summed = dist.all_reduce(self.totals, async_op=True)
         # Each rank's share factor: 1 when the counts were summed before the first micro-batch (`share_known`),
         # without waiting here for the device and the other ranks; else from the summed totals.

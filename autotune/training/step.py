@@ -50,7 +50,7 @@ from ..devices.ceiling import SimulatedCeiling
 from ..devices.headroom import shortfall
 from ..devices.placement import Placement, refuse_meta, release_memory, resolve_device
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
-from ..workload.losses import LossFn, label_counts, resolve, takes_num_items
+from ..workload.losses import LossFn, LossForm, label_counts, resolve
 from . import clipping
 from .buffers import BufferGuard
 from .eight_bit_link import EightBitLink
@@ -145,7 +145,8 @@ class TrainingStep:
         self.plan = plan
         self.model = model
         self.loss_fn = resolve(loss_fn, model, chunked="chunked_loss" in _allowed(plan, techniques))
-        self._num_items = takes_num_items(model)  # the default loss passes it num_items_in_batch
+        self._loss_form = LossForm.of(model)  # whether the default loss passes num_items_in_batch; what it holds
+        self._loss_notes: set[str] = set()  # the kinds of note said about the loss's parts (`_tell_loss`)
         self.placement = _placement(plan, model)
         short = shortfall(plan.peak_memory_bytes, self.placement, "the plan")  # memory taken since tuning?
         if short is not None:
@@ -325,7 +326,7 @@ class TrainingStep:
             start += size
             with applied.autocast():
                 loss = weighted_loss(self.loss_fn, self.model, micro, weights, size, expected=expected,
-                                     num_items=self._num_items)
+                                     form=self._loss_form)
             if index == len(sizes) - 1:
                 self._last_loss, self._last_index = loss, index  # its graph, kept for _last_backward
             elif loss is not None:
@@ -364,12 +365,26 @@ class TrainingStep:
         rank's share rescaled and summed over ranks during the last backward (`distributed.OverlappedReduce`),
         so the update equals one full-batch step on one process and every rank returns the same loss.
         """
+        self._tell_loss("parts", self._loss_form.note)
         if self._sharded:
             return distributed.finish_sharded(self.model, weights)
         if reduction is not None:
+            self._tell_loss("estimate", weights.inexact(reduction.factor))
             return reduction.wait(weights)
+        self._tell_loss("estimate", weights.inexact())
         weights.correct(self.model)
         return weights.mean_loss()
+
+    def _tell_loss(self, kind: str, note: str | None) -> None:
+        """Say once of each `kind`, in a warning and in `plan.reason`, what of the loss could not be weighted
+        part by part."""
+        if note is None or kind in self._loss_notes:
+            return
+        self._loss_notes.add(kind)
+        log.warning("autotune: %s", note)
+        if note not in self.plan.reason:
+            reason = f"{self.plan.reason}; {note}" if self.plan.reason else note
+            self.plan = dataclasses.replace(self.plan, reason=reason)
 
     def _loss_weights(self, n: int, steps: int, counts: torch.Tensor | None) -> LossWeights:
         tokens = None if counts is None else float(counts.sum())
@@ -389,7 +404,7 @@ class TrainingStep:
             raise InvalidSetting(f"under FSDP every rank must run the same number of micro-batches, but they range "
                                  f"from {fewest} to {most} at micro-batch {self.plan.micro_batch_size}; give every "
                                  f"rank the same number of samples (global batch / world size)")
-        return LossWeights(n, steps, divisor=total / world, estimate=1.0)
+        return LossWeights(n, steps, divisor=total / world, estimate=1.0, sharded=True)
 
     def _clip(self) -> None:
         """Unscale (FP16) and clip the whole batch's gradient; see `clipping.py` for where each path does it."""
