@@ -22,7 +22,7 @@ from .cache import store as plan_cache
 from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, printable, sanitized
 from .training import distributed
 from .workload.batching import per_rank_batch, split_sizes
-from .search.controller import NOISE, Controller, Lattice, SearchResult
+from .search.controller import FIT_ADVICE, NOISE, Controller, Lattice, SearchResult
 from .search import host_budget, offload_overlap, partitioned_state, reduce_timing
 from .search.offload_share import choose_offload_fraction, offload_rival
 from .search.flops import flops_per_sample, utilization
@@ -32,10 +32,10 @@ from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from .workload import chunked_loss
-from .workload.losses import chunked_default_loss, resolve as resolve_loss
+from .workload.losses import chunked_default_loss, remember_fit_loss, resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, check_optimizer, state_tensors_per_parameter
 from .plan import Plan, Rung, Trial
-from .sizes import format_bytes, parse_bytes
+from .sizes import format_bytes, parse_bytes, shorten
 from .settings import FitSettings
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
@@ -49,6 +49,12 @@ from .techniques.sharding import choose_sharding, is_sharded, sharded_copy
 from .search.trial import TrialRunner, Workload, noise_note
 
 log = logging.getLogger(__name__)
+
+# When nothing fits in a job of `autotune run` (cooperative): its --budget is the budget, unless the script
+# passes its own to fit.
+RUN_ADVICE = ("Raise --budget (or the memory_budget the script passes to fit), allow more techniques in the "
+              "script's fit call (techniques=('bf16', 'checkpointing', 'offload')), or shrink the model or the "
+              "sequence.")
 
 
 def fit(
@@ -125,6 +131,7 @@ def fit(
     finally:
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
+    remember_fit_loss(model, loss_fn)  # plan.apply(model, ...) trains with the loss fit tuned with
     if plan.source == "tuned":
         log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
                  time.perf_counter() - started, len(plan.trials))
@@ -247,8 +254,8 @@ def _trusted(store: plan_cache.PlanCache, key: str, parts: dict[str, Any], hit: 
         return dataclasses.replace(hit, peak_memory_bytes=trial.peak_bytes, trials=(*hit.trials, trial),
                                    reason=printable(f"{hit.reason}; {clause}"))
     what = f"{trial.outcome}{f' ({trial.note})' if trial.note else ''}"
-    store.mark_unsafe(key, micro_batch_size=hit.micro_batch_size, note=printable(
-        f"verification trial: {what}; a plan from {origin}")[:200])
+    store.mark_unsafe(key, micro_batch_size=hit.micro_batch_size, note=shorten(printable(
+        f"verification trial: {what}; a plan from {origin}"), 200))
     log.warning("autotune: %s", printable(
         f"the cached plan {key[:12]} from {origin} ({hit.rung.name} at micro-batch {hit.micro_batch_size}) did not "
         f"fit in a trial here: {what}; marked unsafe, tuning instead"))
@@ -387,7 +394,8 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         if progress is not None:
             runner, longer = progress.watch(runner), progress.watch(longer, "re-measure")  # type: ignore[assignment]
         controller = Controller(runner, per_rank=per_rank, limit_bytes=limit, max_micro=bound,
-                                max_trials=settings.max_trials, world_size=world, remeasure=longer)
+                                max_trials=settings.max_trials, world_size=world, remeasure=longer,
+                                advice=RUN_ADVICE if agent.result_path() is not None else FIT_ADVICE)
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
         best, fraction = _offload_share(result, runner, tuned, spec, limit, is_sharded(tuned), per_rank)

@@ -265,12 +265,15 @@ class Plan:
               before_optimizer_step: Any = None, after_optimizer_step: Any = None) -> Any:
         """Apply this plan to `model` (and `optimizer`) and return the training step callable.
 
-        `max_grad_norm` clips the whole global batch's gradient norm before each optimizer step;
-        `before_optimizer_step(step)` / `after_optimizer_step(step)` run around it. See
+        `loss_fn` defaults to the one `autotune.fit` was given for this model in this process, else the
+        model's own loss. `max_grad_norm` clips the whole global batch's gradient norm before each optimizer
+        step; `before_optimizer_step(step)` / `after_optimizer_step(step)` run around it. See
         `autotune.training.step.TrainingStep`.
         """
         from .training.step import TrainingStep  # step imports plan: import here to keep the graph acyclic
+        from .workload.losses import fit_loss
 
+        loss_fn = loss_fn if loss_fn is not None else fit_loss(model)
         return TrainingStep(self, model, optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
                             before_optimizer_step=before_optimizer_step,
                             after_optimizer_step=after_optimizer_step)

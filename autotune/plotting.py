@@ -6,7 +6,7 @@ on both; an out-of-memory trial is a cross (on the axis for throughput, which it
 that ran but left too little headroom is a hollow circle. Everything comes from the plan itself, so a
 plan from the cache, from `autotune run --json` or from a benchmark's log draws the same.
 
-matplotlib is an optional extra (`pip install 'autotune[plot]'`), imported only here and only when drawing.
+matplotlib is optional (the `plot` extra, or `pip install matplotlib`), imported only here and only when drawing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from .errors import AutotuneError
 from .plan import Plan, Trial
 
-INSTALL_HINT = "pip install 'autotune[plot]' (or pip install matplotlib)"
+INSTALL_HINT = "pip install matplotlib (what the 'plot' extra installs)"
 GIB = 2**30
 
 

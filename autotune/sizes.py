@@ -2,6 +2,7 @@
 
 It sits on the floor of the package (beside `plan.py` and `errors.py`) so that every part, the plan's
 summary included, prints sizes alike: "40.0 MiB" below a GiB, "23.50 GiB" from there, never "0.04 GiB".
+Beside them, the lengths of what is printed: `brief` for a value in an error, `shorten` for a note.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _UNITS = {
 
 # The largest size accepted (1 EiB): beyond any device, and still exact as a float and an int64.
 MAX_BYTES = 2**60
+# A string without a unit under this many bytes is refused: "40" is a budget whose unit was left out.
+UNITLESS_MIN = 2**20
 
 
 def format_bytes(n: int | float) -> str:
@@ -41,6 +44,10 @@ def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int
         match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if match and match.group(2).lower() in _UNITS:
             number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if not match.group(2) and 0 < number < UNITLESS_MIN:
+                raise InvalidSetting(f"{setting}={value!r} has no unit, so it reads as {number:g} bytes: did you "
+                                     f"mean '{match.group(1).lstrip('+')}GiB'? Write a unit ('24GiB', '512MiB'), or "
+                                     "bytes as an integer.")
             if number >= 1:
                 return _bounded(number, value, setting)
             raise InvalidSetting(f"{setting}={value!r} is {'negative' if number < 0 else 'under one byte'}: "
@@ -65,3 +72,14 @@ def brief(value: object) -> str:
         return f"{'-' if value < 0 else ''}about 2**{abs(value).bit_length() - 1}"
     text = repr(value)
     return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
+
+
+def shorten(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters: cut at the last word boundary that fits, and marked with "..."."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3]
+    space = cut.rfind(" ")
+    if space > limit // 2:  # a word boundary late enough to keep most of the text
+        cut = cut[:space]
+    return cut.rstrip(" ,;:(") + "..."

@@ -89,7 +89,7 @@ def main() -> int:
             step += 1
             if step % args.logging_steps == 0 or step == args.max_steps:
                 rate = step * args.batch_size * args.gradient_accumulation_steps / (time.perf_counter() - started)
-                accelerator.print(f"step {step:4d}  loss {loss.item():.4f}  {rate:,.1f} samples/s")
+                accelerator.print(f"step {step:4d}  loss {loss.item():.4f}  {rate:,.1f} samples/s (wall clock)")
     return 0
 
 

@@ -63,7 +63,7 @@ def main() -> int:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": i + 1},
                        args.checkpoint)
             rate = (i + 1 - first_step) * per_rank / (time.perf_counter() - started)
-            print(f"step {i + 1:4d}  loss {loss:.4f}  {rate:,.1f} samples/s", flush=True)
+            print(f"step {i + 1:4d}  loss {loss:.4f}  {rate:,.1f} samples/s (wall clock)", flush=True)
     print(f"done with {step.plan.summary()}", flush=True)
     return 0
 

@@ -89,7 +89,7 @@ def main() -> int:
     runtime = result.metrics["train_runtime"]
     print(f"trained {result.global_step} steps in {runtime:.1f} s: {samples} samples/step (batch {batch} x "
           f"{training_args.gradient_accumulation_steps} accumulation), "
-          f"{result.global_step * samples * model_args.seq_len / runtime:,.0f} tokens/s")
+          f"{result.global_step * samples * model_args.seq_len / runtime:,.0f} tokens/s (wall clock)")
     return 0
 
 

@@ -91,7 +91,7 @@ def main() -> int:
         optimizer.zero_grad(set_to_none=True)
         if step % args.logging_steps == 0 or step == args.max_steps:
             rate = step * micro * accumulation / (time.perf_counter() - started)
-            print(f"step {step:4d}  loss {total:.4f}  {rate:,.1f} samples/s", flush=True)
+            print(f"step {step:4d}  loss {total:.4f}  {rate:,.1f} samples/s (wall clock)", flush=True)
     return 0
 
 

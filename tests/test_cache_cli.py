@@ -55,7 +55,7 @@ def test_list_prints_a_table_and_json(filled: Path) -> None:
     result = run("--cache", str(filled), "list")
     assert result.exit_code == 0
     header, *rows = result.output.splitlines()
-    assert header.split() == ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "TOKENS/S", "MFU", "AGE", "STATUS"]
+    assert header.split() == ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "THROUGHPUT", "MFU", "AGE", "STATUS"]
     assert len(rows) == 3
     assert sum("unsafe: OOM at micro-batch 4" in r for r in rows) == 1
     assert all("Linear (20)" in r and "bf16, 4x2" in r for r in rows)

@@ -50,8 +50,8 @@ def cache(ctx: click.Context, cache_path: Path | None) -> None:
 @click.option("--team", is_flag=True, help="Also list the plans and 'nothing fits' records in $AUTOTUNE_TEAM_DIR.")
 @click.pass_obj
 def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
-    """List cached plans: model, GPU, budget, plan, tokens/s, age and status; then the searches that found
-    nothing fits (`fit` refuses those at once; retune=True searches again).
+    """List cached plans: model, GPU, budget, plan, throughput (tokens/s or samples/s), age and status; then
+    the searches that found nothing fits (`fit` refuses those at once; retune=True searches again).
 
     \b
     Examples:
@@ -64,7 +64,7 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
         click.echo(json.dumps([e.to_dict() for e in [*found, *refused]], indent=2))
         return
     if found:
-        headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "TOKENS/S", "MFU", "AGE", "STATUS"]
+        headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "THROUGHPUT", "MFU", "AGE", "STATUS"]
         click.echo(_table(headers, [_list_row(e) for e in found]))
     else:
         click.echo(f"no cached plans in {store.path}")
@@ -271,8 +271,8 @@ def _describe_parts(parts: dict[str, Any]) -> list[str]:
     batch = "; ".join(f"{p or 'batch'} {tuple(shape)} {dtype}" for p, shape, dtype in parts.get("batch", []))
     runtime, device = parts.get("runtime", {}), parts.get("device", {})
     return [
-        f"model     {_model(parts)} parameters, structure {parts.get('model', {}).get('digest', '')[:12]}",
-        (f"batch     {batch} per sample; global batch {parts.get('global_batch_size')} over "
+        f"model     {_model(parts, ' parameters')}, structure {parts.get('model', {}).get('digest', '')[:12]}",
+        (f"batch     {batch + ' per sample; ' if batch else ''}global batch {parts.get('global_batch_size')} over "
          f"{parts.get('world_size')} rank(s)"),
         f"device    {_gpu(parts)}, {format_bytes(device.get('total_bytes', 0))}",
         (f"budget    {format_bytes(parts.get('budget_bytes', 0))}, margin {parts.get('margin', 0):.0%}; allowed: "
@@ -301,9 +301,11 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 
 
-def _model(parts: dict[str, Any]) -> str:
+def _model(parts: dict[str, Any], unit: str = "") -> str:
+    """The model's class and parameter count; a script's plan (zero-change) has no count, and shows none."""
     model = parts.get("model", {})
-    return f"{model.get('class', '?')} ({_count(model.get('parameters', 0))})"
+    count = model.get("parameters", 0)
+    return f"{model.get('class', '?')} ({_count(count)}{unit})" if count else str(model.get("class", "?"))
 
 
 def _gpu(parts: dict[str, Any]) -> str:
@@ -318,7 +320,7 @@ def _plan_cell(plan: Plan) -> str:
 
 def _rate(plan: Plan) -> str:
     if plan.tokens_per_second:
-        return _count(plan.tokens_per_second)
+        return f"{_count(plan.tokens_per_second)} tokens/s"
     return f"{plan.samples_per_second:,.1f} samples/s"
 
 

@@ -42,7 +42,7 @@ def plot(key: str, output: Path, cache_path: Path | None, plan_file: Path | None
     """Draw what a search tried: throughput and peak memory against micro-batch, per configuration.
 
     The chosen plan is a star, out-of-memory trials are crosses, and the memory side shows the budget and
-    the limit (budget less margin). Needs matplotlib: pip install 'autotune[plot]'.
+    the limit (budget less margin). Needs matplotlib: pip install matplotlib.
     """
     try:
         require_matplotlib()

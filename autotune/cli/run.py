@@ -18,7 +18,7 @@ from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..cache.rows import printable
 from ..plan import Plan, Trial
 from ..plotting import PlotUnavailable, draw_search, require_matplotlib
-from ..sizes import format_bytes
+from ..sizes import format_bytes, shorten
 from ..workload.batching import check_global_batch_size
 from ..supervisor.runner import (
     DEFAULT_GRACE,
@@ -123,7 +123,7 @@ class _Finite(click.FloatRange):
 @click.option("-q", "--quiet", count=True, help="Less detail: no progress lines.")
 @click.option("--plot", "plot_path", metavar="FILE.png", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw the search (throughput and peak memory per configuration tried) to this image once the "
-              "plan is known; needs matplotlib: pip install 'autotune[plot]'.")
+              "plan is known; needs matplotlib: pip install matplotlib.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(script: str, script_args: tuple[str, ...], verbose: int, quiet: int, json_output: bool,
@@ -240,7 +240,7 @@ def format_trials(trials: Sequence[Trial], plan: Plan | None = None) -> str:
         if plan is not None and mfu:
             share = plan.trial_mfu(t)
             row += f" {f'{share:.1%}' if share is not None else '-':>6}"
-        rows.append(printable(f"{row}  {t.note[:70]}"))  # a cached refusal's trials may be a teammate's
+        rows.append(printable(f"{row}  {shorten(t.note, 70)}"))  # a cached refusal's trials may be a teammate's
     return "\n".join(rows)
 
 
@@ -257,5 +257,5 @@ def format_attempts(attempts: Sequence[Attempt]) -> str:
     for a in attempts:
         peak = format_bytes(a.peak_gpu_bytes) if a.peak_gpu_bytes else "-"
         rows.append(f"{a.number + 1:>7}  {a.micro_batch_size or '?':>5}  {a.outcome:<11} {a.exit_code:>4} "
-                    f"{a.seconds:>8.1f} {peak:>10}  {a.note[:70]}")
+                    f"{a.seconds:>8.1f} {peak:>10}  {shorten(a.note, 70)}")
     return "\n".join(rows)

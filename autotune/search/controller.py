@@ -89,11 +89,17 @@ class _RungState:
         return max(ok) if ok else None
 
 
+# What to change when nothing fits, in `fit`'s words; `autotune run` gives its own options' (`advice`).
+FIT_ADVICE = ("Raise memory_budget, allow more techniques (techniques=('bf16', 'checkpointing', 'offload')), "
+              "or shrink the model or the sequence.")
+
+
 class Controller:
     def __init__(self, runner: Runner, *, per_rank: int, limit_bytes: int, max_micro: int | None = None,
                  max_trials: int = 24, world_size: int = 1, sizes: Sequence[int] | None = None,
-                 remeasure: Runner | None = None) -> None:
+                 remeasure: Runner | None = None, advice: str = FIT_ADVICE) -> None:
         self.runner = runner
+        self.advice = advice  # the last sentence of the error when nothing fits
         self.remeasure = remeasure  # a longer-running runner for the final runoff; None skips it
         self.per_rank = per_rank
         self.limit = limit_bytes
@@ -755,11 +761,9 @@ class Controller:
         seen = (f"the smallest peak seen was {format_bytes(smallest.peak_bytes)} ({smallest.rung.name} at "
                 f"micro-batch {smallest.micro_batch_size})" if smallest else "no trial got far enough to measure a peak")
         skipped = "".join(f" {n}." for n in self.notes)  # why rungs were left out, or the trial budget ran out
-        return (f"no configuration fits under {format_bytes(self.limit)} (memory_budget less margin) even at "
+        return (f"no configuration fits under {format_bytes(self.limit)} (the budget less the margin) even at "
                 f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. "
-                f"Tried: {tried}.{skipped} "
-                "Raise memory_budget, allow more techniques (techniques=('bf16', 'checkpointing', 'offload')), "
-                "or shrink the model or the sequence.")
+                f"Tried: {tried}.{skipped} {self.advice}")
 
 
 def _balanced(micro: int, per_rank: int) -> int:

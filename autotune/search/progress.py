@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..plan import Rung, Trial
-from ..sizes import format_bytes
+from ..sizes import format_bytes, shorten
 
 log = logging.getLogger("autotune.progress")
 
@@ -123,5 +123,5 @@ def describe(trial: Trial) -> str:
     head = f"{trial.rung.name} at micro-batch {trial.micro_batch_size}: {trial.outcome}"
     if trial.outcome == "ok":
         return f"{head}, peak {format_bytes(trial.peak_bytes)}, {trial.samples_per_second:,.1f} samples/s"
-    note = trial.note if len(trial.note) <= 90 else trial.note[:87].rstrip() + "..."
+    note = shorten(trial.note, 90)
     return f"{head}{', ' + note if note else ''}"

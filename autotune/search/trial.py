@@ -31,7 +31,7 @@ from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.losses import LossFn, LossForm, label_counts
 from ..workload.optimizers import OptimizerSpec
 from ..plan import NOISY, Rung, Trial, none_on_the_host
-from ..sizes import format_bytes
+from ..sizes import format_bytes, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import is_sharded, reset_after_failure
 from ..training import distributed
@@ -358,7 +358,7 @@ def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
                 compile_failed: bool = False) -> Trial:
     if timings is None:
         return Trial(rung=rung, micro_batch_size=micro, outcome="error" if compile_failed else "oom",
-                     peak_bytes=peak, seconds=seconds, alloc_retries=retries, note=failure[:200])
+                     peak_bytes=peak, seconds=seconds, alloc_retries=retries, note=shorten(failure, 200))
     step_s, opt_s, compile_s, reduce_s, after_s, noisy = timings
     rate = _rate(step_s, opt_s, work.per_rank, work.world_size, micro)
     outcome = "ok" if peak <= work.limit_bytes else "over_budget"

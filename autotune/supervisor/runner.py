@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from . import agent
 from ..workload.batching import per_rank_batch
-from ..sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes, parse_bytes, shorten
 from ..search.progress import PROGRESS_ENV, progress_for
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..plan import Plan
@@ -308,7 +308,7 @@ def _record_failure(cache: RunCache, plan: Plan, note: str, number: int) -> None
     if store is None:
         return
     store.mark_unsafe(plan.key, micro_batch_size=plan.micro_batch_size,
-                      note=f"OOM in the real run (autotune run, attempt {number + 1}): {note}"[:500])
+                      note=shorten(f"OOM in the real run (autotune run, attempt {number + 1}): {note}", 500))
     log.info("recorded the OOM against plan %s in the cache", plan.key[:12])
 
 

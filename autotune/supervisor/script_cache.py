@@ -23,6 +23,7 @@ from typing import Any
 
 from ..cache.key import canonical_json, runtime_versions
 from ..plan import PLAN_FORMAT_VERSION, Plan
+from ..sizes import shorten
 from . import claims
 from .flags import FlagMap
 
@@ -140,8 +141,8 @@ class ScriptCache:
 
     def record_oom(self, plan: Plan, note: str, attempt: int) -> None:
         if self.store is not None:
-            self.store.mark_unsafe(self.key, micro_batch_size=plan.micro_batch_size,
-                                   note=f"OOM in the real run (autotune run, attempt {attempt + 1}): {note}"[:500])
+            note = f"OOM in the real run (autotune run, attempt {attempt + 1}): {note}"
+            self.store.mark_unsafe(self.key, micro_batch_size=plan.micro_batch_size, note=shorten(note, 500))
 
     def first_plan(self, tuner: Any, *, retune: bool = False) -> Plan:
         """The cached plan when its last run confirmed its claim (or none ran yet); else a tune of `tuner` (a

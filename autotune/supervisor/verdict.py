@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import is_host_oom_kill, is_oom_text
 from ..plan import Plan
+from ..sizes import shorten
 from .process import ChildExit
 
 log = logging.getLogger(__name__)
@@ -98,5 +99,5 @@ def _oom_line(text: str) -> str | None:
         return None
     for line in reversed(text.splitlines()):
         if is_oom_text(line):
-            return line.strip()[:300]
+            return shorten(line.strip(), 300)
     return "out of memory (per the job's output)"

@@ -30,7 +30,7 @@ from ..search.trial import NOISY, NOISY_SPREAD, noise_note, spread
 from ..devices.placement import check_budget
 from ..errors import DeviceError, InvalidSetting
 from ..plan import Plan, Rung, Trial
-from ..sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes, parse_bytes, shorten
 from .process import ChildExit
 from .verdict import Verdict
 
@@ -60,6 +60,13 @@ def script_rungs(flags: FlagMap, allowed: frozenset[str], bf16_off: str = "") ->
     elif flags.checkpointing is None:
         notes.append("no checkpointing rung (no --map checkpointing=FLAG)")
     return rungs, notes
+
+
+def nothing_fits_advice(flags: FlagMap) -> str:
+    """What to change on `autotune run`'s command line when nothing fits: the budget, the knobs left unmapped."""
+    unmapped = [f"--map {knob}=FLAG" for knob in ("checkpointing", "bf16") if getattr(flags, knob) is None]
+    more = f", map more of the script's flags ({', '.join(unmapped)})" if unmapped else ""
+    return f"Raise --budget{more}, or shrink the model or the sequence."
 
 
 def compile_searched(flags: FlagMap, allowed: frozenset[str], target: Target) -> tuple[bool, str]:
@@ -168,7 +175,7 @@ class ScriptTrials:
         ended = self.launch(args, {**self.env, STEPS_ENV: str(1 + self.trial_steps)})
         if ended.kind == "oom":
             return Trial(rung=rung, micro_batch_size=micro, outcome="oom", seconds=ended.exit.seconds,
-                         note=ended.note[:200])
+                         note=shorten(ended.note, 200))
         if ended.kind != "ok":
             hint = (f"; raise --trial-timeout if the script needs longer to start and make {1 + self.trial_steps} "
                     "optimizer steps" if ended.kind == "timeout" else "")
@@ -229,7 +236,8 @@ class ScriptTuner:
     def _tune(self, runner: Callable[[Rung, int], Trial], max_micro: int | None) -> Plan:
         t = self.trials
         controller = Controller(runner, per_rank=t.per_rank, limit_bytes=t.limit_bytes, max_micro=max_micro,
-                                world_size=t.world_size, sizes=divisors(t.per_rank))
+                                world_size=t.world_size, sizes=divisors(t.per_rank),
+                                advice=nothing_fits_advice(t.flags))
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.best
         notes = [*self.notes, *result.notes]

@@ -5,8 +5,8 @@ so a device-stepped model needs about 10 bytes a parameter instead of 16. It cha
 is opt-in: `techniques=(..., "optimizer_8bit")`, never in the default set.
 
 Implementations, the first importable wins: torchao's `AdamW8bit` / `Adam8bit` (pure PyTorch tensor
-subclasses, CPU and CUDA), then bitsandbytes' (CUDA only). Neither is a dependency: `pip install
-'autotune[optim8bit]'` brings torchao. Only Adam and AdamW have an 8-bit form; another optimizer class
+subclasses, CPU and CUDA), then bitsandbytes' (CUDA only). Neither is a dependency: the `optim8bit` extra
+brings torchao (`pip install torchao`). Only Adam and AdamW have an 8-bit form; another optimizer class
 leaves the knob out with a note.
 
 torchao steps each parameter through `torch.compile`; on the simulated CPU device that cannot run under the
@@ -15,8 +15,10 @@ memory ceiling's dispatch mode, so there (and only there) the step runs eagerly:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,9 @@ PACKAGES = ("torchao", "bitsandbytes")
 _CLASSES = {"AdamW": "AdamW8bit", "Adam": "Adam8bit"}
 _MODULES = {"torchao": "torchao.optim", "bitsandbytes": "bitsandbytes.optim"}
 STATE_BYTES = 1  # bytes per state value (the block scales add 4 bytes per 256 values: under 2%)
+# Loggers that warn while torchao is imported: of each optional kernel library it cannot load (built for
+# another Python or CUDA; the 8-bit optimizers use none), and of the enums it registers with torch's pytree.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
 
 
 def backend(device_type: str) -> tuple[str, Any] | None:
@@ -36,10 +41,25 @@ def backend(device_type: str) -> tuple[str, Any] | None:
         if package == "bitsandbytes" and device_type != "cuda":
             continue  # its 8-bit optimizers run CUDA kernels
         try:
-            return package, importlib.import_module(_MODULES[package])
+            with _quiet_import():
+                return package, importlib.import_module(_MODULES[package])
         except ImportError:
             continue
     return None
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """Only errors from `_IMPORT_NOISE` while the block runs; each logger's level is put back after it."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def require(device_type: str) -> tuple[str, Any]:
@@ -49,7 +69,7 @@ def require(device_type: str) -> tuple[str, Any]:
         where = "" if device_type == "cuda" else " (bitsandbytes' 8-bit optimizers need CUDA)"
         raise InvalidSetting(
             "techniques: 'optimizer_8bit' needs torchao or bitsandbytes, and neither is importable" + where +
-            ". Install one (pip install 'autotune[optim8bit]', which brings torchao), or leave "
+            ". Install one (pip install torchao, what the 'optim8bit' extra installs), or leave "
             "'optimizer_8bit' out of techniques")
     return found
 

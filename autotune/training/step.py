@@ -50,7 +50,7 @@ from ..devices.ceiling import SimulatedCeiling
 from ..devices.headroom import shortfall
 from ..devices.placement import Placement, refuse_meta, release_memory, resolve_device
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
-from ..workload.losses import LossFn, LossForm, label_counts, resolve
+from ..workload.losses import APPLY_CALL, LossFn, LossForm, MissingLoss, label_counts, resolve
 from . import clipping
 from .buffers import BufferGuard
 from .eight_bit_link import EightBitLink
@@ -215,7 +215,10 @@ class TrainingStep:
         while True:
             started = time.perf_counter()
             self._buffers.save()  # running statistics, RNG: what the attempt changes besides gradients
-            loss, failure = self._attempt(batch, n)
+            try:
+                loss, failure = self._attempt(batch, n)
+            except MissingLoss as exc:  # the model's own loss is missing: a loss_fn goes to plan.apply here
+                raise exc.passed_to(APPLY_CALL) from exc.__cause__
             if not failure:
                 self._buffers.learn()
                 break

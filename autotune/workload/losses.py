@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -89,10 +90,7 @@ def model_loss(model: torch.nn.Module, batch: Any, num_items_in_batch: float | N
     if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
         loss = out
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise InvalidSetting(
-            "loss_fn: the model's output has no scalar loss (no .loss, no ['loss'], not a 0-dim tensor); pass "
-            "loss_fn=lambda model, batch: ... returning a scalar, e.g. "
-            "loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])")
+        raise MissingLoss("the model's output has no scalar loss (no .loss, no ['loss'], not a 0-dim tensor)")
     return _with_terms(model, out, loss)
 
 
@@ -182,6 +180,48 @@ def is_default(loss_fn: LossFn) -> bool:
     return loss_fn is default_loss or loss_fn is chunked_default_loss
 
 
+FIT_CALL = "autotune.fit(model, batch, loss_fn=...), and plan.apply trains with it too"
+APPLY_CALL = "plan.apply(model, optimizer, loss_fn=...)"
+
+
+class MissingLoss(InvalidSetting):
+    """The default loss found no loss to train on; the message says what loss_fn to write and which call takes
+    it: `autotune.fit` while tuning, `plan.apply` in training (`passed_to`)."""
+
+    def __init__(self, problem: str, where: str = FIT_CALL, otherwise: str = "") -> None:
+        super().__init__(problem, where, otherwise)  # every part in args, so the error pickles whole
+        self.problem, self.where, self.otherwise = problem, where, otherwise
+
+    def __str__(self) -> str:
+        return (f"loss_fn: {self.problem}. Write a loss_fn(model, batch) returning a scalar, e.g. lambda m, b: "
+                f"torch.nn.functional.cross_entropy(m(b[0]), b[1]), and pass it to {self.where}{self.otherwise}")
+
+    def passed_to(self, where: str) -> MissingLoss:
+        return MissingLoss(self.problem, where, self.otherwise)
+
+
+# The loss_fn `fit` was last given for each model in this process, for `plan.apply` to train with: a plan is
+# a plain, cacheable record and does not hold it. Weak on the model, and on a loss_fn that is the model's own
+# bound method; any other loss_fn that refers to its model keeps that model alive while the process runs.
+_FIT_LOSS_FNS: weakref.WeakKeyDictionary[torch.nn.Module, Callable[[], LossFn | None]] = weakref.WeakKeyDictionary()
+
+
+def remember_fit_loss(model: torch.nn.Module, loss_fn: LossFn | None) -> None:
+    """Record `loss_fn` as the one `fit` tuned `model` with (None: the model's own loss)."""
+    if loss_fn is None:
+        _FIT_LOSS_FNS.pop(model, None)
+    elif inspect.ismethod(loss_fn) and loss_fn.__self__ is model:
+        _FIT_LOSS_FNS[model] = weakref.WeakMethod(loss_fn)
+    else:
+        _FIT_LOSS_FNS[model] = lambda: loss_fn
+
+
+def fit_loss(model: torch.nn.Module) -> LossFn | None:
+    """The loss_fn `fit` tuned `model` with in this process, or None."""
+    held = _FIT_LOSS_FNS.get(model)
+    return held() if held is not None else None
+
+
 def _explain_unpacking(model: torch.nn.Module, batch: Any, exc: TypeError) -> None:
     """An `(x, y)` batch the model's forward cannot take as `model(x, y)`: say so, and what loss_fn to pass.
 
@@ -194,11 +234,11 @@ def _explain_unpacking(model: torch.nn.Module, batch: Any, exc: TypeError) -> No
         inspect.signature(model.forward).bind(*batch)
     except TypeError:
         kinds = ", ".join(type(b).__name__ for b in batch)
-        raise InvalidSetting(
-            f"loss_fn: the batch is a {type(batch).__name__} of {len(batch)} ({kinds}), so the default loss calls "
-            f"model(*batch), which {type(model).__name__}.forward does not take ({exc}). Pass a loss_fn, e.g. "
-            "loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), or a dict batch whose keys "
-            "the model takes and whose output has .loss (Hugging Face style)") from exc
+        raise MissingLoss(
+            f"the batch is a {type(batch).__name__} of {len(batch)} ({kinds}), so the default loss calls "
+            f"model(*batch), which {type(model).__name__}.forward does not take ({exc})",
+            otherwise="; or give a dict batch whose keys the model takes and whose output has .loss "
+            "(Hugging Face style)") from exc
     except ValueError:  # no signature to read (a builtin): nothing to add
         return
 
