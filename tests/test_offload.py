@@ -322,7 +322,7 @@ def test_optimizer_8bit_allowed_but_not_installed_names_the_packages(monkeypatch
     for name in ("torchao", "torchao.optim", "bitsandbytes", "bitsandbytes.optim"):
         monkeypatch.setitem(sys.modules, name, None)  # what an absent package looks like to `import`
     model, batch = Wide(), torch.randn(4, 96)
-    with pytest.raises(InvalidSetting, match=r"'optimizer_8bit' needs torchao or bitsandbytes.*autotune\[optim8bit\]"):
+    with pytest.raises(InvalidSetting, match=r"'optimizer_8bit' needs torchao or bitsandbytes.*pip install torchao.*'optim8bit' extra"):
         autotune.fit(model, batch, global_batch_size=4, memory_budget=2**30, device="cpu", cache=False,
                      techniques=("bf16", "optimizer_8bit"))
     autotune.fit(model, batch, global_batch_size=4, memory_budget=2**30, device="cpu", cache=False,
