@@ -66,6 +66,7 @@ def fit(
     loss_fn: Any = None,
     memory_budget: int | str | None = None,
     host_memory_budget: int | str | None = None,
+    max_length: int | None = None,
     device: str | torch.device | None = None,
     cache: Any = None,
     techniques: Any = None,
@@ -90,6 +91,8 @@ def fit(
         host_memory_budget: host RAM the plan may use (offload's masters, moments and pinned buffers, and fit's
             copy of the model), bytes or a string like "96GiB"; default what this process may use (available
             memory, capped by a cgroup limit) less 10%. A configuration over it is never run.
+        max_length: the longest sequence training will see, in tokens; default the example batch's. The
+            trials run the example tiled out to it, so no length training sees can pass the plan's peak.
         device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
         cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
         techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile",
@@ -122,9 +125,10 @@ def fit(
     refuse_meta(model)
     check_optimizer(optimizer, model)  # before the cache: a hit must not serve an optimizer that trains nothing
     settings = FitSettings.resolve(global_batch_size=global_batch_size, memory_budget=memory_budget,
-                                   host_memory_budget=host_memory_budget, margin=margin, device=device, cache=cache, techniques=techniques,
+                                   host_memory_budget=host_memory_budget, max_length=max_length, margin=margin, device=device, cache=cache, techniques=techniques,
                                    measured_steps=trial_steps, max_trials=max_trials, retune=retune)
     placement = resolve_device(settings.device)
+    batch = _at_max_length(batch, settings.max_length)
     store = plan_cache.open_cache(settings.cache)
     try:
         plan = _fit(model, batch, optimizer, loss_fn, settings, placement, store, progress)
@@ -190,6 +194,20 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
     return plan
+
+
+def _at_max_length(batch: Any, max_length: int | None) -> Any:
+    """The example at the longest sequence training will see, so that no length it sees passes the plan's peak."""
+    if max_length is None:
+        return batch
+    length = batches.tokens_per_sample(batch)
+    if length is None:
+        raise InvalidSetting("max_length applies to token batches (an integer tensor of shape (batch, length)) and "
+                             "the example has none; leave max_length out")
+    if max_length < length:
+        raise InvalidSetting(f"max_length ({max_length}) is shorter than the example batch's {length} tokens; pass "
+                             f"an example no longer than max_length, or raise max_length")
+    return batches.lengthen(batch, max_length)
 
 
 def host_limit(settings: FitSettings) -> int:
@@ -437,7 +455,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                 device=placement.kind, device_name=placement.name, source="tuned", reason=reason,
                 trials=tuple(result.trials), flops_per_sample=flops, sharding=sharding, reduce_overlap=reduce_overlap,
                 mfu=utilization(flops, best.samples_per_second, world, peak, best.rung.precision),
-                min_micro_batch_size=result.smallest, techniques=tuple(sorted(allowed)),
+                min_micro_batch_size=result.smallest, techniques=tuple(sorted(allowed)), max_length=tokens,
                 host_peak_bytes=host_budget.need(best.rung, model, spec, placement.kind, fraction=fraction or 1.0,
                                                  overlap=overlap, snapshot=False).total)
 

@@ -179,6 +179,7 @@ class Plan:
     # recomputes them: the first checkpointed_blocks are; () where unknown (found again from the model)
     format_version: int = PLAN_FORMAT_VERSION
     host_peak_bytes: int | None = None  # host bytes the configuration allocates (offload's buffers); None: unknown
+    max_length: int | None = None  # the longest sequence the trials ran (fit's max_length); None: not a token batch
     # The `PlanCache` `fit` read or wrote this plan in: where a recovery during training records the OOM and
     # the safer plan (never another cache). Local to this process: not stored, compared, printed or read back.
     cache: Any = field(default=None, compare=False, repr=False)

@@ -25,6 +25,7 @@ ENV = {
     "global_batch_size": "AUTOTUNE_GLOBAL_BATCH_SIZE",
     "memory_budget": "AUTOTUNE_MEMORY_BUDGET",
     "host_memory_budget": "AUTOTUNE_HOST_BUDGET",
+    "max_length": "AUTOTUNE_MAX_LENGTH",
     "margin": "AUTOTUNE_MARGIN",
     "device": "AUTOTUNE_DEVICE",
     "cache": "AUTOTUNE_CACHE",
@@ -40,6 +41,7 @@ class FitSettings:
     global_batch_size: int | None = None
     memory_budget: int | str | None = None
     host_memory_budget: int | str | None = None
+    max_length: int | None = None
     margin: float = DEFAULT_MARGIN
     device: str | None = None
     cache: Any = None
@@ -57,6 +59,10 @@ class FitSettings:
             parse_bytes(self.memory_budget)  # NaN, infinite, negative or unreadable: refused before any work
         if self.host_memory_budget is not None:
             parse_bytes(self.host_memory_budget, "host_memory_budget")
+        if self.max_length is not None and (isinstance(self.max_length, bool) or not isinstance(self.max_length, int)
+                                            or self.max_length < 1):
+            raise InvalidSetting(f"max_length must be a positive number of tokens (the longest sequence training "
+                                 f"will see), got {brief(self.max_length)}")
         if (isinstance(self.margin, bool) or not isinstance(self.margin, (int, float))
                 or not 0 <= self.margin < 0.9):  # NaN fails the range test too
             raise InvalidSetting(f"margin must be a fraction in [0, 0.9), e.g. 0.1 for 10% headroom; "
@@ -110,7 +116,7 @@ def _from_env(name: str) -> Any:
     if raw is None or raw == "":
         return None
     try:
-        if name in ("global_batch_size", "measured_steps", "max_micro_batch"):
+        if name in ("global_batch_size", "measured_steps", "max_micro_batch", "max_length"):
             return int(raw)
         if name == "margin":
             return float(raw)

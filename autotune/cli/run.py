@@ -92,6 +92,8 @@ class _Finite(click.FloatRange):
 @click.option("--global-batch-size", type=click.IntRange(min=1), help="Samples per optimizer step over all ranks.")
 @click.option("--budget", metavar="SIZE", help="Memory budget per GPU, e.g. 24GiB (default: free memory; "
               "on the CPU the simulated ceiling).")
+@click.option("--max-length", type=click.IntRange(min=1), help="The longest sequence training will see, in tokens "
+              "(default: the example batch's); the trials run at it.")
 @click.option("--host-budget", metavar="SIZE", help="Host memory the plan may use, e.g. 96GiB: optimizer offload's "
               "masters, moments and pinned buffers (default: available memory, capped by a cgroup limit, less 10%).")
 @click.option("--cache", metavar="PATH", help="Plan cache file, or 'off' (default: $AUTOTUNE_CACHE, else the user "

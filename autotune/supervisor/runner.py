@@ -70,6 +70,7 @@ class RunOptions:
     global_batch_size: int | None = None
     budget: str | None = None
     host_budget: str | None = None  # host memory the plan may use (cooperative: the job's fit reads it)
+    max_length: int | None = None  # the longest sequence training will see (cooperative: the job's fit reads it)
     cache: str | None = None  # a path, or "off"; default $AUTOTUNE_CACHE, else the user cache
     margin: float | None = None
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -241,7 +242,7 @@ def _show_tail(text: str, lines: int = 40) -> None:
 def _cooperative_env(opts: RunOptions) -> dict[str, str]:
     """The run's options as the `AUTOTUNE_*` variables `fit` reads; options not given are left out."""
     given = {"global_batch_size": opts.global_batch_size, "memory_budget": opts.budget, "margin": opts.margin,
-             "host_memory_budget": opts.host_budget,
+             "host_memory_budget": opts.host_budget, "max_length": opts.max_length,
              "device": opts.device, "cache": opts.cache, "measured_steps": opts.trial_steps}
     env = {ENV[name]: str(value) for name, value in given.items() if value is not None}
     if opts.tune_only:

@@ -185,6 +185,7 @@ class TrainingStep:
         self._clean_steps = 0
         self._probing = False
         self._warned_size = False
+        self._warned_length = False
         self._micro_step = -1  # the micro-batch running now, for the record of a recovery
         self._micro_size = 0  # and its number of samples
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
@@ -210,6 +211,7 @@ class TrainingStep:
         batch = batches.to_device(batch, self.placement.torch_device)
         n = batches.batch_size(batch, "step(batch)")
         self._check_size(n)
+        self._check_length(batch)
         self._maybe_grow()
         failed: list[Trial] = []
         while True:
@@ -599,6 +601,16 @@ class TrainingStep:
             log.warning("autotune: step(batch) got %d samples but the plan was made for %d per rank; the step is "
                         "still exact for the batch it gets (global batch = what you pass)",
                         n, self.plan.per_rank_batch_size)
+
+    def _check_length(self, batch: Any) -> None:
+        """Warn once when a batch is longer than the longest sequence the plan was tuned for (`max_length`)."""
+        length = batches.tokens_per_sample(batch)
+        if self._warned_length or self.plan.max_length is None or length is None or length <= self.plan.max_length:
+            return
+        self._warned_length = True
+        log.warning("autotune: a batch of %d tokens per sample is longer than the %d the plan was tuned for "
+                    "(max_length): its peak may pass the plan's; tune with fit(..., max_length=%d) (autotune run "
+                    "--max-length), or cut the batches", length, self.plan.max_length, length)
 
     def _config(self) -> str:
         return _describe(self.plan)

@@ -158,6 +158,24 @@ def tokens_per_sample(batch: Batch) -> int | None:
     return None
 
 
+def lengthen(batch: Batch, length: int) -> Batch:
+    """`batch` with its sequence dimension (dim 1 of every tensor as long as its token tensor's) tiled out to
+    `length`: the example a trial runs at the longest sequence training will see. Token ids, labels and masks
+    repeat their own values, so the model sees real ids and the loss counts every position."""
+    t = tokens_per_sample(batch)
+    if t is None or length <= t:
+        return batch
+
+    def longer(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[1] != t:
+            return x
+        reps = [1] * x.dim()
+        reps[1] = -(-length // t)
+        return x.repeat(*reps)[:, :length].contiguous()
+
+    return _map(batch, longer)
+
+
 def tensors(batch: Batch) -> list[torch.Tensor]:
     """Every tensor in the batch, in a fixed order."""
     return _leaves(batch)
