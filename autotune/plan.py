@@ -292,10 +292,11 @@ class Plan:
             share = f", {none_on_the_host(self.world_size)}"
         share += " (serial)" if self.offload_overlap is False else ""
         share += ", gradients all-reduced after backward" if self.reduce_overlap is False else ""
+        host = f", {format_bytes(self.host_peak_bytes)} on the host" if self.host_peak_bytes else ""
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
                 f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
                 f"peak {format_bytes(self.peak_memory_bytes)} of {format_bytes(self.memory_budget_bytes)}"
-                f"{mfu}{trained}")
+                f"{host}{mfu}{trained}")
 
     def trial_mfu(self, trial: Trial) -> float | None:
         """A trial's MFU, from the plan's: the same FLOPs per sample on the same GPU, so it scales with

@@ -55,6 +55,7 @@ def test_a_host_budget_that_holds_offload_gives_a_plan_under_it(gpt, tmp_path):
     assert plan.offload == "optimizer" and plan.source == "tuned"
     # what the plan allocates on the host, without fit's copy of the model: under the budget
     assert 0 < plan.host_peak_bytes <= need + 2**20
+    assert " on the host" in plan.summary()
     again = _fit(model, batch, host_memory_budget=need + 2**20, cache=cache)
     assert again.source == "cache" and again.host_peak_bytes == plan.host_peak_bytes  # through the cache
     # A host with less room than the plan allocates: not served from the cache; tuned, and nothing fits there.
