@@ -105,3 +105,25 @@ def test_autotune_run_passes_the_host_budget_to_the_job_and_refuses_a_bad_one(tm
     assert env["AUTOTUNE_HOST_BUDGET"] == "96GiB"  # the job's fit reads it (FitSettings.resolve)
     result = CliRunner().invoke(cli, ["run", "--host-budget", "lots", str(script)])
     assert result.exit_code == 2 and "--host-budget" in result.output and "Traceback" not in result.output
+
+
+def test_autotune_run_tells_a_host_memory_kill_and_restarts_with_a_smaller_host_budget(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "host_hog.py")
+    env = {**os.environ, "AUTOTUNE_CACHE": "off"}
+    done = subprocess.run([sys.executable, "-m", "autotune", "run", "--host-budget", "400MiB", "--max-restarts", "1",
+                           script, "380"], capture_output=True, text=True, env=env, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out  # killed again after the restart: nothing fits
+    assert "killed by SIGKILL while host memory was near exhausted" in out
+    given = re.findall(r"host budget given: (\S+)", out)
+    assert given[0] == "400MiB" and len(given) == 2
+    from autotune.sizes import parse_bytes
+
+    reached = parse_bytes(re.search(r"the job reached ([\d.]+ \w+) resident", out).group(1).replace(" ", ""))
+    assert reached >= 380 * 2**20 and int(given[1]) < reached  # the restart's host budget: under what it reached
+    assert "Traceback" not in out

@@ -19,11 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import psutil
 
+from ..devices import host as host_memory
 from ..devices.nvml import MemorySampler
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class ChildExit:
     output_tail: str = ""  # last TAIL_BYTES of what the child wrote to the captured stream(s)
     peak_gpu_bytes: int | None = None  # largest single process of the job, per NVML
     peak_gpu_total_bytes: int | None = None  # all processes of the job together, per NVML
+    peak_host_bytes: int | None = None  # the job's processes' resident memory together, at its largest
+    least_available_bytes: int | None = None  # the machine's available memory at its least while the job ran
 
 
 class Child:
@@ -117,6 +120,7 @@ class Child:
         assert self.proc is not None, "start() first"
         started = time.monotonic()
         sampler = MemorySampler(lambda: self._pids).start()
+        host = HostSampler(lambda: {self.proc.pid, *self._pids}).start()  # type: ignore[union-attr]
         tracked_at = 0.0
         try:
             while True:
@@ -132,12 +136,14 @@ class Child:
             self._clean_leftovers()
         finally:
             sampler.stop()
+            host.stop()
         if self._reader is not None:
             self._reader.join(timeout=5)
         return ChildExit(returncode=self.proc.returncode, seconds=time.monotonic() - started,
                          timed_out=self._timed_out, signal_received=self._signal,
                          output_tail=self._tail.decode(errors="replace"),
-                         peak_gpu_bytes=sampler.peak_process_bytes, peak_gpu_total_bytes=sampler.peak_total_bytes)
+                         peak_gpu_bytes=sampler.peak_process_bytes, peak_gpu_total_bytes=sampler.peak_total_bytes,
+                         peak_host_bytes=host.peak_rss_bytes, least_available_bytes=host.least_available_bytes)
 
     def _enforce(self, elapsed: float) -> None:
         """Stop the job at its deadline; kill it when it outlives the grace period after a stop."""
@@ -198,6 +204,46 @@ class Child:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         psutil.wait_procs(alive, timeout=5)
+
+
+class HostSampler:
+    """Samples, in a background thread, the job's resident memory (its processes together) and the machine's
+    available memory: what tells a job the kernel killed for host memory from one killed for another reason."""
+
+    def __init__(self, pids: Callable[[], Iterable[int]], interval: float = 0.2) -> None:
+        self._pids = pids
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.peak_rss_bytes: int | None = None
+        self.least_available_bytes: int | None = None
+
+    def start(self) -> HostSampler:
+        self._thread = threading.Thread(target=self._loop, name="autotune-host-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self._interval)
+
+    def _sample(self) -> None:
+        rss = 0
+        for pid in set(self._pids()):
+            try:
+                rss += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                continue  # gone between the listing and the reading
+        available = host_memory.available_bytes()
+        self.peak_rss_bytes = max(self.peak_rss_bytes or 0, rss)
+        self.least_available_bytes = min(self.least_available_bytes or available, available)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

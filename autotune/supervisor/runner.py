@@ -204,7 +204,8 @@ class Launcher:
                           timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
                           name=os.path.basename(opts.script))
             exit_ = self.forwarder.run(child)
-            verdict = classify(exit_, agent.read_results(result_file))
+            host_budget = parse_bytes(opts.host_budget, "--host-budget") if opts.host_budget is not None else None
+            verdict = classify(exit_, agent.read_results(result_file), host_budget)
         self.plan = verdict.plan or self.plan
         if self.forwarder.received is not None:
             raise Interrupted(self.forwarder.received)
@@ -275,6 +276,9 @@ def _cooperative(opts: RunOptions, launcher: Launcher, cache: RunCache) -> RunRe
             if verdict.plan is not None:
                 plan = _record_run(cache, claims.judge(verdict.plan, verdict.records))
             return _finish(verdict, plan, attempts)
+        if verdict.host_memory:
+            base = _lower_host_budget(base, verdict, number, opts.max_restarts)
+            continue
         failed = verdict.plan
         if failed is None:
             return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
@@ -292,6 +296,20 @@ def _cooperative(opts: RunOptions, launcher: Launcher, cache: RunCache) -> RunRe
                         "micro-batch at most %d", number + 1, failed.micro_batch_size, verdict.note, number + 1,
                         opts.max_restarts, cap)
     return _spent(opts, plan, attempts)
+
+
+HOST_BACKOFF = 0.8  # a job killed for host memory is restarted with a host budget this far below what it reached
+
+
+def _lower_host_budget(env: dict[str, str], verdict: Verdict, number: int, restarts: int) -> dict[str, str]:
+    """The job's environment for a restart after a kill for host memory: a host budget under what it reached,
+    and a retune (a cached plan made under more host room must not come back)."""
+    reached = verdict.exit.peak_host_bytes or 0
+    budget = max(1, int(HOST_BACKOFF * reached))
+    if number < restarts:
+        log.warning("attempt %d was %s; restarting (%d of %d) with a host budget of %s", number + 1, verdict.note,
+                    number + 1, restarts, format_bytes(budget))
+    return {**env, ENV["host_memory_budget"]: str(budget), ENV["retune"]: "1"}
 
 
 def _warn_if_ranks_alone(opts: RunOptions, plan: Plan | None) -> None:

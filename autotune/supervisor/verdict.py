@@ -14,9 +14,11 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from ..errors import is_host_oom_kill, is_oom_text
 from ..plan import Plan
-from ..sizes import shorten
+from ..sizes import format_bytes, shorten
 from .process import ChildExit
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class Verdict:
     exit_code: int  # what `autotune run` exits with if this ends the run
     exit: ChildExit
     records: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    host_memory: bool = False  # killed by SIGKILL with no result while host memory was near exhausted
 
     @property
     def autotune_error(self) -> str | None:
@@ -53,12 +56,14 @@ class Verdict:
         return None
 
 
-def classify(exit_: ChildExit, records: list[dict[str, Any]]) -> Verdict:
-    """Decide why the job ended from its exit, its result records (one per rank) and its output tail."""
+def classify(exit_: ChildExit, records: list[dict[str, Any]], host_budget: int | None = None) -> Verdict:
+    """Decide why the job ended from its exit, its result records (one per rank) and its output tail.
+
+    `host_budget`: the run's `--host-budget` in bytes, against which the job's sampled memory is judged."""
     records_t = tuple(records)
 
-    def verdict(kind: str, note: str, code: int) -> Verdict:
-        return Verdict(kind=kind, note=note, exit_code=code, exit=exit_, records=records_t)
+    def verdict(kind: str, note: str, code: int, host: bool = False) -> Verdict:
+        return Verdict(kind=kind, note=note, exit_code=code, exit=exit_, records=records_t, host_memory=host)
 
     if exit_.signal_received is not None:
         name = signal.Signals(exit_.signal_received).name
@@ -84,9 +89,27 @@ def classify(exit_: ChildExit, records: list[dict[str, Any]]) -> Verdict:
     if line is not None:
         return verdict("oom", line, code)
     if is_host_oom_kill(exit_.returncode, wrote_result=any("outcome" in r for r in records)):
+        if host_exhausted(exit_, host_budget):
+            return verdict("oom", f"killed by SIGKILL while host memory was near exhausted (the job reached "
+                                  f"{format_bytes(exit_.peak_host_bytes or 0)} resident, "
+                                  f"{format_bytes(exit_.least_available_bytes or 0)} available at the least)",
+                           code, host=True)
         return verdict("oom", "killed by SIGKILL without leaving a result: host memory suspected "
                               "(the kernel's OOM killer)", code)
     return verdict("error", f"exited with code {code}", code)
+
+
+NEAR_EXHAUSTED = 0.9  # of the host budget the job reached, or of the machine's memory gone, to call it exhausted
+
+
+def host_exhausted(exit_: ChildExit, host_budget: int | None) -> bool:
+    """Whether the job's sampled memory says host memory ran out: it reached `NEAR_EXHAUSTED` of the host budget,
+    or the machine's available memory fell under 1 - `NEAR_EXHAUSTED` of its total."""
+    if exit_.peak_host_bytes and host_budget and exit_.peak_host_bytes >= NEAR_EXHAUSTED * host_budget:
+        return True
+    total = psutil.virtual_memory().total
+    least = exit_.least_available_bytes
+    return least is not None and least < (1 - NEAR_EXHAUSTED) * total
 
 
 def shell_code(returncode: int) -> int:
