@@ -39,8 +39,8 @@ from .sizes import format_bytes, parse_bytes, shorten
 from .settings import FitSettings
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
-from .techniques import (anchors, drop_rungs_over, dtype_conflict, eight_bit_anchors, find_blocks, parse_techniques,
-                         profile_blocks, resident_floor, serve_dtypes)
+from .techniques import (anchors, drop_rungs_over, dtype_conflict, eight_bit_anchors, find_blocks, is_float64,
+                         keep_dtype, parse_techniques, profile_blocks, resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters, overlap_default
 from .techniques.offload_stream import streams
 from .techniques import offload_partition
@@ -98,7 +98,8 @@ def fit(
         techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile",
             "optimizer_8bit", "chunked_loss"); default all but the opt-in "optimizer_8bit" (AdamW with
             8-bit state) (compile is searched on CUDA only; "chunked_loss" computes a Hugging Face causal
-            LM's head and loss a chunk of tokens at a time when loss_fn is None).
+            LM's head and loss a chunk of tokens at a time when loss_fn is None). A float64 model is tuned
+            without bf16 autocast unless `techniques` names "bf16" (the default does not count for it).
         margin: fraction of the budget kept free (default 0.1).
         retune: ignore a cached plan and tune again.
         trial_steps: measured optimizer steps per trial (after one warm-up step).
@@ -154,7 +155,7 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     budget_now = distributed.smallest(budget_now)  # every rank searches under the same limit, so all decide alike
     # A default budget is a moving reading; the key holds it rounded to a stable step (devices/headroom.py).
     budget = budget_now if settings.memory_budget is not None else stable_budget(budget_now, placement.total_bytes)
-    allowed = parse_techniques(settings.techniques)
+    allowed = keep_dtype(parse_techniques(settings.techniques), model, settings.techniques)  # float64 stays
     parts = plan_cache.key_parts(model=model, batch=batch, global_batch_size=global_batch, world_size=world,
                                  placement=placement, budget_bytes=budget, techniques=allowed,
                                  margin=settings.margin, optimizer=optimizer, loss_fn=loss_fn,
@@ -388,7 +389,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         profiled = "checkpointing" in allowed and not is_sharded(tuned)
         blocks = (profile_blocks(tuned, example, loss, placement) if profiled
                   else find_blocks(tuned))  # sharding's units; and the model's own checkpointing, reported
-        rungs, notes = anchors(allowed, placement, blocks)
+        rungs, notes = anchors(allowed, placement, blocks, float64=is_float64(tuned))
         notes += _loss_notes(loss_fn, loss, tuned, allowed)
         rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
         notes += more
@@ -477,7 +478,8 @@ def _offload_share(result: SearchResult, runner: TrialRunner, model: nn.Module, 
     candidate = best if best.rung.offload == "optimizer" else offload_rival(result.trials, best, per_rank, NOISE)
     if candidate is None:
         return best, None
-    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    params = [trainable[i] for i in spec.held()]  # what the host optimizer splits: the parameters it trains
     chosen, fraction, ran, notes = choose_offload_fraction(
         candidate, lambda f: runner(candidate.rung, candidate.micro_batch_size, offload_fraction=f), params, limit,
         state_tensors_per_parameter(spec), norm_parameters(model),

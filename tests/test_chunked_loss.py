@@ -43,6 +43,22 @@ def test_linear_cross_entropy_equals_cross_entropy_of_the_full_logits(num_items,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_a_float64_head_computes_in_float64_under_bf16_autocast():
+    """Autocast leaves float64 operators alone, so the model's own head runs in float64 there: so does the chunk."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(29, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 29, (2, 7), generator=g)
+    want = F.cross_entropy((hidden @ weight.T).reshape(-1, 29), targets.reshape(-1))
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(hidden, weight, None, targets)
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_without_grad_it_is_the_loss_alone():
     hidden, weight = torch.randn(2, 5, 4, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64)
     targets = torch.randint(0, 9, (2, 5))
@@ -88,6 +104,10 @@ def test_models_it_cannot_chunk_say_why():
                                            num_attention_heads=2, num_key_value_heads=2, head_dim=8)
         assert "changes the logits" in why_not(gemma2(config))
     assert resolve(None, nn.Linear(2, 2), chunked=True) is default_loss  # not a causal LM: the plain loss
+    # Mamba's forward returns `self.lm_head(...).float()`: the model rounds its logits where the chunks would not
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+                                      conv_kernel=2)
+    assert ".float()" in why_not(transformers.MambaForCausalLM(config))
 
 
 def test_the_step_uses_it_unless_techniques_leave_it_out():

@@ -18,7 +18,7 @@ import autotune
 from autotune.errors import InvalidSetting
 from autotune.plan import Rung
 from autotune.techniques import resident_floor, serve_dtypes
-from test_step import Net, make_plan, seq_batch
+from test_step import Net, make_plan, seq_batch, sgd
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
 
@@ -60,6 +60,43 @@ def test_every_rung_trains_in_the_models_dtype_and_close_gives_it_back(dtype, ru
     assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {dtype}
 
 
+@pytest.mark.slow  # importing transformers takes seconds
+def test_a_float64_llama_through_fits_own_plan_equals_a_float64_full_batch_step():
+    """The default techniques hold bf16, which does not count as asking for it on a float64 model: the plan
+    keeps float64, and its chunked head computes in float64 too."""
+    pytest.importorskip("transformers")
+    from test_models import full_batch_step, padded_lm_batch, tiny_llama
+
+    model, batch = tiny_llama(), padded_lm_batch()
+    plan = autotune.fit(model, batch, memory_budget="64MiB", device="cpu", cache=False, progress=False,
+                        trial_steps=1, max_trials=4)
+    assert plan.precision == "fp32" and "float64 model: kept in float64" in plan.reason, plan.reason
+    assert "chunked_loss: the LM head" in plan.reason, plan.reason
+    want = full_batch_step(model, batch)
+    got = copy.deepcopy(model)
+    with plan.apply(got, sgd(got.parameters())) as step:
+        step(batch)
+    for a, b in zip(got.parameters(), want.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_float64_model_tunes_onto_optimizer_offload_in_float64_by_default():
+    """Under optimizer offload float64 weights keep their dtype on the device, so a float64 model at a budget
+    only that rung fits keeps it without bf16: fp32 precision, its optimizer state on the host."""
+    model = model_in(torch.float64)
+    batch = seq_batch(8, 4, seed=1)
+    budget = int(0.98 * resident_floor(Rung(), model, state_tensors=2) / 0.9)  # the plain rung's floor is over
+    plan = autotune.fit(model, batch, memory_budget=budget, device="cpu", cache=False, progress=False,
+                        trial_steps=1)
+    assert (plan.precision, plan.offload) == ("fp32", "optimizer"), plan.reason
+    assert "float64 model: kept in float64" in plan.reason
+    start = copy.deepcopy(model)
+    with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-2)) as step:
+        assert math.isfinite(step(batch)) and set(dtypes(model)) == {torch.float64}
+    assert dtypes(model) == dtypes(start) and any(not torch.equal(p, q) for p, q in
+                                                  zip(model.parameters(), start.parameters()))
+
+
 def test_a_float64_model_tunes_onto_optimizer_offload_and_trains_in_float64():
     model = model_in(torch.float64)
     batch = seq_batch(8, 4, seed=1)
@@ -69,7 +106,7 @@ def test_a_float64_model_tunes_onto_optimizer_offload_and_trains_in_float64():
     start = copy.deepcopy(model)
     plan = autotune.fit(model, batch, memory_budget=budget, device="cpu", cache=False,
                         techniques=("bf16", "offload"))
-    assert plan.offload == "optimizer", plan.reason
+    assert (plan.precision, plan.offload) == ("bf16", "optimizer"), plan.reason  # bf16 named: asked for
     assert dtypes(model) == dtypes(start) and all(torch.equal(p, q) for p, q in
                                                   zip(model.parameters(), start.parameters()))
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-2))

@@ -221,9 +221,9 @@ class Wide(nn.Module):
         return self.layers(x).square().mean()
 
 
-def second_step_peak(plan: Plan, model: nn.Module, batch) -> int:
+def second_step_peak(plan: Plan, model: nn.Module, batch, make_opt=None) -> int:
     m = copy.deepcopy(model)
-    step = TrainingStep(plan, m, torch.optim.AdamW(m.parameters()))
+    step = TrainingStep(plan, m, make_opt(m) if make_opt else torch.optim.AdamW(m.parameters()))
     step(batch)  # the optimizer state appears at the first step
     step(batch)
     step.close()
@@ -270,6 +270,65 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
     assert abs(step.optimizer.fraction - plan.offload_fraction) < 1e-12
     assert (step.optimizer.pipeline is not None) == plan.offload_overlap
     step.close()
+
+
+def top_only(model: Wide) -> torch.optim.Optimizer:
+    """An optimizer over the top half of the layers; `requires_grad` is left on below, where nobody trains."""
+    return torch.optim.AdamW(model.layers[6:].parameters(), lr=1e-2)
+
+
+def test_an_optimizer_over_the_top_layers_tunes_onto_a_partial_share_and_trains_them_alone():
+    """The share search splits what the optimizer trains; the layers below, outside every group, get no host
+    master or state and are trained by nobody, as in plain PyTorch."""
+    torch.manual_seed(0)
+    model = Wide()
+    batch = torch.randn(4, 96)
+    on_host = second_step_peak(make_plan(4, 4), model, batch, top_only)
+    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    on_device = second_step_peak(plain, model, batch, top_only)
+    budget = int((on_host + 3 * on_device) / 4 / 0.9)  # a share of the optimized layers' state on the host fits
+    tuned = copy.deepcopy(model)
+    plan = autotune.fit(tuned, batch, global_batch_size=4, memory_budget=budget, device="cpu", cache=False,
+                        optimizer=top_only(tuned), techniques=("bf16", "offload"), max_trials=8)
+    assert plan.offload == "optimizer" and 0 < plan.offload_fraction < 1, plan.reason
+    m = copy.deepcopy(model)
+    step = plan.apply(m, top_only(m))
+    below = [p for layer in m.layers[:6] for p in layer.parameters()]
+    assert {id(p) for p in step.optimizer.params}.isdisjoint(map(id, below))  # no master, no state for them
+    for _ in range(2):
+        step(batch)
+    assert step.recoveries == [] and step.last_peak_bytes <= 0.9 * budget
+    step.close()
+    for a, b in zip(m.parameters(), model.parameters()):
+        assert torch.equal(a, b) == any(a is p for p in below)  # the lower layers as they were, the top trained
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.2, 1.0])
+def test_a_partial_optimizer_under_offload_steps_as_plain_pytorch(fraction):
+    """float64 keeps its weights on the device under optimizer offload, so the step is exact: the top layers'
+    update is the plain PyTorch one whatever share of them is on the host, and the lower ones are untouched."""
+    torch.manual_seed(0)
+    model = Wide(width=8).double()
+    data = [torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    want = copy.deepcopy(model)
+    opt = top_only(want)
+    for x in data:
+        want(x).backward()
+        opt.step()
+        opt.zero_grad()
+    got = copy.deepcopy(model)
+    user = top_only(got)
+    plan = make_plan(4, 6, precision="fp32", fraction=fraction)  # 4 + 2 micro-batches
+    with plan.apply(got, user) as step:
+        held = {id(p) for p in step.optimizer.params}
+        assert held == {id(p) for p in got.layers[6:].parameters()}  # no master or state for the lower layers
+        for x in data:
+            step(x)
+        state = user.state_dict()["state"]
+    assert len(state) == 6 and all(float(s["step"]) == len(data) for s in state.values())
+    for (name, a), b in zip(got.named_parameters(), want.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    assert all(torch.equal(a, b) for a, b in zip(got.layers[:6].parameters(), model.layers[:6].parameters()))
 
 
 def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(monkeypatch):

@@ -86,7 +86,10 @@ class TrialRunner:
         all-reduced step that many times each way, in buckets and in one after backward (`ReduceGate`)."""
         work = self.work
         started = time.perf_counter()
-        micro_batch = batches.resize(work.batch, micro)
+        # Training may hold this rank's whole batch on the device (the caller put it there) while its micro-batches
+        # run: the trial holds one of that size too, its micro-batch a view of it, so every peak counts it.
+        held = batches.resize(work.batch, work.per_rank)
+        micro_batch = batches.take(held, 0, micro)
         meter = MemoryMeter(work.placement, work.budget_bytes)
         applied: AppliedRung | None = None
         timings: tuple[float, float, float, float, float, str] | None = None
@@ -96,7 +99,7 @@ class TrialRunner:
         gate = ReduceGate(work.model)
         try:
             try:
-                with meter.watching(work.model, micro_batch), distributed.armed():  # a trial may run out of memory
+                with meter.watching(work.model, held), distributed.armed():  # a trial may run out of memory
                     applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
                                          offload_fraction=offload_fraction, overlap=True if overlap else None)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
@@ -120,7 +123,7 @@ class TrialRunner:
             reading = meter.read()
         finally:
             _clean_up(work, applied, device_calls=not poisoned)
-        del micro_batch
+        del micro_batch, held
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
                             time.perf_counter() - started, compile_failed)
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else

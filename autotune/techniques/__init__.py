@@ -39,12 +39,13 @@ from .blocks import BlockGroup, find_blocks, profile_blocks
 from .offload import HostOptimizer, device_dtype, local_part, norm_parameters
 from .precision import autocast_factory, choose_precision, make_scaler
 
+FLOAT64_KEPT = "float64 model: kept in float64 (bf16 autocast only where techniques names 'bf16')"
 TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss")
 DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "chunked_loss")  # 8-bit state changes the numerics: opt-in
 
 __all__ = ["TECHNIQUES", "DEFAULT_TECHNIQUES", "AppliedRung", "apply_rung", "anchors", "block_count",
-           "drop_rungs_over", "dtype_conflict", "eight_bit_anchors", "ladder", "resident_floor", "parse_techniques",
-           "serve_dtypes", "find_blocks", "profile_blocks", "BlockGroup"]
+           "drop_rungs_over", "dtype_conflict", "eight_bit_anchors", "is_float64", "keep_dtype", "ladder",
+           "resident_floor", "parse_techniques", "serve_dtypes", "find_blocks", "profile_blocks", "BlockGroup"]
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
@@ -61,10 +62,28 @@ def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
     return chosen
 
 
+def keep_dtype(allowed: frozenset[str], model: nn.Module, given: Iterable[str] | str | None) -> frozenset[str]:
+    """The techniques `model` is tuned with: a float64 model keeps float64, so "bf16" is dropped unless `given`
+    (the techniques the user named: fit's `techniques`, else $AUTOTUNE_TECHNIQUES) names it. The default set,
+    which holds "bf16" for the usual float32 model, does not count as asking for it. A float32 model asks
+    for float32 the same way: by a `techniques` without "bf16"."""
+    if "bf16" not in allowed or not is_float64(model) or (given is not None and "bf16" in parse_techniques(given)):
+        return allowed
+    return allowed - {"bf16"}
+
+
+def is_float64(model: nn.Module) -> bool:
+    """Whether `model` trains float64 weights: a model holding any chose float64 for them."""
+    return any(p.requires_grad and p.dtype == torch.float64 for p in model.parameters())
+
+
 def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None, *,
-           compile: bool = False) -> tuple[list[Rung], list[str]]:
+           compile: bool = False, float64: bool = False) -> tuple[list[Rung], list[str]]:
     """The line recovery climbs, cheapest first, and a note for each rung left out and why: no
-    checkpointing, half the blocks, all of them, then activation offload, then optimizer offload."""
+    checkpointing, half the blocks, all of them, then activation offload, then optimizer offload.
+
+    `float64`: the model trains float64 weights (`is_float64`), which keep their dtype on the device under
+    optimizer offload, so an fp32 ladder keeps that rung (its state on the host) where a float32 one cannot."""
     precision, _ = choose_precision("bf16" in allowed, placement)
     notes: list[str] = []
     n = len(blocks.blocks) if blocks is not None else 0
@@ -82,21 +101,22 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
     if "offload" in allowed:
         if top:
             rungs.append(_rung(precision, top, n, "activations", compile))
-        if precision != "fp32":
+        if precision != "fp32" or float64:
             rungs.append(_rung(precision, top, n, "optimizer", compile))
         else:
             notes.append("optimizer offload skipped: it keeps 16-bit weights on the device and fp32 was asked for")
     return rungs, notes
 
 
-def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None) -> tuple[list[Rung], list[str]]:
-    """The eager configurations the search measures first, in the order it tries them.
+def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None, *,
+            float64: bool = False) -> tuple[list[Rung], list[str]]:
+    """The eager configurations the search measures first, in the order it tries them (`float64`: see `ladder`).
 
     Every offload is tried with no block and with every block recomputed: these corners give the bytes
     per sample with and without recompute and the resident floor with and without optimizer offload,
     from which the search predicts the rest of the lattice (intermediate block counts, compile).
     """
-    rungs, notes = ladder(allowed, placement, blocks)
+    rungs, notes = ladder(allowed, placement, blocks, float64=float64)
     n = len(blocks.blocks) if blocks is not None else 0
     plain = [r for r in rungs if r.offload == "none" and r.checkpointed_blocks in (0, n)]
     optimizer = [r for r in rungs if r.offload == "optimizer"]
@@ -178,8 +198,10 @@ def dtype_conflict(rung: Rung, model: nn.Module) -> str | None:
 
 
 def serve_dtypes(rungs: list[Rung], model: nn.Module) -> tuple[list[Rung], list[str]]:
-    """The rungs that can train `model`'s dtypes, and a note for each kind left out."""
-    kept, notes = [], []
+    """The rungs that can train `model`'s dtypes, and a note for each kind left out (and for a float64 model
+    kept in float64)."""
+    kept: list[Rung] = []
+    notes = [FLOAT64_KEPT] if is_float64(model) and rungs and all(r.precision == "fp32" for r in rungs) else []
     for rung in rungs:
         why = dtype_conflict(rung, model)
         if why is None:
@@ -275,8 +297,10 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
         trainable = [p for p in model.parameters() if p.requires_grad]
         if rung.offload == "optimizer":
             state = optimizer.state_dict() if optimizer is not None and optimizer.state else None
-            dtype = torch.bfloat16 if rung.precision == "bf16" else torch.float16
-            opt: Any = HostOptimizer(trainable, spec, dtype, scaler, state, keep_fp32=norm_parameters(model),
+            # fp32 (a float64 model's): the device weights keep their dtype, only the optimizer moves
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(rung.precision, torch.float32)
+            held = [trainable[i] for i in spec.held()]  # no master or state for a parameter no group holds
+            opt: Any = HostOptimizer(held, spec.over_held(), dtype, scaler, state, keep_fp32=norm_parameters(model),
                                      fraction=offload_fraction, overlap=overlap)
             undo.append(opt.restore)
         elif rung.optimizer_8bit:  # a given 8-bit optimizer is kept (recovery); the user's FP32 one is not

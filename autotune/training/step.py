@@ -60,8 +60,8 @@ from ..workload.optimizers import OptimizerSpec
 from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial, none_on_the_host
 from ..settings import FitSettings
 from ..sizes import format_bytes
-from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, ladder, parse_techniques,
-                          serve_dtypes)
+from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, is_float64, ladder,
+                          parse_techniques, serve_dtypes)
 from ..techniques import optimizer_8bit
 from ..techniques.offload import HostOptimizer
 from ..techniques.sharding import is_sharded, reset_after_failure, shard_for_training
@@ -208,7 +208,8 @@ class TrainingStep:
         """
         if self._applied is None:
             raise InvalidSetting("this TrainingStep was closed; call plan.apply(model, optimizer) again")
-        batch = batches.to_device(batch, self.placement.torch_device)
+        # A batch on the host goes to the device a micro-batch at a time (`_accumulate`); its shared tensors once.
+        batch = batches.shared_to_device(batch, self.placement.torch_device)
         n = batches.batch_size(batch, "step(batch)")
         self._check_size(n)
         self._check_length(batch)
@@ -326,7 +327,8 @@ class TrainingStep:
         start = 0
         for index, size in enumerate(sizes):
             self._micro_step, self._micro_size = index, size
-            micro = applied.inputs(batches.take(batch, start, start + size))
+            micro = applied.inputs(batches.to_device(batches.take(batch, start, start + size),
+                                                     self.placement.torch_device))
             expected = None if counts is None else float(counts[start:start + size].sum())
             start += size
             with applied.autocast():
@@ -666,10 +668,11 @@ def _climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: 
     """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
     allowed = set(_allowed(plan, techniques))
     if plan.precision == "fp32":
-        allowed.discard("bf16")  # also drops optimizer offload, which keeps 16-bit weights
+        allowed.discard("bf16")  # and optimizer offload with it, but for float64 weights (see `ladder`)
     else:
         allowed.add("bf16")
-    rungs, _ = ladder(frozenset(allowed), placement, blocks, compile=plan.compile)  # compile stays as tuned
+    rungs, _ = ladder(frozenset(allowed), placement, blocks, compile=plan.compile,  # compile stays as tuned
+                      float64=is_float64(model))
     # An 8-bit plan keeps its 8-bit state (recovery never changes the numerics) and so never climbs to
     # optimizer offload, whose host optimizer keeps FP32 state.
     rungs = [dataclasses.replace(r, precision=plan.precision, optimizer_8bit=plan.optimizer_8bit) for r in rungs

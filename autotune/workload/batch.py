@@ -116,6 +116,12 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
                 lambda s: Shared(s.tensor.to(device, non_blocking=True)))
 
 
+def shared_to_device(batch: Batch, device: torch.device) -> Batch:
+    """`batch` with its `Shared` tensors on `device` and the per-sample ones left where they are (the training
+    step moves those a micro-batch at a time)."""
+    return _map(batch, lambda t: t, lambda s: Shared(s.tensor.to(device, non_blocking=True)))
+
+
 def unwrap(batch: Batch) -> Batch:
     """The batch as the model gets it: every `Shared` tensor as the plain tensor."""
     return _map(batch, lambda t: t, lambda s: s.tensor)

@@ -10,9 +10,10 @@ the size of the weight's own gradient, whatever the micro-batch. Backward scales
 Liger-Kernel's fused linear cross-entropy does the same in Triton; this is plain torch, so it runs wherever
 the model does (CPU tests included).
 
-The arithmetic is the model's own: the matmul in the autocast dtype (or the weight's, without autocast), the
-log-softmax in FP32, labels shifted by one with -100 ignored, a sum over `num_items_in_batch` when given
-(else a mean over the counted tokens). What changes: `output.logits` holds the hidden states while the head is
+The arithmetic is the model's own: the matmul in the autocast dtype (or the weight's, without autocast or for a
+float64 head, which autocast leaves alone), the log-softmax in FP32 (float64 for a float64 head), labels
+shifted by one with -100 ignored, a sum over `num_items_in_batch` when given (else a mean over the counted
+tokens). What changes: `output.logits` holds the hidden states while the head is
 chunked (the default loss reads `.loss` only, so a user's `loss_fn` never gets it), and the head's gradient is
 summed over chunks in FP32 rather than in one 16-bit matmul.
 
@@ -44,7 +45,8 @@ def why_not(model: nn.Module) -> str | None:
 
     Yes for a Hugging Face causal LM whose forward computes `self.lm_head(hidden)` and hands those logits
     straight to `self.loss_function` (GPT-2, Llama, Mistral, Qwen...), with a settable `loss_function`
-    (transformers 4.48+). No where the logits are changed in between (Gemma 2's soft-capping, Cohere's scale).
+    (transformers 4.48+). No where the logits are changed in between (Gemma 2's soft-capping, Cohere's scale) or
+    recast as the head returns them (Mamba's `self.lm_head(...).float()`).
     """
     model = unwrapped(model)
     head = getattr(model, "lm_head", None)
@@ -61,9 +63,23 @@ def why_not(model: nn.Module) -> str | None:
                         source, re.S)
     if between is None:
         return f"{type(model).__name__}.forward does not hand lm_head's logits straight to loss_function"
+    if _recast(between.group(1)):
+        return f"{type(model).__name__}.forward changes lm_head's output as it returns it (a .float() recast, a scale)"
     if re.search(r"\blogits\s*(=|\*=|/=|\+=)", between.group(2)):
         return f"{type(model).__name__}.forward changes the logits before its loss (soft-capping or scaling)"
     return None
+
+
+def _recast(call: str) -> bool:
+    """Whether `call`, what follows `self.lm_head(` up to its line's last `)`, goes on past the head's own
+    closing parenthesis (`self.lm_head(h).float()`): the logits are recast, and the rounding the model
+    chose happens elsewhere in the chunks."""
+    depth = 0
+    for k, char in enumerate(call):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:  # the head's own closing parenthesis: anything after it acts on the logits
+            return bool(call[k + 1:].strip())
+    return False
 
 
 @contextlib.contextmanager
@@ -115,7 +131,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     hidden: (..., d); weight: (V, d); targets: (...) integer, the shape of hidden without its last dim.
     """
     device_type = hidden.device.type
-    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    # The head's own dtype: autocast's where it would cast the head (never a float64 one, which it leaves alone)
+    autocast = torch.is_autocast_enabled(device_type) and weight.dtype != torch.float64
+    compute = torch.get_autocast_dtype(device_type) if autocast else weight.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
     denominator = _denominator(num_items_in_batch, targets, ignore_index, hidden.device)
     track = torch.is_grad_enabled()  # forward runs without grad mode: say whether gradients are wanted

@@ -8,7 +8,7 @@ and an OOM half-way through a first `step()` cannot leave it half-built.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -75,6 +75,18 @@ class OptimizerSpec:
         """Which of `groups` hold a parameter of `only` (all indices when None): the groups `build` keeps."""
         keep = (lambda i: True) if only is None else set(only).__contains__
         return [j for j, (ids, _) in enumerate(self.groups) if any(keep(i) for i in ids)]
+
+    def held(self) -> list[int]:
+        """Trainable-parameter indices some group holds, in model order: what the optimizer trains. One outside
+        every group (left out of a fine-tune's optimizer, `requires_grad` still on) is trained by nobody, as in
+        plain PyTorch: optimizer offload gives it no master and no state."""
+        return sorted({i for ids, _ in self.groups for i in ids})
+
+    def over_held(self) -> OptimizerSpec:
+        """This spec over the held parameters alone: index k is the k-th of `held()`."""
+        where = {i: k for k, i in enumerate(self.held())}
+        groups = tuple((tuple(where[i] for i in ids), hyper) for ids, hyper in self.groups)
+        return replace(self, groups=groups)
 
     def order(self) -> list[int]:
         """Trainable-parameter indices in the order of the groups: position k of an optimizer state dict."""
