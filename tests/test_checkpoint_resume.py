@@ -36,6 +36,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "optimizer-offload-partial": (dict(precision="bf16", offload="optimizer", offload_fraction=0.5), {}),
     "optimizer-offload-streamed": (dict(precision="bf16", offload="optimizer"), {"AUTOTUNE_OFFLOAD_STREAM": "1"}),
     "optimizer-8bit": (dict(precision="bf16", optimizer_8bit=True), {}),  # torchao's AdamW8bit in the user's place
+    "fp16": (dict(precision="fp16"), {}),
+    "fp16-optimizer-offload": (dict(precision="fp16", offload="optimizer"), {}),  # the loss scale: step.state_dict()
 }
 MODES = ("load-before-apply", "load-after-apply")
 
@@ -115,7 +117,8 @@ def train_first_half(case: str, path: str) -> dict[str, torch.Tensor]:
         step = TrainingStep(plan_for(case), model, opt)
         for k in range(STEPS):
             if k == SAVED_AT:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step.state_dict()},
+                           path)
             step(batch(k))
         step.close()
         return weights(model)
@@ -135,6 +138,7 @@ def resume(case: str, mode: str, path: str) -> dict[str, torch.Tensor]:
             model.load_state_dict(checkpoint["model"])
             opt.load_state_dict(checkpoint["optimizer"])
         step = TrainingStep(plan_for(case), model, opt)
+        step.load_state_dict(checkpoint["step"])  # FP16's loss scale
         if mode == "load-after-apply":
             model.load_state_dict(checkpoint["model"])
             opt.load_state_dict(checkpoint["optimizer"])

@@ -240,6 +240,18 @@ class TrainingStep:
             self._probing = False  # a grown micro-batch that held for a whole wait has proven itself
         return loss
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the step itself carries from one optimizer step to the next, for a checkpoint beside the model's
+        and the optimizer's: FP16's loss scale (its GradScaler's state). Empty under BF16 and FP32."""
+        scaler = self._applied.scaler if self._applied is not None else None
+        return {"scaler": scaler.state_dict()} if scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume what `state_dict()` saved (a checkpoint of another plan's precision loads nothing here)."""
+        scaler = self._applied.scaler if self._applied is not None else None
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+
     def close(self) -> None:
         """Undo the plan's techniques on the model and hand the optimizer state back to the user's optimizer."""
         if self._applied is not None:
