@@ -200,12 +200,18 @@ def test_the_checkpoint_holds_fp32_weights_and_state(runs, case):
                    for s in state.values())
 
 
-def test_the_checkpoint_under_optimizer_offload_is_the_masters_not_the_16_bit_copies():
+def offload_step_taken() -> tuple[Net, torch.optim.Optimizer, TrainingStep]:
+    """A model, its AdamW and an optimizer-offload step that has taken one step: the state exists."""
     torch.manual_seed(0)
     model = Net()
     opt = adamw(model)
     step = TrainingStep(plan_for("optimizer-offload"), model, opt)
     step(batch(0))
+    return model, opt, step
+
+
+def test_the_checkpoint_under_optimizer_offload_is_the_masters_not_the_16_bit_copies():
+    model, opt, step = offload_step_taken()
     saved = model.state_dict()
     masters = {id(p): step.optimizer.master[i] for i, p in enumerate(step.optimizer.params) if i in step.optimizer.master}
     named = dict(model.named_parameters())
@@ -219,11 +225,7 @@ def test_the_checkpoint_under_optimizer_offload_is_the_masters_not_the_16_bit_co
 
 
 def test_a_load_after_apply_is_what_the_next_step_trains_from():
-    torch.manual_seed(0)
-    model = Net()
-    opt = adamw(model)
-    step = TrainingStep(plan_for("optimizer-offload"), model, opt)
-    step(batch(0))
+    model, opt, step = offload_step_taken()
     torch.manual_seed(5)
     other = Net().state_dict()  # another model's FP32 weights
     model.load_state_dict(other)
@@ -238,11 +240,7 @@ def test_a_load_after_apply_is_what_the_next_step_trains_from():
 
 
 def test_an_optimizer_state_loaded_after_apply_keeps_full_precision():
-    torch.manual_seed(0)
-    model = Net()
-    opt = adamw(model)
-    step = TrainingStep(plan_for("optimizer-offload"), model, opt)
-    step(batch(0))
+    model, opt, step = offload_step_taken()
     saved = opt.state_dict()
     # Moments no 16-bit float can hold: a load that rounded them through the device weights' dtype shows.
     exact = {k: {**s, "exp_avg_sq": s["exp_avg_sq"] + 1e-7 * torch.rand_like(s["exp_avg_sq"])}

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .offload_link import state_by_position
+
 
 class EightBitLink:
     """Keeps `user.state_dict()` / `load_state_dict()` on `eight`, the 8-bit optimizer that trains instead."""
@@ -44,11 +46,8 @@ class EightBitLink:
         return state_dict
 
     def _loading(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-        # By position in the groups (a saved dict names its parameters by its own ids, in that order); the
-        # user's optimizer loads only its groups, the state goes to the 8-bit optimizer as saved.
-        saved = [pid for group in state_dict.get("param_groups", []) for pid in group["params"]]
-        state = state_dict.get("state", {})
-        self._incoming = {k: state[pid] for k, pid in enumerate(saved) if pid in state}
+        # The user's optimizer loads only its groups; the state goes to the 8-bit optimizer as saved.
+        self._incoming = state_by_position(state_dict)
         return {**state_dict, "state": {}}
 
     def _loaded(self, optimizer: Any) -> None:

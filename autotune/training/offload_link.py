@@ -124,10 +124,7 @@ class OffloadLink:
     def _loading(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
         # torch casts a loaded state to each parameter's dtype, the 16-bit device copy here: the state goes
         # to the host optimizer as saved (`_loaded`), and the user's optimizer loads only its groups.
-        # Keyed by position in the groups (a saved dict names its parameters by its own ids, in that order).
-        saved = [pid for group in state_dict.get("param_groups", []) for pid in group["params"]]
-        state = state_dict.get("state", {})
-        self._incoming = {k: state[pid] for k, pid in enumerate(saved) if pid in state}
+        self._incoming = state_by_position(state_dict)
         return {**state_dict, "state": {}}
 
     def _loaded(self, optimizer: Any) -> None:
@@ -138,6 +135,14 @@ class OffloadLink:
             self.host.load_user_state({"state": state})
         self.mirror()
         self.sync_hyperparameters()
+
+
+def state_by_position(state_dict: dict[str, Any]) -> dict[int, Any]:
+    """An optimizer state dict's per-parameter state keyed by position in its groups: a saved dict names its
+    parameters by its own ids, listed in group order."""
+    saved = [pid for group in state_dict.get("param_groups", []) for pid in group["params"]]
+    state = state_dict.get("state", {})
+    return {k: state[pid] for k, pid in enumerate(saved) if pid in state}
 
 
 def _like_param(state: dict[str, Any], p: nn.Parameter) -> dict[str, Any]:
