@@ -400,13 +400,14 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
                           shares=blocks.shares() if blocks is not None else None,
                           compile=_compile_allowed(allowed, placement, compile_notes, is_sharded(tuned)), floors=dict(zip(rungs, floors)))
         rungs, dropped = drop_rungs_over(rungs, floors, limit)  # floors count what this rank holds: its shard
-        rungs, host_notes = host_budget.keep_within(rungs, tuned, spec, placement.kind, host_limit(settings))
+        host = host_limit(settings)  # read once: the default follows the machine's free memory
+        rungs, host_notes = host_budget.keep_within(rungs, tuned, spec, placement.kind, host)
         dropped += host_notes
         work = Workload(model=tuned, batch=example,
                         loss_fn=loss, spec=spec, placement=placement, budget_bytes=budget,
                         limit_bytes=limit, per_rank=per_rank, world_size=world, blocks=blocks,
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps,
-                        host_limit_bytes=host_limit(settings))
+                        host_limit_bytes=host)
         flops = flops_per_sample(tuned, work.batch, work.loss_fn, placement)
         runner = TrialRunner(work, agree=distributed.agree_trial)
         longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731

@@ -10,6 +10,7 @@ its own configuration allocates (`plan.host_peak_bytes`), which `plan.apply` che
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import NoFeasiblePlan
 from ..plan import Rung
@@ -17,7 +18,7 @@ from ..sizes import format_bytes
 from ..techniques import offload_partition
 from ..techniques.host_need import HostNeed, offload_need, with_snapshot
 from ..techniques.offload import overlap_default
-from ..techniques.offload_stream import STREAMED, stream_wanted
+from ..techniques.offload_stream import streams
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 
 ADVICE = ("raise host_memory_budget (autotune run --host-budget), free host memory, or allow a rung that keeps "
@@ -32,10 +33,9 @@ def need(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str, *,
     offload = HostNeed()
     if rung.offload == "optimizer":
         params = [p for p in model.parameters() if p.requires_grad]
-        sharded = any(type(p).__name__ == "DTensor" for p in params)
+        sharded = any(isinstance(p, DTensor) for p in params)
         ranks = offload_partition.ranks(rung.precision, sharded)
-        streamed = (stream_wanted(device_type) and spec.cls_name in STREAMED and rung.precision != "fp16"
-                    and not sharded)
+        streamed = streams(device_type, spec.cls_name, rung.precision) and not sharded
         overlapping = overlap_default() and overlap is not False and ranks == 1
         offload = offload_need(params, fraction=fraction, state_tensors=state_tensors_per_parameter(spec),
                                cuda=device_type == "cuda", streamed=streamed,
