@@ -8,7 +8,9 @@
 from .api import fit
 from .cache import PlanCache
 from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
-from .plan import Plan, Rung, Trial
+from .configuration import Rung
+from .evidence import Trial
+from .plan import Plan
 from .workload.batch import Shared
 
 __version__ = "0.1.0"

@@ -34,7 +34,9 @@ from .errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from .workload import chunked_loss
 from .workload.losses import chunked_default_loss, remember_fit_loss, resolve as resolve_loss
 from .workload.optimizers import OptimizerSpec, check_optimizer, state_tensors_per_parameter
-from .plan import Plan, Rung, Trial
+from .configuration import Rung
+from .evidence import Trial
+from .plan import Plan
 from .sizes import format_bytes, parse_bytes, shorten
 from .settings import FitSettings
 from .search.progress import Progress, progress_for

@@ -1,6 +1,6 @@
-"""`Plan` and `Trial`: what autotune decided, and the measurements it decided from.
+"""`Plan`: the configuration autotune decided on, with the trials and the reason behind it.
 
-Both are frozen, keyword-only dataclasses that validate themselves and round-trip through plain dicts
+It is a frozen, keyword-only dataclass that validates itself and round-trips through a plain dict
 (`to_dict` / `from_dict`), which is the only form the cache and the CLI ever store or print.
 """
 
@@ -12,123 +12,14 @@ from typing import Any
 
 from .workload.batching import solve_accumulation
 from .sizes import format_bytes
+from .configuration import SHARDING, Rung, none_on_the_host
+from .evidence import Trial
+from .validate import check_choice, check_known_fields, check_non_negative_int, check_non_negative_number, \
+    check_positive_int, dict_field
 
 PLAN_FORMAT_VERSION = 2  # 2: compile, checkpointed blocks, offload fraction, sharding, FLOPs
-
-PRECISIONS = ("bf16", "fp16", "fp32")
-CHECKPOINTING = ("none", "selective", "full")
-OFFLOAD = ("none", "activations", "optimizer")
-SHARDING = ("none", "fsdp2")
-NOISY = "noisy timings"  # how a trial's note says its step times spread wide (the plan's reason counts these)
-OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager
 SOURCES = ("tuned", "cache")
 _LOCAL_FIELDS = ("cache",)  # Plan fields that live in this process only (see Plan.cache)
-
-
-def none_on_the_host(world: int | None = None) -> str:
-    """How a plan, a trial and a recovery name optimizer offload with offload_fraction 0 (`Plan.partitioned_state`)."""
-    return f"none on the host: the state partitioned over {f'{world} ranks' if world else 'the ranks'}"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Rung:
-    """One point of the search lattice: a setting of every knob except the micro-batch size.
-
-    `checkpointing` is the coarse label ("selective" = some but not all repeated blocks recomputed);
-    `checkpointed_blocks` is the count when the search chose one, None for the label's default (every
-    other block for "selective", all for "full").
-    """
-
-    precision: str = "bf16"
-    checkpointing: str = "none"
-    offload: str = "none"
-    checkpointed_blocks: int | None = None
-    compile: bool = False
-    optimizer_8bit: bool = False  # AdamW with 8-bit state (torchao or bitsandbytes): opt-in, it changes numerics
-
-    def __post_init__(self) -> None:
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
-        _check_choice("offload", self.offload, OFFLOAD)
-        for name in ("compile", "optimizer_8bit"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Rung.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.optimizer_8bit and self.offload == "optimizer":
-            raise ValueError("Rung.optimizer_8bit is for optimizers stepped on the device, not under optimizer offload")
-        if self.checkpointed_blocks is None and self.checkpointing == "none":
-            object.__setattr__(self, "checkpointed_blocks", 0)  # no recompute is 0 blocks, known or not
-        blocks = self.checkpointed_blocks
-        if blocks is not None:
-            _check_non_negative_int("Rung.checkpointed_blocks", blocks)
-            if (blocks == 0) != (self.checkpointing == "none"):
-                raise ValueError(f"Rung.checkpointed_blocks {blocks} disagrees with checkpointing "
-                                 f"{self.checkpointing!r}: 0 blocks is 'none', 1 or more is 'selective' or 'full'")
-
-    @property
-    def name(self) -> str:
-        """Short label, e.g. "bf16+full ckpt+optimizer offload" or "bf16+ckpt 12 blocks+compile"."""
-        parts = [self.precision]
-        if self.checkpointing == "selective" and self.checkpointed_blocks is not None:
-            parts.append(f"ckpt {self.checkpointed_blocks} blocks")
-        elif self.checkpointing != "none":
-            parts.append(f"{self.checkpointing} ckpt")
-        if self.offload != "none":
-            parts.append(f"{self.offload} offload")
-        if self.compile:
-            parts.append("compile")
-        if self.optimizer_8bit:
-            parts.append("8-bit optimizer")
-        return "+".join(parts)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Trial:
-    """One measured trial: a rung at a micro-batch size, and what happened."""
-
-    rung: Rung
-    micro_batch_size: int
-    outcome: str  # "ok" | "oom" | "over_budget" (ran, but its peak left less than the margin)
-    peak_bytes: int = 0  # peak device memory seen (reserved on CUDA, live storage under the simulation)
-    seconds: float = 0.0  # wall time of the whole trial, set-up and clean-up included
-    step_seconds: float = 0.0  # median forward+backward time of one micro-batch, from the second step on
-    optimizer_seconds: float = 0.0  # median optimizer.step() time
-    samples_per_second: float = 0.0  # estimated for a whole global step at this micro-batch
-    alloc_retries: int = 0  # allocator retries (cudaFree + retry) during the measured steps
-    compile_seconds: float = 0.0  # warm-up time beyond a measured step: what compiling cost this trial
-    # Replicated on several ranks: what the gradient all-reduce, overlapped with a last micro-batch's backward
-    # as in training, added to that micro-batch; counted in `optimizer_seconds` (a cost once per global step).
-    reduce_seconds: float = 0.0
-    # The same, with every gradient in one all-reduce after backward (`Plan.reduce_overlap` False); measured
-    # only by the trial that times both (`search/reduce_timing.py`), else 0.
-    reduce_after_seconds: float = 0.0
-    note: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rung, Rung):
-            raise ValueError(f"Trial.rung must be a Rung, got {type(self.rung).__name__}")
-        _check_positive_int("Trial.micro_batch_size", self.micro_batch_size)
-        _check_choice("Trial.outcome", self.outcome, OUTCOMES)
-        for name in ("peak_bytes", "alloc_retries"):
-            _check_non_negative_int(f"Trial.{name}", getattr(self, name))
-        for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds",
-                     "reduce_seconds", "reduce_after_seconds"):
-            _check_non_negative_number(f"Trial.{name}", getattr(self, name))
-
-    @property
-    def fits(self) -> bool:
-        return self.outcome == "ok"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["rung"] = dataclasses.asdict(self.rung)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Trial:
-        _check_known_fields("Trial", d, cls)
-        d = dict(d)
-        d["rung"] = Rung(**_dict_field("Trial.rung", d.get("rung")))
-        return cls(**d)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,7 +87,7 @@ class Plan:
                              "only optimizer offload puts a share of the parameters on the host")
         if self.offload_overlap is not None and not isinstance(self.offload_overlap, bool):
             raise ValueError(f"Plan.offload_overlap must be True, False or None, got {self.offload_overlap!r}")
-        _check_choice("Plan.sharding", self.sharding, SHARDING)
+        check_choice("Plan.sharding", self.sharding, SHARDING)
         if self.reduce_overlap is not None and not isinstance(self.reduce_overlap, bool):
             raise ValueError(f"Plan.reduce_overlap must be True, False or None, got {self.reduce_overlap!r}")
         if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding != "none"):
@@ -207,32 +98,32 @@ class Plan:
             object.__setattr__(self, "block_paths", tuple(self.block_paths))
         if not isinstance(self.block_paths, tuple) or not all(isinstance(p, str) for p in self.block_paths):
             raise ValueError(f"Plan.block_paths must be a tuple of module paths, got {self.block_paths!r}")
-        _check_non_negative_number("Plan.compile_seconds", self.compile_seconds)
+        check_non_negative_number("Plan.compile_seconds", self.compile_seconds)
         for name in ("flops_per_sample", "mfu", "measured_samples_per_second"):
             if getattr(self, name) is not None:
-                _check_non_negative_number(f"Plan.{name}", getattr(self, name))
+                check_non_negative_number(f"Plan.{name}", getattr(self, name))
         for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
                      "last_micro_batch_size", "memory_budget_bytes"):
-            _check_positive_int(f"Plan.{name}", getattr(self, name))
+            check_positive_int(f"Plan.{name}", getattr(self, name))
         if self.partitioned_state and (self.world_size < 2 or self.sharding != "none" or self.precision == "fp16"):
             raise ValueError(
                 "Plan.offload_fraction 0 under optimizer offload partitions the optimizer state over replicated "
                 f"ranks (none on the host); this plan has world_size {self.world_size}, sharding "
                 f"{self.sharding!r}, precision {self.precision!r}, where it would save nothing: use offload='none', "
                 "or a fraction above 0 to put a share on the host")
-        _check_non_negative_int("Plan.peak_memory_bytes", self.peak_memory_bytes)
-        _check_non_negative_number("Plan.samples_per_second", self.samples_per_second)
+        check_non_negative_int("Plan.peak_memory_bytes", self.peak_memory_bytes)
+        check_non_negative_number("Plan.samples_per_second", self.samples_per_second)
         if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
             raise ValueError(f"Plan.margin must be in [0, 1), got {self.margin!r}")
-        _check_choice("Plan.source", self.source, SOURCES)
-        _check_choice("Plan.device", self.device, ("cuda", "cpu"))
+        check_choice("Plan.source", self.source, SOURCES)
+        check_choice("Plan.device", self.device, ("cuda", "cpu"))
         if self.last_micro_batch_size > self.micro_batch_size:
             raise ValueError("Plan.last_micro_batch_size cannot exceed Plan.micro_batch_size")
         per_rank = self.global_batch_size // self.world_size
         if per_rank * self.world_size != self.global_batch_size:
             raise ValueError(f"Plan.global_batch_size {self.global_batch_size} does not divide by "
                              f"world_size {self.world_size}")
-        _check_positive_int("Plan.min_micro_batch_size", self.min_micro_batch_size)
+        check_positive_int("Plan.min_micro_batch_size", self.min_micro_batch_size)
         if self.techniques is not None:
             if not isinstance(self.techniques, (list, tuple)) or not all(isinstance(t, str) for t in self.techniques):
                 raise ValueError(f"Plan.techniques must be a list of technique names or None, got {self.techniques!r}")
@@ -317,47 +208,14 @@ class Plan:
         """Rebuild a plan from `to_dict` output; unknown fields and bad values raise `ValueError`."""
         if not isinstance(d, dict):
             raise ValueError(f"a plan must be a dict, got {type(d).__name__}")
-        _check_known_fields("Plan", d, cls, local=_LOCAL_FIELDS)
+        check_known_fields("Plan", d, cls, local=_LOCAL_FIELDS)
         d = dict(d)
         trials = d.get("trials", [])
         if not isinstance(trials, (list, tuple)):
             raise ValueError("Plan.trials must be a list")
-        d["trials"] = tuple(Trial.from_dict(_dict_field("Plan.trials[]", t)) for t in trials)
+        d["trials"] = tuple(Trial.from_dict(dict_field("Plan.trials[]", t)) for t in trials)
         version = d.get("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
             raise ValueError(f"plan format version {version} is not {PLAN_FORMAT_VERSION}; re-tune "
                              "with retune=True or upgrade autotune")
         return cls(**d)
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_non_negative_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-
-
-def _check_non_negative_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-
-
-def _check_known_fields(kind: str, d: dict[str, Any], cls: type, local: tuple[str, ...] = ()) -> None:
-    known = {f.name for f in dataclasses.fields(cls)} - set(local)  # a row never names a local field
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"unknown {kind} field(s): {', '.join(unknown)}")
-
-
-def _dict_field(name: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
-    return value

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AutotuneError
-from .plan import Plan, Trial
+from .evidence import Trial
+from .plan import Plan
 
 INSTALL_HINT = "pip install matplotlib (what the 'plot' extra installs)"
 GIB = 2**30

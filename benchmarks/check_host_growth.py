@@ -36,7 +36,7 @@ def main() -> None:
     import workloads
     from autotune.devices import host
     from autotune.devices.placement import resolve_device
-    from autotune.plan import Rung
+    from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner, Workload
     from autotune.techniques import find_blocks
     from autotune.workload.losses import default_loss

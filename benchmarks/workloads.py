@@ -46,7 +46,8 @@ from autotune.devices.placement import Placement, now, parse_bytes, resolve_devi
 from autotune.errors import DeviceError, is_oom  # noqa: E402
 from autotune.workload.losses import default_loss  # noqa: E402
 from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
-from autotune.plan import Rung, Trial  # noqa: E402
+from autotune.configuration import Rung
+from autotune.plan import Trial  # noqa: E402
 from autotune.techniques import apply_rung, find_blocks, ladder, parse_techniques  # noqa: E402
 from autotune.search.trial import TrialRunner, Workload  # noqa: E402
 

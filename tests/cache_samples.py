@@ -16,7 +16,9 @@ import autotune
 from autotune.cache import store as cache_module
 from autotune.cache.store import CacheWarning, key_parts, plan_key
 from autotune.devices.placement import Placement
-from autotune.plan import Plan, Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
+from autotune.plan import Plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, random_batch

@@ -18,7 +18,9 @@ from torch import nn
 
 import autotune
 from autotune.devices.placement import resolve_device
-from autotune.plan import Plan, Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
+from autotune.plan import Plan
 from autotune.search.controller import Controller, _blocks_needed
 from autotune.search.trial import TrialRunner, Workload
 from autotune.techniques import apply_rung, find_blocks, profile_blocks

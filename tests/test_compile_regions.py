@@ -123,7 +123,7 @@ def test_compiled_rungs_with_more_blocks_recomputed_follow_each_other_as_a_searc
     undone before the next): every rung gives the compiled model's loss, each block is compiled in exactly
     one way (inside its checkpoint or as a whole call, never both), and the last undo leaves none."""
     from autotune.devices.placement import Placement
-    from autotune.plan import Rung
+    from autotune.configuration import Rung
     from autotune.techniques import apply_rung
     from autotune.workload.optimizers import OptimizerSpec
 

@@ -7,7 +7,8 @@ import pytest
 from autotune.workload.batching import global_step_seconds, split_sizes
 from autotune.search.controller import Controller
 from autotune.errors import NoFeasiblePlan
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
 
 GiB = 2**30
 BF16, SEL, FULL = Rung(), Rung(checkpointing="selective"), Rung(checkpointing="full")

@@ -12,7 +12,9 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from autotune.plan import NOISY, Rung, Trial
+from autotune.configuration import Rung
+
+from autotune.evidence import NOISY, Trial
 from autotune.training import distributed
 
 

@@ -38,7 +38,7 @@ def _work(budget: int, *, wide: bool = False):
 
 def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -> dict:
     """One trial of `_work`'s model on this rank's ceiling."""
-    from autotune.plan import Rung
+    from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner
     from autotune.training import distributed
 
@@ -51,7 +51,7 @@ def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -
 def _phase(rank: int) -> dict:
     """`fit`'s partitioned-state phase (api._partitioned_state) after a BF16 search, with real trials."""
     from autotune.api import _partitioned_state
-    from autotune.plan import Rung
+    from autotune.configuration import Rung
     from autotune.search.controller import Controller
     from autotune.search.trial import TrialRunner
     from autotune.training import distributed
@@ -73,7 +73,7 @@ def _counted(rank: int, oom_at: int | None = None, **kwargs) -> dict:
     rank 1 runs out of memory in that forward. `kwargs` go to the trial runner."""
     import torch
 
-    from autotune.plan import Rung
+    from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner
     from autotune.training import distributed
 
@@ -114,7 +114,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         return _counted(rank, oom_at=1 + 12 + 2, measured_steps=12)
     if name == "one_rank_short":  # rank 1 cannot hold the AdamW state: it runs out of memory in its warm-up step
         return _trial(rank, 512 * MiB if rank == 0 else 12 * MiB)
-    from autotune.plan import Rung
+    from autotune.configuration import Rung
 
     if name == "bf16":
         return _trial(rank, 512 * MiB, Rung(), wide=True)

@@ -13,7 +13,7 @@ from autotune.devices.placement import resolve_device
 from autotune.workload.losses import resolve
 from autotune.workload.optimizers import OptimizerSpec
 from autotune.search.controller import NOISE
-from autotune.plan import Rung
+from autotune.configuration import Rung
 from autotune.techniques import apply_rung, checkpointing, find_blocks, resident_floor
 from autotune.search.trial import TrialRunner, Workload
 from gpt import GPT, GPTConfig, random_batch

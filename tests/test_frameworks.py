@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 from autotune.cli.main import main
 from autotune.errors import InvalidSetting
-from autotune.plan import Rung
+from autotune.configuration import Rung
 from autotune.supervisor import claims, runner
 from autotune.supervisor.flags import PRESETS, FlagMap
 from autotune.supervisor.measure import StepWatch

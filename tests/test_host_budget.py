@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autotune
-from autotune.plan import Rung
+from autotune.configuration import Rung
 from autotune.search import host_budget
 from autotune.techniques import resident_floor
 from autotune.workload.optimizers import OptimizerSpec

@@ -10,7 +10,9 @@ import math
 import pytest
 import torch
 
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+
+from autotune.evidence import Trial
 from autotune.search.controller import Controller, Lattice
 from autotune.workload.batching import global_step_seconds
 

@@ -20,7 +20,8 @@ import autotune
 from autotune.cache.store import PlanCache, plan_key
 from autotune.cli.main import main
 from autotune.cli.run import format_trials
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
 from autotune.search.progress import describe
 from autotune.supervisor import claims
 

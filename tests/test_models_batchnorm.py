@@ -23,7 +23,9 @@ from torch.nn import functional as F
 
 import autotune
 from autotune.errors import InvalidSetting, NoFeasiblePlan, TooFewSamples
-from autotune.plan import Plan, Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
+from autotune.plan import Plan
 from autotune.search.controller import Controller
 from autotune.training.step import TrainingStep
 from test_step import HUGE, Net, make_plan, seq_batch, sgd

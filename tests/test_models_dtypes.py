@@ -16,7 +16,7 @@ import torch
 
 import autotune
 from autotune.errors import InvalidSetting
-from autotune.plan import Rung
+from autotune.configuration import Rung
 from autotune.techniques import resident_floor, serve_dtypes
 from test_step import Net, make_plan, seq_batch, sgd
 

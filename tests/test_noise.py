@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
 from autotune.search.controller import Controller
 from autotune.search.trial import NOISY_SPREAD, spread
 

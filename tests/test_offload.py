@@ -20,7 +20,9 @@ from torch import nn
 
 import autotune
 from autotune.errors import InvalidSetting
-from autotune.plan import Plan, Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
+from autotune.plan import Plan
 from autotune.search.trial import OVERLAPPED
 from autotune.techniques import offload_pipeline, optimizer_8bit, parse_techniques
 from autotune.techniques.offload import HostOptimizer, host_share, norm_parameters
@@ -336,7 +338,7 @@ def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(mon
     # all k that way (4-20% under the trained rate on an H100). The warm-up step still overlaps: its peak
     # is the last backward's, which the meter must see.
     from autotune.devices.placement import resolve_device
-    from autotune.plan import Rung
+    from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner, Workload
     from autotune.workload.losses import resolve
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+
+from autotune.evidence import Trial
 from autotune.search.offload_share import choose_offload_fraction
 from autotune.techniques.offload import host_share
 

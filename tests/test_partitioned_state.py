@@ -8,7 +8,9 @@ import dataclasses
 
 import pytest
 
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+
+from autotune.evidence import Trial
 from autotune.search import partitioned_state
 from autotune.search.controller import Controller, Lattice, SearchResult
 from test_lattice import ANCHORS, GiB, N, LatticeGPU

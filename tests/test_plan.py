@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from autotune.plan import Plan, Rung, Trial
+from autotune.configuration import Rung
+
+from autotune.evidence import Trial
+
+from autotune.plan import Plan
 
 
 def _plan(**over):

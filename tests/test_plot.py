@@ -17,7 +17,9 @@ from click.testing import CliRunner
 
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
-from autotune.plan import Plan, Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
+from autotune.plan import Plan
 from autotune.plotting import draw_search, search_figure
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,9 @@ import sys
 import threading
 from pathlib import Path
 
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+
+from autotune.evidence import Trial
 from autotune.search.progress import Progress, progress_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,8 @@ from autotune.supervisor import claims, runner
 from autotune.cli.main import main
 from autotune.search.controller import Controller
 from autotune.errors import InvalidSetting
-from autotune.plan import Rung, Trial
+from autotune.configuration import Rung
+from autotune.evidence import Trial
 from autotune.supervisor.process import ChildExit
 from autotune.supervisor.verdict import classify
 from autotune.supervisor.zero_change import FlagMap

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from autotune.plan import Rung
+from autotune.configuration import Rung
 from autotune.supervisor.flags import FlagMap
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "parsed_args.py"

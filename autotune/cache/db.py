@@ -38,7 +38,8 @@ import psutil
 from sqlite_utils import Database
 
 from .rows import CacheEntry, Failure, NothingFits, PlanRow
-from ..plan import Plan, Trial
+from ..evidence import Trial
+from ..plan import Plan
 from ..sizes import format_bytes
 
 log = logging.getLogger(__name__)

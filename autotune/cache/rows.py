@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from .key import check_parts, plan_key
-from ..plan import Plan, Trial
+from ..evidence import Trial
+from ..plan import Plan
 
 EXPORT_SCHEMA = 1
 ROW_FIELDS = ("schema", "key", "parts", "plan", "failures", "updated")  # a plan row; "kind" optional

@@ -43,7 +43,8 @@ from .rows import (CacheEntry, Failure, NothingFits, PlanRow, check_plan_matches
                    write_rows)
 from .team import TeamDir
 from ..errors import AutotuneError, InvalidSetting
-from ..plan import Plan, Trial
+from ..evidence import Trial
+from ..plan import Plan
 
 __all__ = ["CacheEntry", "CacheError", "CacheWarning", "ImportReport", "NothingFits", "PlanCache", "default_path",
            "filesystem_type", "is_network_filesystem", "key_parts", "open_cache", "plan_key"]

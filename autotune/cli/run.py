@@ -16,7 +16,8 @@ from ..supervisor.agent import configure_logging
 from ..supervisor.flags import PRESETS
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..cache.rows import printable
-from ..plan import Plan, Trial
+from ..evidence import Trial
+from ..plan import Plan
 from ..plotting import PlotUnavailable, draw_search, require_matplotlib
 from ..sizes import format_bytes, shorten
 from ..workload.batching import check_global_batch_size

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from ..workload.batching import (bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch,
                                  smallest_micro_batch)
 from ..errors import InvalidSetting, NoFeasiblePlan, TooFewSamples
-from ..plan import Rung, Trial
+from ..configuration import Rung
+from ..evidence import Trial
 from ..sizes import format_bytes
 
 log = logging.getLogger(__name__)

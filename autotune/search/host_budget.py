@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import NoFeasiblePlan
-from ..plan import Rung
+from ..configuration import Rung
 from ..sizes import format_bytes
 from ..techniques import offload_partition
 from ..techniques.host_need import HostNeed, offload_need, with_snapshot

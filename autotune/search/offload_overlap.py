@@ -16,7 +16,7 @@ session).
 
 from __future__ import annotations
 
-from ..plan import Trial
+from ..evidence import Trial
 from .trial import retimed
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from torch import nn
 
-from ..plan import Trial
+from ..evidence import Trial
 from ..sizes import format_bytes
 from ..techniques.offload import host_share
 from ..techniques.offload_partition import runs

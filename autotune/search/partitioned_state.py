@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..plan import Rung, Trial
+from ..configuration import Rung
+
+from ..evidence import Trial
 from ..techniques import offload_partition
 from .controller import NOISE, Controller, SearchResult, _ruled_out
 

@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..plan import Rung, Trial
+from ..configuration import Rung
+
+from ..evidence import Trial
 from ..sizes import format_bytes, shorten
 
 log = logging.getLogger("autotune.progress")

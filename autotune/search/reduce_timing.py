@@ -16,7 +16,7 @@ The threshold is small because the choice is cheap to get wrong: where the two t
 
 from __future__ import annotations
 
-from ..plan import Trial
+from ..evidence import Trial
 from .trial import retimed
 
 PAIRS = 4  # all-reduced steps timed each way: 8 micro-steps beside the trial's own

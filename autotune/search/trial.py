@@ -30,7 +30,8 @@ from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, nee
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.losses import LossFn, LossForm, label_counts
 from ..workload.optimizers import OptimizerSpec
-from ..plan import NOISY, Rung, Trial, none_on_the_host
+from ..configuration import Rung, none_on_the_host
+from ..evidence import NOISY, Trial
 from ..sizes import format_bytes, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import is_sharded, reset_after_failure

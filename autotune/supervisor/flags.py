@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import InvalidSetting
-from ..plan import Rung
+from ..configuration import Rung
 
 NUMBER_KNOBS = ("micro_batch", "accumulation")
 SWITCH_KNOBS = ("checkpointing", "bf16", "compile")

@@ -29,7 +29,9 @@ from ..search.progress import Progress
 from ..search.trial import NOISY, NOISY_SPREAD, noise_note, spread
 from ..devices.placement import check_budget
 from ..errors import DeviceError, InvalidSetting
-from ..plan import Plan, Rung, Trial
+from ..configuration import Rung
+from ..evidence import Trial
+from ..plan import Plan
 from ..sizes import format_bytes, parse_bytes, shorten
 from .process import ChildExit
 from .verdict import Verdict

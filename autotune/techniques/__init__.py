@@ -32,7 +32,7 @@ from ..sizes import format_bytes
 from ..errors import InvalidSetting
 from ..workload import batch as batches
 from ..workload.optimizers import OptimizerSpec
-from ..plan import Rung
+from ..configuration import Rung
 from . import checkpointing, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup, find_blocks, profile_blocks

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..devices.ceiling import host_memory
 from ..workload.accumulation import LossWeights
-from ..plan import NOISY, Trial
+from ..evidence import NOISY, Trial
 
 try:  # private to torch.distributed (present in torch 2.11 and 2.13): one collective for a bucket of tensors
     from torch.distributed.distributed_c10d import _coalescing_manager

@@ -57,7 +57,9 @@ from .eight_bit_link import EightBitLink
 from .model_link import ModelLink
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
-from ..plan import CHECKPOINTING, OFFLOAD, Plan, Rung, Trial, none_on_the_host
+from ..configuration import CHECKPOINTING, OFFLOAD, Rung, none_on_the_host
+from ..evidence import Trial
+from ..plan import Plan
 from ..settings import FitSettings
 from ..sizes import format_bytes
 from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, is_float64, ladder,
