@@ -7,7 +7,7 @@ Each method runs in its own process (`--method`), so one's fragmentation cannot 
     python benchmarks/bench_fit.py --method train --steps 100 --out r.jsonl  # 100 steps at the plan
     python benchmarks/bench_fit.py --all --model tiny --device cpu --budget 40MiB   # a CPU dry run
 
-Workload W1 (DESIGN.md, PEERS.md): GPT-2 large from a transformers config with random weights,
+Workload W1: GPT-2 large from a transformers config with random weights,
 sequence 1024, AdamW, global batch 64, memory capped with torch.cuda.set_per_process_memory_fraction.
 """
 

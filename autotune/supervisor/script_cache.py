@@ -61,7 +61,7 @@ def script_parts(*, script: str, script_args: Sequence[str], flags: FlagMap, glo
 def open_store(setting: str | None) -> Any:
     """The plan cache `--cache` (else $AUTOTUNE_CACHE, else the user cache) names; None when it is off.
 
-    Never raises: the cache never fails a run (DESIGN.md section 5).
+    Never raises: the cache never fails a run.
     """
     from ..settings import ENV
 
