@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
+from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, set_plan_fields, tiny_workload  # noqa: F401 - autouse fixture
 from gpt import GPT, random_batch
 
 from autotune.cache import store as cache_module
@@ -44,7 +44,7 @@ from autotune.cache.store import (
 from autotune.cache.rows import read_rows
 from autotune.devices.placement import Placement
 from autotune.errors import InvalidSetting
-from autotune.plan import Plan
+from autotune.plan import PLAN_FORMAT_VERSION, Plan
 
 WORKERS = 16
 PLANS_PER_WORKER = 20
@@ -164,7 +164,7 @@ def test_cache_hit_returns_the_tuned_plan_without_running_a_trial(tmp_path: Path
 
     assert hit.source == "cache"
     assert trial_records(caplog) == [], "a hit runs no trial"
-    assert dataclasses.replace(hit, source="tuned") == tuned  # trials and measurements included
+    assert hit.with_provenance(source="tuned") == tuned  # trials and measurements included
     assert seconds < 1.0, f"a hit took {seconds:.3f} s"
 
     caplog.clear()
@@ -193,7 +193,7 @@ def test_a_row_of_plan_format_1_is_retuned_and_never_misread(tmp_path: Path, mon
     assert fit(model, batch, path).source == "cache"  # the re-tuned plan is what is cached now
     report = PlanCache(tmp_path / "fresh.db").import_(tmp_path / "v1.jsonl")
     assert report.accepted == () and len(report.rejected) == 1
-    assert "parts.format is 1, this autotune reads 2" in report.rejected[0][1]
+    assert f"parts.format is 1, this autotune reads {PLAN_FORMAT_VERSION}" in report.rejected[0][1]
 
 
 def test_an_oom_seen_in_training_makes_the_next_fit_choose_a_smaller_micro_batch(tmp_path: Path) -> None:
@@ -267,10 +267,10 @@ def tampered_export(tmp_path: Path) -> tuple[Path, str]:
     store.export(work / "plans.jsonl")
     rows = [json.loads(line) for line in (work / "plans.jsonl").read_text().splitlines()]
     rows[0]["plan"]["speedup"] = 2.0  # unknown field
-    rows[1]["plan"]["micro_batch_size"] = -4  # negative micro-batch
+    set_plan_fields(rows[1]["plan"], micro_batch_size=-4)  # negative micro-batch
     rows[2]["key"] = rows[3]["key"]  # wrong key
     rows[3]["parts"]["budget_bytes"] *= 2  # parts and key agree, but the plan answers another budget
-    rows[3]["key"] = rows[3]["plan"]["key"] = plan_key(rows[3]["parts"])
+    rows[3]["key"] = rows[3]["plan"]["provenance"]["key"] = plan_key(rows[3]["parts"])
     lines = [json.dumps(r) for r in rows] + ["{not json", json.dumps({**rows[4], "pickle": "gASVAAAA"})]
     path = work / "tampered.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -312,8 +312,8 @@ def test_a_team_directory_is_read_after_a_local_miss_and_never_written(
     assert hit.source == "cache" and trial_records(caplog) == []
     # Alice's plan, served once one trial of it fitted here (a teammate's plan is a claim until then).
     assert hit.trials[:-1] == tuned.trials and "verified here by one trial" in hit.reason
-    assert dataclasses.replace(hit, source="tuned", reason=tuned.reason, trials=tuned.trials,
-                               peak_memory_bytes=tuned.peak_memory_bytes) == tuned
+    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials,
+                               peak_memory_bytes=tuned.peak_memory_bytes).with_provenance(source="tuned") == tuned
     assert len(caught) == 1 and "bob.jsonl rejected" in str(caught[0].message)  # bob's bad rows, once
     assert PlanCache(tmp_path / "mine.db").entries() == []  # the team's plans are read, not copied
     assert {p.name: p.stat().st_mtime_ns for p in team.iterdir()} == before

@@ -8,7 +8,6 @@ chunk size is made tiny here so that a small model still has many chunks for the
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import subprocess
@@ -76,7 +75,7 @@ def batches(n: int, count: int, t: int = 5) -> list[tuple[torch.Tensor, torch.Te
 
 def make_plan(micro: int, n: int, *, precision: str = "bf16", fraction: float | None = None) -> Plan:
     steps, last = solve_accumulation(n, micro)
-    return Plan(precision=precision, checkpointing="none", offload="optimizer", offload_fraction=fraction,
+    return Plan.of(precision=precision, checkpointing="none", offload="optimizer", offload_fraction=fraction,
                 micro_batch_size=micro, accumulation_steps=steps, world_size=1, global_batch_size=n,
                 last_micro_batch_size=last, peak_memory_bytes=0, memory_budget_bytes=HUGE, margin=0.1,
                 samples_per_second=0.0, device="cpu")
@@ -362,7 +361,7 @@ def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(mon
                                                     (True, "0", False)])
 def test_the_plans_overlap_choice_is_applied_and_the_variable_can_turn_it_off(monkeypatch, planned, env, pipelined):
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", env)
-    plan = dataclasses.replace(make_plan(4, 8), offload_overlap=planned)
+    plan = make_plan(4, 8).with_config(offload_overlap=planned)
     model = Net()
     step = plan.apply(model, adamw(model.parameters()))
     step(batches(8, 1)[0])
@@ -486,7 +485,7 @@ def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
         torch.manual_seed(0)
         model = Net(width=256).cuda()
-        plan = dataclasses.replace(make_plan(3, 8, fraction=fraction), device="cuda")
+        plan = make_plan(3, 8, fraction=fraction).with_provenance(device="cuda")
         step = TrainingStep(plan, model, adamw(model.parameters()))
         for b in data:
             step(b)

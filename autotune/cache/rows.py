@@ -276,8 +276,9 @@ def sanitized(plan: Plan) -> Plan:
     """`plan` with every text it carries (reason, device name, block paths, trial notes) as printable strings:
     a plan from a file or a teammate may hold terminal escape sequences, and these texts are printed."""
     trials = tuple(dataclasses.replace(t, note=printable(str(t.note))) for t in plan.trials)
-    return dataclasses.replace(plan, reason=printable(str(plan.reason)), device_name=printable(str(plan.device_name)),
-                               block_paths=tuple(printable(p) for p in plan.block_paths), trials=trials)
+    return (plan.with_config(block_paths=tuple(printable(p) for p in plan.block_paths))
+            .with_evidence(reason=printable(str(plan.reason)), trials=trials)
+            .with_provenance(device_name=printable(str(plan.device_name))))
 
 
 def not_after_now(seconds: float) -> float:
@@ -444,9 +445,10 @@ def _trial_from(i: int, d: Any) -> Trial:
 
 def _check_split(d: Any) -> None:
     """Refuse a plan whose split of the batch would not fit in memory, before `Plan` builds it."""
-    if not isinstance(d, dict):
+    config = d.get("config") if isinstance(d, dict) else None
+    if not isinstance(config, dict):
         return  # `Plan.from_dict` says why
-    sizes = [d.get(name) for name in ("global_batch_size", "world_size", "micro_batch_size")]
+    sizes = [config.get(name) for name in ("global_batch_size", "world_size", "micro_batch_size")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
         return
     global_batch, world, micro = sizes

@@ -184,7 +184,7 @@ class PlanCache:
         failing = _smaller(failing, _smallest(team.failures) if team else None)
         for candidate in (plan, team.plan if team else None):
             if candidate is not None and (failing is None or candidate.micro_batch_size < failing):
-                return dataclasses.replace(candidate, key=key)
+                return candidate.with_provenance(key=key)
         return None
 
     def max_safe_micro_batch(self, key: str) -> int | None:
@@ -232,14 +232,14 @@ class PlanCache:
         key = plan_key(parts)
         if plan.key and plan.key != key:
             raise ValueError(f"plan.key {plan.key[:12]}... is not the key of these parts ({key[:12]}...)")
-        plan = dataclasses.replace(plan, key=key)
+        plan = plan.with_provenance(key=key)
         check_plan_matches(plan, key, parts)
         row = PlanRow(key=key, parts=parts, plan=plan, updated=time.time())
         self._use("save the plan", lambda db: cache_db.upsert(db, row, "tuned"), None)
 
     def replace(self, key: str, plan: Plan) -> None:
         """Store a new plan for a key already cached, keeping its parts (after a recovery mid-training)."""
-        plan = dataclasses.replace(plan, key=key)
+        plan = plan.with_provenance(key=key)
         if not self._use("replace the plan", lambda db: cache_db.replace_plan(db, key, plan), 1):
             log.debug("plan cache: no plan under %s to replace", key[:12])
 

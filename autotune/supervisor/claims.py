@@ -17,7 +17,6 @@ claimed 5.5x what its run trained at, because forward and backward ran inside
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ def plan_disagrees(plan: Plan) -> bool:
 
 
 def with_measurement(plan: Plan, run: Measured) -> Plan:
-    return dataclasses.replace(plan, measured_samples_per_second=run.samples_per_second)
+    return plan.with_evidence(measured_samples_per_second=run.samples_per_second)
 
 
 def describe(plan: Plan, run: Measured) -> str:
