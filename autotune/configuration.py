@@ -179,10 +179,13 @@ class Configuration:
 
     def replace(self, **changes: Any) -> Configuration:
         """This configuration with `changes`, which may name the rung's knobs (precision, offload...) directly.
-        A change of offload without an `offload_fraction` resolves the fraction again (see `offload_fraction`)."""
+        A change of offload without an `offload_fraction` resolves the fraction again, and checkpointing turned
+        on without a `checkpointed_blocks` takes the label's default count."""
         knobs = {name: changes.pop(name) for name in RUNG_FIELDS if name in changes}
         if knobs.get("offload", self.offload) != self.offload:
             changes.setdefault("offload_fraction", None)
+        if knobs.get("checkpointing", "none") != "none" and self.checkpointed_blocks == 0:
+            knobs.setdefault("checkpointed_blocks", None)  # the new label's default count
         if knobs:
             changes["rung"] = dataclasses.replace(changes.get("rung", self.rung), **knobs)
         return dataclasses.replace(self, **changes)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.cache import store as cache_module
+from autotune.cache import guard
 from autotune.cache.store import CacheWarning, key_parts, plan_key
 from autotune.devices.placement import Placement
 from autotune.configuration import RUNG_FIELDS, Rung
@@ -79,7 +79,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     module that imports it)."""
     for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
         monkeypatch.delenv(name, raising=False)
-    cache_module._warned.clear()
+    guard._warned.clear()
 
 
 @contextlib.contextmanager

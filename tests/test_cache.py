@@ -29,7 +29,6 @@ import torch
 from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, set_plan_fields, tiny_workload  # noqa: F401 - autouse fixture
 from gpt import GPT, random_batch
 
-from autotune.cache import store as cache_module
 from autotune.cache.store import (
     CacheError,
     CacheWarning,
@@ -41,7 +40,8 @@ from autotune.cache.store import (
     open_cache,
     plan_key,
 )
-from autotune.cache.rows import read_rows
+from autotune.cache.db import SCHEMA_VERSION
+from autotune.cache.lines import read_rows
 from autotune.devices.placement import Placement
 from autotune.errors import InvalidSetting
 from autotune.plan import PLAN_FORMAT_VERSION, Plan
@@ -459,7 +459,7 @@ def test_an_old_empty_file_is_migrated(tmp_path: Path) -> None:
     store = PlanCache(path)
     store.put(*sample(0))
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == cache_module.cache_db.SCHEMA_VERSION
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 

@@ -14,7 +14,7 @@ import pytest
 from cache_samples import sample
 from click.testing import CliRunner
 
-from autotune.cache import store as cache_module
+from autotune.cache import guard
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 from autotune.cli.cache import cache as cache_group
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR"):
         monkeypatch.delenv(name, raising=False)
-    cache_module._warned.clear()
+    guard._warned.clear()
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ import torch
 from cache_samples import cache_warnings, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
 from click.testing import CliRunner
 
-from autotune.cache.rows import MAX_LINE_BYTES, read_rows
+from autotune.cache.lines import read_rows
+from autotune.cache.rows import MAX_LINE_BYTES
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 

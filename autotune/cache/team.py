@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .db import expanded, unknown_home
-from .rows import TEAM_FILE_GLOB, NothingFits, PlanRow, read_rows
+from .files import expanded, unknown_home
+from .lines import TEAM_FILE_GLOB, read_rows
+from .rows import NothingFits, PlanRow
 
 
 class TeamDir:
