@@ -196,6 +196,62 @@ def test_a_row_of_plan_format_1_is_retuned_and_never_misread(tmp_path: Path, mon
     assert f"parts.format is 1, this autotune reads {PLAN_FORMAT_VERSION}" in report.rejected[0][1]
 
 
+# A plan as autotune wrote it before plans had parts (plan format 2: one flat record), with one trial.
+FLAT_V2_PLAN = {
+    "precision": "bf16", "checkpointing": "none", "offload": "none", "micro_batch_size": 4, "accumulation_steps": 2,
+    "world_size": 1, "global_batch_size": 8, "last_micro_batch_size": 4, "peak_memory_bytes": 1000,
+    "memory_budget_bytes": 67108864, "margin": 0.1, "samples_per_second": 80.0, "tokens_per_second": None,
+    "device": "cpu", "device_name": "cpu (simulated ceiling)", "source": "tuned", "reason": "sample 0",
+    "trials": [{"rung": {"precision": "bf16", "checkpointing": "none", "offload": "none", "checkpointed_blocks": 0,
+                         "compile": False, "optimizer_8bit": False}, "micro_batch_size": 4, "outcome": "ok",
+                "peak_bytes": 1000, "seconds": 0.5, "step_seconds": 0.1, "optimizer_seconds": 0.01,
+                "samples_per_second": 80.0, "alloc_retries": 0, "compile_seconds": 0.0, "reduce_seconds": 0.0,
+                "reduce_after_seconds": 0.0, "note": ""}],
+    "key": "", "compile": False, "checkpointed_blocks": None, "compile_seconds": 0.0, "offload_fraction": 0.0,
+    "offload_overlap": None, "sharding": "none", "reduce_overlap": None, "flops_per_sample": None, "mfu": None,
+    "measured_samples_per_second": None, "min_micro_batch_size": 1, "techniques": None, "optimizer_8bit": False,
+    "block_paths": [], "format_version": 2, "host_peak_bytes": None, "max_length": None,
+}
+
+
+def test_a_flat_row_of_plan_format_2_is_listed_stale_and_retuned(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # An older autotune wrote flat plans: one under its own key (parts of format 2), and one under the key this
+    # autotune computes (as if only the plan had changed). Neither is misread: both list as stale, and fit
+    # tunes again and stores a plan of this format in place of the second.
+    from autotune.cli.main import main
+    from click.testing import CliRunner
+    from sqlite_utils import Database
+
+    model, batch = tiny_workload()
+    path = tmp_path / "plans.db"
+    key = fit(model, batch, path).key
+    with PlanCache(path) as store:
+        (entry,) = store.entries()
+        old_parts = {**entry.parts, "format": 2}
+    old_key = plan_key(old_parts)
+    db = Database(path)
+    db["plans"].update(key, {"plan": json.dumps({**FLAT_V2_PLAN, "key": key})})
+    db["plans"].insert({"key": old_key, "parts": json.dumps(old_parts), "origin": "tuned", "created": 1.0,
+                        "updated": 1.0, "plan": json.dumps({**FLAT_V2_PLAN, "key": old_key})})
+    db.close()
+
+    listed = CliRunner().invoke(main, ["cache", "--cache", str(path), "list"], catch_exceptions=False)
+    assert listed.exit_code == 0 and listed.output.count("stale: another plan format, tuned again") == 2, listed.output
+    shown = CliRunner().invoke(main, ["cache", "--cache", str(path), "show", old_key[:12]], catch_exceptions=False)
+    assert shown.exit_code == 0 and "written by another plan format" in shown.output, shown.output
+    assert [e.status for e in PlanCache(path).entries()] == ["stale", "stale"]
+    assert PlanCache(path).get(key) is None and PlanCache(path).export(tmp_path / "out.jsonl") == 0
+
+    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.clear()
+    again = fit(model, batch, path)
+    assert again.source == "tuned" and trial_records(caplog), "the flat row was served"
+    assert again.format_version == PLAN_FORMAT_VERSION and again.key == key
+    assert {e.key: e.status for e in PlanCache(path).entries()} == {key: "safe", old_key: "stale"}
+    assert fit(model, batch, path).source == "cache"
+
+
 def test_an_oom_seen_in_training_makes_the_next_fit_choose_a_smaller_micro_batch(tmp_path: Path) -> None:
     model, batch = tiny_workload()
     store = PlanCache(tmp_path / "plans.db")
