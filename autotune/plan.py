@@ -10,7 +10,7 @@ format raises `StalePlanFormat`, so an old cache row is tuned again, never misre
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from .configuration import Configuration, Rung, none_on_the_host
@@ -66,7 +66,7 @@ class Plan:
 
     config: Configuration
     evidence: Evidence
-    provenance: Provenance = Provenance()
+    provenance: Provenance = field(default_factory=Provenance)
 
     rung = _Read[Rung]("config")
     precision = _Read[str]("config")
@@ -210,6 +210,26 @@ class Plan:
             raise ValueError(f"unknown Plan field(s): {', '.join(unknown)}")
         return cls(config=Configuration.from_dict(d.get("config")), evidence=Evidence.from_dict(d.get("evidence")),
                    provenance=Provenance.from_dict(d.get("provenance")))
+
+    @classmethod
+    def from_flat_dict(cls, d: Any) -> Plan:
+        """A plan written as one flat record (plan format 2, as older benchmark records hold it), read for
+        display: its fields are this format's, only grouped otherwise. The cache never serves one (`from_dict`).
+
+        Raises:
+            ValueError: not a flat plan record, or bad values.
+        """
+        if not isinstance(d, dict) or "config" in d:
+            raise ValueError("a flat plan record is a dict of plan fields (plan format 2)")
+        fields = {k: v for k, v in d.items() if k not in ("format_version", "cache")}
+        trials = fields.pop("trials", [])
+        if not isinstance(trials, (list, tuple)):
+            raise ValueError("Plan.trials must be a list")
+        try:
+            return cls.of(**fields, trials=tuple(Trial.from_dict(dict_field("Plan.trials[]", t)) for t in trials),
+                          format_version=d.get("format_version", 1))
+        except TypeError as exc:  # a field no plan has, or a required one missing
+            raise ValueError(str(exc)) from None
 
 
 def _format_of(d: dict[str, Any]) -> Any:

@@ -87,7 +87,7 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     plan = autotune.fit(model, example, global_batch_size=args.global_batch_size, memory_budget=args.budget,
                         device=args.device, cache=False)
     tune_s = time.perf_counter() - started
-    differ = _differs_between_ranks(plan.to_dict())
+    differ = _differs_between_ranks({**plan.config.to_dict(), **plan.evidence.to_dict()})
     # The decisions must agree; a trial's note (each rank's own words on its timings) may differ.
     agreed = not [k for k in differ if k not in ("trials", "reason")]
     out = {"plan": plan.summary(), "sharding": plan.sharding, "reduce_overlap": plan.reduce_overlap,

@@ -123,6 +123,10 @@ def test_a_plan_of_another_format_is_stale_never_misread():
             "format_version": 2}  # as autotune wrote plans before they had parts
     with pytest.raises(StalePlanFormat, match="plan format version 2 is not 3"):
         Plan.from_dict(flat)
+    shown = Plan.from_flat_dict(flat)  # read for display (`autotune plot` of an older record), never cached
+    assert (shown.micro_batch_size, shown.format_version, shown.offload_fraction) == (8, 2, 0.0)
+    with pytest.raises(ValueError, match="unexpected field 'speedup'"):
+        Plan.from_flat_dict({**flat, "speedup": 2.0})
     newer = _plan().to_dict()
     newer["provenance"]["format_version"] = 4
     with pytest.raises(ValueError, match="plan format version 4 is not 3"):

@@ -115,7 +115,7 @@ def test_the_picture_marks_the_choice_the_ooms_and_the_limit() -> None:
 
 
 def test_a_plan_without_trials_is_refused_with_a_reason(tmp_path: Path) -> None:
-    bare = Plan.from_dict({**sample(0)[0].to_dict(), "trials": []})
+    bare = sample(0)[0].with_evidence(trials=())
     with pytest.raises(ValueError, match="no trials"):
         draw_search(bare, tmp_path / "x.png")
 
@@ -170,4 +170,4 @@ def test_run_plot_draws_the_search_after_tuning_and_json_keeps_stdout_for_the_pl
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)  # the plan alone on stdout
-    assert png_size(out) and f"({len(plan['trials'])} trials) to {out}" in done.stderr
+    assert png_size(out) and f"({len(plan['evidence']['trials'])} trials) to {out}" in done.stderr

@@ -99,23 +99,23 @@ def _migrate(db: Database) -> None:
 
 
 def _create_v1(db: Database) -> None:
-    db["plans"].create({"key": str, "parts": str, "plan": str, "origin": str, "created": float, "updated": float},
+    db.table("plans").create({"key": str, "parts": str, "plan": str, "origin": str, "created": float, "updated": float},
                        pk="key", not_null=["parts", "plan"], if_not_exists=True)
-    db["failures"].create({"id": int, "key": str, "micro_batch_size": int, "shapes": str, "note": str,
+    db.table("failures").create({"id": int, "key": str, "micro_batch_size": int, "shapes": str, "note": str,
                            "time": float}, pk="id", not_null=["key", "micro_batch_size"], if_not_exists=True)
     # The same failure imported twice (or from two team files) is stored once.
-    db["failures"].create_index(["key", "micro_batch_size", "time"], unique=True, if_not_exists=True)
+    db.table("failures").create_index(["key", "micro_batch_size", "time"], unique=True, if_not_exists=True)
 
 
 def _create_v2(db: Database) -> None:
     # A search that found nothing under its budget, so a retry (or a teammate's fit) answers at once.
-    db["nothing_fits"].create({"key": str, "parts": str, "message": str, "trials": str, "time": float}, pk="key",
+    db.table("nothing_fits").create({"key": str, "parts": str, "message": str, "trials": str, "time": float}, pk="key",
                               not_null=["parts", "message"], if_not_exists=True)
 
 
 def _add_origin_v3(db: Database) -> None:
     # Where a "nothing fits" record came from (a search here, an import), named when `fit` serves it.
-    db["nothing_fits"].add_column("origin", str)
+    db.table("nothing_fits").add_column("origin", str)
 
 
 # MIGRATIONS[v]: schema v to v + 1

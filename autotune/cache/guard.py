@@ -41,9 +41,6 @@ class CacheError(AutotuneError):
 _warned: set[tuple[str, str]] = set()  # (path, problem) already reported in this process
 
 
-_warned: set[tuple[str, str]] = set()  # (path, problem) already reported in this process
-
-
 class CacheConnection:
     """The cache file's one SQLite connection, shared by threads one statement at a time, and its trouble."""
 
@@ -86,7 +83,7 @@ class CacheConnection:
 
     # -- the database, and what to do when it fails -------------------------------------------------------
 
-    def _use(self, what: str, action: Callable[[Database], T], default: T) -> T:
+    def _use(self, what: str, action: Callable[[Database], T], default: Any) -> T:
         """Run `action` on the database; on trouble, report it once and return `default`.
 
         After a "corrupt" error the action runs once more on a new connection: to the same file when SQLite's

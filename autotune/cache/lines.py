@@ -21,7 +21,7 @@ TEAM_FILE_GLOB = "*.jsonl"
 _SKIP_CHUNK = 2**16  # bytes read at a time while skipping the rest of an over-long line
 
 
-def read_rows(path: str | Path | BinaryIO) -> Iterator[tuple[int, PlanRow | NothingFits | None, str]]:
+def read_rows(path: str | os.PathLike[str] | BinaryIO) -> Iterator[tuple[int, PlanRow | NothingFits | None, str]]:
     """Yield (line number, row or None, reason it was rejected) for each non-blank line of `path`.
 
     `path` may also be an open binary stream (standard input for `autotune cache import -`).
@@ -74,7 +74,7 @@ def _skip_rest_of_line(f: Any) -> int:
             return skipped
 
 
-def write_rows(path: str | Path | TextIO, rows: Iterable[PlanRow | NothingFits]) -> int:
+def write_rows(path: str | os.PathLike[str] | TextIO, rows: Iterable[PlanRow | NothingFits]) -> int:
     """Write rows as JSON lines, atomically (a reader never sees half a file); returns how many.
 
     `path` may also be an open text stream (standard output for `autotune cache export -`), written as is.

@@ -364,7 +364,7 @@ def _check_split(d: Any) -> None:
     config = d.get("config") if isinstance(d, dict) else None
     if not isinstance(config, dict):
         return  # `Plan.from_dict` says why
-    sizes = [config.get(name) for name in ("global_batch_size", "world_size", "micro_batch_size")]
+    sizes: list[Any] = [config.get(name) for name in ("global_batch_size", "world_size", "micro_batch_size")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
         return
     global_batch, world, micro = sizes

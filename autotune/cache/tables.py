@@ -32,7 +32,7 @@ _NO_PLAN = "NOT EXISTS (SELECT 1 FROM plans WHERE plans.key = nothing_fits.key)"
 
 def _one(db: Database, table: str, key: str, select: str = "*") -> dict[str, Any] | None:
     """The row of `table` under `key` (its `select` columns), or None; the cursor is read to its end."""
-    rows = list(db[table].rows_where("key = ?", [key], select=select, limit=1))
+    rows = list(db.table(table).rows_where("key = ?", [key], select=select, limit=1))
     return rows[0] if rows else None
 
 
@@ -58,17 +58,17 @@ def _upsert(db: Database, row: PlanRow, origin: str) -> None:
     record = {"key": row.key, "parts": json.dumps(row.parts, sort_keys=True), "plan": json.dumps(row.plan.to_dict()),
               "origin": origin, "updated": row.updated}
     if stored is None:
-        db["plans"].insert({**record, "created": max(now, row.updated)})
+        db.table("plans").insert({**record, "created": max(now, row.updated)})
     elif row.updated >= (stored["updated"] or 0.0) or (stored["updated"] or 0.0) > now + CLOCK_SKEW:
-        db["plans"].update(row.key, record)
+        db.table("plans").update(row.key, record)
 
 
 def replace_plan(db: Database, key: str, plan: Plan) -> int:
     """Swap the plan under `key`, keeping its parts; returns 0 when no plan was there."""
     with immediate(db):
-        if not db["plans"].count_where("key = ?", [key]):
+        if not db.table("plans").count_where("key = ?", [key]):
             return 0
-        db["plans"].update(key, {"plan": json.dumps(plan.to_dict()), "origin": "replaced", "updated": time.time()})
+        db.table("plans").update(key, {"plan": json.dumps(plan.to_dict()), "origin": "replaced", "updated": time.time()})
     return 1
 
 
@@ -84,12 +84,12 @@ def entries(db: Database, prefix: str) -> list[CacheEntry]:
     """Plans whose key starts with `prefix`, newest first, each with its failures."""
     failures: dict[str, list[Failure]] = {}
     with _snapshot(db):
-        for f in db["failures"].rows_where(_PREFIX, {"prefix": prefix}, order_by="time"):
+        for f in db.table("failures").rows_where(_PREFIX, {"prefix": prefix}, order_by="time"):
             with contextlib.suppress(ValueError, TypeError):  # a hand-edited row is skipped, never trusted
                 failures.setdefault(f["key"], []).append(Failure(
                     micro_batch_size=f["micro_batch_size"], note=f["note"] or "", time=f["time"] or 0.0,
                     shapes=json.loads(f["shapes"]) if f["shapes"] else None))
-        rows = list(db["plans"].rows_where(_PREFIX, {"prefix": prefix}, order_by="updated DESC"))
+        rows = list(db.table("plans").rows_where(_PREFIX, {"prefix": prefix}, order_by="updated DESC"))
     found = []
     for r in rows:
         plan, stale = load_plan(r["plan"], r["key"])
@@ -113,17 +113,17 @@ def load_plan(text: str | None, key: str) -> tuple[Plan | None, bool]:
 
 def delete(db: Database, key: str) -> bool:
     with immediate(db):
-        gone = db["plans"].count_where("key = ?", [key])
+        gone = db.table("plans").count_where("key = ?", [key])
         for table in ("plans", "failures", "nothing_fits"):
-            db[table].delete_where("key = ?", [key])
+            db.table(table).delete_where("key = ?", [key])
     return gone > 0
 
 
 def clear(db: Database) -> int:
     with immediate(db):
-        gone = db["plans"].count
+        gone = db.table("plans").count
         for table in ("plans", "failures", "nothing_fits"):
-            db[table].delete_where()
+            db.table(table).delete_where()
     return gone
 
 
@@ -136,13 +136,13 @@ def insert_failures(db: Database, key: str, failures: Iterable[Failure]) -> None
 
 
 def _insert_failures(db: Database, key: str, failures: Iterable[Failure]) -> None:
-    db["failures"].insert_all(
+    db.table("failures").insert_all(
         ({"key": key, "micro_batch_size": f.micro_batch_size, "note": f.note, "time": f.time,
           "shapes": None if f.shapes is None else json.dumps(f.shapes)} for f in failures), ignore=True)
 
 
 def smallest_failure(db: Database, key: str) -> int | None:
-    (row,) = db["failures"].rows_where("key = ?", [key], select="min(micro_batch_size) AS m")
+    (row,) = db.table("failures").rows_where("key = ?", [key], select="min(micro_batch_size) AS m")
     return row["m"]
 
 
@@ -151,7 +151,7 @@ def smallest_failure(db: Database, key: str) -> int | None:
 def record_nothing_fits(db: Database, row: NothingFits) -> None:
     """Remember that nothing fits under `row.key` (a new search here replaces any record)."""
     with immediate(db):
-        db["nothing_fits"].insert(_nothing_fits_record(row, "search"), pk="key", replace=True)
+        db.table("nothing_fits").insert(_nothing_fits_record(row, "search"), pk="key", replace=True)
 
 
 def nothing_fits(db: Database, key: str) -> tuple[NothingFits | None, bool]:
@@ -161,7 +161,7 @@ def nothing_fits(db: Database, key: str) -> tuple[NothingFits | None, bool]:
     `import_rows`). An unreadable record is None too.
     """
     with _snapshot(db):
-        planned = bool(db["plans"].count_where("key = ?", [key]))
+        planned = bool(db.table("plans").count_where("key = ?", [key]))
         found = _one(db, "nothing_fits", key)
     if planned or found is None:
         return None, planned
@@ -171,7 +171,7 @@ def nothing_fits(db: Database, key: str) -> tuple[NothingFits | None, bool]:
 def all_nothing_fits(db: Database, prefix: str = "") -> list[NothingFits]:
     """Every readable record under a key that starts with `prefix` and holds no plan, newest first (what an
     export shares, and `autotune cache list` shows)."""
-    rows = db["nothing_fits"].rows_where(f"{_NO_PLAN} AND {_PREFIX}", {"prefix": prefix}, order_by="time DESC")
+    rows = db.table("nothing_fits").rows_where(f"{_NO_PLAN} AND {_PREFIX}", {"prefix": prefix}, order_by="time DESC")
     return [record for record in map(_load_nothing_fits, rows) if record is not None]
 
 
@@ -190,11 +190,11 @@ def import_rows(db: Database, plans: Iterable[PlanRow], refusals: Iterable[Nothi
             _upsert(db, row, origin)
             _insert_failures(db, row.key, row.failures)
         for refusal in refusals:
-            if db["plans"].count_where("key = ?", [refusal.key]):
+            if db.table("plans").count_where("key = ?", [refusal.key]):
                 continue
             stored = _one(db, "nothing_fits", refusal.key, "time")
             if stored is None or refusal.time > (stored["time"] or 0.0) or (stored["time"] or 0.0) > latest:
-                db["nothing_fits"].insert(_nothing_fits_record(refusal, origin), pk="key", replace=True)
+                db.table("nothing_fits").insert(_nothing_fits_record(refusal, origin), pk="key", replace=True)
     return True
 
 
