@@ -169,12 +169,12 @@ class Configuration:
 
     @classmethod
     def of(cls, **fields: Any) -> Configuration:
-        """A configuration from flat fields: the rung's knobs (precision, checkpointing...) by name, or `rung`."""
+        """A configuration from flat fields: the rung's knobs (precision, checkpointing...) by name, or `rung`;
+        knobs left out take `Rung`'s defaults."""
         knobs = {name: fields.pop(name) for name in RUNG_FIELDS if name in fields}
-        if knobs:
-            if "rung" in fields:
-                raise TypeError(f"give either rung or its knobs ({', '.join(knobs)}), not both")
-            fields["rung"] = Rung(**knobs)
+        if knobs and "rung" in fields:
+            raise TypeError(f"give either rung or its knobs ({', '.join(knobs)}), not both")
+        fields.setdefault("rung", Rung(**knobs))
         return cls(**fields)
 
     def replace(self, **changes: Any) -> Configuration:

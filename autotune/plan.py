@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
-from .configuration import Configuration, Rung, none_on_the_host
+from .configuration import RUNG_FIELDS, Configuration, Rung, none_on_the_host
 from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
 from .sizes import format_bytes
 from .training.step import TrainingStep
@@ -24,7 +24,6 @@ __all__ = ["PLAN_FORMAT_VERSION", "SOURCES", "Plan", "StalePlanFormat"]
 
 T = TypeVar("T")
 _PARTS = {"config": Configuration, "evidence": Evidence, "provenance": Provenance}
-_RUNG_NAMES = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit", "rung")
 
 
 class StalePlanFormat(ValueError):
@@ -50,12 +49,13 @@ class _Read(Generic[T]):
     def __get__(self, plan: Plan | None, owner: type | None = None) -> T | _Read[T]:
         if plan is None:
             return self
-        return getattr(getattr(plan, self.part), self.name)  # type: ignore[no-any-return]
+        value: T = getattr(getattr(plan, self.part), self.name)
+        return value
 
 
 def _field_part(name: str) -> str | None:
     """Which part of a plan holds the flat field `name`, or None."""
-    if name in _RUNG_NAMES:
+    if name in RUNG_FIELDS or name == "rung":
         return "config"
     return next((part for part, cls in _PARTS.items() if name in {f.name for f in dataclasses.fields(cls)}), None)
 
