@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import autotune
-from autotune.plan import Plan
 
 from autotune.techniques import offload_pipeline, offload_stream
 from autotune.training.step import TrainingStep
@@ -222,7 +221,7 @@ def test_a_streamed_search_measures_the_overlap_and_says_which_it_chose(monkeypa
     model = Wide()
     batch = torch.randn(4, 96)
     on_host = second_step_peak(make_plan(4, 4), model, batch)
-    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    plain = make_plan(1, 4).with_config(offload="none", offload_fraction=None)
     on_device = second_step_peak(plain, model, batch)
     budget = int((on_host + on_device) / 2 / 0.9)  # no offload is over the limit, optimizer offload under it
     plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",

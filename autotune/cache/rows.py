@@ -1,18 +1,14 @@
 """Cache rows: a plan row or a "nothing fits" row, as export, import and a team directory exchange them.
 
-A plan row holds a plan, the key parts it was tuned for, and the OOMs seen against it in real training; it
-has no "kind" field, or `"kind": "plan"`. A "nothing fits" row (`"kind": "nothing_fits"`) holds a search
-that found no configuration under its budget: the key parts, the search's message and its trials, so a
-teammate's `fit` refuses in milliseconds instead of repeating the search.
+A plan row holds a plan, the key parts it was tuned for, and the OOMs seen against it in real training ("kind"
+absent or "plan"). A "nothing fits" row holds a search that found no configuration under its budget: the key
+parts, the search's message and its trials, so a teammate's `fit` refuses at once instead of searching again.
 Every row read from elsewhere is validated before it is used (`parse_row`): known fields only, types and
-ranges (`Plan.from_dict`, `Trial.from_dict`, `check_parts`), a plan consistent with its parts, the key
-recomputed from the parts, JSON nested at most `MAX_DEPTH` deep. JSON is parsed, never executed; nothing is
-unpickled. A row of another plan format is rejected, naming the format (see `Plan.from_dict`).
-
-A row is a claim, not a measurement made here, so it is held to what its key allows and what its numbers
-can be: a configuration the key's techniques allow (`check_plan_matches`), a peak no smaller than its
-model's parameters and a micro-batch within the per-rank batch (`check_plan_sane`). Its text (reason,
-notes, messages) is escaped (`printable`) and its times are clamped to now as it is read.
+ranges, a plan consistent with its parts, the key recomputed from the parts, JSON at most `MAX_DEPTH` deep;
+JSON is parsed, never executed, nothing unpickled. A row of another plan format is rejected, naming it.
+A row is a claim, not a measurement made here: it is held to what its key allows (`check_plan_matches`) and
+to numbers a measurement could give (`check_plan_sane`); its text is escaped (`printable`) and its times are
+clamped to now as it is read.
 """
 
 from __future__ import annotations
