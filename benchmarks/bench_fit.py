@@ -93,7 +93,7 @@ def table(rows: list[dict[str, Any]], seq: int) -> None:
                   f"{best['samples_per_second'] * seq:,.0f} tok/s ({len(grid['trials'])} configs, "
                   f"{grid['seconds']:.0f} s)")
     if fit:
-        plan = fit["plan"]
+        plan = {**fit["plan"]["config"], **fit["plan"]["config"]["rung"]}  # the plan's configuration, flat
         print(f"autotune: {plan['precision']}/{plan['checkpointing']}/{plan['offload']} micro-batch "
               f"{plan['micro_batch_size']} x {plan['accumulation_steps']}: {fit['samples_per_second'] * seq:,.0f} "
               f"tok/s, {fit['trials']} trials, {fit['ooms']} OOMs, {fit['tune_seconds']:.1f} s")

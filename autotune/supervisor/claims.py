@@ -15,7 +15,6 @@ inside `optimizer.step(closure)` where a timer of the gap between steps does not
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,7 +67,7 @@ def plan_disagrees(plan: Plan) -> bool:
 
 
 def with_measurement(plan: Plan, run: Measured) -> Plan:
-    return dataclasses.replace(plan, measured_samples_per_second=run.samples_per_second)
+    return plan.with_evidence(measured_samples_per_second=run.samples_per_second)
 
 
 def describe(plan: Plan, run: Measured) -> str:
