@@ -41,8 +41,9 @@ from .sizes import format_bytes, parse_bytes, shorten
 from .settings import FitSettings
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
-from .techniques import (anchors, drop_rungs_over, dtype_conflict, eight_bit_anchors, find_blocks, is_float64,
-                         keep_dtype, parse_techniques, profile_blocks, resident_floor, serve_dtypes)
+from .search.anchors import anchors, eight_bit_anchors, keep_dtype
+from .search.floors import drop_rungs_over, resident_floor
+from .techniques import dtype_conflict, find_blocks, is_float64, parse_techniques, profile_blocks, serve_dtypes
 from .techniques.offload import norm_parameters, overlap_default
 from .techniques.offload_stream import streams
 from .techniques import offload_partition
