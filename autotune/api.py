@@ -438,7 +438,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
     sizes = split_sizes(per_rank, best.micro_batch_size, result.smallest)  # balanced when a 1 would be left
     tokens = batches.tokens_per_sample(batch)
     # Why micro-batch 1 was skipped comes first (it shapes the split), then why rungs were left out.
-    first = [n for n in result.notes if n.startswith("micro-batch 1 skipped")]
+    first = [result.floor_note] if result.floor_note else []
     rest = [n for n in [*notes, *result.notes, *compile_notes] if n not in first]
     reason = result.reason + "".join(f"; {n}" for n in [*first, *rest][:2 + len(first)])
     if sharding_reason:  # the first decision: it changed what every trial ran on

@@ -68,6 +68,7 @@ class SearchResult:
     reason: str
     notes: list[str] = field(default_factory=list)
     smallest: int = 1  # the fewest samples a micro-batch may hold (2 when batch statistics need them)
+    floor_note: str = ""  # why micro-batch 1 was skipped (also first in `notes`), or ""
 
 
 @dataclass(kw_only=True)
@@ -117,6 +118,7 @@ class Controller:
         self._compile_failed = False
         self.smallest = 1  # fewest samples a micro-batch may hold: 2 once batch statistics refused 1
         self.floor = 1  # the smallest micro-batch tried: no split of per_rank at it holds fewer than `smallest`
+        self.floor_note = ""  # why micro-batch 1 was skipped, once it was
 
     # -- top level -------------------------------------------------------------------------------------
     def search(self, rungs: Sequence[Rung], lattice: Lattice | None = None) -> SearchResult:
@@ -140,7 +142,7 @@ class Controller:
         best = self._recheck_recompute(best)
         best = self._runoff(best)
         return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes,
-                            smallest=self.smallest)
+                            smallest=self.smallest, floor_note=self.floor_note)
 
     def _climb(self, rungs: Sequence[Rung]) -> None:
         """Explore each rung in order, unless the time model says it cannot beat the best measured."""
@@ -639,8 +641,9 @@ class Controller:
                                  f"such as BatchNorm need at least 2), and the per-rank batch is {self.per_rank}; "
                                  "raise global_batch_size to 2 or more samples per rank") from None
         self.smallest, self.floor = 2, floor
-        self.notes.insert(0, f"micro-batch 1 skipped: {failure} (batch statistics), so every micro-batch holds "
-                             f"2 samples or more and the split is balanced; the search starts at {self.floor}")
+        self.floor_note = (f"micro-batch 1 skipped: {failure} (batch statistics), so every micro-batch holds "
+                           f"2 samples or more and the split is balanced; the search starts at {self.floor}")
+        self.notes.insert(0, self.floor_note)
 
     def _budget_left(self) -> bool:
         return len(self.trials) < self.max_trials

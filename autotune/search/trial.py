@@ -131,6 +131,7 @@ class TrialRunner:
                 [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
                 [f"offload fraction {offload_fraction:.2f}"])
         tags += [OVERLAPPED] if overlap else []
+        trial = dataclasses.replace(trial, overlapped=bool(overlap))
         tags += [REDUCE_BOTH_WAYS] if reduce_pairs and gate.opened and trial.fits else []
         if tags:
             trial = dataclasses.replace(trial, note="; ".join([*tags, trial.note] if trial.note else tags))
@@ -320,7 +321,7 @@ def spread(times: list[tuple[float, float]]) -> float:
 
 def noise_note(trials: list[Trial]) -> str:
     """A clause for the plan's reason when some fitting trials' timings stayed noisy, else ""."""
-    noisy = [t for t in trials if t.fits and NOISY in t.note]
+    noisy = [t for t in trials if t.fits and t.noisy]
     if not noisy:
         return ""
     return (f"timings were noisy in {len(noisy)} of {sum(t.fits for t in trials)} trials (another process "
@@ -371,7 +372,7 @@ def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
     return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, seconds=seconds,
                  step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
                  alloc_retries=retries, compile_seconds=compile_s if rung.compile else 0.0, reduce_seconds=reduce_s,
-                 reduce_after_seconds=after_s, note=note)
+                 reduce_after_seconds=after_s, noisy=outcome == "ok" and bool(noisy), note=note)
 
 
 def retimed(trial: Trial, optimizer_seconds: float, per_rank: int, world: int, **changes: Any) -> Trial:
