@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .supervisor import agent
 from .workload import batch as batches
 from .cache import store as plan_cache
 from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, printable, sanitized
@@ -38,7 +37,7 @@ from .configuration import Rung
 from .evidence import Trial
 from .plan import Plan
 from .sizes import format_bytes, parse_bytes, shorten
-from .settings import FitSettings
+from .settings import FitSettings, result_file
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
 from .search.anchors import anchors, eight_bit_anchors, keep_dtype
@@ -143,8 +142,18 @@ def fit(
     if plan.source == "tuned":
         log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
                  time.perf_counter() - started, len(plan.trials))
-    agent.report_plan(plan)
+    for callback in _plan_callbacks:
+        callback(plan)
     return plan
+
+
+_plan_callbacks: list[Callable[[Plan], None]] = []
+
+
+def on_plan(callback: Callable[[Plan], None]) -> None:
+    """Call `callback(plan)` with every plan `fit` returns, tuned or cached (a job of `autotune run` records it)."""
+    if callback not in _plan_callbacks:
+        _plan_callbacks.append(callback)
 
 
 def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings, placement: Placement,
@@ -418,7 +427,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
             runner, longer = progress.watch(runner), progress.watch(longer, "re-measure")  # type: ignore[assignment]
         controller = Controller(runner, per_rank=per_rank, limit_bytes=limit, max_micro=bound,
                                 max_trials=settings.max_trials, world_size=world, remeasure=longer,
-                                advice=RUN_ADVICE if agent.result_path() is not None else FIT_ADVICE)
+                                advice=RUN_ADVICE if result_file() is not None else FIT_ADVICE)
         controller.notes.extend(dropped)  # in the plan's reason, and in the error if nothing fits
         result = controller.search(rungs, lattice)
         best, fraction = _offload_share(result, runner, tuned, spec, limit, is_sharded(tuned), per_rank)
