@@ -29,7 +29,7 @@ class Choice(Lines):
         if not ok:
             return None
         fastest = max(t.samples_per_second for t in ok)
-        # Within noise of the fastest, prefer headroom: the lowest peak (PEERS.md lesson 5).
+        # Within noise of the fastest, prefer headroom: the lowest peak.
         close = [t for t in ok if t.samples_per_second >= fastest * (1 - NOISE)]
         return min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
 

@@ -109,9 +109,9 @@ class Climb(Lines):
         """The prediction fitted: a miss on the low side if the line now says more fits.
 
         Peaks at small micro-batches are mostly fixed costs (cuDNN workspaces, allocator rounding), so the
-        first two points can make the slope far too steep: on ResNet-152 (H100) micro-batch 1 and 2 predicted
-        43, which peaked at 6.1 of 10.8 GiB, while 64 fitted and ran 1.5x faster. Re-predict from the two
-        largest points, the local slope near the edge, while that saves accumulation steps.
+        first two points can make the slope far too steep (on a ResNet, micro-batch 1 and 2 can predict a
+        third of what fits). Re-predict from the two largest points, the local slope near the edge, while that
+        saves accumulation steps.
         """
         for _ in range(MAX_BISECT):
             lo = state.largest_ok
@@ -132,9 +132,8 @@ class Climb(Lines):
 
         When the failure ran to the end (over the limit, not an OOM) its peak and the largest fitting
         one bracket the edge: the line between them says where the limit falls, and when it falls below
-        the next size up nothing in between is tried (on GPT-2 large, H100: 6 peaked at 21.1 GiB and 8 at
-        22.7 against a 21.6 limit, so 7 was a trial spent to learn it ran over). After an OOM only the
-        midpoint is known to be safe.
+        the next size up nothing in between is tried (no trial is spent to learn that a size between ran
+        over). After an OOM only the midpoint is known to be safe.
         """
         for _ in range(MAX_BISECT):
             lo, hi = state.largest_ok, state.smallest_bad
@@ -172,8 +171,8 @@ class Climb(Lines):
         raises the peak, and a plan within noise of the best is as good as the best: a trial predicted to gain
         less than that cannot improve the plan. One timed size gives no model: then it is worth a try.
         Asked only between or just past measured sizes (bisection, growth): a line through two nearby
-        points extrapolated far is not a bound (on GPT-2 large, H100, such a line judged that optimizer
-        offload could not win even at micro-batch 64; at 16 it was the fastest plan).
+        points extrapolated far is not a bound (such a line can rule out a configuration that wins at a
+        micro-batch well inside the range).
         """
         best = self._best()
         anchor = max(state.ok, key=lambda t: t.micro_batch_size, default=None)

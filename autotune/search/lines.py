@@ -16,8 +16,8 @@ from ..workload.batching import ceil_div, fit_line
 Runner = Callable[[Rung, int], Trial]
 
 # Least extra time per sample a rung adds over plain BF16 (optimistic on purpose: a rung is skipped only
-# when even this cannot win). Full recompute is about one more forward (~+33% of a step); PEERS.md
-# lesson 6 measured 10-21% tokens/s lost.
+# when even this cannot win). Full recompute is about one more forward (~+33% of a step), and typically
+# costs 10-20% of the throughput.
 MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10}
 MAX_PLACED = 2  # trials per offload spent placing an intermediate block count, or compile, after a miss
 NOISE = 0.03  # step-time medians closer than this are a tie
@@ -44,6 +44,8 @@ class Lattice:
 
 @dataclass(kw_only=True)
 class RungState:
+    """The trials of one rung, and where its micro-batches fitted and did not."""
+
     rung: Rung
     trials: list[Trial] = field(default_factory=list)
 
@@ -75,8 +77,8 @@ class Lines:
 
     def _slope(self, rung: Rung) -> float | None:
         """Measured bytes per sample for `rung`'s treatment of activations (two sizes or more), or None."""
-        # The rung's own offload first: on GPT-2 large (H100) plain bf16 measured 4.2 GiB per sample from
-        # micro-batch 1 and 2, optimizer offload 5.0 from 3 and 4; the compile saving is judged against the latter.
+        # The rung's own offload first: the same activations can measure a different slope at the larger
+        # micro-batches optimizer offload reaches, and the compile saving is judged against that one.
         for other in sorted(self.states, key=lambda s: s.rung.offload != rung.offload):
             points = [(t.micro_batch_size, t.peak_bytes) for t in other.trials if t.outcome in ("ok", "over_budget")]
             if activations(other.rung) == activations(rung) and len({m for m, _ in points}) >= 2:

@@ -63,8 +63,8 @@ class Placing(Climb):
         ratio = (first.peak_bytes - floor) / max(1.0, eager.peak_bytes - floor)
         self._compiled = Compiled(memory=min(1.0, max(0.05, ratio)), time=first.step_seconds / eager.step_seconds)
         sizes = [m for r, m, _ in self._candidates(rung.offload, compiled=self._compiled) if r.checkpointed_blocks == 0]
-        # No prediction at all where the eager line is unknown (GPT-2 XL at 16 GiB, H100: eager fitted one
-        # sample and ran out of memory at two, its peak unseen): one size up on compile's own terms, after
+        # No prediction at all where the eager line is unknown (eager fitted one sample and ran out of memory
+        # at two, its peak unseen): one size up on compile's own terms, after
         # which its own two points decide, as for any rung (grow, or bisect after a miss).
         guess = max(sizes) if sizes else self._next_size(first.micro_batch_size)
         if guess > first.micro_batch_size and self._budget_left():
@@ -77,12 +77,11 @@ class Placing(Climb):
         recompute on; then, with that ratio, the compiled block count and micro-batch predicted fastest.
 
         A recomputed block runs its compiled forward inside the checkpoint (`techniques/compile.py`), so the
-        recompute runs fused kernels too, and what compile saves depends on the micro-batch: on GPT-2 XL at
-        16 GiB (H100) compile was 1.08x *slower* than eager at one sample (a launch-bound step: 64 micro-steps
-        of guards and calls), while with every block recomputed at 8 samples it made the step 1.90x faster
-        (24,945 against 13,127 tok/s), also beating compile without recompute at 2 x 32 (17,478): RESULTS.md,
-        2026-11-27. So the ratio measured without recompute, at the small micro-batch compile fitted, does
-        not predict this one; it is measured where it applies.
+        recompute runs fused kernels too, and what compile saves depends on the micro-batch: at one sample a
+        step can be launch-bound (many micro-steps of guards and calls) and compile slower than eager, while
+        with every block recomputed at a larger micro-batch it can nearly halve the step, beating compile
+        without recompute too. So the ratio measured without recompute, at the small micro-batch compile
+        fitted, does not predict this one; it is measured where it applies.
         """
         if self._compiled is None or self.lattice.blocks < 1 or not self._budget_left():
             return
@@ -136,10 +135,9 @@ class Placing(Climb):
 
         Which offload leads eager need not lead compiled: compile shrinks what each sample holds, so the
         micro-batch each offload reaches, and with it what optimizer offload's host step costs a sample,
-        changes. On two H100s (GPT-2 medium, 16 GiB per rank, 32 samples a rank) eager optimizer offload led
-        (73 against 44 samples/s) and compile went only there (85); compile without offload, the plan of
-        the 1.885x run on two H200s, was never tried. Per-block compile makes the other offload's new
-        graph (its parameters' dtype differs) seconds of compiling, not the 110 s of whole-model compile.
+        changes: eager optimizer offload can lead while compile without offload is the faster plan. Per-block
+        compile makes the other offload's new graph (its parameters' dtype differs) seconds of compiling, not
+        the minutes of whole-model compile.
         """
         other = "none" if measured == "optimizer" else "optimizer" if measured == "none" else ""
         if self._compiled is None or not other or not self._budget_left():
