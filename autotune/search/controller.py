@@ -25,15 +25,17 @@ from ..errors import NoFeasiblePlan
 from ..evidence import Trial
 from .choice import Choice
 from .lines import NOISE, Compiled, Lattice, Runner, RungState
-from .placement import Placing, blocks_needed, ruled_out
+from .placement import Placing, ruled_out
 
-__all__ = ["Controller", "FIT_ADVICE", "Lattice", "NOISE", "SearchResult", "blocks_needed", "ruled_out"]
+__all__ = ["Controller", "FIT_ADVICE", "Lattice", "NOISE", "SearchResult", "ruled_out"]
 
-_ruled_out, _blocks_needed = ruled_out, blocks_needed  # the names the partitioned-state phase and tests use
+_ruled_out = ruled_out  # the name search/partitioned_state.py imports
 
 
 @dataclass(kw_only=True)
 class SearchResult:
+    """The controller's pick, every trial it ran, its account of the pick, and the notes on what it left out."""
+
     best: Trial
     trials: list[Trial]
     reason: str
