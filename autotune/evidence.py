@@ -11,7 +11,7 @@ from .configuration import Rung
 from .validate import check_choice, check_known_fields, check_non_negative_int, check_non_negative_number, \
     check_positive_int, dict_field
 
-NOISY = "noisy timings"  # how a trial's note says its step times spread wide (the plan's reason counts these)
+NOISY = "noisy timings"  # how a noisy trial's note says so (the plan's reason counts the `noisy` ones)
 OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager
 
 
@@ -35,7 +35,9 @@ class Trial:
     # The same, with every gradient in one all-reduce after backward (`Plan.reduce_overlap` False); measured
     # only by the trial that times both (`search/reduce_timing.py`), else 0.
     reduce_after_seconds: float = 0.0
-    note: str = ""
+    noisy: bool = False  # its step times spread wide (on this rank or another): the plan's reason counts these
+    overlapped: bool = False  # its measured steps overlapped the host optimizer with the last backward
+    note: str = ""  # for people: what happened, in words; decisions read the fields above
 
     def __post_init__(self) -> None:
         if not isinstance(self.rung, Rung):
@@ -47,6 +49,9 @@ class Trial:
         for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds",
                      "reduce_seconds", "reduce_after_seconds"):
             check_non_negative_number(f"Trial.{name}", getattr(self, name))
+        for name in ("noisy", "overlapped"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Trial.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def fits(self) -> bool:

@@ -127,3 +127,11 @@ def _from_env(name: str) -> Any:
     except ValueError as exc:
         raise InvalidSetting(f"environment variable {var}={raw!r} is not a valid {name}; unset it or fix it") from exc
     return raw
+
+
+RESULT_FILE_ENV = "AUTOTUNE_RESULT_FILE"
+
+
+def result_file() -> str | None:
+    """$AUTOTUNE_RESULT_FILE: where a job of `autotune run` records how it ended; None outside `autotune run`."""
+    return os.environ.get(RESULT_FILE_ENV) or None

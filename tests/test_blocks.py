@@ -20,7 +20,8 @@ from autotune.devices.placement import resolve_device
 from autotune.configuration import Rung
 from autotune.evidence import Trial
 from autotune.plan import Plan
-from autotune.search.controller import Controller, _blocks_needed
+from autotune.search.controller import Controller
+from autotune.search.placement import blocks_needed
 from autotune.search.trial import TrialRunner, Workload
 from autotune.techniques import apply_rung, find_blocks, profile_blocks
 from autotune.sizes import format_bytes
@@ -255,8 +256,8 @@ def test_the_controller_needs_fewer_blocks_when_the_first_ones_hold_the_most():
     shares = (0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.87, 0.94, 1.0)
     args = dict(floor=2 * 2**30, s0=9 * 2**30, sn=1 * 2**30, n=8, micro=2, limit=15 * 2**30, compiled=1.0)
     # 2 + 2 x (9 - 8 f) <= 15 GiB needs a share f >= 5/16 of the saving: k/n says 3 blocks, the shares 2.
-    assert _blocks_needed(**args) == 3
-    assert _blocks_needed(**args, shares=shares) == 2
+    assert blocks_needed(**args) == 3
+    assert blocks_needed(**args, shares=shares) == 2
 
 
 # -- reasons and sizes ------------------------------------------------------------------------------------------

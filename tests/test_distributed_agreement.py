@@ -47,10 +47,11 @@ def test_the_slowest_rank_and_the_fullest_gpu_make_the_agreed_trial():
 
 def test_noisy_timings_on_one_rank_are_counted_on_every_rank():
     """The plan's reason counts noisy trials; counted per rank, the ranks' plans differed in their reason."""
-    mine, theirs = _trial("ok"), _trial("ok", note=f"{NOISY} (step times spread 80% over 9 steps)")
+    mine, theirs = _trial("ok"), _trial("ok", noisy=True, note=f"{NOISY} (step times spread 80% over 9 steps)")
     agreed = [max(a, b) for a, b in zip(distributed.trial_figures(mine), distributed.trial_figures(theirs))]
-    assert NOISY in distributed.merged_trial(mine, agreed).note
-    assert distributed.merged_trial(theirs, agreed).note == theirs.note
+    merged = distributed.merged_trial(mine, agreed)
+    assert merged.noisy and NOISY in merged.note
+    assert distributed.merged_trial(theirs, agreed).noisy and distributed.merged_trial(theirs, agreed).note == theirs.note
 
 
 @pytest.fixture

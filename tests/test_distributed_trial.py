@@ -49,10 +49,11 @@ def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -
 
 
 def _phase(rank: int) -> dict:
-    """`fit`'s partitioned-state phase (api._partitioned_state) after a BF16 search, with real trials."""
-    from autotune.api import _partitioned_state
+    """`fit`'s partitioned-state phase (search/phases.py) after a BF16 search, with real trials."""
     from autotune.configuration import Rung
     from autotune.search.controller import Controller
+    from autotune.search.phases import PhaseContext, partitioned
+    from autotune.search.state import SearchState
     from autotune.search.trial import TrialRunner
     from autotune.training import distributed
 
@@ -61,8 +62,10 @@ def _phase(rank: int) -> dict:
     controller = Controller(runner, per_rank=8, limit_bytes=work.limit_bytes, world_size=WORLD)
     result = controller.search([Rung()])
     searched = len(result.trials)
-    best, fraction = _partitioned_state(result, controller, runner, result.best, None, work, False,
-                                        frozenset({"bf16", "offload"}))
+    state = SearchState.of(result)
+    partitioned(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=False,
+                                    allowed=frozenset({"bf16", "offload"})))
+    best, fraction = state.best, state.fraction
     return {"pick": result.best.to_dict(), "searched": searched, "best": best.to_dict(), "fraction": fraction,
             "trials": [{**t.to_dict(), "note": ""} for t in result.trials], "notes": [t.note for t in result.trials],
             "last_note": result.notes[-1], "params": sum(p.numel() for p in work.model.parameters())}

@@ -14,7 +14,8 @@ from autotune.workload.losses import resolve
 from autotune.workload.optimizers import OptimizerSpec
 from autotune.search.controller import NOISE
 from autotune.configuration import Rung
-from autotune.techniques import apply_rung, checkpointing, find_blocks, resident_floor
+from autotune.search.floors import resident_floor
+from autotune.techniques import apply_rung, checkpointing, find_blocks
 from autotune.search.trial import TrialRunner, Workload
 from gpt import GPT, GPTConfig, random_batch
 

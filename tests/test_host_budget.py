@@ -15,7 +15,7 @@ import torch
 import autotune
 from autotune.configuration import Rung
 from autotune.search import host_budget
-from autotune.techniques import resident_floor
+from autotune.search.floors import resident_floor
 from autotune.workload.optimizers import OptimizerSpec
 from gpt import GPT, GPTConfig, random_batch
 

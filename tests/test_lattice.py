@@ -25,7 +25,7 @@ def _rung(k: int, offload: str = "none", compiled: bool = False) -> Rung:
     return Rung(checkpointing=label, checkpointed_blocks=k, offload=offload, compile=compiled)
 
 
-# The anchors as `techniques.anchors` orders them for N blocks with every technique allowed.
+# The anchors as `search.anchors.anchors` orders them for N blocks with every technique allowed.
 ANCHORS = [_rung(0), _rung(N), _rung(0, "optimizer"), _rung(N, "activations"), _rung(N, "optimizer")]
 
 

@@ -16,7 +16,8 @@ import torch
 import autotune
 from autotune.errors import InvalidSetting
 from autotune.configuration import Rung
-from autotune.techniques import resident_floor, serve_dtypes
+from autotune.search.floors import resident_floor
+from autotune.techniques import serve_dtypes
 from test_step import Net, make_plan, seq_batch, sgd
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py

@@ -616,15 +616,16 @@ def test_an_offload_rival_is_priced_at_a_share_only_where_it_can_win():
 
 
 def test_the_rival_at_its_share_replaces_the_pick_only_when_faster_by_more_than_noise():
-    from autotune.api import _rival_or_pick
-    from autotune.search.controller import SearchResult
+    from autotune.search.phases import rival_or_pick
+    from autotune.search.state import SearchState
 
     plain = _priced("none", 4, 0.055, 0.02)
     for shared, wins in ((_priced("optimizer", 6, 0.068, 0.12), True), (_priced("optimizer", 6, 0.068, 0.2), False)):
-        result = SearchResult(best=plain, trials=[plain, shared], reason="pick", notes=[])
-        chosen, fraction = _rival_or_pick(result, plain, shared, 0.65)
-        assert (chosen is shared, fraction) == ((True, 0.65) if wins else (False, None)), shared.samples_per_second
-        assert result.reason.endswith("pick") and ("65% of the parameters' optimizer on the host" in result.reason) == wins
-        assert any("not faster than the pick" in n for n in result.notes) != wins
-    result = SearchResult(best=plain, trials=[plain], reason="pick", notes=[])
-    assert _rival_or_pick(result, plain, None, 1.0) == (plain, None) and "no share on the device fitted" in result.notes[0]
+        state = SearchState(best=plain, trials=[plain, shared], head="pick", notes=[])
+        rival_or_pick(state, shared, 0.65)
+        assert (state.best is shared, state.fraction) == ((True, 0.65) if wins else (False, None)), shared.samples_per_second
+        assert state.account().endswith("pick") and ("65% of the parameters' optimizer on the host" in state.account()) == wins
+        assert any("not faster than the pick" in n for n in state.notes) != wins
+    state = SearchState(best=plain, trials=[plain], head="pick", notes=[])
+    rival_or_pick(state, None, 1.0)
+    assert (state.best, state.fraction) == (plain, None) and "no share on the device fitted" in state.notes[0]

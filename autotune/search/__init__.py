@@ -1,6 +1,8 @@
-"""The search behind `autotune.fit`: which trial runs next and which plan wins.
+"""The search behind `autotune.fit`: which trial runs next, which plan wins, and why.
 
-`controller` (decisions only; takes a trial runner, so tests inject fakes) · `trial` (apply a
-configuration, run real optimizer steps, measure time and peak memory, clean up) · `snapshot` (the model,
-optimizer and random state restored after every trial).
+`tune` (the driver: setup, controller, phases, the plan and its reason) · `anchors`, `floors` (the rungs measured
+first; resident floors) · `controller` over `lines` (memory and time lines), `climb` (rung by rung), `placement`
+(the lattice beyond the anchors), `choice` (the pick and its reason) · `state`, `phases` (the pick refined after
+the controller: offload share, partitioned state, offload overlap, reduce timing; typed findings) · `trial`
+(one measured configuration) · `ground`, `snapshot` (the model moved, and put back as it came).
 """

@@ -3,15 +3,13 @@ plan then promises.
 
 Only the last micro-batch's backward and the optimizer tail differ between the two ways, so one trial of the
 chosen configuration with its measured steps overlapped is compared with the chosen (serial) one on step +
-optimizer seconds, not on whole-batch estimates. Neither wins everywhere (H100): overlap saved 2% of GPT-2
-XL's step, where a long recomputed backward hides host work, and cost 3% of GPT-2 large's compiled one,
-whose launches the host optimizer's threads slowed (benchmarks/bench_trial_accuracy.py). Streamed to the GPU
+optimizer seconds, not on whole-batch estimates. Neither wins everywhere: overlap saves a little where a long
+recomputed backward hides host work, and costs a little on a compiled step whose launches the host optimizer's
+threads slow (benchmarks/bench_trial_accuracy.py measures both). Streamed to the GPU
 (techniques/offload_stream.py), the same choice: its segments issued during the last backward, or all after it.
 
-The estimate moves with the choice: left at the serial trial's, it priced a step the plan does not train. On
-two H200s (GPT-2 medium at 16 GiB on one GPU, compile + streamed offload at 13 x 5) the overlap saved 0.036 to
-0.050 s a step and the plan promised 91,134-95,355 tok/s; it trained 101,009-101,720 (RESULTS.md twelfth
-session).
+The estimate moves with the choice: left at the serial trial's, it would price a step the plan does not
+train, and promise less than the plan then trains.
 """
 
 from __future__ import annotations
@@ -27,10 +25,9 @@ def choose(best: Trial, overlapped: Trial, per_rank: int, streamed: bool) -> tup
     kind = "streamed optimizer offload" if streamed else "optimizer offload"
     serial_s = best.step_seconds + best.optimizer_seconds
     overlapped_s = overlapped.step_seconds + overlapped.optimizer_seconds
-    # Streamed, the overlap allocates nothing the serial step does not (its buffers exist either way; W1 on an
-    # H100: 18.66 GiB allocated at the peak both ways), so a peak over the limit is the allocator's cache laid
-    # out differently in this trial (W1: 21.66 against 21.52 GiB reserved): the plan keeps the serial
-    # trial's peak, and only the time decides.
+    # Streamed, the overlap allocates nothing the serial step does not (its buffers exist either way: the same
+    # bytes allocated at the peak both ways), so a peak over the limit is the allocator's cache laid out
+    # differently in this trial: the plan keeps the serial trial's peak, and only the time decides.
     fits = overlapped.fits or (streamed and overlapped.outcome == "over_budget")
     if not fits:
         return best, False, f"serial {kind}: the overlapped trial: {overlapped.outcome}"

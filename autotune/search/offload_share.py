@@ -49,8 +49,8 @@ def predict_fraction(params: Sequence[nn.Parameter], room_bytes: float, state_te
 
     `ranks` > 1: the device share is partitioned over that many replicated ranks (offload_partition.py), each
     holding the masters and state of its run of whole parameters; the rank with the dearest run must fit.
-    Not 1/ranks of the share: GPT-2 medium's first 15% is its token embedding, one tensor one rank holds whole
-    (two H200s: a 15% device share grew the peak by 1.4 GiB at micro-batch 7, RESULTS.md sixth session)."""
+    Not 1/ranks of the share: a language model's first parameters are its token embedding, one tensor one
+    rank holds whole, so a small device share can land entirely on one rank."""
     total = sum(p.numel() for p in params)
     costs = _costs(params, state_tensors, keep_fp32)
     numels = [p.numel() for p in params]
@@ -79,9 +79,8 @@ def offload_rival(trials: Sequence[Trial], best: Trial, per_rank: int, noise: fl
     alone) it would beat `best` by more than `noise`; else None.
 
     The search measures optimizer offload with every parameter on the host; the share comes after the pick.
-    On an H100 (GPT-2 medium, 16 GiB) compile with full offload measured 63-65 samples/s against 68-70
-    without offload, and lost, while with 65% on the host it trained 1.12x faster than the winner
-    (89,681 against 81,084 tok/s, one process: benchmarks/bench_trial_steps.py).
+    A configuration with every parameter's optimizer on the host can lose to one without offload while the
+    same configuration with only part of it there beats both (benchmarks/bench_trial_steps.py measures it).
     """
     if best.rung.offload == "optimizer":
         return None
@@ -127,9 +126,8 @@ def _refine(best: Trial, trial: Trial, fraction: float, run: Callable[[float], T
     """One smaller share when the trial at `fraction` grew the peak by much less than the arithmetic said.
 
     The arithmetic charges every parameter kept on the device its state at the peak; where the peak sits
-    elsewhere (in backward, with the state small beside the activations), it overcharges: on two H100s
-    (GPT-2 medium, 16 GiB per GPU, partitioned) a 54% share was predicted to add 1.37 GB and added 0.24 GiB,
-    leaving 1.4 GiB unused while the rest streamed every step. The arithmetic's cost per parameter, scaled by
+    elsewhere (in backward, with the state small beside the activations), it overcharges, and leaves device
+    memory unused while the rest streams every step. The arithmetic's cost per parameter, scaled by
     what the trial measured (at most MIN_SCALE down), predicts one more share; its trial is kept when it fits
     and is not slower. Returns (trial, fraction, a note on the refinement or "").
     """

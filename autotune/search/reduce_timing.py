@@ -2,10 +2,8 @@
 
 Replicated, `TrainingStep` sums the ranks' gradients itself (`distributed.OverlappedReduce`): by default in
 buckets of 25 MiB started while the last micro-batch's backward goes on, as DDP does. That overlap does not
-always pay. On two H200s (GPT-2 medium, 16 GiB a GPU, 16-bit gradients; RESULTS.md tenth session) one bucket
-after backward trained 2-3% faster under the partitioned optimizer state (197,887 against 193,560 tok/s in one
-call, 189,688 against 183,872 in another) and tied under the unpartitioned plans of two other calls; on two
-H100s (seventh and eighth sessions) the overlap won by 4% once and lost by 3% once. Neither wins everywhere.
+always pay: one bucket after backward can train a few percent faster (under the partitioned optimizer state,
+with 16-bit gradients), tie, or lose by as much. Neither wins everywhere.
 
 So `fit` times both on its last pick: one trial whose all-reduced step runs `PAIRS` times each way, in the
 order ABBA... (a drift of the machine's speed falls on both alike), the figures agreed over ranks (MAX: every

@@ -1,7 +1,7 @@
 """One trial: put a rung on the model, run a few real optimizer steps at one micro-batch size, measure, and
 clean up whatever happened.
 
-DESIGN.md section 5, in order: apply the rung; run `warmup` + `measured` full optimizer steps (the
+In order: apply the rung; run `warmup` + `measured` full optimizer steps (the
 optimizer state appears at the first step, so the peak and the timings come from the later ones); time
 forward+backward and the optimizer step separately with the device synchronised; read the peak. On an
 OOM, the handler only records it: clean-up happens after the `except` block has been left (a held
@@ -131,6 +131,7 @@ class TrialRunner:
                 [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
                 [f"offload fraction {offload_fraction:.2f}"])
         tags += [OVERLAPPED] if overlap else []
+        trial = dataclasses.replace(trial, overlapped=bool(overlap))
         tags += [REDUCE_BOTH_WAYS] if reduce_pairs and gate.opened and trial.fits else []
         if tags:
             trial = dataclasses.replace(trial, note="; ".join([*tags, trial.note] if trial.note else tags))
@@ -149,9 +150,8 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     may overlap; in training only the last of k is. The warm-up steps overlap (their peak, which the meter
     sees, is the last backward's), the measured ones do not unless `overlap`: the search's k x step +
     optimizer is then what training does for k - 1 of them. Measured with every step overlapped, the host
-    optimizer's threads slowed a launch-bound compiled backward and the estimate fell 4-20% under the
-    trained rate (GPT-2 large and medium on an H100, benchmarks/bench_trial_accuracy.py), which ranked
-    compiled configurations too low.
+    optimizer's threads slowed a launch-bound compiled backward and the estimate fell under the trained
+    rate (benchmarks/bench_trial_accuracy.py), which ranked compiled configurations too low.
 
     On the CPU, timings whose spread is wide (another process competing for the cores: on a busy 2-core
     machine micro-batch 1 once "measured" 15x micro-batch 2) earn more measured steps, up to
@@ -193,10 +193,9 @@ def _abba(pairs: int) -> list[bool]:
 def _reduced_steps(reduced: Callable[[bool], float], order: list[bool]) -> tuple[list[float], list[float]]:
     """Seconds of all-reduced steps in buckets and in one after backward, one step for each of `order`.
 
-    One step's reading of the all-reduce's cost is noisy: on two H200s the partitioned state's trial read
-    its 16 x 2 step 19 ms (5%) slower than it trained while the pick beside it read as it trained, and the
-    search kept the slower plan (RESULTS.md twelfth session). A trial of several times the measured steps
-    takes as many readings of it (`_run_steps`).
+    One step's reading of the all-reduce's cost is noisy (a few percent either way, enough to rank two close
+    plans the wrong way round). A trial of several times the measured steps takes as many readings of it
+    (`_run_steps`).
 
     The ranks agree after each step whether any ran out of memory in it: a rank that did raises, the others
     stop too (their trial is the OOM once agreed), so no rank starts a step's collectives alone."""
@@ -245,8 +244,8 @@ def _loss(applied: AppliedRung, micro_batch: Any, work: Workload, weights: LossW
 class ReduceGate:
     """Replicated on several ranks, a trial also times one step whose gradients are all-reduced during its
     backward, as the last micro-batch's are in training (`distributed.OverlappedReduce`); what that adds is a
-    cost once per global step, like the optimizer's. Without it the estimate left the all-reduce out: on two
-    H200s (GPT-2 medium, 16 GiB per GPU) `fit` promised 144,985 tok/s and the plan trained at 107,009.
+    cost once per global step, like the optimizer's. Without it the estimate leaves the all-reduce out and
+    promises more than the plan trains.
 
     The ranks must all start that step or none: a rank whose trial ran out of memory before it would leave
     the others waiting in the all-reduce. So every rank meets the others once, at `open` (measured steps
@@ -320,7 +319,7 @@ def spread(times: list[tuple[float, float]]) -> float:
 
 def noise_note(trials: list[Trial]) -> str:
     """A clause for the plan's reason when some fitting trials' timings stayed noisy, else ""."""
-    noisy = [t for t in trials if t.fits and NOISY in t.note]
+    noisy = [t for t in trials if t.fits and t.noisy]
     if not noisy:
         return ""
     return (f"timings were noisy in {len(noisy)} of {sum(t.fits for t in trials)} trials (another process "
@@ -371,7 +370,7 @@ def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
     return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, seconds=seconds,
                  step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
                  alloc_retries=retries, compile_seconds=compile_s if rung.compile else 0.0, reduce_seconds=reduce_s,
-                 reduce_after_seconds=after_s, note=note)
+                 reduce_after_seconds=after_s, noisy=outcome == "ok" and bool(noisy), note=note)
 
 
 def retimed(trial: Trial, optimizer_seconds: float, per_rank: int, world: int, **changes: Any) -> Trial:

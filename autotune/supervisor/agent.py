@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+from .. import api, settings
 from ..cache.store import CacheWarning
 from ..plan import Plan
 from .measure import PeakMeter, StepWatch, clock
@@ -39,7 +40,7 @@ from ..sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
-RESULT_FILE_ENV = "AUTOTUNE_RESULT_FILE"
+RESULT_FILE_ENV = settings.RESULT_FILE_ENV
 STEPS_ENV = "AUTOTUNE_AGENT_STEPS"  # zero-change trial: stop after this many optimizer steps
 BUDGET_ENV = "AUTOTUNE_AGENT_BUDGET"  # bytes: apply a memory ceiling to the whole script
 DEVICE_ENV = "AUTOTUNE_AGENT_DEVICE"  # "cuda" or "cpu": which kind of ceiling, and what to measure
@@ -53,7 +54,7 @@ TRACEBACK_CHARS = 4000
 
 def result_path() -> str | None:
     """This process's result file: $AUTOTUNE_RESULT_FILE for rank 0, with `.rank<N>` for the others."""
-    base = os.environ.get(RESULT_FILE_ENV)
+    base = settings.result_file()
     if not base:
         return None
     rank = int(os.environ.get("RANK", "0") or 0)
@@ -209,6 +210,7 @@ def main(argv: list[str]) -> None:
         device = os.environ.get(DEVICE_ENV, "cuda")
         with memory_ceiling(device, budget) as ceiling:
             if result_path() is not None:
+                api.on_plan(report_plan)  # fit reports the plan it returns
                 now = clock(device)
                 _watch = _trial_watch(steps, PeakMeter(ceiling), now) if steps else StepWatch(now=now)
                 _watch.install()

@@ -208,7 +208,8 @@ class ScriptTrials:
             rate = self.known[(rung, micro)]
         return Trial(rung=rung, micro_batch_size=micro, outcome="ok" if fits else "over_budget", peak_bytes=peak,
                      seconds=exit_.seconds, step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
-                     alloc_retries=max(int(m.get("alloc_retries", 0)) for m in measured), note=note)
+                     alloc_retries=max(int(m.get("alloc_retries", 0)) for m in measured),
+                     noisy=fits and wide > NOISY_SPREAD, note=note)
 
 
 @dataclass(kw_only=True)

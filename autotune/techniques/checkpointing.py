@@ -8,7 +8,7 @@ sample measured with none and with all of them recomputed; "selective" is any co
 Checkpointing is non-reentrant (`use_reentrant=False`): it supports keyword arguments and restores the
 dropout RNG on recompute.
 
-Guards (PEERS.md lesson 8): a block's BatchNorm running statistics are saved before the recompute and
+Guards: a block's BatchNorm running statistics are saved before the recompute and
 put back after it, so they are updated once per forward, as without checkpointing; the block's own
 forward hooks run once, because the block's `forward` is what is wrapped, not its `__call__`.
 """

@@ -6,17 +6,16 @@ eager. A recomputed block is compiled *inside* its checkpoint (`forward`, which 
 wraps): the checkpoint drops what the compiled graph saved and runs the compiled forward again in
 backward, so the recompute uses the same fused kernels and Inductor never sees a checkpoint. The other
 order, a compiled checkpoint wrapper (torchtitan's), hands the recompute to Inductor's partitioner, which
-on torch 2.11 failed on GPT-2 XL ("Node add_222 was invalid, but is output", benchmarks/RESULTS.md sixth
-session) and gained nothing on GPT-2 large (issue 11). Compiled inside, the gradients are bitwise those of
+can fail on large models ("Node ... was invalid, but is output") and gained nothing where it ran. Compiled
+inside, the gradients are bitwise those of
 the compiled block without recompute, dropout included (the checkpoint restores the RNG state that
 Inductor's seeds are drawn from; tests/test_compile_regions.py). Identical blocks share one compiled graph
-(their parameters are graph inputs), so compile time is one block's, not N blocks': on GPT-2 large (36
-blocks) compiling the whole model took 129.5 s of a 285.8 s tune on an H100 (benchmarks/RESULTS.md),
-most of the tuning time. A model without repeated blocks is compiled whole. `$AUTOTUNE_COMPILE_REGIONS`
+(their parameters are graph inputs), so compile time is one block's, not N blocks' (compiling a whole
+36-block model can take most of a tune). A model without repeated blocks is compiled whole. `$AUTOTUNE_COMPILE_REGIONS`
 = "whole" compiles the whole model when no block is recomputed (the most fusion, the longest compile).
 
-Compile is a speed and a memory technique: fused kernels keep fewer intermediates (GPT-2 large on an
-H100: 10.5 GiB where eager peaked at 21.2 at the same micro-batch). Its cost is compile time, paid at
+Compile is a speed and a memory technique: fused kernels keep fewer intermediates (a GPT-2 can peak at
+half of eager's memory at the same micro-batch). Its cost is compile time, paid at
 the first step; torch's own on-disk caches (Inductor's FX graph cache) make a second tune of the same
 model cheaper. The batch dimension of every compiled call's inputs is marked dynamic before the call,
 so a change of micro-batch (the next trial, a recovery, an uneven last micro-batch) reuses the graph.

@@ -71,8 +71,8 @@ def reset_after_failure(model: nn.Module) -> None:
     First the device finishes every collective in flight (the ranks left the step at the same collective:
     `distributed.check_in`, so every collective issued was issued by all). Then `FSDPModule.reset_iter_state`
     (torch 2.13+) on the root reshards every group and drops the failed iteration's trackers and gradient
-    reductions; on older torch `_reset_iter_state` does the same through FSDP's own fields (on two H200s
-    with torch 2.11, resharding alone after an OOM was followed by an illegal memory access on both ranks).
+    reductions; on older torch `_reset_iter_state` does the same through FSDP's own fields (resharding
+    alone after an OOM can be followed by an illegal memory access on every rank).
     A model that is not sharded is left alone.
     """
     from torch.distributed.fsdp import FSDPModule

@@ -69,7 +69,7 @@ def trial_figures(trial: Trial) -> list[float]:
     """What `agree_trial` all-reduces with MAX; the rate goes in negated, so MAX gives the slowest rank's."""
     return [float(_OUTCOME_CODE[trial.outcome]), float(trial.peak_bytes), trial.step_seconds,
             trial.optimizer_seconds, float(trial.alloc_retries), -trial.samples_per_second, trial.seconds,
-            trial.compile_seconds, float(NOISY in trial.note), trial.reduce_seconds, trial.reduce_after_seconds]
+            trial.compile_seconds, float(trial.noisy), trial.reduce_seconds, trial.reduce_after_seconds]
 
 
 def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
@@ -78,13 +78,14 @@ def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
     outcome = next(k for k, v in _OUTCOME_CODE.items() if v == int(code))
     ran = outcome in ("ok", "over_budget")
     note = trial.note if outcome == trial.outcome else _ANOTHER_RANK[outcome]
-    if noisy and NOISY not in note:  # the plan's reason counts noisy trials: every rank must count alike
+    if noisy and not (trial.noisy and outcome == trial.outcome):  # said in words where this rank's note does not
         note = f"{note}; {NOISY} on another rank" if note else f"{NOISY} on another rank"
     return dataclasses.replace(trial, outcome=outcome, peak_bytes=int(peak), step_seconds=step_s if ran else 0.0,
                                optimizer_seconds=opt_s if ran else 0.0, alloc_retries=int(retries),
                                samples_per_second=-neg_rate if ran else 0.0, seconds=seconds,
                                compile_seconds=compile_s, reduce_seconds=reduce_s if ran else 0.0,
-                               reduce_after_seconds=after_s if ran else 0.0, note=note)
+                               reduce_after_seconds=after_s if ran else 0.0,
+                               noisy=bool(noisy), note=note)  # every rank counts the same noisy trials
 
 
 def _collective_device() -> torch.device:

@@ -1,0 +1,60 @@
+"""The configurations the search measures first: the anchors of the lattice, with their 8-bit twins when
+allowed, and the techniques a model is tuned with (a float64 model keeps float64)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from torch import nn
+
+from ..configuration import Rung
+from ..devices.placement import Placement
+from ..techniques import optimizer_8bit
+from ..techniques.blocks import BlockGroup
+from ..techniques.ladder import is_float64, ladder
+from ..techniques.names import parse_techniques
+from ..workload.optimizers import OptimizerSpec
+
+
+def keep_dtype(allowed: frozenset[str], model: nn.Module, given: Iterable[str] | str | None) -> frozenset[str]:
+    """The techniques `model` is tuned with: a float64 model keeps float64, so "bf16" is dropped unless `given`
+    (the techniques the user named: fit's `techniques`, else $AUTOTUNE_TECHNIQUES) names it. The default set,
+    which holds "bf16" for the usual float32 model, does not count as asking for it. A float32 model asks
+    for float32 the same way: by a `techniques` without "bf16"."""
+    if "bf16" not in allowed or not is_float64(model) or (given is not None and "bf16" in parse_techniques(given)):
+        return allowed
+    return allowed - {"bf16"}
+
+
+def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | None, *,
+            float64: bool = False) -> tuple[list[Rung], list[str]]:
+    """The eager configurations the search measures first, in the order it tries them (`float64`: see `ladder`).
+
+    Every offload is tried with no block and with every block recomputed: these corners give the bytes
+    per sample with and without recompute and the resident floor with and without optimizer offload,
+    from which the search predicts the rest of the lattice (intermediate block counts, compile).
+    """
+    rungs, notes = ladder(allowed, placement, blocks, float64=float64)
+    n = len(blocks.blocks) if blocks is not None else 0
+    plain = [r for r in rungs if r.offload == "none" and r.checkpointed_blocks in (0, n)]
+    optimizer = [r for r in rungs if r.offload == "optimizer"]
+    bare = [dataclasses.replace(r, checkpointing="none", checkpointed_blocks=0) for r in optimizer if n][:1]
+    # Optimizer offload without recompute (its floor, none of the recompute) before activation offload.
+    order = plain + bare + [r for r in rungs if r.offload == "activations"] + optimizer
+    return list(dict.fromkeys(order)), notes
+
+
+def eight_bit_anchors(rungs: list[Rung], allowed: frozenset[str], spec: OptimizerSpec,
+                      device_type: str) -> tuple[list[Rung], list[str]]:
+    """When 'optimizer_8bit' is allowed, the anchors plus an 8-bit twin of each anchor stepped on the device,
+    tried last: 8-bit state is what the user accepts when nothing lighter fits, not a first choice.
+    The missing package is an error here, before any trial (see `optimizer_8bit.require`)."""
+    if "optimizer_8bit" not in allowed:
+        return rungs, []
+    if not optimizer_8bit.supports(spec):
+        return rungs, [f"optimizer_8bit skipped: only Adam and AdamW have an 8-bit form, not {spec.cls_name}"]
+    optimizer_8bit.require(device_type)
+    twins = [dataclasses.replace(r, optimizer_8bit=True) for r in rungs
+             if r.offload != "optimizer" and not r.compile]
+    return rungs + twins, []

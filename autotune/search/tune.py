@@ -1,0 +1,225 @@
+"""The search behind `fit` on a cache miss: the sharding decision, the anchors and the lattice, the controller,
+the phases after its pick (`phases.PHASES`), and the plan with its reason, composed once from what they found;
+and `verify`, one trial of a plan from elsewhere before it is served."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..configuration import Rung
+from ..devices import host as host_memory
+from ..devices.peaks import device_peak
+from ..devices.placement import Placement
+from ..evidence import Trial
+from ..plan import Plan
+from ..settings import FitSettings, result_file
+from ..sizes import parse_bytes
+from ..techniques import dtype_conflict, find_blocks, is_float64, profile_blocks, serve_dtypes
+from ..techniques.blocks import BlockGroup
+from ..techniques.compile import unavailable as compile_unavailable
+from ..techniques.sharding import choose_sharding, is_sharded
+from ..training import distributed
+from ..workload import batch as batches
+from ..workload import chunked_loss
+from ..workload.batching import split_sizes
+from ..workload.losses import chunked_default_loss, resolve as resolve_loss
+from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
+from . import host_budget
+from .anchors import anchors, eight_bit_anchors
+from .controller import FIT_ADVICE, Controller, Lattice
+from .flops import flops_per_sample, utilization
+from .floors import drop_rungs_over, resident_floor
+from .ground import trials_on
+from .phases import PhaseContext, run_phases
+from .progress import Progress
+from .state import SearchState, reason
+from .trial import TrialRunner, Workload
+
+# When nothing fits in a job of `autotune run` (cooperative): its --budget is the budget, unless the script
+# passes its own to fit.
+RUN_ADVICE = ("Raise --budget (or the memory_budget the script passes to fit), allow more techniques in the "
+              "script's fit call (techniques=('bf16', 'checkpointing', 'offload')), or shrink the model or the "
+              "sequence.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One search: the user's model, example, optimizer and loss; the settings; the device and budget; the
+    techniques allowed; the batch over ranks; the largest micro-batch the cache still trusts; progress lines."""
+
+    model: nn.Module
+    batch: Any
+    optimizer: Any
+    loss_fn: Any
+    settings: FitSettings
+    placement: Placement
+    budget: int
+    allowed: frozenset[str]
+    global_batch: int
+    per_rank: int
+    world: int
+    bound: int | None = None
+    progress: Progress | None = None
+
+
+@dataclass(kw_only=True)
+class _Setup:
+    """What the search starts from: the anchors to climb, the lattice beyond them, and why rungs were left out."""
+
+    rungs: list[Rung]
+    lattice: Lattice
+    blocks: BlockGroup | None
+    notes: list[str]  # before the controller's own notes in the plan's reason
+    dropped: list[str]  # the controller's first notes (in the error too, if nothing fits)
+    compile_notes: list[str]
+
+
+def host_limit(settings: FitSettings) -> int:
+    """The host bytes a tune and its plan may use: `host_memory_budget`, else what this process may use now."""
+    if settings.host_memory_budget is not None:
+        return parse_bytes(settings.host_memory_budget, "host_memory_budget")
+    return host_memory.default_budget()
+
+
+def tune(job: Job) -> Plan:
+    """The fastest plan that fits `job`, from trials on the model (or a sharded copy), which is put back after."""
+    spec = OptimizerSpec.from_user(job.optimizer, job.model)
+    peak = device_peak(job.placement.name, job.placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
+    limit = int((1 - job.settings.margin) * job.budget)
+    plain = anchors(job.allowed, job.placement, find_blocks(job.model))[0][0]  # the first rung: nothing offloaded
+    floor = resident_floor(plain, job.model, state_tensors_per_parameter(spec))
+    sharding, sharding_reason = choose_sharding(job.model, floor, limit, job.world)
+    copied = sharding == "fsdp2" and not is_sharded(job.model)
+    with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=plain.precision) as tuned:
+        try:
+            state, setup, work, flops = _search(job, tuned, spec, limit)
+        finally:
+            if job.progress is not None:
+                job.progress.close()
+    tokens = batches.tokens_per_sample(job.batch)
+    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes], first=sharding_reason or "",
+                  last=(work.loss_form.note,) if work.loss_form is not None and work.loss_form.note else ())
+    best, fraction = state.best, state.fraction
+    sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
+    return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
+                offload_fraction=fraction, offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit,
+                checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
+                block_paths=tuple(setup.blocks.paths) if setup.blocks is not None else (),
+                compile_seconds=sum(t.compile_seconds for t in state.trials),
+                micro_batch_size=sizes[0], accumulation_steps=len(sizes),
+                world_size=job.world, global_batch_size=job.global_batch, last_micro_batch_size=sizes[-1],
+                peak_memory_bytes=best.peak_bytes, memory_budget_bytes=job.budget, margin=job.settings.margin,
+                samples_per_second=best.samples_per_second,
+                tokens_per_second=best.samples_per_second * tokens if tokens else None,
+                device=job.placement.kind, device_name=job.placement.name, source="tuned", reason=text,
+                trials=tuple(state.trials), flops_per_sample=flops, sharding=sharding,
+                reduce_overlap=state.reduce_overlap,
+                mfu=utilization(flops, best.samples_per_second, job.world, peak, best.rung.precision),
+                min_micro_batch_size=state.smallest, techniques=tuple(sorted(job.allowed)), max_length=tokens,
+                host_peak_bytes=host_budget.need(best.rung, job.model, spec, job.placement.kind,
+                                                 fraction=fraction or 1.0, overlap=state.overlap,
+                                                 snapshot=False).total)
+
+
+def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
+            limit: int) -> tuple[SearchState, _Setup, Workload, float | None]:
+    """The controller's search on `tuned`, then the phases; with what it started from and the workload."""
+    # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
+    # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
+    example = batches.detached(batches.to_device(job.batch, job.placement.torch_device))
+    loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
+    setup = _setup(job, tuned, spec, limit, example, loss)
+    host = host_limit(job.settings)  # read once: the default follows the machine's free memory
+    rungs, host_notes = host_budget.keep_within(setup.rungs, tuned, spec, job.placement.kind, host)
+    work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=job.placement,
+                    budget_bytes=job.budget, limit_bytes=limit, per_rank=job.per_rank, world_size=job.world,
+                    blocks=setup.blocks, warmup_steps=job.settings.warmup_steps,
+                    measured_steps=job.settings.measured_steps, host_limit_bytes=host)
+    flops = flops_per_sample(tuned, work.batch, work.loss_fn, job.placement)
+    runner = TrialRunner(work, agree=distributed.agree_trial)
+    longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
+    if job.progress is not None:
+        runner, longer = job.progress.watch(runner), job.progress.watch(longer, "re-measure")  # type: ignore[assignment]
+    controller = Controller(runner, per_rank=job.per_rank, limit_bytes=limit, max_micro=job.bound,
+                            max_trials=job.settings.max_trials, world_size=job.world, remeasure=longer,
+                            advice=RUN_ADVICE if result_file() is not None else FIT_ADVICE)
+    controller.notes.extend(setup.dropped + host_notes)  # in the plan's reason, and in the error if nothing fits
+    state = SearchState.of(controller.search(rungs, setup.lattice))
+    run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
+                                   allowed=job.allowed))
+    return state, setup, work, flops
+
+
+def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example: Any, loss: Any) -> _Setup:
+    """The anchors the search climbs, the lattice it places beyond them, and the notes on what was left out."""
+    allowed, placement = job.allowed, job.placement
+    # Which blocks, and in which order, by the activations they hold: one forward, so in the snapshot.
+    # Not under FSDP2 (the profile reads parameter storages, which shards wrap): structural order there.
+    profiled = "checkpointing" in allowed and not is_sharded(tuned)
+    blocks = (profile_blocks(tuned, example, loss, placement) if profiled
+              else find_blocks(tuned))  # sharding's units; and the model's own checkpointing, reported
+    rungs, notes = anchors(allowed, placement, blocks, float64=is_float64(tuned))
+    notes += _loss_notes(job.loss_fn, loss, tuned, allowed)
+    rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
+    notes += more
+    rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried
+    floors = [resident_floor(r, tuned, state_tensors_per_parameter(spec)) for r in rungs]
+    compile_notes: list[str] = []
+    lattice = Lattice(blocks=len(blocks.blocks) if blocks is not None else 0,
+                      shares=blocks.shares() if blocks is not None else None,
+                      compile=_compile_allowed(allowed, placement, compile_notes, is_sharded(tuned)),
+                      floors=dict(zip(rungs, floors)))
+    rungs, dropped = drop_rungs_over(rungs, floors, limit)  # floors count what this rank holds: its shard
+    return _Setup(rungs=rungs, lattice=lattice, blocks=blocks, notes=dtype_notes + notes, dropped=dropped,
+                  compile_notes=compile_notes)
+
+
+def verify(plan: Plan, job: Job) -> Trial:
+    """One trial of `plan`'s configuration at its micro-batch, on the model as training will run it (an FSDP2
+    plan on a sharded copy), leaving the model, optimizer and RNG as they were (as `tune` does)."""
+    model, placement = job.model, job.placement
+    conflict = dtype_conflict(plan.rung, model)
+    if conflict is not None:  # such a rung crashes in its first step: the search never tries it either
+        return Trial(rung=plan.rung, micro_batch_size=plan.micro_batch_size, outcome="error", note=conflict)
+    spec = OptimizerSpec.from_user(job.optimizer, model)
+    copied = plan.sharding == "fsdp2" and not is_sharded(model)
+    with trials_on(model, job.optimizer, placement, copied=copied, precision=plan.precision) as tuned:
+        example = batches.detached(batches.to_device(job.batch, placement.torch_device))
+        loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
+        work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=placement,
+                        budget_bytes=plan.memory_budget_bytes,
+                        limit_bytes=int((1 - plan.margin) * plan.memory_budget_bytes), per_rank=job.per_rank,
+                        world_size=job.world, blocks=find_blocks(tuned, plan.block_paths),
+                        warmup_steps=job.settings.warmup_steps, measured_steps=job.settings.measured_steps)
+        fraction = plan.offload_fraction if plan.offload == "optimizer" else 1.0
+        trial = TrialRunner(work, agree=distributed.agree_trial)(plan.rung, plan.micro_batch_size,
+                                                                  offload_fraction=fraction,
+                                                                  overlap=plan.offload_overlap is True)
+        del tuned, work, loss
+    return trial
+
+
+def _loss_notes(loss_fn: Any, loss: Any, model: nn.Module, allowed: frozenset[str]) -> list[str]:
+    """Why the model's own loss is (or is not) computed a chunk of tokens at a time."""
+    if loss_fn is not None or "chunked_loss" not in allowed:
+        return []
+    if loss is chunked_default_loss:
+        return ["chunked_loss: the LM head's logits and loss a chunk of tokens at a time (no full logits held)"]
+    why = chunked_loss.why_not(model)
+    hf = getattr(chunked_loss.unwrapped(model), "lm_head", None) is not None
+    return [f"chunked_loss skipped: {why}"] if hf and why else []
+
+
+def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str], sharded: bool) -> bool:
+    """Whether the search may try compile; when it may not although allowed, a note says why."""
+    if "compile" not in allowed:
+        return False
+    # Not on FSDP2 shards: a compiled block of a sharded model crashed its ranks with an illegal memory access
+    # under torch.compile; compile there is left to a later issue.
+    why = "compile is not tried on an FSDP2-sharded model" if sharded else compile_unavailable(placement)
+    if why is not None:
+        notes.append(why)
+    return why is None

@@ -1,0 +1,118 @@
+"""`apply_rung`: put one configuration on a model and get back what a training step needs.
+
+A technique that is off is a null context or a no-op, so the training step has one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+from ..configuration import Rung
+from ..devices.placement import Placement
+from ..errors import InvalidSetting
+from ..workload import batch as batches
+from ..workload.optimizers import OptimizerSpec
+from . import checkpointing, optimizer_8bit
+from . import compile as compiling
+from .blocks import BlockGroup
+from .ladder import block_count
+from .offload import HostOptimizer, norm_parameters
+from .precision import autocast_factory, make_scaler
+
+
+@dataclass(kw_only=True)
+class AppliedRung:
+    """A rung in force on a model: what one micro-step and one optimizer step need."""
+
+    rung: Rung
+    model: nn.Module
+    optimizer: Any  # torch.optim.Optimizer, or HostOptimizer under optimizer offload
+    autocast: Callable[[], ContextManager[object]]
+    scaler: torch.amp.GradScaler | None
+    _undo: list[Callable[[], None]]
+
+    def inputs(self, micro_batch: Any) -> Any:
+        """The micro-batch as the model should get it: `Shared` tensors unwrapped; under compile, with a
+        dynamic batch dimension (on the per-sample tensors only)."""
+        if self.rung.compile:
+            compiling.mark_batch_dynamic(micro_batch)
+        return batches.unwrap(micro_batch)
+
+    def backward(self, loss: torch.Tensor, *, last: bool = False, defer: bool = False) -> None:
+        """Backward of one micro-batch. `last`: the optimizer steps right after it, so under optimizer
+        offload the host starts its share during this backward (`HostOptimizer.arm`; `defer` when the
+        gradients may still change before the step: clipping, a callback, a correction)."""
+        if last and self._host:
+            self.optimizer.arm(defer)
+        # Scale under optimizer offload too: HostOptimizer.step unscales the host gradients itself.
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None and not self._host:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        # Keep gradient buffers allocated: under accumulation they are live while the next micro-batch
+        # runs forward, and a trial must see that peak.
+        self.optimizer.zero_grad(set_to_none=False)
+
+    @property
+    def _host(self) -> bool:
+        return isinstance(self.optimizer, HostOptimizer)
+
+    def remove(self) -> None:
+        """Undo everything `apply_rung` did, last first."""
+        while self._undo:
+            self._undo.pop()()
+
+
+def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Placement,
+               blocks: BlockGroup | None, *, optimizer: torch.optim.Optimizer | None = None,
+               offload_fraction: float = 1.0, overlap: bool | None = None) -> AppliedRung:
+    """Put `rung` on `model`; the optimizer is `optimizer` if given, else a fresh one from `spec`.
+
+    Under optimizer offload the returned optimizer is a `HostOptimizer` built from `spec` (with
+    `optimizer`'s state, when given, moved into it), holding `offload_fraction` of the parameters on the host,
+    stepping them during the last backward unless `overlap` is False (`Plan.offload_overlap`).
+    """
+    undo: list[Callable[[], None]] = []
+    try:
+        scaler = make_scaler(rung.precision, placement)
+        count = block_count(rung, blocks)
+        if rung.checkpointing != "none" and not (blocks is not None and blocks.library):
+            # (where the model's library checkpoints already, its blocks are recomputed once, by it)
+            if blocks is None:
+                raise InvalidSetting("checkpointing needs repeated blocks and none were found in the model")
+            undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
+                                              placement=placement,
+                                              inner=compiling.forward if rung.compile else None))
+        if rung.compile:
+            undo.append(compiling.install(model, blocks, count))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if rung.offload == "optimizer":
+            state = optimizer.state_dict() if optimizer is not None and optimizer.state else None
+            # fp32 (a float64 model's): the device weights keep their dtype, only the optimizer moves
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(rung.precision, torch.float32)
+            held = [trainable[i] for i in spec.held()]  # no master or state for a parameter no group holds
+            opt: Any = HostOptimizer(held, spec.over_held(), dtype, scaler, state, keep_fp32=norm_parameters(model),
+                                     fraction=offload_fraction, overlap=overlap)
+            undo.append(opt.restore)
+        elif rung.optimizer_8bit:  # a given 8-bit optimizer is kept (recovery); the user's FP32 one is not
+            opt = (optimizer if optimizer_8bit.is_eight_bit(optimizer)
+                   else optimizer_8bit.eight_bit_spec(spec, placement.torch_device.type).build(trainable))
+        else:
+            opt = optimizer if optimizer is not None else spec.build(trainable)
+        return AppliedRung(rung=rung, model=model, optimizer=opt, scaler=scaler,
+                           autocast=autocast_factory(rung.precision, placement), _undo=undo)
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise

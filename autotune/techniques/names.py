@@ -1,0 +1,24 @@
+"""The technique names fit accepts, and reading a `techniques` setting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..errors import InvalidSetting
+
+TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss")
+DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "chunked_loss")  # 8-bit state changes the numerics: opt-in
+
+
+def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
+    """The allowed techniques; None means the default ones (all but the opt-in 'optimizer_8bit')."""
+    if techniques is None:
+        return frozenset(DEFAULT_TECHNIQUES)
+    if isinstance(techniques, str):
+        techniques = [t.strip() for t in techniques.split(",") if t.strip()]
+    chosen = frozenset(techniques)
+    unknown = sorted(chosen - set(TECHNIQUES))
+    if unknown:
+        raise InvalidSetting(f"techniques: unknown {', '.join(map(repr, unknown))}; allowed are "
+                             f"{', '.join(TECHNIQUES)} (e.g. techniques=('bf16', 'checkpointing'))")
+    return chosen

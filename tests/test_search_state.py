@@ -1,0 +1,25 @@
+"""The search state the phases refine, and the plan's reason composed once from what they found."""
+
+from autotune.configuration import Rung
+from autotune.evidence import Trial
+from autotune.search.state import SearchState, reason
+
+
+def _trial(noisy: bool = False) -> Trial:
+    return Trial(rung=Rung(), micro_batch_size=4, outcome="ok", step_seconds=0.1, samples_per_second=40.0,
+                 noisy=noisy)
+
+
+def test_findings_wrap_the_pick_in_the_order_the_phases_found_them():
+    state = SearchState(best=_trial(), trials=[_trial()], notes=[], head="pick")
+    state.found("offload share", "share")
+    state.found("partitioned state", "partitioned", leads=True)
+    state.found("offload overlap", "overlap")
+    assert state.account() == "partitioned; then: pick; share; overlap"
+
+
+def test_the_reason_puts_the_floor_note_first_cuts_the_notes_and_keeps_the_last_clauses_and_the_noise():
+    state = SearchState(best=_trial(), trials=[_trial(noisy=True), _trial()], notes=["b"], head="pick",
+                        floor_note="micro-batch 1 skipped")
+    text = reason(state, ["a", "micro-batch 1 skipped", "b", "c"], first="sharded", last=("loss",))
+    assert text.startswith("sharded; pick; micro-batch 1 skipped; a; b; loss; timings were noisy in 1 of 2 trials")
