@@ -64,6 +64,24 @@ def test_an_oom_while_counting_leaves_the_flops_unknown() -> None:
     assert flops_per_sample(Hungry(), torch.zeros(2, 4), lambda m, x: m(x).sum(), CPU) is None
 
 
+def test_a_count_whose_backward_runs_out_of_memory_triples_the_forward() -> None:
+    """A model whose weights and gradients do not fit together (offload's models) still gets a count."""
+
+    class NoRoomForGradients(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return self.net(x)
+
+    model = NoRoomForGradients()
+    counted = flops_per_sample(model, torch.randn(8, 64), lambda m, x: m(x).square().mean(), CPU)
+    assert counted == pytest.approx(6 * _matmul_params(model), rel=0.2)
+
+
 def test_peak_table_tells_the_h100_variants_apart() -> None:
     sxm, pcie = device_peak("NVIDIA H100 80GB HBM3"), device_peak("NVIDIA H100 PCIe")
     assert sxm.flops("bf16") == pytest.approx(989e12) and pcie.flops("bf16") == pytest.approx(756e12)

@@ -5,6 +5,11 @@ The count is one forward+backward of the plain model (no rung applied) on a smal
 torch actually dispatches: no formula to get wrong for an unusual model. It is the "model FLOPs" of MFU
 (PaLM, appendix B): recomputation under checkpointing is left out on purpose, so a plan that recomputes
 shows the utilization a user gets out of the GPU, not the work it did.
+
+Where the full count does not fit (a model whose FP32 weights and gradients together exceed the budget, the
+very models optimizer offload is for), the forward alone is counted without gradients and tripled: the
+backward of a matmul or an attention kernel costs twice its forward (gradients for the inputs and for the
+weights), the convention of MFU's 6N per token.
 """
 
 from __future__ import annotations
@@ -45,10 +50,28 @@ def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: P
                               "restart the process.") from exc
         if not is_oom(exc):
             raise
-        log.info("counting FLOPs at micro-batch %d ran out of memory; the plan will have no MFU", n)
     # Out of the except block, so a failed step's tensors are free to go (trial.py does the same).
     _clean_up(model, placement)
+    if total is None:
+        total = _forward_only(model, part, loss_fn, placement, n)
     return None if total is None else total / n
+
+
+def _forward_only(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement, n: int) -> float | None:
+    """Three times the forward's FLOPs, counted without gradients; None if even that runs out of memory."""
+    total: float | None = None
+    try:
+        model.train()
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            loss_fn(model, batch)
+        total = 3.0 * counter.get_total_flops()
+    except Exception as exc:  # noqa: BLE001 - as in the full count: an OOM only leaves MFU unknown
+        if not is_oom(exc):
+            raise
+        log.info("counting FLOPs at micro-batch %d ran out of memory; the plan will have no MFU", n)
+    _clean_up(model, placement)
+    return total
 
 
 def utilization(flops: float | None, samples_per_second: float, world_size: int, peak: DevicePeak,
