@@ -135,7 +135,9 @@ def test_a_step_with_it_equals_a_full_batch_float64_step():
 
 def test_fit_fits_a_larger_micro_batch_with_it():
     """A head of 4,000 words on 16 dimensions: the logits are most of a sample's memory, so at one budget the
-    chunked loss fits a larger micro-batch (the CPU search runs under a simulated memory ceiling)."""
+    chunked loss fits a larger micro-batch. The CPU search runs under a simulated memory ceiling that counts
+    bytes, so the largest micro-batch each search saw fit does not depend on the machine's load; which size
+    trains fastest (the plan's pick) does, and is not compared."""
     import autotune
 
     config = transformers.GPT2Config(vocab_size=4000, n_positions=64, n_layer=2, n_embd=16, n_head=2,
@@ -144,12 +146,13 @@ def test_fit_fits_a_larger_micro_batch_with_it():
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 4000, (4, 64))
     plans = {}
-    for name, techniques in (("chunked", ("checkpointing", "chunked_loss")), ("full", ("checkpointing",))):
+    for name, techniques in (("chunked", ("chunked_loss",)), ("full", ())):
         plans[name] = autotune.fit(model, {"input_ids": ids, "labels": ids}, global_batch_size=32,
                                    memory_budget="40MiB", device="cpu", techniques=techniques, cache=False,
-                                   progress=False)
+                                   progress=False, trial_steps=1)
+    largest = {name: max(t.micro_batch_size for t in plan.trials if t.fits) for name, plan in plans.items()}
     assert "chunked_loss" in plans["chunked"].reason
-    assert plans["chunked"].micro_batch_size > plans["full"].micro_batch_size
+    assert largest["chunked"] > largest["full"], largest
 
 
 def test_a_compiled_model_gets_the_same_loss_and_its_full_logits_after():
