@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from test_models import float64_causal_loss, padded_lm_batch, tiny_gpt2, tiny_llama
 from test_step import make_plan, sgd
+from torch import nn
+
 from autotune.training.step import TrainingStep
 from autotune.workload.chunked_loss import chunked, linear_cross_entropy, why_not
 from autotune.workload.losses import chunked_default_loss, default_loss, resolve
@@ -33,7 +33,8 @@ def test_linear_cross_entropy_equals_cross_entropy_of_the_full_logits(num_items,
     if num_items is None:
         want = F.cross_entropy(logits.reshape(-1, 29), targets.reshape(-1), ignore_index=-100)
     else:
-        want = F.cross_entropy(logits.reshape(-1, 29), targets.reshape(-1), ignore_index=-100, reduction="sum") / num_items
+        want = F.cross_entropy(logits.reshape(-1, 29), targets.reshape(-1), ignore_index=-100,
+                               reduction="sum") / num_items
     want_grads = torch.autograd.grad(want * 3.0, (hidden, weight, bias))
     got = linear_cross_entropy(hidden, weight, bias, targets, num_items_in_batch=num_items,
                                chunk_bytes=rows_per_chunk * 4 * 29)
@@ -111,7 +112,7 @@ def test_models_it_cannot_chunk_say_why():
 
 
 def test_the_step_uses_it_unless_techniques_leave_it_out():
-    model, batch = tiny_gpt2(), padded_lm_batch()
+    model = tiny_gpt2()
     plan = make_plan(4, 12)
     assert TrainingStep(plan, model, sgd(model.parameters())).loss_fn is chunked_default_loss
     without = TrainingStep(plan, model, sgd(model.parameters()), techniques=("bf16", "checkpointing")).loss_fn
