@@ -6,7 +6,6 @@ trials that snapshot the model, optimizer and RNG first and restore them in `fin
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import time
@@ -193,7 +192,7 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
         if placement.kind == "cuda":
             torch.cuda.empty_cache()
     # A plan carries its key only when it is cached: a recovery during training writes back by key, to `store`.
-    plan = dataclasses.replace(plan, key=key if store is not None else "", cache=store)
+    plan = plan.with_provenance(key=key if store is not None else "")
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
     return plan
@@ -246,7 +245,7 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
             short = shortfall(hit.peak_memory_bytes, placement, "the cached plan")
             if short is not None:
                 log.warning("autotune: %s", short)
-        return dataclasses.replace(hit, source="cache", cache=store)
+        return hit.with_provenance(source="cache")
     return None
 
 
@@ -272,7 +271,7 @@ def _trusted(store: plan_cache.PlanCache, key: str, parts: dict[str, Any], hit: 
     trial = verify(hit)
     if trial.fits:
         clause = f"verified here by one trial (a plan from {origin}, peak {format_bytes(trial.peak_bytes)})"
-        return dataclasses.replace(hit, peak_memory_bytes=trial.peak_bytes, trials=(*hit.trials, trial),
+        return hit.with_evidence(peak_memory_bytes=trial.peak_bytes, trials=(*hit.trials, trial),
                                    reason=printable(f"{hit.reason}; {clause}"))
     what = f"{trial.outcome}{f' ({trial.note})' if trial.note else ''}"
     store.mark_unsafe(key, micro_batch_size=hit.micro_batch_size, note=shorten(printable(
@@ -286,7 +285,7 @@ def _trusted(store: plan_cache.PlanCache, key: str, parts: dict[str, Any], hit: 
 def _origin(store: plan_cache.PlanCache, key: str, plan: Plan) -> str:
     """Where the plan `store.get(key)` returned came from: this cache's row (its origin), else the team directory."""
     for entry in store.entries(key):
-        if entry.key == key and entry.plan is not None and dataclasses.replace(entry.plan, key=key) == plan:
+        if entry.key == key and entry.plan is not None and entry.plan.with_provenance(key=key) == plan:
             return entry.origin
     return store.team.origin if store.team is not None else "an unknown source"
 
@@ -446,7 +445,7 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         reason += f"; {work.loss_form.note}"
     if noise_note(result.trials):  # after the notes, never cut: the one thing that says how far to trust this
         reason += f"; {noise_note(result.trials)}"
-    return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
+    return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
                 offload_fraction=fraction, offload_overlap=overlap, optimizer_8bit=best.rung.optimizer_8bit,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 block_paths=tuple(blocks.paths) if blocks is not None else (),

@@ -1,10 +1,14 @@
-"""The knobs a plan sets: `Rung`, one point of the search lattice, and the choices each knob takes."""
+"""What a plan sets: `Rung`, one point of the search lattice, the choices each knob takes, and
+`Configuration`, a rung with the batch split and the limits it was chosen under."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from .validate import check_choice, check_non_negative_int
+from .validate import check_choice, check_known_fields, check_non_negative_int, check_positive_int, dict_field
+from .workload.batching import solve_accumulation
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
@@ -66,3 +70,172 @@ class Rung:
         if self.optimizer_8bit:
             parts.append("8-bit optimizer")
         return "+".join(parts)
+
+
+RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Configuration:
+    """What a plan sets: the rung, the split of the batch, where the optimizer state lives, and the limits
+    it was chosen under. Everything `Plan.apply`, a recovery and the cache key need; nothing measured."""
+
+    rung: Rung
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int
+    global_batch_size: int
+    last_micro_batch_size: int  # < micro_batch_size when the per-rank batch does not divide evenly (trained first)
+    memory_budget_bytes: int
+    margin: float
+    min_micro_batch_size: int = 1  # 2 for a model whose batch statistics need two samples (BatchNorm on
+    # (N, C) or 1x1 maps): no micro-batch holds fewer, and the split is balanced (see `split_sizes`)
+    offload_fraction: float | None = None  # share of parameters whose FP32 master and optimizer state live
+    # on the host: None resolves to 1.0 under optimizer offload, else 0.0
+    offload_overlap: bool | None = None  # optimizer offload steps the host during the last backward; None
+    # (a configuration made by hand) leaves it on
+    sharding: str = "none"  # "none" | "fsdp2"
+    reduce_overlap: bool | None = None  # replicated ranks: the gradient all-reduce in buckets during the last
+    # backward (True), or in one after it (False); None (one rank, FSDP2 shards, made by hand) is the buckets
+    techniques: tuple[str, ...] | None = None  # what fit was allowed: recovery climbs only within it
+    # (None for a configuration made by hand: the step's `techniques`, else all)
+    block_paths: tuple[str, ...] = ()  # the repeated blocks (module paths), in the order checkpointing
+    # recomputes them: the first checkpointed_blocks are; () where unknown (found again from the model)
+    max_length: int | None = None  # the longest sequence the trials ran (fit's max_length); None: not a token batch
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rung, Rung):
+            raise ValueError(f"Configuration.rung must be a Rung, got {type(self.rung).__name__}")
+        self._check_offload()
+        check_choice("Configuration.sharding", self.sharding, SHARDING)
+        self._check_reduce_overlap()
+        for name in ("block_paths", "techniques"):
+            value = getattr(self, name)
+            if isinstance(value, list):  # as JSON gives it back
+                object.__setattr__(self, name, tuple(value))
+        if not isinstance(self.block_paths, tuple) or not all(isinstance(p, str) for p in self.block_paths):
+            raise ValueError(f"Configuration.block_paths must be a tuple of module paths, got {self.block_paths!r}")
+        if self.techniques is not None and (not isinstance(self.techniques, tuple)
+                                            or not all(isinstance(t, str) for t in self.techniques)):
+            raise ValueError(f"Configuration.techniques must be a list of technique names or None, "
+                             f"got {self.techniques!r}")
+        if self.max_length is not None:
+            check_non_negative_int("Configuration.max_length", self.max_length)
+        if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not 0 <= self.margin < 1:
+            raise ValueError(f"Configuration.margin must be in [0, 1), got {self.margin!r}")
+        self._check_split()
+
+    def _check_offload(self) -> None:
+        if self.offload_fraction is None:
+            object.__setattr__(self, "offload_fraction", 1.0 if self.offload == "optimizer" else 0.0)
+        fraction = self.offload_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"Configuration.offload_fraction must be in [0, 1], got {fraction!r}")
+        if fraction > 0 and self.offload != "optimizer":
+            raise ValueError(f"Configuration.offload_fraction {fraction} disagrees with offload {self.offload!r}: "
+                             "only optimizer offload puts a share of the parameters on the host")
+        if self.offload_overlap is not None and not isinstance(self.offload_overlap, bool):
+            raise ValueError(f"Configuration.offload_overlap must be True, False or None, got {self.offload_overlap!r}")
+
+    def _check_reduce_overlap(self) -> None:
+        if self.reduce_overlap is not None and not isinstance(self.reduce_overlap, bool):
+            raise ValueError(f"Configuration.reduce_overlap must be True, False or None, got {self.reduce_overlap!r}")
+        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding != "none"):
+            raise ValueError(f"Configuration.reduce_overlap {self.reduce_overlap} times the gradient all-reduce of "
+                             f"replicated ranks; this configuration has world_size {self.world_size} and sharding "
+                             f"{self.sharding!r}, where autotune all-reduces nothing: leave it None")
+
+    def _check_split(self) -> None:
+        for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
+                     "last_micro_batch_size", "memory_budget_bytes", "min_micro_batch_size"):
+            check_positive_int(f"Configuration.{name}", getattr(self, name))
+        if self.partitioned_state and (self.world_size < 2 or self.sharding != "none" or self.precision == "fp16"):
+            raise ValueError(
+                "Configuration.offload_fraction 0 under optimizer offload partitions the optimizer state over "
+                f"replicated ranks (none on the host); this configuration has world_size {self.world_size}, sharding "
+                f"{self.sharding!r}, precision {self.precision!r}, where it would save nothing: use offload='none', "
+                "or a fraction above 0 to put a share on the host")
+        if self.last_micro_batch_size > self.micro_batch_size:
+            raise ValueError("Configuration.last_micro_batch_size cannot exceed Configuration.micro_batch_size")
+        per_rank = self.global_batch_size // self.world_size
+        if per_rank * self.world_size != self.global_batch_size:
+            raise ValueError(f"Configuration.global_batch_size {self.global_batch_size} does not divide by "
+                             f"world_size {self.world_size}")
+        split = solve_accumulation(per_rank, self.micro_batch_size, self.min_micro_batch_size)
+        covered = (self.accumulation_steps - 1) * self.micro_batch_size + self.last_micro_batch_size
+        if split != (self.accumulation_steps, self.last_micro_batch_size):
+            raise ValueError(f"the configuration covers {covered} samples per rank but the global batch needs "
+                             f"{per_rank}: micro_batch_size, accumulation_steps and last_micro_batch_size disagree")
+
+    @classmethod
+    def of(cls, **fields: Any) -> Configuration:
+        """A configuration from flat fields: the rung's knobs (precision, checkpointing...) by name, or `rung`;
+        knobs left out take `Rung`'s defaults."""
+        knobs = {name: fields.pop(name) for name in RUNG_FIELDS if name in fields}
+        if knobs and "rung" in fields:
+            raise TypeError(f"give either rung or its knobs ({', '.join(knobs)}), not both")
+        fields.setdefault("rung", Rung(**knobs))
+        return cls(**fields)
+
+    def replace(self, **changes: Any) -> Configuration:
+        """This configuration with `changes`, which may name the rung's knobs (precision, offload...) directly.
+        A change of offload without an `offload_fraction` resolves the fraction again, and checkpointing turned
+        on without a `checkpointed_blocks` takes the label's default count."""
+        knobs = {name: changes.pop(name) for name in RUNG_FIELDS if name in changes}
+        if knobs.get("offload", self.offload) != self.offload:
+            changes.setdefault("offload_fraction", None)
+        if knobs.get("checkpointing", "none") != "none" and self.checkpointed_blocks == 0:
+            knobs.setdefault("checkpointed_blocks", None)  # the new label's default count
+        if knobs:
+            changes["rung"] = dataclasses.replace(changes.get("rung", self.rung), **knobs)
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def precision(self) -> str:
+        return self.rung.precision
+
+    @property
+    def checkpointing(self) -> str:
+        return self.rung.checkpointing
+
+    @property
+    def offload(self) -> str:
+        return self.rung.offload
+
+    @property
+    def checkpointed_blocks(self) -> int | None:
+        return self.rung.checkpointed_blocks
+
+    @property
+    def compile(self) -> bool:
+        return self.rung.compile
+
+    @property
+    def optimizer_8bit(self) -> bool:
+        return self.rung.optimizer_8bit
+
+    @property
+    def partitioned_state(self) -> bool:
+        """Optimizer offload with nothing on the host: on replicated ranks each rank keeps the FP32 masters
+        and optimizer state of its 1/world of the parameters on the device, with 16-bit weights and
+        gradients, and sends the weights it updated to the others (ZeRO stage 1)."""
+        return self.offload == "optimizer" and self.offload_fraction == 0
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["rung"] = dataclasses.asdict(self.rung)
+        d["block_paths"] = list(self.block_paths)  # as JSON will give it back
+        d["techniques"] = None if self.techniques is None else list(self.techniques)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Configuration:
+        """Rebuild a configuration from `to_dict` output; unknown fields and bad values raise `ValueError`."""
+        d = dict(dict_field("Plan.config", d))
+        check_known_fields("Configuration", d, cls)
+        d["rung"] = Rung(**dict_field("Configuration.rung", d.get("rung")))
+        return cls(**d)

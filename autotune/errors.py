@@ -32,7 +32,7 @@ class TooFewSamples(AutotuneError):
     the search raises its smallest micro-batch and goes on; see `needs_more_samples`)."""
 
 
-# Substrings of OOM messages seen in the wild (PEERS.md lesson 1). Matched case-sensitively: each is the
+# Substrings of OOM messages libraries print. Matched case-sensitively: each is the
 # exact text a library prints, and a loose match would turn unrelated errors into retries.
 _OOM_MESSAGES = (
     "CUDA out of memory",

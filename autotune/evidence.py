@@ -1,4 +1,5 @@
-"""`Trial`: one measured configuration, the evidence a plan is chosen from."""
+"""What a plan knows beside its configuration: `Trial`, one measured configuration; `Evidence`, the trials
+and figures a plan was chosen on, with its reason; `Provenance`, where the plan comes from."""
 
 from __future__ import annotations
 
@@ -61,4 +62,86 @@ class Trial:
         check_known_fields("Trial", d, cls)
         d = dict(d)
         d["rung"] = Rung(**dict_field("Trial.rung", d.get("rung")))
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Evidence:
+    """What the trials measured of a plan's configuration, and the reason it was chosen."""
+
+    peak_memory_bytes: int
+    samples_per_second: float
+    tokens_per_second: float | None = None  # samples/s x tokens per sample, when the batch has a sequence
+    reason: str = ""
+    trials: tuple[Trial, ...] = ()
+    compile_seconds: float = 0.0  # tuning time spent compiling, included in the tune's wall time
+    flops_per_sample: float | None = None  # forward+backward FLOPs of one sample, counted, not estimated
+    mfu: float | None = None  # achieved FLOPs/s over the device's peak; None where the peak is unknown
+    measured_samples_per_second: float | None = None  # what a real run under `autotune run` then trained
+    # at (global batch over its median whole optimizer step); None until one did
+    host_peak_bytes: int | None = None  # host bytes the configuration allocates (offload's buffers); None: unknown
+
+    def __post_init__(self) -> None:
+        if isinstance(self.trials, list):  # as JSON gives it back
+            object.__setattr__(self, "trials", tuple(self.trials))
+        if not isinstance(self.trials, tuple) or not all(isinstance(t, Trial) for t in self.trials):
+            raise ValueError("Evidence.trials must hold Trial objects")
+        check_non_negative_int("Evidence.peak_memory_bytes", self.peak_memory_bytes)
+        for name in ("samples_per_second", "compile_seconds"):
+            check_non_negative_number(f"Evidence.{name}", getattr(self, name))
+        for name in ("tokens_per_second", "flops_per_sample", "mfu", "measured_samples_per_second"):
+            if getattr(self, name) is not None:
+                check_non_negative_number(f"Evidence.{name}", getattr(self, name))
+        if self.host_peak_bytes is not None:
+            check_non_negative_number("Evidence.host_peak_bytes", self.host_peak_bytes)
+        if not isinstance(self.reason, str):
+            raise ValueError(f"Evidence.reason must be a string, got {type(self.reason).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["trials"] = [t.to_dict() for t in self.trials]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Evidence:
+        """Rebuild evidence from `to_dict` output; unknown fields and bad values raise `ValueError`."""
+        d = dict(dict_field("Plan.evidence", d))
+        check_known_fields("Evidence", d, cls)
+        trials = d.get("trials", [])
+        if not isinstance(trials, (list, tuple)):
+            raise ValueError("Evidence.trials must be a list")
+        d["trials"] = tuple(Trial.from_dict(dict_field("Evidence.trials[]", t)) for t in trials)
+        return cls(**d)
+
+
+PLAN_FORMAT_VERSION = 3  # 3: a plan is {config, evidence, provenance}; 2: one flat record
+SOURCES = ("tuned", "cache")
+DEVICES = ("cuda", "cpu")  # "cpu": the simulated ceiling
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Provenance:
+    """Where a plan comes from: its cache key, whether it was tuned now or read from the cache, and the device."""
+
+    key: str = ""  # cache key, "" when the plan was never cached
+    source: str = "tuned"
+    device: str = "cuda"
+    device_name: str = ""
+    format_version: int = PLAN_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        check_choice("Provenance.source", self.source, SOURCES)
+        check_choice("Provenance.device", self.device, DEVICES)
+        for name in ("key", "device_name"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Provenance.{name} must be a string, got {getattr(self, name)!r}")
+        check_non_negative_int("Provenance.format_version", self.format_version)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Provenance:
+        d = dict_field("Plan.provenance", d)
+        check_known_fields("Provenance", d, cls)
         return cls(**d)

@@ -1,157 +1,150 @@
-"""`Plan`: the configuration autotune decided on, with the trials and the reason behind it.
+"""`Plan`: the configuration autotune decided on, the evidence behind it, and where it comes from.
 
-It is a frozen, keyword-only dataclass that validates itself and round-trips through a plain dict
-(`to_dict` / `from_dict`), which is the only form the cache and the CLI ever store or print.
+A plan is three frozen records: `Configuration` (what `apply`, a recovery and the cache key need),
+`Evidence` (the trials, figures and reason) and `Provenance` (cache key, source, device). Their fields read
+flat on the plan (`plan.micro_batch_size`, `plan.reason`, `plan.key`). A plan round-trips through a plain
+dict (`to_dict` / `from_dict`), the only form the cache and the CLI store or print; a dict of another plan
+format raises `StalePlanFormat`, so an old cache row is tuned again, never misread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
-from .workload.batching import solve_accumulation
+from .configuration import RUNG_FIELDS, Configuration, Rung, none_on_the_host
+from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
 from .sizes import format_bytes
-from .configuration import SHARDING, Rung, none_on_the_host
-from .evidence import Trial
-from .validate import check_choice, check_known_fields, check_non_negative_int, check_non_negative_number, \
-    check_positive_int, dict_field
+from .training.step import TrainingStep
+from .validate import dict_field
+from .workload.losses import fit_loss
 
-PLAN_FORMAT_VERSION = 2  # 2: compile, checkpointed blocks, offload fraction, sharding, FLOPs
-SOURCES = ("tuned", "cache")
-_LOCAL_FIELDS = ("cache",)  # Plan fields that live in this process only (see Plan.cache)
+__all__ = ["PLAN_FORMAT_VERSION", "SOURCES", "Plan", "StalePlanFormat"]
+
+T = TypeVar("T")
+_PARTS = {"config": Configuration, "evidence": Evidence, "provenance": Provenance}
+
+
+class StalePlanFormat(ValueError):
+    """A plan dict written in another plan format (an older autotune's flat record, or a newer one)."""
+
+
+class _Read(Generic[T]):
+    """A read-only flat attribute of `Plan`, read from the part (config, evidence, provenance) that holds it."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, plan: None, owner: type | None = None) -> _Read[T]: ...
+
+    @overload
+    def __get__(self, plan: Plan, owner: type | None = None) -> T: ...
+
+    def __get__(self, plan: Plan | None, owner: type | None = None) -> T | _Read[T]:
+        if plan is None:
+            return self
+        value: T = getattr(getattr(plan, self.part), self.name)
+        return value
+
+
+def _field_part(name: str) -> str | None:
+    """Which part of a plan holds the flat field `name`, or None."""
+    if name in RUNG_FIELDS or name == "rung":
+        return "config"
+    return next((part for part, cls in _PARTS.items() if name in {f.name for f in dataclasses.fields(cls)}), None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """The configuration autotune chose, with the reason and every trial behind it."""
+    """The configuration autotune chose, with the evidence behind it and its provenance."""
 
-    precision: str
-    checkpointing: str
-    offload: str
-    micro_batch_size: int
-    accumulation_steps: int
-    world_size: int
-    global_batch_size: int
-    last_micro_batch_size: int  # < micro_batch_size when the per-rank batch does not divide evenly (trained first: see TrainingStep._accumulate)
-    peak_memory_bytes: int
-    memory_budget_bytes: int
-    margin: float
-    samples_per_second: float
-    tokens_per_second: float | None = None  # samples/s x tokens per sample, when the batch has a sequence
-    device: str = "cuda"  # "cuda" | "cpu" (simulated ceiling)
-    device_name: str = ""
-    source: str = "tuned"
-    reason: str = ""
-    trials: tuple[Trial, ...] = field(default_factory=tuple)
-    key: str = ""  # cache key, "" when the plan was never cached
-    compile: bool = False  # torch.compile on the model (per block when blocks are recomputed)
-    checkpointed_blocks: int | None = None  # repeated blocks recomputed in backward, 0..N; None where the
-    # script decides (zero-change)
-    compile_seconds: float = 0.0  # tuning time spent compiling, included in the tune's wall time
-    offload_fraction: float | None = None  # share of parameters whose FP32 master and optimizer state live
-    # on the host: None resolves to 1.0 under optimizer offload, else 0.0
-    offload_overlap: bool | None = None  # optimizer offload steps the host during the last backward: fit
-    # measures it both ways and keeps the faster; None (a plan made by hand, an older row) leaves it on
-    sharding: str = "none"  # "none" | "fsdp2"
-    reduce_overlap: bool | None = None  # replicated on several ranks: the gradient all-reduce in buckets during
-    # the last backward (True), or in one after it (False); fit times both and keeps the faster; None (one
-    # rank, FSDP2 shards, a plan made by hand, an older row) is the buckets
-    flops_per_sample: float | None = None  # forward+backward FLOPs of one sample, counted, not estimated
-    mfu: float | None = None  # achieved FLOPs/s over the device's peak; None where the peak is unknown
-    measured_samples_per_second: float | None = None  # what a real run under `autotune run` then trained
-    # at (global batch over its median whole optimizer step); None until one did
-    min_micro_batch_size: int = 1  # 2 for a model whose batch statistics need two samples (BatchNorm on
-    # (N, C) or 1x1 maps): no micro-batch holds fewer, and the split is balanced (see `split_sizes`)
-    techniques: tuple[str, ...] | None = None  # what fit was allowed: recovery climbs only within it
-    # (None for a plan made by hand: the step's `techniques`, else all)
-    optimizer_8bit: bool = False  # the optimizer keeps 8-bit state (techniques=(..., "optimizer_8bit"))
-    block_paths: tuple[str, ...] = ()  # the repeated blocks (module paths), in the order checkpointing
-    # recomputes them: the first checkpointed_blocks are; () where unknown (found again from the model)
-    format_version: int = PLAN_FORMAT_VERSION
-    host_peak_bytes: int | None = None  # host bytes the configuration allocates (offload's buffers); None: unknown
-    max_length: int | None = None  # the longest sequence the trials ran (fit's max_length); None: not a token batch
-    # The `PlanCache` `fit` read or wrote this plan in: where a recovery during training records the OOM and
-    # the safer plan (never another cache). Local to this process: not stored, compared, printed or read back.
-    cache: Any = field(default=None, compare=False, repr=False)
+    config: Configuration
+    evidence: Evidence
+    provenance: Provenance = field(default_factory=Provenance)
+
+    rung = _Read[Rung]("config")
+    precision = _Read[str]("config")
+    checkpointing = _Read[str]("config")
+    offload = _Read[str]("config")
+    checkpointed_blocks = _Read[int | None]("config")
+    compile = _Read[bool]("config")
+    optimizer_8bit = _Read[bool]("config")
+    micro_batch_size = _Read[int]("config")
+    accumulation_steps = _Read[int]("config")
+    last_micro_batch_size = _Read[int]("config")
+    world_size = _Read[int]("config")
+    global_batch_size = _Read[int]("config")
+    per_rank_batch_size = _Read[int]("config")
+    min_micro_batch_size = _Read[int]("config")
+    memory_budget_bytes = _Read[int]("config")
+    margin = _Read[float]("config")
+    offload_fraction = _Read[float]("config")
+    offload_overlap = _Read[bool | None]("config")
+    partitioned_state = _Read[bool]("config")
+    sharding = _Read[str]("config")
+    reduce_overlap = _Read[bool | None]("config")
+    techniques = _Read[tuple[str, ...] | None]("config")
+    block_paths = _Read[tuple[str, ...]]("config")
+    max_length = _Read[int | None]("config")
+    peak_memory_bytes = _Read[int]("evidence")
+    samples_per_second = _Read[float]("evidence")
+    tokens_per_second = _Read[float | None]("evidence")
+    reason = _Read[str]("evidence")
+    trials = _Read[tuple[Trial, ...]]("evidence")
+    compile_seconds = _Read[float]("evidence")
+    flops_per_sample = _Read[float | None]("evidence")
+    mfu = _Read[float | None]("evidence")
+    measured_samples_per_second = _Read[float | None]("evidence")
+    host_peak_bytes = _Read[int | None]("evidence")
+    key = _Read[str]("provenance")
+    source = _Read[str]("provenance")
+    device = _Read[str]("provenance")
+    device_name = _Read[str]("provenance")
+    format_version = _Read[int]("provenance")
 
     def __post_init__(self) -> None:
-        self.rung  # validates the knobs together  # noqa: B018
-        if self.offload_fraction is None:
-            object.__setattr__(self, "offload_fraction", 1.0 if self.offload == "optimizer" else 0.0)
-        fraction = self.offload_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise ValueError(f"Plan.offload_fraction must be in [0, 1], got {fraction!r}")
-        if fraction > 0 and self.offload != "optimizer":
-            raise ValueError(f"Plan.offload_fraction {fraction} disagrees with offload {self.offload!r}: "
-                             "only optimizer offload puts a share of the parameters on the host")
-        if self.offload_overlap is not None and not isinstance(self.offload_overlap, bool):
-            raise ValueError(f"Plan.offload_overlap must be True, False or None, got {self.offload_overlap!r}")
-        check_choice("Plan.sharding", self.sharding, SHARDING)
-        if self.reduce_overlap is not None and not isinstance(self.reduce_overlap, bool):
-            raise ValueError(f"Plan.reduce_overlap must be True, False or None, got {self.reduce_overlap!r}")
-        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding != "none"):
-            raise ValueError(f"Plan.reduce_overlap {self.reduce_overlap} times the gradient all-reduce of replicated "
-                             f"ranks; this plan has world_size {self.world_size} and sharding {self.sharding!r}, "
-                             "where autotune all-reduces nothing: leave it None")
-        if isinstance(self.block_paths, list):  # as JSON gives it back
-            object.__setattr__(self, "block_paths", tuple(self.block_paths))
-        if not isinstance(self.block_paths, tuple) or not all(isinstance(p, str) for p in self.block_paths):
-            raise ValueError(f"Plan.block_paths must be a tuple of module paths, got {self.block_paths!r}")
-        check_non_negative_number("Plan.compile_seconds", self.compile_seconds)
-        for name in ("flops_per_sample", "mfu", "measured_samples_per_second"):
-            if getattr(self, name) is not None:
-                check_non_negative_number(f"Plan.{name}", getattr(self, name))
-        for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
-                     "last_micro_batch_size", "memory_budget_bytes"):
-            check_positive_int(f"Plan.{name}", getattr(self, name))
-        if self.partitioned_state and (self.world_size < 2 or self.sharding != "none" or self.precision == "fp16"):
-            raise ValueError(
-                "Plan.offload_fraction 0 under optimizer offload partitions the optimizer state over replicated "
-                f"ranks (none on the host); this plan has world_size {self.world_size}, sharding "
-                f"{self.sharding!r}, precision {self.precision!r}, where it would save nothing: use offload='none', "
-                "or a fraction above 0 to put a share on the host")
-        check_non_negative_int("Plan.peak_memory_bytes", self.peak_memory_bytes)
-        check_non_negative_number("Plan.samples_per_second", self.samples_per_second)
-        if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
-            raise ValueError(f"Plan.margin must be in [0, 1), got {self.margin!r}")
-        check_choice("Plan.source", self.source, SOURCES)
-        check_choice("Plan.device", self.device, ("cuda", "cpu"))
-        if self.last_micro_batch_size > self.micro_batch_size:
-            raise ValueError("Plan.last_micro_batch_size cannot exceed Plan.micro_batch_size")
-        per_rank = self.global_batch_size // self.world_size
-        if per_rank * self.world_size != self.global_batch_size:
-            raise ValueError(f"Plan.global_batch_size {self.global_batch_size} does not divide by "
-                             f"world_size {self.world_size}")
-        check_positive_int("Plan.min_micro_batch_size", self.min_micro_batch_size)
-        if self.techniques is not None:
-            if not isinstance(self.techniques, (list, tuple)) or not all(isinstance(t, str) for t in self.techniques):
-                raise ValueError(f"Plan.techniques must be a list of technique names or None, got {self.techniques!r}")
-            object.__setattr__(self, "techniques", tuple(self.techniques))  # a JSON list from the cache
-        split = solve_accumulation(per_rank, self.micro_batch_size, self.min_micro_batch_size)
-        covered = (self.accumulation_steps - 1) * self.micro_batch_size + self.last_micro_batch_size
-        if split != (self.accumulation_steps, self.last_micro_batch_size):
-            raise ValueError(f"Plan covers {covered} samples per rank but the global batch needs {per_rank}: "
-                             "micro_batch_size, accumulation_steps and last_micro_batch_size disagree")
-        if not all(isinstance(t, Trial) for t in self.trials):
-            raise ValueError("Plan.trials must hold Trial objects")
+        for part, cls in _PARTS.items():
+            if not isinstance(getattr(self, part), cls):
+                raise ValueError(f"Plan.{part} must be a {cls.__name__}, got {type(getattr(self, part)).__name__}")
 
-    @property
-    def rung(self) -> Rung:
-        return Rung(precision=self.precision, checkpointing=self.checkpointing, offload=self.offload,
-                    checkpointed_blocks=self.checkpointed_blocks, compile=self.compile,
-                    optimizer_8bit=self.optimizer_8bit)
+    @classmethod
+    def of(cls, **fields: Any) -> Plan:
+        """A plan from flat fields, as a hand-made plan or a test writes it:
+        `Plan.of(precision="bf16", micro_batch_size=8, ..., peak_memory_bytes=..., reason="...")`.
 
-    @property
-    def partitioned_state(self) -> bool:
-        """Optimizer offload with nothing on the host: on replicated ranks each rank keeps the FP32 masters
-        and optimizer state of its 1/world of the parameters on the device, with 16-bit weights and
-        gradients, and sends the weights it updated to the others (ZeRO stage 1; offload_partition.py)."""
-        return self.offload == "optimizer" and self.offload_fraction == 0
+        Raises:
+            TypeError: a field no part of a plan has, or a required one missing.
+            ValueError: a value out of range, or fields that disagree.
+        """
+        parts: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
+        for name, value in fields.items():
+            part = _field_part(name)
+            if part is None:
+                raise TypeError(f"Plan.of() got an unexpected field {name!r}")
+            parts[part][name] = value
+        return cls(config=Configuration.of(**parts["config"]), evidence=Evidence(**parts["evidence"]),
+                   provenance=Provenance(**parts["provenance"]))
 
-    @property
-    def per_rank_batch_size(self) -> int:
-        return self.global_batch_size // self.world_size
+    def with_config(self, config: Configuration | None = None, reason: str | None = None, **changes: Any) -> Plan:
+        """This plan on `config` (or on its own configuration with `changes`, which may name the rung's knobs),
+        with `reason` in place of its reason when given: what a recovery mid-training makes."""
+        config = config if config is not None else self.config
+        evidence = self.evidence if reason is None else dataclasses.replace(self.evidence, reason=reason)
+        return dataclasses.replace(self, config=config.replace(**changes) if changes else config, evidence=evidence)
+
+    def with_evidence(self, **changes: Any) -> Plan:
+        """This plan with `changes` to its evidence (reason, trials, measured figures)."""
+        return dataclasses.replace(self, evidence=dataclasses.replace(self.evidence, **changes))
+
+    def with_provenance(self, **changes: Any) -> Plan:
+        """This plan with `changes` to its provenance (key, source, device)."""
+        return dataclasses.replace(self, provenance=dataclasses.replace(self.provenance, **changes))
 
     def apply(self, model: Any, optimizer: Any = None, *, loss_fn: Any = None, max_grad_norm: float | None = None,
               before_optimizer_step: Any = None, after_optimizer_step: Any = None) -> Any:
@@ -162,9 +155,6 @@ class Plan:
         step; `before_optimizer_step(step)` / `after_optimizer_step(step)` run around it. See
         `autotune.training.step.TrainingStep`.
         """
-        from .training.step import TrainingStep  # step imports plan: import here to keep the graph acyclic
-        from .workload.losses import fit_loss
-
         loss_fn = loss_fn if loss_fn is not None else fit_loss(model)
         return TrainingStep(self, model, optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
                             before_optimizer_step=before_optimizer_step,
@@ -198,24 +188,52 @@ class Plan:
         return self.mfu * trial.samples_per_second / self.samples_per_second
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LOCAL_FIELDS}
-        d["trials"] = [t.to_dict() for t in self.trials]
-        d["block_paths"] = list(self.block_paths)  # as JSON will give it back
-        return d
+        return {"config": self.config.to_dict(), "evidence": self.evidence.to_dict(),
+                "provenance": self.provenance.to_dict()}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """Rebuild a plan from `to_dict` output; unknown fields and bad values raise `ValueError`."""
+    def from_dict(cls, d: Any) -> Plan:
+        """Rebuild a plan from `to_dict` output.
+
+        Raises:
+            StalePlanFormat: `d` was written in another plan format (re-tune it).
+            ValueError: unknown fields or bad values.
+        """
         if not isinstance(d, dict):
             raise ValueError(f"a plan must be a dict, got {type(d).__name__}")
-        check_known_fields("Plan", d, cls, local=_LOCAL_FIELDS)
-        d = dict(d)
-        trials = d.get("trials", [])
+        version = _format_of(d)
+        if version != PLAN_FORMAT_VERSION:
+            raise StalePlanFormat(f"plan format version {version} is not {PLAN_FORMAT_VERSION}; re-tune with "
+                                  "retune=True or upgrade autotune")
+        unknown = sorted(set(d) - set(_PARTS))
+        if unknown:
+            raise ValueError(f"unknown Plan field(s): {', '.join(unknown)}")
+        return cls(config=Configuration.from_dict(d.get("config")), evidence=Evidence.from_dict(d.get("evidence")),
+                   provenance=Provenance.from_dict(d.get("provenance")))
+
+    @classmethod
+    def from_flat_dict(cls, d: Any) -> Plan:
+        """A plan written as one flat record (plan format 2, as older benchmark records hold it), read for
+        display: its fields are this format's, only grouped otherwise. The cache never serves one (`from_dict`).
+
+        Raises:
+            ValueError: not a flat plan record, or bad values.
+        """
+        if not isinstance(d, dict) or "config" in d:
+            raise ValueError("a flat plan record is a dict of plan fields (plan format 2)")
+        fields = {k: v for k, v in d.items() if k not in ("format_version", "cache")}
+        trials = fields.pop("trials", [])
         if not isinstance(trials, (list, tuple)):
             raise ValueError("Plan.trials must be a list")
-        d["trials"] = tuple(Trial.from_dict(dict_field("Plan.trials[]", t)) for t in trials)
-        version = d.get("format_version", PLAN_FORMAT_VERSION)
-        if version != PLAN_FORMAT_VERSION:
-            raise ValueError(f"plan format version {version} is not {PLAN_FORMAT_VERSION}; re-tune "
-                             "with retune=True or upgrade autotune")
-        return cls(**d)
+        try:
+            return cls.of(**fields, trials=tuple(Trial.from_dict(dict_field("Plan.trials[]", t)) for t in trials),
+                          format_version=d.get("format_version", 1))
+        except TypeError as exc:  # a field no plan has, or a required one missing
+            raise ValueError(str(exc)) from None
+
+
+def _format_of(d: dict[str, Any]) -> Any:
+    """The plan format a dict was written in: its provenance's, else (a flat record) its own, else 1."""
+    if "provenance" in d:
+        return dict_field("Plan.provenance", d["provenance"]).get("format_version")
+    return d.get("format_version", 1)

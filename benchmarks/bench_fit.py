@@ -7,7 +7,7 @@ Each method runs in its own process (`--method`), so one's fragmentation cannot 
     python benchmarks/bench_fit.py --method train --steps 100 --out r.jsonl  # 100 steps at the plan
     python benchmarks/bench_fit.py --all --model tiny --device cpu --budget 40MiB   # a CPU dry run
 
-Workload W1 (DESIGN.md, PEERS.md): GPT-2 large from a transformers config with random weights,
+Workload W1: GPT-2 large from a transformers config with random weights,
 sequence 1024, AdamW, global batch 64, memory capped with torch.cuda.set_per_process_memory_fraction.
 """
 
@@ -93,7 +93,7 @@ def table(rows: list[dict[str, Any]], seq: int) -> None:
                   f"{best['samples_per_second'] * seq:,.0f} tok/s ({len(grid['trials'])} configs, "
                   f"{grid['seconds']:.0f} s)")
     if fit:
-        plan = fit["plan"]
+        plan = {**fit["plan"]["config"], **fit["plan"]["config"]["rung"]}  # the plan's configuration, flat
         print(f"autotune: {plan['precision']}/{plan['checkpointing']}/{plan['offload']} micro-batch "
               f"{plan['micro_batch_size']} x {plan['accumulation_steps']}: {fit['samples_per_second'] * seq:,.0f} "
               f"tok/s, {fit['trials']} trials, {fit['ooms']} OOMs, {fit['tune_seconds']:.1f} s")

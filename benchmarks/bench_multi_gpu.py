@@ -87,7 +87,7 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     plan = autotune.fit(model, example, global_batch_size=args.global_batch_size, memory_budget=args.budget,
                         device=args.device, cache=False)
     tune_s = time.perf_counter() - started
-    differ = _differs_between_ranks(plan.to_dict())
+    differ = _differs_between_ranks({**plan.config.to_dict(), **plan.evidence.to_dict()})
     # The decisions must agree; a trial's note (each rank's own words on its timings) may differ.
     agreed = not [k for k in differ if k not in ("trials", "reason")]
     out = {"plan": plan.summary(), "sharding": plan.sharding, "reduce_overlap": plan.reduce_overlap,
@@ -106,7 +106,7 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
         # in one bucket after backward where fit kept the buckets, in buckets where it chose one. Beside the
         # steps above, what fit's choice gained or lost.
         other = plan.reduce_overlap is False
-        step.plan = dataclasses.replace(step.plan, reduce_overlap=other)
+        step.plan = step.plan.with_config(reduce_overlap=other)
         out["reduce_other_way"] = {"reduce_overlap": other, **_train(step, args, device, rank, world)}
     started = time.perf_counter()
     step.close()  # partitioned offload: gathers the FP32 weights and the optimizer state from every rank
@@ -187,12 +187,12 @@ def variant_plan(plan: Any, variant: str) -> Any:
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
     k = blocks[0] if blocks else plan.checkpointed_blocks
     n = len(plan.block_paths) or 10**9
-    other = dataclasses.replace(plan, offload_fraction=float(share), micro_batch_size=micro,
+    other = plan.with_config(offload_fraction=float(share), micro_batch_size=micro,
                                 offload="optimizer" if float(share) > 0 or partitioned else "none", checkpointed_blocks=k,
                                 checkpointing="none" if not k else "full" if k >= n else "selective",
                                 accumulation_steps=steps, last_micro_batch_size=last)
     if "one" in rest or "buckets" in rest:
-        other = dataclasses.replace(other, reduce_overlap="buckets" in rest)
+        other = other.with_config(reduce_overlap="buckets" in rest)
     return other
 
 
@@ -229,7 +229,7 @@ def _one_rung(model: torch.nn.Module, rung: Any, args: argparse.Namespace, devic
     """A few steps of `rung` at micro-batch 1 on the sharded model: ok with its peak, or oom; never an error."""
     per_rank = args.global_batch_size // world
     steps, last = solve_accumulation(per_rank, 1)
-    plan = Plan(precision=rung.precision, checkpointing=rung.checkpointing, offload=rung.offload,
+    plan = Plan.of(precision=rung.precision, checkpointing=rung.checkpointing, offload=rung.offload,
                 checkpointed_blocks=rung.checkpointed_blocks, micro_batch_size=1, accumulation_steps=steps,
                 world_size=world, global_batch_size=args.global_batch_size, last_micro_batch_size=last,
                 peak_memory_bytes=0, memory_budget_bytes=parse_bytes(args.budget), margin=0.1,

@@ -93,7 +93,7 @@ def make_plan(args: argparse.Namespace, device: str, budget: int, global_batch: 
     blocks, micro, *rest = (float(x) for x in args.config.split(","))
     blocks, micro = int(blocks), int(micro)
     steps, last = solve_accumulation(global_batch, micro)
-    return Plan(precision="bf16", checkpointing="none" if blocks == 0 else "selective", checkpointed_blocks=blocks,
+    return Plan.of(precision="bf16", checkpointing="none" if blocks == 0 else "selective", checkpointed_blocks=blocks,
                 offload="optimizer", offload_fraction=rest[0] if rest else None, compile=args.compile,
                 micro_batch_size=micro, accumulation_steps=steps, world_size=1, global_batch_size=global_batch,
                 last_micro_batch_size=last, peak_memory_bytes=0, memory_budget_bytes=budget, margin=0.1,
@@ -141,7 +141,7 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
     # No user optimizer: the step builds AdamW from the plan, and close() has no state to hand back (W2's
     # 12 GB of moments would not fit on the device beside the model). The streamed step overlaps only where
     # the plan says so, as fit decides it.
-    step = dataclasses.replace(plan, offload_overlap=mode.endswith("overlap")).apply(model)
+    step = plan.with_config(offload_overlap=mode.endswith("overlap")).apply(model)
     record: dict[str, list[float]] = {k: [] for k in ("tail_start", "tail_end", "chunks_before_tail", "chunks_total")}
     timed_optimizer(step, device, record, skip=mode == "none")
     if device.startswith("cuda"):

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     model.load_state_dict(initial)
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    unbounded = dataclasses.replace(plan, memory_budget_bytes=2**62)
+    unbounded = plan.with_config(memory_budget_bytes=2**62)
     train("reference", unbounded, model, make, args, rows)
 
     summary = summarise(plan, step, rows, args)

@@ -9,7 +9,7 @@ switched-off parts leave the ranks' weights apart, which the next variant's broa
 is not the point here):
     as-planned       the plan as `plan.apply` trains it
     after-backward   one gradient bucket: the all-reduce starts when the last backward ends (no overlap)
-    per-tensor       one all-reduce per gradient instead of one collective per bucket (before 2026-11-27h)
+    per-tensor       one all-reduce per gradient instead of one collective per bucket
     per-tensor-after-backward  both: one bucket, all-reduced a gradient at a time
     no-all-reduce    the gradients are not summed over ranks at all (what the all-reduce costs, overlapped)
     no-weight-share  partitioned offload's weight broadcast skipped (what it costs)

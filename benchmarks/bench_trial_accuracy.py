@@ -3,9 +3,9 @@ estimates, so an estimate that is off for one kind of configuration biases the p
 
 For one configuration (`--config BLOCKS,MICRO`, optimizer offload of every parameter, `--compile`), in one
 process: the trial runner's estimate with each measured step's backward overlapped (the host optimizer
-stepping during it: what the search measured before a7da0ec), the estimate with serial measured steps (the
-optimizer after backward, as for every micro-batch but the last in training; the search's now), then `--steps` training steps through `plan.apply` with the
-overlapped and the serial optimizer offload. Printed: the four tokens/s figures.
+stepping during it), the estimate with serial measured steps (the optimizer after backward, as for every
+micro-batch but the last in training, which is what the search measures), then `--steps` training steps
+through `plan.apply` with the overlapped and the serial optimizer offload. Printed: the four tokens/s figures.
 
     python benchmarks/bench_trial_accuracy.py --workload M16 --config 0,8 --compile --out acc.jsonl
 """

@@ -1,6 +1,5 @@
-"""Does a trial's estimate depend on how long it warms up and measures? (issue 11: on W3 the H100 trial priced
-bf16 at micro-batch 64 at 850 img/s and it trained at 979, while 11 recomputed blocks at 128 were priced over
-what they trained, and the search picked the slower one.)
+"""Does a trial's estimate depend on how long it warms up and measures? A trial that prices one configuration
+under what it trains and another over can make the search pick the slower one.
 
 For each configuration (`--config RUNG_JSON@MICRO`, repeatable; default: W3's candidates), in one process:
 the trial runner's estimate with (warm-up, measured) steps of each `--steps-pair`, then `--train` steps of

@@ -31,7 +31,7 @@ from autotune.workload.batching import solve_accumulation  # noqa: E402
 def variant_plan(variant: str, global_batch: int, device: str) -> tuple[Plan, bool]:
     share, micro, *flags = variant.split("@")
     steps, last = solve_accumulation(global_batch, int(micro))
-    plan = Plan(precision="bf16", checkpointing="none", offload="optimizer" if float(share) > 0 else "none",
+    plan = Plan.of(precision="bf16", checkpointing="none", offload="optimizer" if float(share) > 0 else "none",
                 offload_fraction=float(share), micro_batch_size=int(micro), accumulation_steps=steps, world_size=1,
                 global_batch_size=global_batch, last_micro_batch_size=last, peak_memory_bytes=0,
                 memory_budget_bytes=2**40, margin=0.1, samples_per_second=0.0, device=device,

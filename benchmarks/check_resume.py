@@ -43,7 +43,7 @@ def _plan(variant: str, spec, device: str):
     micro = fields.pop("micro_batch_size")
     micro = micro if device.startswith("cuda") else 2
     steps, last = solve_accumulation(spec.global_batch_size, micro)
-    return Plan(precision="bf16", **{"checkpointing": "none", **fields}, micro_batch_size=micro,
+    return Plan.of(precision="bf16", **{"checkpointing": "none", **fields}, micro_batch_size=micro,
                 accumulation_steps=steps, world_size=1, global_batch_size=spec.global_batch_size,
                 last_micro_batch_size=last, peak_memory_bytes=0, memory_budget_bytes=parse_bytes(spec.budget),
                 margin=0.1, samples_per_second=0.0, device="cuda" if device.startswith("cuda") else "cpu")

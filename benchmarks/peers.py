@@ -1,4 +1,4 @@
-"""The peers' batch-size searches, run as their users run them (PEERS.md), with every try recorded.
+"""The peers' batch-size searches, run as their users run them, with every try recorded.
 
 Both peers choose a batch size only; their users add BF16 autocast (Accelerate: `torch.autocast`;
 Lightning: `precision="bf16-mixed"`) and train AdamW. A try is the user's training loop cut to
@@ -60,7 +60,7 @@ def accelerate_search(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, de
     @find_executable_batch_size(starting_batch_size=start)
     def train(batch_size: int) -> int:
         tries.append({"micro_batch_size": batch_size, "outcome": "running"})
-        model.zero_grad(set_to_none=True)  # a careful user's loop starts clean (PEERS.md lesson 2)
+        model.zero_grad(set_to_none=True)  # a careful user's loop starts clean
         model.train()
         optimizer = torch.optim.AdamW(model.parameters())
         data = batches.resize(batch, batch_size)

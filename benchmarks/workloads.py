@@ -7,7 +7,7 @@ the grid, is timed with it); `grid` is the exhaustive search; `train_steps` is t
 (BF16 autocast through the rung, exact accumulation, no OOM recovery) that checks an answer holds for
 many steps. bench_fit.py and bench_peers.py both import from here.
 
-Workloads (DESIGN.md section 6, issue 6):
+Workloads:
     W1  GPT-2 large (774M), seq 1024, AdamW, global batch 64, 24 GiB ceiling
     W2  GPT-2 XL (1.5B), seq 1024, AdamW, global batch 64, 16 GiB ceiling: FP32 weights, gradients and
         Adam state alone are 1.5B x 16 B = 24 GB, so only an optimizer-offload plan can run

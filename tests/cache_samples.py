@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.cache import store as cache_module
+from autotune.cache import guard
 from autotune.cache.store import CacheWarning, key_parts, plan_key
-from autotune.configuration import Rung
 from autotune.devices.placement import Placement
+from autotune.configuration import RUNG_FIELDS, Rung
 from autotune.evidence import Trial
 from autotune.plan import Plan
 
@@ -38,13 +38,27 @@ def sample(i: int = 0, *, micro: int = 4) -> tuple[Plan, dict]:
     trials = (Trial(rung=Rung(), micro_batch_size=micro, outcome="ok", peak_bytes=1000 + i, seconds=0.5,
                     step_seconds=0.1, optimizer_seconds=0.01, samples_per_second=80.0 + i),
               Trial(rung=Rung(), micro_batch_size=2 * micro, outcome="oom", note="simulated OOM"))
-    plan = Plan(precision="bf16", checkpointing="none", offload="none", micro_batch_size=micro,
+    plan = Plan.of(precision="bf16", checkpointing="none", offload="none", micro_batch_size=micro,
                 accumulation_steps=steps, world_size=1, global_batch_size=GLOBAL_BATCH,
                 last_micro_batch_size=GLOBAL_BATCH - (steps - 1) * micro, peak_memory_bytes=1000 + i,
                 memory_budget_bytes=budget, margin=0.1, samples_per_second=80.0 + i, tokens_per_second=None,
                 device="cpu", device_name="cpu (simulated ceiling)", reason=f"sample {i}", trials=trials,
                 key=plan_key(parts))
     return plan, parts
+
+
+def set_plan_fields(d: dict, **fields: object) -> dict:
+    """Set flat plan fields in a stored plan dict (`Plan.to_dict`), each in the part that holds it, as a forger
+    editing an export would; returns `d`."""
+    for name, value in fields.items():
+        _part_holding(d, name)[name] = value
+    return d
+
+
+def _part_holding(d: dict, name: str) -> dict:
+    if name in RUNG_FIELDS:
+        return d["config"]["rung"]
+    return next(d[part] for part in ("config", "evidence", "provenance") if name in d[part])
 
 
 def tiny_workload() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -65,7 +79,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     module that imports it)."""
     for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR", "AUTOTUNE_RETUNE", "AUTOTUNE_MAX_MICRO_BATCH"):
         monkeypatch.delenv(name, raising=False)
-    cache_module._warned.clear()
+    guard._warned.clear()
 
 
 @contextlib.contextmanager

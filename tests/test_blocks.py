@@ -6,7 +6,6 @@ torchvision-style ResNet. Plus the reason texts, sizes in their unit, and the sh
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import warnings
@@ -133,7 +132,7 @@ def test_blocks_held_as_attributes_get_checkpointing():
 def test_block_paths_survive_json_and_a_model_that_lacks_them_is_searched_again(caplog):
     torch.manual_seed(0)
     model = AttributeBlocks()
-    plan = Plan(precision="fp32", checkpointing="selective", checkpointed_blocks=2, offload="none", micro_batch_size=4,
+    plan = Plan.of(precision="fp32", checkpointing="selective", checkpointed_blocks=2, offload="none", micro_batch_size=4,
                 accumulation_steps=1, world_size=1, global_batch_size=4, last_micro_batch_size=4, peak_memory_bytes=0,
                 memory_budget_bytes=2**30, margin=0.1, samples_per_second=1.0, device="cpu",
                 block_paths=("b4", "b1", "b2", "b3"))
@@ -142,7 +141,7 @@ def test_block_paths_survive_json_and_a_model_that_lacks_them_is_searched_again(
     with again.apply(model) as step:  # the plan's order, not the structure's: b4 and b1
         assert _wrapped(model) == {"b4", "b1"}
         step(torch.randn(4, 8))
-    renamed = dataclasses.replace(plan, block_paths=("module.b4", "module.b1", "module.b2", "module.b3"))
+    renamed = plan.with_config(block_paths=("module.b4", "module.b1", "module.b2", "module.b3"))
     with caplog.at_level("WARNING"), renamed.apply(model):
         assert len(_wrapped(model)) == 2  # found again from the model, two of its four blocks
     assert "block_paths name module.b4" in caplog.text
@@ -170,7 +169,7 @@ def test_hugging_face_checkpointing_already_on_is_reported_and_not_stacked():
     assert plan.checkpointing == "none" and plan.block_paths == ()
     assert all(t.rung.checkpointing == "none" for t in plan.trials)  # nothing of autotune's on top of it
     # A plan that says to recompute (tuned elsewhere, or by hand) does not wrap the blocks a second time.
-    forced = dataclasses.replace(plan, checkpointing="full", checkpointed_blocks=2)
+    forced = plan.with_config(checkpointing="full", checkpointed_blocks=2)
     with forced.apply(model) as step:
         assert not _wrapped(model)
         assert step(batch) > 0
@@ -289,7 +288,7 @@ def test_reason_says_lighter_configurations_fitted_but_were_slower_in_mib():
 
 def test_sizes_print_in_the_unit_that_fits():
     assert format_bytes(40 * 2**20) == "40.0 MiB" and format_bytes(int(23.5 * 2**30)) == "23.50 GiB"
-    plan = Plan(precision="bf16", checkpointing="none", offload="none", micro_batch_size=4, accumulation_steps=1,
+    plan = Plan.of(precision="bf16", checkpointing="none", offload="none", micro_batch_size=4, accumulation_steps=1,
                 world_size=1, global_batch_size=4, last_micro_batch_size=4, peak_memory_bytes=12 * 2**20,
                 memory_budget_bytes=40 * 2**20, margin=0.1, samples_per_second=1.0)
     assert "peak 12.0 MiB of 40.0 MiB" in plan.summary()
@@ -320,7 +319,7 @@ def test_a_tensor_marked_shared_reaches_every_micro_batch_whole():
     reference = BiasedModel()
     reference.load_state_dict(model.state_dict())
     reference(x, table).backward()
-    plan = Plan(precision="fp32", checkpointing="none", offload="none", micro_batch_size=2, accumulation_steps=2,
+    plan = Plan.of(precision="fp32", checkpointing="none", offload="none", micro_batch_size=2, accumulation_steps=2,
                 world_size=1, global_batch_size=4, last_micro_batch_size=2, peak_memory_bytes=0,
                 memory_budget_bytes=2**30, margin=0.1, samples_per_second=1.0, device="cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

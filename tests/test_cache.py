@@ -26,10 +26,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
+from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, set_plan_fields, tiny_workload  # noqa: F401 - autouse fixture
 from gpt import GPT, random_batch
 
-from autotune.cache import store as cache_module
 from autotune.cache.store import (
     CacheError,
     CacheWarning,
@@ -41,10 +40,11 @@ from autotune.cache.store import (
     open_cache,
     plan_key,
 )
-from autotune.cache.rows import read_rows
+from autotune.cache.db import SCHEMA_VERSION
+from autotune.cache.lines import read_rows
 from autotune.devices.placement import Placement
 from autotune.errors import InvalidSetting
-from autotune.plan import Plan
+from autotune.plan import PLAN_FORMAT_VERSION, Plan
 
 WORKERS = 16
 PLANS_PER_WORKER = 20
@@ -166,7 +166,7 @@ def test_cache_hit_returns_the_tuned_plan_without_running_a_trial(tmp_path: Path
 
     assert hit.source == "cache"
     assert trial_records(caplog) == [], "a hit runs no trial"
-    assert dataclasses.replace(hit, source="tuned") == tuned  # trials and measurements included
+    assert hit.with_provenance(source="tuned") == tuned  # trials and measurements included
     # A hit costs milliseconds, a tune seconds; a busy machine slows both, so the bound follows the tune's time.
     assert seconds < max(1.0, tune_seconds / 5), f"a hit took {seconds:.3f} s, the tune {tune_seconds:.3f} s"
 
@@ -196,7 +196,63 @@ def test_a_row_of_plan_format_1_is_retuned_and_never_misread(tmp_path: Path, mon
     assert fit(model, batch, path).source == "cache"  # the re-tuned plan is what is cached now
     report = PlanCache(tmp_path / "fresh.db").import_(tmp_path / "v1.jsonl")
     assert report.accepted == () and len(report.rejected) == 1
-    assert "parts.format is 1, this autotune reads 2" in report.rejected[0][1]
+    assert f"parts.format is 1, this autotune reads {PLAN_FORMAT_VERSION}" in report.rejected[0][1]
+
+
+# A plan as autotune wrote it before plans had parts (plan format 2: one flat record), with one trial.
+FLAT_V2_PLAN = {
+    "precision": "bf16", "checkpointing": "none", "offload": "none", "micro_batch_size": 4, "accumulation_steps": 2,
+    "world_size": 1, "global_batch_size": 8, "last_micro_batch_size": 4, "peak_memory_bytes": 1000,
+    "memory_budget_bytes": 67108864, "margin": 0.1, "samples_per_second": 80.0, "tokens_per_second": None,
+    "device": "cpu", "device_name": "cpu (simulated ceiling)", "source": "tuned", "reason": "sample 0",
+    "trials": [{"rung": {"precision": "bf16", "checkpointing": "none", "offload": "none", "checkpointed_blocks": 0,
+                         "compile": False, "optimizer_8bit": False}, "micro_batch_size": 4, "outcome": "ok",
+                "peak_bytes": 1000, "seconds": 0.5, "step_seconds": 0.1, "optimizer_seconds": 0.01,
+                "samples_per_second": 80.0, "alloc_retries": 0, "compile_seconds": 0.0, "reduce_seconds": 0.0,
+                "reduce_after_seconds": 0.0, "note": ""}],
+    "key": "", "compile": False, "checkpointed_blocks": None, "compile_seconds": 0.0, "offload_fraction": 0.0,
+    "offload_overlap": None, "sharding": "none", "reduce_overlap": None, "flops_per_sample": None, "mfu": None,
+    "measured_samples_per_second": None, "min_micro_batch_size": 1, "techniques": None, "optimizer_8bit": False,
+    "block_paths": [], "format_version": 2, "host_peak_bytes": None, "max_length": None,
+}
+
+
+def test_a_flat_row_of_plan_format_2_is_listed_stale_and_retuned(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # An older autotune wrote flat plans: one under its own key (parts of format 2), and one under the key this
+    # autotune computes (as if only the plan had changed). Neither is misread: both list as stale, and fit
+    # tunes again and stores a plan of this format in place of the second.
+    from autotune.cli.main import main
+    from click.testing import CliRunner
+    from sqlite_utils import Database
+
+    model, batch = tiny_workload()
+    path = tmp_path / "plans.db"
+    key = fit(model, batch, path).key
+    with PlanCache(path) as store:
+        (entry,) = store.entries()
+        old_parts = {**entry.parts, "format": 2}
+    old_key = plan_key(old_parts)
+    db = Database(path)
+    db["plans"].update(key, {"plan": json.dumps({**FLAT_V2_PLAN, "key": key})})
+    db["plans"].insert({"key": old_key, "parts": json.dumps(old_parts), "origin": "tuned", "created": 1.0,
+                        "updated": 1.0, "plan": json.dumps({**FLAT_V2_PLAN, "key": old_key})})
+    db.close()
+
+    listed = CliRunner().invoke(main, ["cache", "--cache", str(path), "list"], catch_exceptions=False)
+    assert listed.exit_code == 0 and listed.output.count("stale: another plan format, tuned again") == 2, listed.output
+    shown = CliRunner().invoke(main, ["cache", "--cache", str(path), "show", old_key[:12]], catch_exceptions=False)
+    assert shown.exit_code == 0 and "written by another plan format" in shown.output, shown.output
+    assert [e.status for e in PlanCache(path).entries()] == ["stale", "stale"]
+    assert PlanCache(path).get(key) is None and PlanCache(path).export(tmp_path / "out.jsonl") == 0
+
+    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.clear()
+    again = fit(model, batch, path)
+    assert again.source == "tuned" and trial_records(caplog), "the flat row was served"
+    assert again.format_version == PLAN_FORMAT_VERSION and again.key == key
+    assert {e.key: e.status for e in PlanCache(path).entries()} == {key: "safe", old_key: "stale"}
+    assert fit(model, batch, path).source == "cache"
 
 
 def test_an_oom_seen_in_training_makes_the_next_fit_choose_a_smaller_micro_batch(tmp_path: Path) -> None:
@@ -270,10 +326,10 @@ def tampered_export(tmp_path: Path) -> tuple[Path, str]:
     store.export(work / "plans.jsonl")
     rows = [json.loads(line) for line in (work / "plans.jsonl").read_text().splitlines()]
     rows[0]["plan"]["speedup"] = 2.0  # unknown field
-    rows[1]["plan"]["micro_batch_size"] = -4  # negative micro-batch
+    set_plan_fields(rows[1]["plan"], micro_batch_size=-4)  # negative micro-batch
     rows[2]["key"] = rows[3]["key"]  # wrong key
     rows[3]["parts"]["budget_bytes"] *= 2  # parts and key agree, but the plan answers another budget
-    rows[3]["key"] = rows[3]["plan"]["key"] = plan_key(rows[3]["parts"])
+    rows[3]["key"] = rows[3]["plan"]["provenance"]["key"] = plan_key(rows[3]["parts"])
     lines = [json.dumps(r) for r in rows] + ["{not json", json.dumps({**rows[4], "pickle": "gASVAAAA"})]
     path = work / "tampered.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -315,8 +371,8 @@ def test_a_team_directory_is_read_after_a_local_miss_and_never_written(
     assert hit.source == "cache" and trial_records(caplog) == []
     # Alice's plan, served once one trial of it fitted here (a teammate's plan is a claim until then).
     assert hit.trials[:-1] == tuned.trials and "verified here by one trial" in hit.reason
-    assert dataclasses.replace(hit, source="tuned", reason=tuned.reason, trials=tuned.trials,
-                               peak_memory_bytes=tuned.peak_memory_bytes) == tuned
+    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials,
+                               peak_memory_bytes=tuned.peak_memory_bytes).with_provenance(source="tuned") == tuned
     assert len(caught) == 1 and "bob.jsonl rejected" in str(caught[0].message)  # bob's bad rows, once
     assert PlanCache(tmp_path / "mine.db").entries() == []  # the team's plans are read, not copied
     assert {p.name: p.stat().st_mtime_ns for p in team.iterdir()} == before
@@ -462,7 +518,7 @@ def test_an_old_empty_file_is_migrated(tmp_path: Path) -> None:
     store = PlanCache(path)
     store.put(*sample(0))
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == cache_module.cache_db.SCHEMA_VERSION
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 

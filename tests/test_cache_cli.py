@@ -14,7 +14,7 @@ import pytest
 from cache_samples import sample
 from click.testing import CliRunner
 
-from autotune.cache import store as cache_module
+from autotune.cache import guard
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 from autotune.cli.cache import cache as cache_group
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("AUTOTUNE_CACHE", "AUTOTUNE_TEAM_DIR"):
         monkeypatch.delenv(name, raising=False)
-    cache_module._warned.clear()
+    guard._warned.clear()
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_show_takes_a_key_prefix(filled: Path) -> None:
     assert "CUDA out of memory" in result.output and "simulated OOM" in result.output  # failures and trials
 
     shown = json.loads(run("--cache", str(filled), "show", plan.key[:8], "--json").output)
-    assert shown["plan"]["micro_batch_size"] == 4 and shown["failures"][0]["shapes"] == {"x": [4, 4]}
+    assert shown["plan"]["config"]["micro_batch_size"] == 4 and shown["failures"][0]["shapes"] == {"x": [4, 4]}
 
     missing = run("--cache", str(filled), "show", "zzzz")
     assert missing.exit_code == 1 and "autotune cache list" in missing.output
@@ -117,12 +117,12 @@ def test_import_lists_rejected_rows_and_fails(filled: Path, tmp_path: Path) -> N
     run("--cache", str(filled), "export", str(out))
     rows = out.read_text().splitlines()
     bad = json.loads(rows[0])
-    bad["plan"]["micro_batch_size"] = -1
+    bad["plan"]["config"]["micro_batch_size"] = -1
     out.write_text("\n".join([json.dumps(bad), *rows[1:]]) + "\n")
 
     result = CliRunner().invoke(main, ["cache", "--cache", str(tmp_path / "new.db"), "import", str(out)])
     assert result.exit_code == 1
-    assert "rejected line 1: plan: Plan.micro_batch_size must be a positive integer, got -1" in result.output
+    assert "rejected line 1: plan: Configuration.micro_batch_size must be a positive integer, got -1" in result.output
     assert "imported 2 plan(s)" in result.output and "1 row(s)" in result.output
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cache_samples import BUDGET, GLOBAL_BATCH, cache_warnings, clean_environment, sample, tiny_workload  # noqa: F401
+from cache_samples import (BUDGET, GLOBAL_BATCH, cache_warnings, clean_environment, sample,  # noqa: F401
+                           set_plan_fields, tiny_workload)
 from click.testing import CliRunner
 
 import autotune
@@ -57,8 +58,8 @@ def alice(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def rekeyed(row: dict, **plan: Any) -> dict:
     """`row` with the plan fields changed and its key recomputed from its parts, as a careful forger would."""
     row = json.loads(json.dumps(row))
-    row["plan"].update(plan)
-    row["key"] = row["plan"]["key"] = plan_key(row["parts"])
+    set_plan_fields(row["plan"], **plan)
+    row["key"] = row["plan"]["provenance"]["key"] = plan_key(row["parts"])
     return row
 
 
@@ -122,8 +123,8 @@ def test_a_team_plan_that_fits_is_verified_by_one_trial_and_a_huge_row_beside_it
     team = team_of(tmp_path, monkeypatch, huge_row(), row)
     with cache_warnings() as caught:
         plan = bob_fits(tmp_path)
-    assert plan.source == "cache" and plan.micro_batch_size == row["plan"]["micro_batch_size"]
-    assert len(plan.trials) == len(row["plan"]["trials"]) + 1 and plan.trials[-1].fits
+    assert plan.source == "cache" and plan.micro_batch_size == row["plan"]["config"]["micro_batch_size"]
+    assert len(plan.trials) == len(row["plan"]["evidence"]["trials"]) + 1 and plan.trials[-1].fits
     assert f"verified here by one trial (a plan from team:{team}" in plan.reason
     assert plan.peak_memory_bytes == plan.trials[-1].peak_bytes
     (warning,) = [str(w.message) for w in caught]  # the file's other row is refused, in one line
@@ -137,7 +138,7 @@ def test_a_team_plan_that_fits_is_verified_by_one_trial_and_a_huge_row_beside_it
 def test_a_team_row_in_bf16_is_never_served_to_a_fit_without_bf16(
         alice: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     row = json.loads(json.dumps(alice))
-    assert row["parts"]["techniques"] == [] and row["plan"]["precision"] == "fp32"
+    assert row["parts"]["techniques"] == [] and row["plan"]["config"]["rung"]["precision"] == "fp32"
     team_of(tmp_path, monkeypatch, rekeyed(row, precision="bf16"))
     with cache_warnings() as caught:
         plan = bob_fits(tmp_path)
@@ -221,7 +222,7 @@ def test_a_stored_refusal_dated_in_the_future_is_replaced_by_a_newer_import(tmp_
 def test_escapes_in_a_team_row_are_escaped_in_the_served_plan(
         alice: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     row = json.loads(json.dumps(alice))
-    trials = [{**t, "note": f"{ESCAPES}note"} for t in row["plan"]["trials"]]
+    trials = [{**t, "note": f"{ESCAPES}note"} for t in row["plan"]["evidence"]["trials"]]
     team_of(tmp_path, monkeypatch, rekeyed(row, reason=f"{ESCAPES}fastest", trials=trials))
     plan = bob_fits(tmp_path)
     assert plan.source == "cache"

@@ -72,7 +72,7 @@ class Net(nn.Module):
 def plan_for(case: str) -> Plan:
     fields, _ = CASES[case]
     steps, last = solve_accumulation(N, 2)
-    return Plan(**{**dict(checkpointing="none", offload="none"), **fields}, micro_batch_size=2,
+    return Plan.of(**{**dict(checkpointing="none", offload="none"), **fields}, micro_batch_size=2,
                 accumulation_steps=steps, world_size=1, global_batch_size=N, last_micro_batch_size=last,
                 peak_memory_bytes=0, memory_budget_bytes=2**40, margin=0.1, samples_per_second=0.0, device="cpu")
 

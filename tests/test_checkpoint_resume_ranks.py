@@ -8,7 +8,6 @@ to the bitwise result of the uninterrupted run.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -24,7 +23,7 @@ def _plan(case: str, world: int):
     from test_checkpoint_resume import N, plan_for
 
     plan = plan_for("bf16" if case == "fsdp2-bf16" else "optimizer-offload")
-    return dataclasses.replace(plan, world_size=world, global_batch_size=N * world, offload_fraction=CASES[case])
+    return plan.with_config(world_size=world, global_batch_size=N * world, offload_fraction=CASES[case])
 
 
 def _run(case: str, rank: int, world: int, folder: str, mode: str) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
+
+
+def _flat(plan: Any) -> dict:
+    """The plan's fields in one flat dict, as the checks below read them."""
+    d = plan.to_dict()
+    return {**d["config"], **d["config"]["rung"], **d["evidence"], **d["provenance"]}
 
 
 def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> None:
@@ -39,7 +46,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> N
         plan = autotune.fit(model, random_batch(cfg, 4), global_batch_size=16, memory_budget=budgets[rank],
                             device="cpu", cache=False, trial_steps=1, loss_fn=loss_fn)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(plan.to_dict(), f)
+            json.dump(_flat(plan), f)
     finally:
         dist.destroy_process_group()
 
@@ -96,7 +103,7 @@ def _share_main(rank: int, world: int, init_file: str, out_dir: str, budget: int
         plan = autotune.fit(Wide(), torch.randn(4, 96), global_batch_size=8, memory_budget=budget, device="cpu",
                             cache=False, techniques=("bf16", "offload"), max_trials=8)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(plan.to_dict(), f)
+            json.dump(_flat(plan), f)
     finally:
         dist.destroy_process_group()
 

@@ -10,7 +10,6 @@ not finish in time is killed and fails the tests: nothing waits forever in a col
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 
 import pytest
@@ -204,10 +203,10 @@ def _scenario(name: str, rank: int, world: int) -> dict:
 
     plan = make_plan(2, sum(len(b["x"] if isinstance(b, dict) else b[0]) for b in shares), budget=budget)
     if partitioned:
-        plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), offload="optimizer",
+        plan = make_plan(2, len(shares[rank][0]), budget=budget).with_config(offload="optimizer",
                                    offload_fraction=0.0, world_size=world, global_batch_size=plan.global_batch_size)
     if after:  # a plan of `world` ranks (what reduce_overlap is a setting of) needs equal shares
-        plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), world_size=world,
+        plan = make_plan(2, len(shares[rank][0]), budget=budget).with_config(world_size=world,
                                    global_batch_size=plan.global_batch_size, reduce_overlap=False)
     train_loss = (lambda m, b: m(*b)) if sharded and loss_fn is token_loss else loss_fn
     try:

@@ -8,7 +8,6 @@ README's table lists them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -24,7 +23,8 @@ import torch
 from cache_samples import cache_warnings, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
 from click.testing import CliRunner
 
-from autotune.cache.rows import MAX_LINE_BYTES, read_rows
+from autotune.cache.lines import read_rows
+from autotune.cache.rows import MAX_LINE_BYTES
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 
@@ -61,8 +61,8 @@ def test_a_deeply_nested_team_line_neither_stops_fit_nor_hides_the_teams_plans(t
     assert hit.source == "cache"
     # Alice's plan, served once one trial of it fitted here (a teammate's plan is a claim until then).
     assert hit.trials[:-1] == tuned.trials and "verified here by one trial" in hit.reason
-    assert dataclasses.replace(hit, source="tuned", reason=tuned.reason, trials=tuned.trials,
-                               peak_memory_bytes=tuned.peak_memory_bytes) == tuned
+    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials,
+                               peak_memory_bytes=tuned.peak_memory_bytes).with_provenance(source="tuned") == tuned
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "mallory.jsonl" in str(caught[0].message) and "nested deeper" in str(caught[0].message)
 
@@ -102,7 +102,7 @@ def test_cache_show_escapes_terminal_control_characters(tmp_path: Path) -> None:
     plan, parts = sample(0)
     evil = "\x1b]0;owned\x07\x1b[2J\u202egnp.exe"
     store = PlanCache(tmp_path / "plans.db")
-    store.put(dataclasses.replace(plan, reason=evil), parts)
+    store.put(plan.with_evidence(reason=evil), parts)
     store.mark_unsafe(plan.key, micro_batch_size=4, note="\x1b[31mred")
     shown = cli("cache", "--cache", str(tmp_path / "plans.db"), "show", plan.key[:8]).output
     listed = cli("cache", "--cache", str(tmp_path / "plans.db"), "list").output
@@ -110,7 +110,7 @@ def test_cache_show_escapes_terminal_control_characters(tmp_path: Path) -> None:
         assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
     assert "\\x1b]0;owned\\x07\\x1b[2J\\u202egnp.exe" in shown and "\\x1b[31mred" in shown
     assert json.loads(cli("cache", "--cache", str(tmp_path / "plans.db"), "show", "--json",
-                          plan.key[:8]).output)["plan"]["reason"] == evil
+                          plan.key[:8]).output)["plan"]["evidence"]["reason"] == evil
 
 
 # -- autotune run: exit codes as promised (issue 15.2, 15.3) --------------------------------------------------

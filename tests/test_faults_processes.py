@@ -214,7 +214,7 @@ def test_a_plan_cached_under_another_torch_version_is_never_served(tmp_path: Pat
     theirs.export(tmp_path / "bundle.jsonl")
     row = json.loads((tmp_path / "bundle.jsonl").read_text())
     row["parts"]["runtime"]["torch"] = "2.4.0"  # the teammate's torch: an honest row, for another runtime
-    row["key"] = row["plan"]["key"] = plan_key(row["parts"])
+    row["key"] = row["plan"]["provenance"]["key"] = plan_key(row["parts"])
     (tmp_path / "stale.jsonl").write_text(json.dumps(row) + "\n")
     mine = tmp_path / "mine.db"
     result = CliRunner().invoke(main, ["cache", "--cache", str(mine), "import", str(tmp_path / "stale.jsonl")])

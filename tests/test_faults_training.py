@@ -7,7 +7,6 @@ reading is faked at its source (the host's free memory, the CUDA clean-up call),
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 from pathlib import Path
@@ -173,15 +172,16 @@ def test_a_context_found_poisoned_in_clean_up_is_a_device_error(monkeypatch: pyt
     assert isinstance(raised.value.__cause__, RuntimeError)
 
 
-def test_a_plan_that_carries_its_cache_can_still_be_copied_and_pickled(tmp_path: Path) -> None:
+def test_a_cached_plan_holds_no_live_handle_and_can_be_copied_and_pickled(tmp_path: Path) -> None:
     import copy
     import pickle
 
     model, batch = tiny_workload()
     plan = fit_tiny(model, batch, tmp_path / "plans.db", max_trials=1)
+    assert not hasattr(plan, "cache"), "a plan is a configuration: the cache it came from is not in it"
     for twin in (copy.deepcopy(plan), pickle.loads(pickle.dumps(plan))):
-        assert twin == plan and twin.cache is not plan.cache and twin.cache.path == plan.cache.path
-        assert twin.cache.get(plan.key) == dataclasses.replace(plan, source="tuned", cache=None)
+        assert twin == plan
+        assert PlanCache(tmp_path / "plans.db").get(twin.key) == plan.with_provenance(source="tuned")
 
 
 def test_a_context_found_poisoned_while_training_cleans_up_after_an_oom_is_a_device_error(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -106,12 +105,12 @@ def test_fit_on_the_cpu_counts_flops_but_has_no_mfu(monkeypatch: pytest.MonkeyPa
 
 def test_mfu_shows_in_the_summary_the_trial_table_and_cache_list(tmp_path) -> None:
     plan, parts = sample(0)
-    plan = dataclasses.replace(plan, flops_per_sample=1e9, mfu=0.4)
+    plan = plan.with_evidence(flops_per_sample=1e9, mfu=0.4)
     assert plan.summary().endswith("MFU 40.0%")
     table = format_trials(plan.trials, plan).splitlines()
     assert table[0].split()[-2:] == ["MFU", "note"]
     assert table[1].split()[-1] == "40.0%" and table[2].split()[-4:] == ["-", "-", "simulated", "OOM"]
-    assert "MFU" not in format_trials(plan.trials, dataclasses.replace(plan, mfu=None))
+    assert "MFU" not in format_trials(plan.trials, plan.with_evidence(mfu=None))
     store = PlanCache(tmp_path / "plans.db")
     store.put(plan, parts)
     listed = CliRunner().invoke(main, ["cache", "--cache", str(tmp_path / "plans.db"), "list"])

@@ -25,8 +25,9 @@ import torch
 from click.testing import CliRunner
 
 from autotune.cli.main import main
-from autotune.configuration import Rung
 from autotune.errors import InvalidSetting
+from autotune.plan import Plan
+from autotune.configuration import Rung
 from autotune.supervisor import claims, runner
 from autotune.supervisor.flags import PRESETS, FlagMap
 from autotune.supervisor.measure import StepWatch
@@ -46,27 +47,27 @@ def autotune_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
                           text=True, timeout=TIMEOUT)
 
 
-def check_tuned_and_trained(done: subprocess.CompletedProcess[str], budget_mib: int, per_rank: int) -> dict:
+def check_tuned_and_trained(done: subprocess.CompletedProcess[str], budget_mib: int, per_rank: int) -> Plan:
     """Exit 0, a plan under the ceiling that the ceiling shaped, and the run's measured rate; the plan."""
     assert done.returncode == 0, done.stderr[-4000:]
-    plan = json.loads(done.stdout)  # --json: the plan (with what the run measured), and nothing else
-    assert plan["peak_memory_bytes"] <= 0.9 * budget_mib * 2**20
-    assert plan["micro_batch_size"] * plan["accumulation_steps"] == per_rank
+    plan = Plan.from_dict(json.loads(done.stdout))  # --json: the plan (with what the run measured), and nothing else
+    assert plan.peak_memory_bytes <= 0.9 * budget_mib * 2**20
+    assert plan.micro_batch_size * plan.accumulation_steps == per_rank
     # The ceiling rules out the whole batch in one micro-batch without recompute (it fits only a smaller
     # micro-batch, or with checkpointing): the plan is one of those.
-    assert plan["micro_batch_size"] < per_rank or plan["checkpointing"] != "none", plan["reason"]
-    assert all(t["outcome"] != "ok" for t in plan["trials"]
-               if t["micro_batch_size"] == per_rank and t["rung"]["checkpointing"] == "none")
-    assert plan["measured_samples_per_second"] is not None, done.stderr[-4000:]  # it made and timed its steps
+    assert plan.micro_batch_size < per_rank or plan.checkpointing != "none", plan.reason
+    assert all(t.outcome != "ok" for t in plan.trials
+               if t.micro_batch_size == per_rank and t.rung.checkpointing == "none")
+    assert plan.measured_samples_per_second is not None, done.stderr[-4000:]  # it made and timed its steps
     return plan
 
 
-def claim_ratio(plan: dict) -> float:
-    return plan["samples_per_second"] / plan["measured_samples_per_second"]
+def claim_ratio(plan: Plan) -> float:
+    return plan.samples_per_second / plan.measured_samples_per_second
 
 
 def tune_train_and_hold_the_claim(tmp_path: Path, args: tuple[str, ...], budget_mib: int,
-                                  per_rank: int) -> tuple[dict, subprocess.CompletedProcess[str]]:
+                                  per_rank: int) -> tuple[Plan, subprocess.CompletedProcess[str]]:
     """`autotune run` tunes, trains, and its claim is within 1.5x of what the run measured.
 
     Trials time a few steps on a shared two-core machine; once in many runs (CI, 2026-11-27: claimed 237,
@@ -82,8 +83,8 @@ def tune_train_and_hold_the_claim(tmp_path: Path, args: tuple[str, ...], budget_
     again = autotune_run(tmp_path, *args)
     assert "re-tuning, with that configuration scored at the measured rate" in again.stderr, again.stderr[-3000:]
     plan = check_tuned_and_trained(again, budget_mib, per_rank)
-    assert 1 / CLAIM_WITHIN <= claim_ratio(plan) <= CLAIM_WITHIN, (plan["samples_per_second"],
-                                                                   plan["measured_samples_per_second"],
+    assert 1 / CLAIM_WITHIN <= claim_ratio(plan) <= CLAIM_WITHIN, (plan.samples_per_second,
+                                                                   plan.measured_samples_per_second,
                                                                    again.stderr[-3000:])
     return plan, again
 
@@ -97,7 +98,7 @@ def test_lightning_cli_preset_tunes_trains_and_its_claim_holds(tmp_path: Path) -
             str(EXAMPLES / "train_lightning.py"), "fit", "--trainer.max_steps", "12", "--model.layers", "2",
             "--model.width", "64")
     plan, done = tune_train_and_hold_the_claim(tmp_path, args, budget_mib=8, per_rank=8)
-    micro, accumulation = plan["micro_batch_size"], plan["accumulation_steps"]
+    micro, accumulation = plan.micro_batch_size, plan.accumulation_steps
     assert f"--data.batch_size {micro} --trainer.accumulate_grad_batches {accumulation}" in done.stderr
     assert "max_steps=12` reached" in done.stderr  # Lightning's own word that it trained to the end
 
@@ -108,7 +109,7 @@ def test_hf_trainer_preset_tunes_trains_and_its_claim_holds(tmp_path: Path) -> N
             str(EXAMPLES / "train_hf_trainer.py"), "--model_size", "tiny", "--seq_len", "64", "--vocab_size", "512",
             "--max_steps", "12", "--logging_steps", "100", "--output_dir", str(tmp_path / "out"))
     plan, done = tune_train_and_hold_the_claim(tmp_path, args, budget_mib=24, per_rank=8)
-    micro, accumulation = plan["micro_batch_size"], plan["accumulation_steps"]
+    micro, accumulation = plan.micro_batch_size, plan.accumulation_steps
     assert f"--per_device_train_batch_size {micro} --gradient_accumulation_steps {accumulation}" in done.stderr
     assert "trained 12 steps" in done.stderr  # the script's own report of the finished run
 
@@ -122,11 +123,11 @@ def test_a_cooperative_runs_steps_are_counted_from_its_plan_on_and_stored_on_the
                         str(EXAMPLES / "train_cooperative.py"), "--steps", "6", "--layers", "1", "--width", "32",
                         "--checkpoint", str(tmp_path / "ck.pt"))
     assert done.returncode == 0, done.stderr[-4000:]
-    plan = json.loads(done.stdout)
+    plan = Plan.from_dict(json.loads(done.stdout))
     assert "median of 5 whole optimizer steps" in done.stderr  # 6 training steps, the first not timed
-    assert plan["measured_samples_per_second"] > 0
+    assert plan.measured_samples_per_second > 0
     with PlanCache(tmp_path / "plans.db") as cache:
-        assert cache.get(plan["key"]).measured_samples_per_second == pytest.approx(plan["measured_samples_per_second"])
+        assert cache.get(plan.key).measured_samples_per_second == pytest.approx(plan.measured_samples_per_second)
 
 
 # -- the step watch inside real Lightning training ---------------------------------------------------------
@@ -223,7 +224,7 @@ def test_a_wrapper_optimizer_and_a_second_optimizer_fall_inside_the_first_optimi
         def __init__(self) -> None:
             super().__init__(weights, {})
 
-        def step(self, closure=None):
+        def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
             return inner.step(closure)
 
     wrapper = Wrapper()
@@ -236,7 +237,7 @@ def test_a_wrapper_optimizer_and_a_second_optimizer_fall_inside_the_first_optimi
         worker.start()
         worker.join()
     assert watch.count == 3 and len(watch.step_seconds) == 2
-    def failing_step(closure=None):
+    def failing_step(closure=None):  # noqa: ANN001, ANN202
         raise RuntimeError("a step that failed")
 
     inner.step = failing_step

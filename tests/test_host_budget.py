@@ -82,11 +82,10 @@ def test_a_bad_host_budget_is_refused_naming_the_setting(gpt):
 
 
 def test_apply_warns_when_the_host_has_less_free_than_the_plan_allocates(gpt, caplog):
-    import dataclasses
 
     model, batch = gpt
     plan = _fit(model, batch, host_memory_budget=_need(model) + 2**20, cache=False)
-    greedy = dataclasses.replace(plan, host_peak_bytes=2**60)
+    greedy = plan.with_evidence(host_peak_bytes=2**60)
     with caplog.at_level(logging.WARNING, logger="autotune"):
         step = greedy.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     step.close()

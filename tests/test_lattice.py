@@ -227,7 +227,7 @@ from test_step import (HUGE, assert_same_training, make_plan, new_model, padded_
 def _with_blocks(plan, k: int, offload: str = "none"):
     label = "none" if k == 0 else "full" if k == N else "selective"
     fraction = 1.0 if offload == "optimizer" else 0.0
-    return dataclasses.replace(plan, checkpointing=label, checkpointed_blocks=k, offload=offload,
+    return plan.with_config(checkpointing=label, checkpointed_blocks=k, offload=offload,
                                offload_fraction=fraction)
 
 

@@ -3,7 +3,6 @@ unit is questioned, notes are cut between words, tables label their units, and r
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -86,7 +85,7 @@ def test_cache_list_labels_the_rate_and_leaves_out_a_scripts_missing_parameter_c
                                 "trainable": 0}}
     path = tmp_path / "plans.db"
     with PlanCache(path) as store:
-        store.put(dataclasses.replace(plan, key=plan_key(parts)), parts)
+        store.put(plan.with_provenance(key=plan_key(parts)), parts)
     result = CliRunner().invoke(main, ["cache", "--cache", str(path), "list"])
     header, row = result.output.splitlines()[:2]
     assert "TOKENS/S" not in header and "THROUGHPUT" in header, header
@@ -98,7 +97,7 @@ def test_the_runs_rate_names_its_clock_and_the_examples_say_theirs_is_the_wall_c
     run = claims.Measured(samples_per_second=5.0, steps=5, measured_steps=4, median_step_seconds=6.4)
     on_cpu = claims.describe(plan, run)
     assert "CPU time" in on_cpu and "by the wall clock differs" in on_cpu, on_cpu
-    on_gpu = claims.describe(dataclasses.replace(plan, device="cuda", device_name="NVIDIA H100"), run)
+    on_gpu = claims.describe(plan.with_provenance(device="cuda", device_name="NVIDIA H100"), run)
     assert "wall clock" in on_gpu and "CPU time" not in on_gpu, on_gpu
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_zero_change.py"), "--max_steps", "1",
                            "--layers", "1", "--width", "16", "--seq", "8", "--per_device_train_batch_size", "2"],

@@ -12,7 +12,6 @@ that ran out of memory must leave no running statistics behind.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 
@@ -75,7 +74,7 @@ def test_an_mlp_with_batchnorm1d_tunes_from_micro_batch_2_and_never_trains_on_on
     for seed in range(2):
         assert math.isfinite(step(xy(9, seed=seed)))
     # The same plan at micro-batch 4: 4 + 4 + 1 would leave one sample alone; balanced it is 3 + 3 + 3.
-    step.plan = dataclasses.replace(plan, micro_batch_size=4, accumulation_steps=3, last_micro_batch_size=3)
+    step.plan = plan.with_config(micro_batch_size=4, accumulation_steps=3, last_micro_batch_size=3)
     step(xy(9, seed=2))
     step(xy(7, seed=3))  # a smaller batch than the plan's at micro-batch 4: 3 + 4 (the odd one out first)
     step.close()
@@ -149,7 +148,7 @@ def test_a_hand_made_plan_that_leaves_one_sample_is_rebalanced_without_a_trace()
     assert (step.plan.accumulation_steps, step.plan.last_micro_batch_size) == (3, 3)
     assert not step.recoveries  # not an out-of-memory: nothing recorded as one
     want = copy.deepcopy(model)
-    balanced = dataclasses.replace(make_plan(4, 9), accumulation_steps=3, last_micro_batch_size=3,
+    balanced = make_plan(4, 9).with_config(accumulation_steps=3, last_micro_batch_size=3,
                                    min_micro_batch_size=2)
     TrainingStep(balanced, want, sgd(want.parameters()), loss_fn=regression)(batch)
     assert_same_state(got, want)
@@ -318,13 +317,13 @@ def test_recovery_halves_no_lower_than_two_then_climbs_a_rung():
     torch.manual_seed(0)
     model = NormNet().double()
     batch = padded([64] * 8)
-    need_two = dataclasses.replace(make_plan(4, 8), min_micro_batch_size=2)
-    plain = run(dataclasses.replace(need_two, micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2),
+    need_two = make_plan(4, 8).with_config(min_micro_batch_size=2)
+    plain = run(need_two.with_config(micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2),
                 model, [batch])[1].last_peak_bytes
-    full = run(dataclasses.replace(need_two, micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2,
+    full = run(need_two.with_config(micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2,
                                    checkpointing="full"), model, [batch])[1].last_peak_bytes
     assert full < plain  # the premise: at 2, only recomputing the blocks fits
-    got, step = run(dataclasses.replace(need_two, memory_budget_bytes=(plain + full) // 2), model, [batch])
+    got, step = run(need_two.with_config(memory_budget_bytes=(plain + full) // 2), model, [batch])
     assert [r.now for r in step.recoveries] == ["fp32 at micro-batch 2", "fp32+full ckpt at micro-batch 2"]
     assert step.plan.min_micro_batch_size == 2
 

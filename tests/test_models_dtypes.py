@@ -8,7 +8,6 @@ to bf16 under float64 inputs), and a bf16 model came back float32 from `close()`
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -122,7 +121,7 @@ def test_a_bf16_model_keeps_bf16_through_fit_apply_and_close():
     plan = autotune.fit(model, batch, memory_budget="40MiB", device="cpu", cache=False)
     assert set(dtypes(model)) == {torch.bfloat16}
     for offload in ("none", "optimizer"):  # the tuned plan, and the same under optimizer offload
-        chosen = dataclasses.replace(plan, offload=offload, offload_fraction=None,
+        chosen = plan.with_config(offload=offload, offload_fraction=None,
                                      checkpointing="none", checkpointed_blocks=0)
         step = chosen.apply(model, torch.optim.AdamW(model.parameters()))
         step(batch)

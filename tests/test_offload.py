@@ -8,7 +8,6 @@ chunk size is made tiny here so that a small model still has many chunks for the
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import subprocess
@@ -76,7 +75,7 @@ def batches(n: int, count: int, t: int = 5) -> list[tuple[torch.Tensor, torch.Te
 
 def make_plan(micro: int, n: int, *, precision: str = "bf16", fraction: float | None = None) -> Plan:
     steps, last = solve_accumulation(n, micro)
-    return Plan(precision=precision, checkpointing="none", offload="optimizer", offload_fraction=fraction,
+    return Plan.of(precision=precision, checkpointing="none", offload="optimizer", offload_fraction=fraction,
                 micro_batch_size=micro, accumulation_steps=steps, world_size=1, global_batch_size=n,
                 last_micro_batch_size=last, peak_memory_bytes=0, memory_budget_bytes=HUGE, margin=0.1,
                 samples_per_second=0.0, device="cpu")
@@ -237,7 +236,7 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
     model = Wide()
     batch = torch.randn(4, 96)
     on_host = second_step_peak(make_plan(4, 4), model, batch)  # full optimizer offload at micro-batch 4
-    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    plain = make_plan(1, 4).with_config(offload="none", offload_fraction=None)
     on_device = second_step_peak(plain, model, batch)  # no offload at micro-batch 1
     assert on_host < on_device / 2
     budget = int((on_host + on_device) / 2 / 0.9)  # the limit (90% of it) halfway between the two
@@ -286,7 +285,7 @@ def test_an_optimizer_over_the_top_layers_tunes_onto_a_partial_share_and_trains_
     model = Wide()
     batch = torch.randn(4, 96)
     on_host = second_step_peak(make_plan(4, 4), model, batch, top_only)
-    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    plain = make_plan(1, 4).with_config(offload="none", offload_fraction=None)
     on_device = second_step_peak(plain, model, batch, top_only)
     budget = int((on_host + 3 * on_device) / 4 / 0.9)  # a share of the optimized layers' state on the host fits
     tuned = copy.deepcopy(model)
@@ -362,7 +361,7 @@ def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(mon
                                                     (True, "0", False)])
 def test_the_plans_overlap_choice_is_applied_and_the_variable_can_turn_it_off(monkeypatch, planned, env, pipelined):
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", env)
-    plan = dataclasses.replace(make_plan(4, 8), offload_overlap=planned)
+    plan = make_plan(4, 8).with_config(offload_overlap=planned)
     model = Net()
     step = plan.apply(model, adamw(model.parameters()))
     step(batches(8, 1)[0])
@@ -401,8 +400,8 @@ def test_8bit_state_is_chosen_when_it_is_the_only_thing_that_fits():
     pytest.importorskip("torchao.optim")  # a real 8-bit AdamW; the test extra installs torchao
     torch.manual_seed(0)
     model, batch = Wide(), torch.randn(4, 96)
-    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
-    eight = Plan.from_dict({**plain.to_dict(), "optimizer_8bit": True})
+    plain = make_plan(1, 4).with_config(offload="none", offload_fraction=None)
+    eight = plain.with_config(optimizer_8bit=True)
     full, small = second_step_peak(plain, model, batch), second_step_peak(eight, model, batch)
     n = sum(p.numel() for p in model.parameters())
     # 8 bytes of AdamW state a parameter became about 2; the step's FP32 temporaries (per parameter) eat
@@ -486,7 +485,7 @@ def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
         torch.manual_seed(0)
         model = Net(width=256).cuda()
-        plan = dataclasses.replace(make_plan(3, 8, fraction=fraction), device="cuda")
+        plan = make_plan(3, 8, fraction=fraction).with_provenance(device="cuda")
         step = TrainingStep(plan, model, adamw(model.parameters()))
         for b in data:
             step(b)
@@ -538,8 +537,8 @@ def test_an_8bit_plan_follows_the_users_learning_rate():
     pytest.importorskip("torchao.optim")
     torch.manual_seed(0)
     model, batch = Wide(), torch.randn(4, 96)
-    plan = Plan.from_dict({**make_plan(2, 4).to_dict(), "offload": "none", "offload_fraction": None,
-                           "optimizer_8bit": True})
+    plan = make_plan(2, 4).with_config(offload="none", offload_fraction=None,
+                                       optimizer_8bit=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = plan.apply(model, opt)
     step(batch)

@@ -9,13 +9,11 @@ $AUTOTUNE_OFFLOAD_STREAM=1 turns it on here (on CUDA it is on by default).
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
 import autotune
-from autotune.plan import Plan
 
 from autotune.techniques import offload_pipeline, offload_stream
 from autotune.training.step import TrainingStep
@@ -33,7 +31,7 @@ def small_pieces(tmp_path, monkeypatch):
 def train(plan, data, monkeypatch, *, stream: bool, overlap: bool, make_opt=adamw, **kwargs):
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
-    plan = dataclasses.replace(plan, offload_overlap=True if overlap else None)  # as fit decides it
+    plan = plan.with_config(offload_overlap=True if overlap else None)  # as fit decides it
     torch.manual_seed(0)
     model = Net()
     opt = make_opt(model.parameters())
@@ -166,7 +164,7 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
         torch.manual_seed(0)
         model = Net(width=256).cuda()
         before = copy.deepcopy(model)
-        plan = dataclasses.replace(make_plan(3, 8), device="cuda", offload_overlap=True if overlap else None)
+        plan = make_plan(3, 8).with_config(offload_overlap=True if overlap else None).with_provenance(device="cuda")
         step = TrainingStep(plan, model, adamw(model.parameters()))
         assert (step.optimizer.stepper is not None) == stream
         assert bool(step.optimizer.cpu_index) == (stream and cpu_part > 0)
@@ -194,7 +192,7 @@ def test_on_cuda_step_counts_are_not_overwritten_by_work_queued_for_their_memory
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
     torch.manual_seed(0)
     model = Net(width=64).cuda()
-    plan = dataclasses.replace(make_plan(4, 4), device="cuda", offload_overlap=True)
+    plan = make_plan(4, 4).with_config(offload_overlap=True).with_provenance(device="cuda")
     step = TrainingStep(plan, model, adamw(model.parameters()))
     host = step.optimizer
     assert host.stepper is not None and host.stream_overlap
@@ -223,7 +221,7 @@ def test_a_streamed_search_measures_the_overlap_and_says_which_it_chose(monkeypa
     model = Wide()
     batch = torch.randn(4, 96)
     on_host = second_step_peak(make_plan(4, 4), model, batch)
-    plain = Plan.from_dict({**make_plan(1, 4).to_dict(), "offload": "none", "offload_fraction": None})
+    plain = make_plan(1, 4).with_config(offload="none", offload_fraction=None)
     on_device = second_step_peak(plain, model, batch)
     budget = int((on_host + on_device) / 2 / 0.9)  # no offload is over the limit, optimizer offload under it
     plan = autotune.fit(copy.deepcopy(model), batch, global_batch_size=4, memory_budget=budget, device="cpu",

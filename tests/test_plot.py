@@ -38,7 +38,7 @@ def w1_like(mfu: float | None = 0.38) -> Plan:
     trials = (trial(bf16, 1, "ok", 12.0, 20.0), trial(bf16, 2, "ok", 16.5, 26.0), trial(bf16, 8, "oom", 0, 0.0),
               trial(bf16, 4, "oom", 23.9, 0.0), trial(full, 4, "ok", 14.0, 24.0), trial(full, 8, "ok", 18.6, 28.5),
               trial(full, 16, "over_budget", 22.5, 29.0))
-    return Plan(precision="bf16", checkpointing="full", offload="none", micro_batch_size=8, accumulation_steps=8,
+    return Plan.of(precision="bf16", checkpointing="full", offload="none", micro_batch_size=8, accumulation_steps=8,
                 world_size=1, global_batch_size=64, last_micro_batch_size=8, peak_memory_bytes=int(18.6 * GIB),
                 memory_budget_bytes=24 * GIB, margin=0.1, samples_per_second=28.5, tokens_per_second=28.5 * 1024,
                 device="cuda", device_name="NVIDIA H100 80GB HBM3", reason="synthetic", trials=trials,
@@ -116,7 +116,7 @@ def test_the_picture_marks_the_choice_the_ooms_and_the_limit() -> None:
 
 
 def test_a_plan_without_trials_is_refused_with_a_reason(tmp_path: Path) -> None:
-    bare = Plan.from_dict({**sample(0)[0].to_dict(), "trials": []})
+    bare = sample(0)[0].with_evidence(trials=())
     with pytest.raises(ValueError, match="no trials"):
         draw_search(bare, tmp_path / "x.png")
 
@@ -171,4 +171,4 @@ def test_run_plot_draws_the_search_after_tuning_and_json_keeps_stdout_for_the_pl
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)  # the plan alone on stdout
-    assert png_size(out) and f"({len(plan['trials'])} trials) to {out}" in done.stderr
+    assert png_size(out) and f"({len(plan['evidence']['trials'])} trials) to {out}" in done.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 from autotune.configuration import Rung
 
 from autotune.evidence import Trial
+from autotune.plan import Plan
 from autotune.search.progress import Progress, progress_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,9 +92,9 @@ def test_run_json_keeps_stdout_for_the_plan_while_the_terminal_shows_progress(tm
             str(ROOT / "tests" / "scripts" / "zero_change_oom.py"), str(tmp_path / "final")]
     code, out, terminal = run_with_stderr_on_a_terminal(argv, _env(tmp_path))
     assert code == 0, terminal
-    plan = json.loads(out)  # the plan, and nothing else
+    plan = Plan.from_dict(json.loads(out))  # the plan, and nothing else
     assert ERASE in terminal and "running..." in terminal, terminal
-    assert terminal.count("micro-batch") >= len(plan["trials"]), terminal
+    assert terminal.count("micro-batch") >= len(plan.trials), terminal
 
 
 def test_plain_lines_say_configuration_outcome_throughput_count_and_time() -> None:

@@ -24,12 +24,13 @@ import pytest
 from click.testing import CliRunner
 
 from autotune.cache.store import PlanCache
-from autotune.cli.main import main
-from autotune.configuration import Rung
-from autotune.errors import InvalidSetting
-from autotune.evidence import Trial
-from autotune.search.controller import Controller
 from autotune.supervisor import claims, runner
+from autotune.cli.main import main
+from autotune.search.controller import Controller
+from autotune.errors import InvalidSetting
+from autotune.plan import Plan
+from autotune.configuration import Rung
+from autotune.evidence import Trial
 from autotune.supervisor.process import ChildExit
 from autotune.supervisor.verdict import classify
 from autotune.supervisor.zero_change import FlagMap
@@ -126,13 +127,13 @@ def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Pa
     done = autotune_run(tmp_path, "--global-batch-size", "32", "--budget", "8MiB", "--trial-steps", "2", "--json",
                         *ZERO_CHANGE_MAPS, str(SCRIPTS / "zero_change_oom.py"), str(out))
     assert done.returncode == 0, done.stderr
-    plan = json.loads(done.stdout)  # --json: the plan, and nothing else, on stdout
-    outcomes = {t["micro_batch_size"]: t["outcome"] for t in plan["trials"]}
+    plan = Plan.from_dict(json.loads(done.stdout))  # --json: the plan, and nothing else, on stdout
+    outcomes = {t.micro_batch_size: t.outcome for t in plan.trials}
     assert outcomes[4] == "ok" and all(o != "ok" for m, o in outcomes.items() if m > 4), done.stderr
     # Which fitting size is fastest is a timing question (the controller's, tested with fakes); memory is not.
-    micro, accumulation = plan["micro_batch_size"], plan["accumulation_steps"]
+    micro, accumulation = plan.micro_batch_size, plan.accumulation_steps
     assert micro <= 4 and micro * accumulation == 32, done.stderr
-    assert plan["peak_memory_bytes"] <= 0.9 * 8 * 2**20
+    assert plan.peak_memory_bytes <= 0.9 * 8 * 2**20
     assert out.read_text() == f"batch={micro} accumulation={accumulation}"
     assert f"FINAL batch={micro}" in done.stderr  # the script's own stdout went to stderr
 
@@ -197,8 +198,8 @@ def test_sigterm_in_the_real_run_exits_143_and_still_prints_the_tuned_plan(tmp_p
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 143, "".join(seen) + stderr
-        plan = json.loads(stdout)
-        assert plan is not None and plan["micro_batch_size"] * plan["accumulation_steps"] == 32, stdout
+        plan = Plan.from_dict(json.loads(stdout))
+        assert plan is not None and plan.micro_batch_size * plan.accumulation_steps == 32, stdout
         assert "interrupted by SIGTERM" in stderr
     finally:
         stop_all(proc, [])
@@ -447,16 +448,16 @@ def test_the_readme_main_command_launched_twice_tunes_once(tmp_path: Path) -> No
     assert args[0] == "run" and "--map" in args, args
     first = autotune_run(tmp_path, "--json", *args[1:])
     assert first.returncode == 0, first.stderr
-    plan = json.loads(first.stdout)
-    assert plan["source"] == "tuned" and len(plan["key"]) == 64 and len(plan["trials"]) >= 2
+    plan = Plan.from_dict(json.loads(first.stdout))
+    assert plan.source == "tuned" and len(plan.key) == 64 and len(plan.trials) >= 2
     second = autotune_run(tmp_path, *args[1:])
     assert second.returncode == 0, second.stderr
     assert "autotune: trial" in first.stderr
     # Which path the second launch takes is decided by the first run's own measurement, read here rather than
     # assumed: a real run whose rate is off its claim by more than the noise band (a loaded CI machine did
     # that once in three runs) re-tunes by design, scoring that configuration at its measured rate.
-    if claims.disagrees(plan["samples_per_second"], plan["measured_samples_per_second"]):
+    if claims.disagrees(plan.samples_per_second, plan.measured_samples_per_second):
         assert "re-tuning, with that configuration scored at the measured rate" in second.stderr, second.stderr
         return
-    assert "plan (cached)" in second.stderr and plan["key"][:12] in second.stderr
+    assert "plan (cached)" in second.stderr and plan.key[:12] in second.stderr
     assert "autotune: trial" not in second.stderr, second.stderr

@@ -9,7 +9,6 @@ and fails the tests: nothing waits forever in a collective.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 
@@ -54,7 +53,7 @@ def _presharded_fit(rank: int, world: int) -> dict:
     # inside FSDP's forward or backward, resets FSDP's state, and re-runs the batch smaller on every rank.
     torch.manual_seed(0)
     model = shard(Net(width=WIDTH))
-    greedy = dataclasses.replace(tight, checkpointing="none", checkpointed_blocks=0, offload="none",
+    greedy = tight.with_config(checkpointing="none", checkpointed_blocks=0, offload="none",
                                  offload_fraction=None, micro_batch_size=16, accumulation_steps=1,
                                  last_micro_batch_size=16, global_batch_size=16 * world)
     step = greedy.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -175,7 +174,7 @@ def _one_rank_out_of_memory(rank: int, world: int) -> dict:
     short = seq_batch(16, 16, seed=rank, dtype=torch.float32)
     plan = autotune.fit(model, short, global_batch_size=16 * world, memory_budget=2**30, device="cpu",
                         cache=False, trial_steps=1, techniques=("bf16",))
-    roomy = dataclasses.replace(plan, micro_batch_size=16, accumulation_steps=1, last_micro_batch_size=16)
+    roomy = plan.with_config(micro_batch_size=16, accumulation_steps=1, last_micro_batch_size=16)
     probe = roomy.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     probe(short)
     fits_short = probe.last_peak_bytes  # the short samples' peak at micro-batch 16, the same on every rank
@@ -183,7 +182,7 @@ def _one_rank_out_of_memory(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     model = shard(Net(width=WIDTH))
-    tight = dataclasses.replace(roomy, memory_budget_bytes=int(1.5 * fits_short))
+    tight = roomy.with_config(memory_budget_bytes=int(1.5 * fits_short))
     step = tight.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     batch = seq_batch(16, 128 if rank == world - 1 else 16, seed=rank, dtype=torch.float32)
     losses = [step(batch) for _ in range(2)]

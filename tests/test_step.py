@@ -84,7 +84,7 @@ def full_batch_loss(loss_fn, model, batch) -> torch.Tensor:
 def make_plan(micro: int, n: int, *, precision: str = "fp32", checkpointing: str = "none", offload: str = "none",
               budget: int = HUGE, key: str = "") -> Plan:
     steps, last = solve_accumulation(n, micro)
-    return Plan(precision=precision, checkpointing=checkpointing, offload=offload, micro_batch_size=micro,
+    return Plan.of(precision=precision, checkpointing=checkpointing, offload=offload, micro_batch_size=micro,
                 accumulation_steps=steps, world_size=1, global_batch_size=n, last_micro_batch_size=last,
                 peak_memory_bytes=0, memory_budget_bytes=budget, margin=0.1, samples_per_second=0.0,
                 device="cpu", key=key)

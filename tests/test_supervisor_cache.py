@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from autotune.cache.db import check_integrity
+from autotune.cache.trouble import check_integrity
 from autotune.cache.store import PlanCache
 from cache_samples import sample
 

@@ -26,10 +26,10 @@ import torch
 
 from ..workload import batch as batches
 from ..plan import PLAN_FORMAT_VERSION
+from ..techniques import TECHNIQUES as TECHNIQUE_NAMES
 
 PART_FIELDS = ("format", "model", "batch", "global_batch_size", "world_size", "device", "budget_bytes", "margin",
                "techniques", "max_micro_batch", "optimizer", "loss", "runtime")
-TECHNIQUE_NAMES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss")  # as techniques.TECHNIQUES (cache sits below it)
 
 # Optimizer hyperparameters that change how much state or scratch memory a step needs; the others
 # (lr, betas, weight_decay) change the numbers, not the bytes, and a schedule moves them constantly.

@@ -1,37 +1,25 @@
-"""Cache rows as JSON lines: what `autotune cache export` writes, and what `import` and a team directory read.
+"""Cache rows: a plan row or a "nothing fits" row, as export, import and a team directory exchange them.
 
-A row is of one of two kinds. A plan row holds a plan, the key parts it was tuned for, and the OOMs seen
-against it in real training; it has no "kind" field (so an older autotune still reads it), or
-`"kind": "plan"`. A "nothing fits" row (`"kind": "nothing_fits"`) holds a search that found no configuration
-under its budget: the key parts, the search's message and its trials, so a teammate's `fit` refuses in
-milliseconds instead of repeating the search.
-Every row read from a file is validated before it is used: known fields only, types and ranges
-(`Plan.from_dict`, `Trial.from_dict`, `check_parts`), a plan consistent with its parts, and the key
-recomputed from the parts. JSON is parsed, never executed; nothing is unpickled. Files come from teammates
-and may be damaged or hostile, so reading is bounded before parsing: a line is read at most `MAX_LINE_BYTES` at a
-time (a longer one is skipped, never held whole), must be UTF-8, and may nest at most `MAX_DEPTH` deep.
-Each failure is a rejected row with its line number and reason; nothing a file holds raises.
-
-A row is a claim, not a measurement made here, so it is held to what its key allows and what its numbers
-can be: a configuration the key's techniques allow (`check_plan_matches`), a peak no smaller than its
-model's parameters and a micro-batch within the per-rank batch (`check_plan_sane`). Its text (reason,
-notes, messages) is escaped (`printable`) and its times are clamped to now as it is read.
+A plan row holds a plan, the key parts it was tuned for, and the OOMs seen against it in real training ("kind"
+absent or "plan"). A "nothing fits" row holds a search that found no configuration under its budget: the key
+parts, the search's message and its trials, so a teammate's `fit` refuses at once instead of searching again.
+Every row read from elsewhere is validated before it is used (`parse_row`): known fields only, types and
+ranges, a plan consistent with its parts, the key recomputed from the parts, JSON at most `MAX_DEPTH` deep;
+JSON is parsed, never executed, nothing unpickled. A row of another plan format is rejected, naming it.
+A row is a claim, not a measurement made here: it is held to what its key allows (`check_plan_matches`) and
+to numbers a measurement could give (`check_plan_sane`); its text is escaped (`printable`) and its times are
+clamped to now as it is read.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import tempfile
 import time
 import unicodedata
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any
 
 from .key import check_parts, plan_key
 from ..evidence import Trial
@@ -46,8 +34,6 @@ FAILURE_FIELDS = ("micro_batch_size", "shapes", "note", "time")
 MAX_LINE_BYTES = 4 * 2**20  # a plan with a few dozen trials is a few KiB; a larger line is not ours
 MAX_LINE_CHARS = MAX_LINE_BYTES  # the same bound for a line already in memory
 MAX_DEPTH = 32  # a row nests about 6 deep (row > plan > trials > [i] > rung); JSON deeper than this is not ours
-_SKIP_CHUNK = 2**16  # bytes read at a time while skipping the rest of an over-long line
-TEAM_FILE_GLOB = "*.jsonl"
 MAX_MICRO_BATCHES = 2**20  # per rank per optimizer step: a plan holds its split, one entry per micro-batch
 MEASURED_HERE = ("tuned", "replaced")  # origins of plans measured on this machine (a search, a recovery)
 
@@ -185,11 +171,12 @@ class CacheEntry:
 
     key: str
     parts: dict[str, Any]
-    plan: Plan | None  # None when the stored plan no longer validates (written by another format)
+    plan: Plan | None  # None when the stored plan no longer validates: stale, or damaged
     failures: tuple[Failure, ...] = ()
     created: float = 0.0  # unix seconds the key first entered this cache
     updated: float = 0.0  # unix seconds the plan was tuned or last replaced
     origin: str = ""  # "tuned", "replaced", "import:<file>" or "team:<dir>"
+    stale: bool = False  # the stored plan is of another plan format: `fit` tunes this key again
 
     @property
     def smallest_failure(self) -> int | None:
@@ -197,9 +184,10 @@ class CacheEntry:
 
     @property
     def status(self) -> str:
-        """ "safe", "unsafe" (an OOM was seen at or below its micro-batch) or "invalid"."""
+        """ "safe", "unsafe" (an OOM was seen at or below its micro-batch), "stale" (another plan format) or
+        "invalid" (a stored plan that does not validate)."""
         if self.plan is None:
-            return "invalid"
+            return "stale" if self.stale else "invalid"
         failing = self.smallest_failure
         return "unsafe" if failing is not None and self.plan.micro_batch_size >= failing else "safe"
 
@@ -276,8 +264,9 @@ def sanitized(plan: Plan) -> Plan:
     """`plan` with every text it carries (reason, device name, block paths, trial notes) as printable strings:
     a plan from a file or a teammate may hold terminal escape sequences, and these texts are printed."""
     trials = tuple(dataclasses.replace(t, note=printable(str(t.note))) for t in plan.trials)
-    return dataclasses.replace(plan, reason=printable(str(plan.reason)), device_name=printable(str(plan.device_name)),
-                               block_paths=tuple(printable(p) for p in plan.block_paths), trials=trials)
+    return (plan.with_config(block_paths=tuple(printable(p) for p in plan.block_paths))
+            .with_evidence(reason=printable(str(plan.reason)), trials=trials)
+            .with_provenance(device_name=printable(str(plan.device_name))))
 
 
 def not_after_now(seconds: float) -> float:
@@ -335,59 +324,6 @@ def _check_key(d: dict[str, Any]) -> None:
                          f"{expected[:16]}...): the row was edited or damaged")
 
 
-def read_rows(path: str | Path | BinaryIO) -> Iterator[tuple[int, PlanRow | NothingFits | None, str]]:
-    """Yield (line number, row or None, reason it was rejected) for each non-blank line of `path`.
-
-    `path` may also be an open binary stream (standard input for `autotune cache import -`).
-
-    A line is read at most `MAX_LINE_BYTES` at a time, so a huge line costs no more memory than that.
-    Reasons are printable: control characters from the file are escaped (`printable`).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
-        number = 0
-        while True:
-            raw = f.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            number += 1
-            row, why = _parse_line(raw, f, first=number == 1)
-            if row is None and not why:
-                continue  # blank
-            yield number, row, printable(why)
-
-
-def _parse_line(raw: bytes, f: Any, *, first: bool) -> tuple[PlanRow | NothingFits | None, str]:
-    """One line read by `read_rows`: (row, "") or (None, why); (None, "") for a blank line."""
-    if len(raw) > MAX_LINE_BYTES:
-        size = len(raw) + _skip_rest_of_line(f)
-        return None, f"line is {size:,} bytes or more, over the {MAX_LINE_BYTES:,} a row may have"
-    if first and raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte order mark, as some editors save
-    if not raw.strip():
-        return None, ""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return None, f"not UTF-8 (invalid byte {raw[exc.start]:#04x} at byte {exc.start + 1})"
-    try:
-        return parse_row(text), ""
-    except ValueError as exc:
-        return None, str(exc) or type(exc).__name__
-
-
-def _skip_rest_of_line(f: Any) -> int:
-    """Read past the end of the current line in small chunks; returns how many bytes were skipped."""
-    skipped = 0
-    while True:
-        part = f.readline(_SKIP_CHUNK)
-        skipped += len(part)
-        if not part or part.endswith(b"\n"):
-            return skipped
-
-
 def printable(text: str) -> str:
     """`text` with control and format characters escaped (ESC as \\x1b, U+202E as \\u202e).
 
@@ -398,29 +334,6 @@ def printable(text: str) -> str:
         return text
     return "".join(ch if ch == " " or unicodedata.category(ch) not in ("Cc", "Cf", "Zl", "Zp")
                    else ch.encode("unicode_escape").decode("ascii") for ch in text)
-
-
-def write_rows(path: str | Path | TextIO, rows: Iterable[PlanRow | NothingFits]) -> int:
-    """Write rows as JSON lines, atomically (a reader never sees half a file); returns how many.
-
-    `path` may also be an open text stream (standard output for `autotune cache export -`), written as is.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        return sum(1 for row in rows if path.write(row.to_json() + "\n"))
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")  # same file system: atomic rename
-    count = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(row.to_json() + "\n")
-                count += 1
-        os.chmod(tmp, 0o644)  # mkstemp made it 0600; an export is meant to be shared, unlike the database
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return count
 
 
 def _plan_from(d: Any) -> Plan:
@@ -444,9 +357,10 @@ def _trial_from(i: int, d: Any) -> Trial:
 
 def _check_split(d: Any) -> None:
     """Refuse a plan whose split of the batch would not fit in memory, before `Plan` builds it."""
-    if not isinstance(d, dict):
+    config = d.get("config") if isinstance(d, dict) else None
+    if not isinstance(config, dict):
         return  # `Plan.from_dict` says why
-    sizes = [d.get(name) for name in ("global_batch_size", "world_size", "micro_batch_size")]
+    sizes: list[Any] = [config.get(name) for name in ("global_batch_size", "world_size", "micro_batch_size")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
         return
     global_batch, world, micro = sizes

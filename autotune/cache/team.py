@@ -7,10 +7,11 @@ cannot be read, or that holds rejected rows, is skipped or partly used, and said
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+import os
 
-from .db import expanded, unknown_home
-from .rows import TEAM_FILE_GLOB, NothingFits, PlanRow, read_rows
+from .files import expanded, unknown_home
+from .lines import TEAM_FILE_GLOB, read_rows
+from .rows import NothingFits, PlanRow
 
 
 class TeamDir:
@@ -21,7 +22,7 @@ class TeamDir:
     trials are the latest).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = expanded(path)
         self.problems: list[str] = []  # one line per unreadable file or file with rejected rows
         self._rows: dict[str, PlanRow] | None = None

@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 class CacheUnusable(click.ClickException):
-    """The plan cache cannot be used; exit code 4 is autotune's environment error (DESIGN.md section 3)."""
+    """The plan cache cannot be used; exit code 4 is autotune's environment error."""
 
     exit_code = 4
 
@@ -56,7 +56,7 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
     \b
     Examples:
       autotune cache list
-      autotune cache list --json | jq '.[].plan.micro_batch_size'
+      autotune cache list --json | jq '.[].plan.config.micro_batch_size'
     """
     store = _open(cache_path)
     found, refused = _call(lambda: (store.entries(team=team), store.nothing_fits_entries(team=team)))
@@ -244,8 +244,10 @@ def _describe(entry: CacheEntry | NothingFits) -> str:
         return _describe_refusal(entry)
     lines = [f"key       {entry.key}", f"status    {_status(entry)}",
              f"origin    {entry.origin}, updated {_age(entry.updated)} ago", *_describe_parts(entry.parts)]
-    if entry.plan is None:
-        lines.append("plan      unreadable (written by another plan format); re-tune with retune=True")
+    if entry.stale:
+        lines.append("plan      written by another plan format: the next fit of this workload tunes it again")
+    elif entry.plan is None:
+        lines.append("plan      unreadable (it does not validate); re-tune with retune=True")
     else:
         lines += _describe_plan(entry.plan)
     if entry.failures:
@@ -331,6 +333,8 @@ def _mfu(value: float | None) -> str:
 def _status(entry: CacheEntry) -> str:
     if entry.status == "unsafe":
         return f"unsafe: OOM at micro-batch {entry.smallest_failure}"
+    if entry.status == "stale":
+        return "stale: another plan format, tuned again"
     return entry.status
 
 

@@ -77,12 +77,13 @@ def _from_cache(cache_path: Path | None, key: str) -> tuple[Plan, str]:
 
 
 def _from_file(path: Path, key: str) -> tuple[Plan, str]:
-    plans = [p for p in _plan_dicts(_read_json(path)) if str(p.get("key", "")).startswith(key)]
+    plans = [p for p in _plan_dicts(_read_json(path)) if str(p.get("provenance", p).get("key", "")).startswith(key)]
     if not plans:
         raise click.ClickException(f"no plan{' with key ' + repr(key) if key else ''} in {path}; give the output of "
                                    "`autotune run --json`, `autotune cache export` or a benchmark's JSON lines")
     try:
-        return Plan.from_dict(plans[-1]), ""
+        read = Plan.from_dict if "config" in plans[-1] else Plan.from_flat_dict  # a record of plan format 2
+        return read(plans[-1]), ""
     except (TypeError, ValueError) as exc:
         raise click.ClickException(f"the last plan in {path} is not readable: {exc}") from exc
 
@@ -104,12 +105,13 @@ def _read_json(path: Path) -> list[Any]:
 
 
 def _plan_dicts(value: Any, depth: int = 0) -> list[dict[str, Any]]:
-    """Every plan in `value`, in document order: a dict with trials and a micro-batch, however deep it sits
-    (a cache entry's "plan", a benchmark record's "run" -> "plan")."""
+    """Every plan in `value`, in document order, however deep it sits (a cache entry's "plan", a benchmark
+    record's "run" -> "plan"): a dict with a config, evidence and provenance, or a flat one of plan format 2."""
     if depth > 8:
         return []
     if isinstance(value, dict):
-        if "trials" in value and "micro_batch_size" in value and "precision" in value:
+        if all(isinstance(value.get(part), dict) for part in ("config", "evidence", "provenance")) or (
+                "trials" in value and "micro_batch_size" in value and "precision" in value):  # plan format 2
             return [value]
         return [p for v in value.values() for p in _plan_dicts(v, depth + 1)]
     if isinstance(value, list):

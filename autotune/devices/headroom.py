@@ -3,7 +3,7 @@
 `fit` without `memory_budget` takes what the device can give this process (`default_budget`). That figure
 moves by megabytes from one call to the next (another process's CUDA context, the host's page cache), and
 the budget is part of the cache key: taken as read, no second `fit` would ever hit. So a default budget is
-rounded down to a step of 1/64 of the device's memory (1.25 GiB of an 80 GB H100, 2 GiB of 128 GiB of
+rounded down to a step of 1/64 of the device's memory (1.25 GiB of an 80 GiB GPU, 2 GiB of 128 GiB of
 host memory). Rounding down never promises memory that is not free; a plan cached under a step nearby is
 served too, when its peak still fits under today's figure less the margin (`fits`), so a reading that
 wobbles across step boundaries still hits.

@@ -29,7 +29,7 @@ class Placement:
 
     kind: str  # "cuda" | "cpu"
     index: int = 0
-    name: str = ""  # "NVIDIA H200" or "cpu (simulated ceiling)"
+    name: str = ""  # the name the driver reports, or "cpu (simulated ceiling)"
     total_bytes: int = 0
 
     @property

@@ -6,7 +6,7 @@ here: it runs the script with `runpy` as `__main__`, and on the way out (normal 
 while the exception object still exists. `fit` adds the plan in force with `report_plan`.
 
 Every job's optimizer steps are counted and timed whole with global optimizer step hooks (`measure.py`),
-from the second step on (the first builds the optimizer state, PEERS.md lesson 3). A zero-change trial
+from the second step on (the first builds the optimizer state). A zero-change trial
 ($AUTOTUNE_AGENT_STEPS set) reads the peak memory, writes the measurements and exits after that many
 steps; a real run records its median whole step when it ends (`measured`), for the supervisor to set
 beside the plan's claimed throughput. A plan reported by `fit` restarts the count: fit's own trials
@@ -246,7 +246,7 @@ def _update_ended(**fields: Any) -> None:
 
 
 def autotune_exit_code(exc: BaseException) -> int | None:
-    """The exit code DESIGN.md section 3 gives an error autotune raised on purpose; None for any other error.
+    """The exit code `autotune run` gives an error autotune raised on purpose; None for any other error.
 
     NoFeasiblePlan 3 (nothing fits), DeviceError 4 (environment: no GPU, a poisoned context), InvalidSetting
     2 (usage). Checked before the OOM classifier: a NoFeasiblePlan chained to the last trial's OOM is not

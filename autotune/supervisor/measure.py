@@ -4,7 +4,7 @@ A step is timed from the end of one `optimizer.step()` to the end of the next, w
 so it holds everything a training loop does for one update: data, forward, backward, clipping, the
 optimizer, the scheduler, logging. Timing only the gap between two `step()` calls ("compute") broke on
 Lightning, which runs forward and backward inside `optimizer.step(closure)`: the gap was near zero, and
-a tiny Lightning model's plan claimed 1,906 samples/s where the run trained at 345 (issue 13).
+the plan's claim many times what the run trained at.
 
 The optimizer's own share is the `step()` call less the time spent in the closure it was handed (the
 pre-step hook wraps the closure in a timer); without a closure it is the whole call. Manual optimization
@@ -52,7 +52,7 @@ class StepWatch:
     discriminator) falls inside the step being timed. Steps taken on other threads (autotune's own
     optimizer offload steps host chunks on a worker during backward) are inside it too, and ignored:
     the training loop steps from the thread that installed the watch. The first step is not measured:
-    it builds the optimizer state (PEERS.md lesson 3) and, in most loops, warms the data loader.
+    it builds the optimizer state and, in most loops, warms the data loader.
 
     Args:
         on_step: called after each counted step with the watch (a trial stops the process from there).
@@ -189,5 +189,5 @@ class PeakMeter:
 
         index = torch.cuda.current_device()
         retries = torch.cuda.memory_stats(index).get("num_alloc_retries", 0) - self._retries0
-        # Reserved, plus what the allocator does not see (context, workspaces): DESIGN.md section 5.
+        # Reserved, plus what the allocator does not see (context, workspaces): a real card of this size holds both.
         return torch.cuda.max_memory_reserved(index) + outside_allocator_bytes(index), retries

@@ -1,6 +1,6 @@
 """The `autotune run` supervisor: launch a training script, watch it, and restart it after an OOM.
 
-Two modes (DESIGN.md section 3):
+Two modes:
 
 - Cooperative: the script calls `autotune.fit`; the run's options reach it as `AUTOTUNE_*` environment
   variables. When the job dies of an OOM, the failure is recorded in the plan cache against the plan in
@@ -16,7 +16,7 @@ set beside the plan's claim (`claims.py`) and stored on the cached plan.
 Every job runs in a process group of its own (`process.py`); SIGINT and SIGTERM are forwarded to it.
 The supervisor opens the plan cache once, when it first needs it, and closes it when the run ends
 (`script_cache.RunCache`).
-`run` returns a `RunResult` whose `exit_code` follows DESIGN.md: 0 success, the script's own code for a
+`run` returns a `RunResult` whose `exit_code` is the README's: 0 success, the script's own code for a
 failure that is not about memory (never retried), 3 when nothing fits or the restarts are spent,
 5 when the job ran but nothing was tuned (no `fit`, no `--map`), 128 + signal when interrupted, and 124 when a zero-change trial outlived --trial-timeout. Settings
 errors raise `InvalidSetting` (exit 2), a missing GPU `DeviceError` (exit 4), for the CLI to map.

@@ -14,7 +14,6 @@ contradicted, scoring that configuration at the rate it really trained at (`clai
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -61,7 +60,7 @@ def script_parts(*, script: str, script_args: Sequence[str], flags: FlagMap, glo
 def open_store(setting: str | None) -> Any:
     """The plan cache `--cache` (else $AUTOTUNE_CACHE, else the user cache) names; None when it is off.
 
-    Never raises: the cache never fails a run (DESIGN.md section 5).
+    Never raises: the cache never fails a run.
     """
     from ..settings import ENV
 
@@ -130,7 +129,7 @@ class ScriptCache:
         plan that was never cached)."""
         if self.store is None:
             return plan
-        plan = dataclasses.replace(plan, key=self.key)
+        plan = plan.with_provenance(key=self.key)
         self.store.put(plan, self.parts)
         return plan
 
@@ -151,7 +150,7 @@ class ScriptCache:
         cached = None if retune else self.plan()
         if cached is not None and not claims.plan_disagrees(cached):
             log.debug("plan from the cache (%s)", self.key[:12])
-            return dataclasses.replace(cached, source="cache")
+            return cached.with_provenance(source="cache")
         if cached is not None:
             measured = cached.measured_samples_per_second or 0.0
             log.warning("the cached plan (%s at micro-batch %d) claimed %.1f samples/s, but its real run trained "

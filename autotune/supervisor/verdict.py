@@ -4,7 +4,7 @@ The agent's record (written while the exception object still existed, classified
 trusted first; the job's output is read with `is_oom_text` only where no record says otherwise (the
 job died before the agent could write, or a launcher such as torchrun failed around it); a SIGKILL that
 left no record is a host-memory suspect (the kernel's OOM killer). Anything else is not an OOM and is
-never retried as one (DESIGN.md section 5).
+never retried as one.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def classify(exit_: ChildExit, records: list[dict[str, Any]], host_budget: int |
     if exit_.returncode == 0:
         return verdict("ok", "", 0)
     code = shell_code(exit_.returncode)
-    # fit's own errors map to DESIGN.md's exit codes whatever a launcher (torchrun) made of the rank's exit.
+    # fit's own errors map to autotune run's exit codes whatever a launcher (torchrun) made of the rank's exit.
     mapped = [r for r in records if isinstance(r.get("autotune_error"), dict) and r.get("exit_code") in (2, 3, 4)]
     if mapped:
         return verdict("error", str(mapped[0].get("error", "")), int(mapped[0]["exit_code"]))

@@ -243,7 +243,7 @@ class ScriptTuner:
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.best
         notes = [*self.notes, *result.notes]
-        return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload="none",
+        return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload="none",
                     micro_batch_size=best.micro_batch_size, accumulation_steps=t.per_rank // best.micro_batch_size,
                     world_size=t.world_size, global_batch_size=self.global_batch_size,
                     last_micro_batch_size=best.micro_batch_size, peak_memory_bytes=best.peak_bytes,

@@ -57,9 +57,8 @@ from .eight_bit_link import EightBitLink
 from .model_link import ModelLink
 from .offload_link import OffloadLink
 from ..workload.optimizers import OptimizerSpec
-from ..configuration import CHECKPOINTING, OFFLOAD, Rung, none_on_the_host
+from ..configuration import CHECKPOINTING, OFFLOAD, Configuration, Rung, none_on_the_host
 from ..evidence import Trial
-from ..plan import Plan
 from ..settings import FitSettings
 from ..sizes import format_bytes
 from ..techniques import (AppliedRung, apply_rung, block_count, dtype_conflict, find_blocks, is_float64, ladder,
@@ -68,6 +67,7 @@ from ..techniques import optimizer_8bit
 from ..techniques.offload import HostOptimizer
 from ..techniques.sharding import is_sharded, reset_after_failure, shard_for_training
 
+Plan = Any  # an autotune.Plan, read by its attributes: plan.py sits above training
 log = logging.getLogger(__name__)
 
 ARMED_STEPS = 3  # sharded: steps of a plan (or after an OOM) that check in before each FSDP collective
@@ -128,7 +128,7 @@ class TrainingStep:
                  loss_fn: LossFn | None = None, *, techniques: Any = None, grow_after: int | None = None,
                  max_grad_norm: float | None = None, before_optimizer_step: StepHook | None = None,
                  after_optimizer_step: StepHook | None = None) -> None:
-        if not isinstance(plan, Plan):
+        if not isinstance(getattr(plan, "config", None), Configuration):  # a Plan: this floor sits below plan.py
             raise InvalidSetting(f"plan must be an autotune.Plan, got {type(plan).__name__}")
         if not isinstance(model, nn.Module):
             raise InvalidSetting(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -159,7 +159,7 @@ class TrainingStep:
         self.spec = OptimizerSpec.from_user(optimizer, model)
         self.blocks = find_blocks(model, plan.block_paths)  # the blocks, and their order, the plan was tuned with
         if plan.checkpointed_blocks is None:  # the label's default, as a count: recovery compares counts
-            self.plan = dataclasses.replace(plan, checkpointed_blocks=block_count(plan.rung, self.blocks))
+            self.plan = plan.with_config(checkpointed_blocks=block_count(plan.rung, self.blocks))
         why = dtype_conflict(self.plan.rung, model)
         if why is not None:
             raise InvalidSetting(f"plan ({self.plan.rung.name}) cannot train this model: {why.split(': ', 1)[1]}; "
@@ -405,7 +405,7 @@ class TrainingStep:
         log.warning("autotune: %s", note)
         if note not in self.plan.reason:
             reason = f"{self.plan.reason}; {note}" if self.plan.reason else note
-            self.plan = dataclasses.replace(self.plan, reason=reason)
+            self.plan = self.plan.with_evidence(reason=reason)
 
     def _loss_weights(self, n: int, steps: int, counts: torch.Tensor | None) -> LossWeights:
         tokens = None if counts is None else float(counts.sum())
@@ -651,13 +651,13 @@ def _with(plan: Plan, rung: Rung, micro: int, reason: str, *, smallest: int | No
     """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch."""
     smallest = plan.min_micro_batch_size if smallest is None else smallest
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
-    return dataclasses.replace(plan, precision=rung.precision, checkpointing=rung.checkpointing,
-                               checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
-                               optimizer_8bit=rung.optimizer_8bit,
-                               offload=rung.offload,
-                               offload_fraction=plan.offload_fraction if rung == plan.rung else None,
-                               micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
-                               last_micro_batch_size=last, reason=reason, min_micro_batch_size=smallest)
+    return plan.with_config(precision=rung.precision, checkpointing=rung.checkpointing,
+                            checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
+                            optimizer_8bit=rung.optimizer_8bit,
+                            offload=rung.offload,
+                            offload_fraction=plan.offload_fraction if rung == plan.rung else None,
+                            micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
+                            last_micro_batch_size=last, reason=reason, min_micro_batch_size=smallest)
 
 
 def _strength(rung: Rung) -> tuple[int, int, int]:
@@ -756,7 +756,7 @@ def _tell_cache(old: Plan, new: Plan | None, shapes: dict[str, list[int]], note:
     if not old.key or not distributed.is_writer():
         return
     try:
-        store = old.cache if old.cache is not None else _default_cache()
+        store = _default_cache()
         if store is None:
             return
         try:

@@ -1,5 +1,5 @@
 """Exact gradient accumulation: how micro-batch losses are weighted so the sum of their gradients is the
-full-batch gradient (DESIGN.md section 1, "Exact accumulation"; PEERS.md lesson 9 for token losses).
+full-batch gradient, for losses that are means over samples and for token losses `(loss_sum, count)`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ class LossWeights:
     before the first micro-batch. Token losses, `(loss_sum, count)`: each loss_sum is divided by the
     batch's total count. Where that total is known before the first micro-batch (`total`: the label
     tokens of a Hugging Face batch, counted up front) it is used directly, so the weights carry no
-    rounding of the model's own (a float32 norm inside a float64 model, issue 17); otherwise the first
+    rounding of the model's own (a float32 norm inside a float64 model); otherwise the first
     count x the number of micro-batches is an estimate (which keeps the gradients' magnitude near a mean
     loss's, as 16-bit ranges want) and `correct` multiplies the gradients by estimate / total at the end.
     Exact either way, because the gradient is linear in the weights. Counts are kept in float64 so that
     summing them is exact, and on the host when they came from the host: a Python number put on the device
     is a copy from pageable memory, which waits for everything queued before it. Two of those per
-    micro-batch drained the device's queue twice a micro-batch (W1 on an H100, benchmarks/profile_step.py),
-    so the host's launches stopped overlapping the device's work; a 0-dim host tensor in an operation with
+    micro-batch would drain the device's queue twice a micro-batch (benchmarks/profile_step.py finds such
+    waits), so the host's launches would stop overlapping the device's work; a 0-dim host tensor in an operation with
     a device tensor goes in as a scalar argument, no copy.
 
     A loss of named parts (`weigh_parts`) is weighted part by part: the `(loss_sum, count)` part as above,

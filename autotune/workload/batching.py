@@ -131,9 +131,8 @@ def global_step_seconds(micro_seconds: float, optimizer_seconds: float, per_rank
     """Estimated time of one optimizer step over `per_rank` samples at micro-batch `micro`.
 
     Every micro-step is charged `micro_seconds`, a smaller last one included: it costs at most that, and
-    on a launch-bound GPU nearly that. Charging it in proportion to its size made uneven splits look
-    better than they train (GPT-2 large, H100: micro-batch 6 x 11 with a last 4 was estimated at 22.8
-    samples/s and trained at 21.2). Then one optimizer step.
+    on a launch-bound GPU nearly that; charged in proportion to its size, uneven splits look faster than
+    they train. Then one optimizer step.
     """
     steps, _ = solve_accumulation(per_rank, micro)
     return steps * micro_seconds + optimizer_seconds

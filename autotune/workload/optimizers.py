@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InvalidSetting
 
-# Classes whose CPU implementation takes `fused=True` (a single vectorised kernel, PEERS.md lesson 7).
+# Classes whose CPU implementation takes `fused=True` (a single vectorised kernel).
 _FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
 
 

@@ -1,1 +1,0 @@
-python -m autotune run --cache off --json --trial-steps 3 --preset lightning-cli --global-batch-size 32 --budget 10GiB --map checkpointing=--model.gradient_checkpointing=true examples/train_lightning.py fit --trainer.max_steps 20 --model.layers 24 --model.width 1024 --model.heads 16 --data.seq_len 1024 --data.vocab_size 50257 

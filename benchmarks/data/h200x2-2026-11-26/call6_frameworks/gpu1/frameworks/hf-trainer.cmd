@@ -1,1 +1,0 @@
-python -m autotune run --cache off --json --trial-steps 3 --preset hf-trainer --global-batch-size 64 --budget 24GiB examples/train_hf_trainer.py --max_steps 20 --logging_steps 10 --disable_tqdm true --output_dir /tmp/fw/gpu1/frameworks/hf --model_size gpt2-large --seq_len 1024 

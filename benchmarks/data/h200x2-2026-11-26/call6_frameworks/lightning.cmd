@@ -1,1 +1,0 @@
-autotune run --cache off --json --trial-steps 3 --preset lightning-cli --global-batch-size 8 --budget 8MiB --map checkpointing=--model.gradient_checkpointing=true examples/train_lightning.py fit --trainer.max_steps 4 --model.layers 2 --model.width 64 
