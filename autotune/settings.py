@@ -74,9 +74,10 @@ class FitSettings:
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise InvalidSetting(f"warmup_steps must be 0 or a positive integer, got {brief(self.warmup_steps)}")
         if self.measured_steps < 2 and self.warmup_steps < 1:
-            raise InvalidSetting("a trial needs at least two optimizer steps: warmup_steps >= 1 and measured_steps >= 1")
-        if self.max_micro_batch is not None and (isinstance(self.max_micro_batch, bool)
-                                                 or not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1):
+            raise InvalidSetting("a trial needs at least two optimizer steps: "
+                                 "warmup_steps >= 1 and measured_steps >= 1")
+        bad = isinstance(self.max_micro_batch, bool) or not isinstance(self.max_micro_batch, int)
+        if self.max_micro_batch is not None and (bad or self.max_micro_batch < 1):
             raise InvalidSetting(f"max_micro_batch must be a positive integer, got {brief(self.max_micro_batch)}")
         if self.techniques is not None:
             object.__setattr__(self, "techniques", _technique_names(self.techniques))

@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autotune  # noqa: E402
-from gpt import GPT, GPTConfig, random_batch  # noqa: E402
+from gpt import GPT, GPTConfig, random_batch
+
+import autotune
 
 CPU_BUDGET = "40MiB"  # small enough that this model needs checkpointing or offload on the CPU
 
@@ -31,7 +32,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--global-batch-size", type=int, default=32)
-    parser.add_argument("--budget", default=None, help="memory budget, e.g. 24GiB (CPU default: %s)" % CPU_BUDGET)
+    parser.add_argument("--budget", default=None, help=f"memory budget, e.g. 24GiB (CPU default: {CPU_BUDGET})")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to train after tuning")
     parser.add_argument("--cache", default=None, help="plan cache path (default: the user cache); 'off' to skip")
     args = parser.parse_args()

@@ -32,7 +32,7 @@ except ImportError as exc:  # the examples must not break a machine without acce
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpt import GPT, CountingSequences, GPTConfig  # noqa: E402
+from gpt import GPT, CountingSequences, GPTConfig
 
 
 class Checkpointed(nn.Module):

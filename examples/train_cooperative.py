@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autotune  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-from train_zero_change import pattern_batch  # noqa: E402
+from gpt import GPT, GPTConfig
+from train_zero_change import pattern_batch
+
+import autotune
 
 
 def parse_args() -> argparse.Namespace:

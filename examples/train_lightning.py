@@ -26,13 +26,13 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.cli import LightningCLI
 except ImportError as exc:  # the examples must not break a machine without lightning
-    print(f"examples/train_lightning.py needs lightning and jsonargparse: pip install lightning 'jsonargparse[signatures]'"
-          f" ({exc})", file=sys.stderr)
+    print("examples/train_lightning.py needs lightning and jsonargparse: "
+          f"pip install lightning 'jsonargparse[signatures]' ({exc})", file=sys.stderr)
     raise SystemExit(4) from None
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpt import GPT, CountingSequences, GPTConfig  # noqa: E402
+from gpt import GPT, CountingSequences, GPTConfig
 
 # Trainer defaults that suit an example: no checkpoints, no logger files, no progress bar in a log.
 TRAINER_DEFAULTS = {"max_steps": 20, "enable_checkpointing": False, "logger": False, "enable_progress_bar": False,
@@ -86,7 +86,7 @@ class GPTModule(pl.LightningModule):
 
 
 class CLI(LightningCLI):
-    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
+    def add_arguments_to_parser(self, parser) -> None:  # jsonargparse's parser, unannotated
         # The data decide the sequence length and vocabulary; the model follows (--data.seq_len 1024).
         parser.link_arguments("data.seq_len", "model.seq_len")
         parser.link_arguments("data.vocab_size", "model.vocab_size")

@@ -1,4 +1,5 @@
-"""Shared test set-up: the examples' small GPT on the path, and GPU tests skipped cleanly without a GPU."""
+"""Shared test set-up: the examples' small GPT on the path, one CPU thread per process, and GPU tests skipped
+cleanly without a GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+# One intra-op thread, here and (through the environment) in every process a test starts: the tests' models
+# are too small to gain from a second thread, and on a small machine shared with other work torch's OpenMP
+# threads wait on each other so long that a step takes up to ten times as long.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

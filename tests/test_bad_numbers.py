@@ -43,7 +43,8 @@ def _no_such_home() -> str:
                                         (10**5000, "about 2")], ids=["1e12", "1e20", "1e5000"])
 def test_a_global_batch_beyond_any_training_step_is_refused_before_any_trial(size: int, shown: str) -> None:
     with pytest.raises(autotune.InvalidSetting,
-                       match=rf"global_batch_size \({shown}.*\) is too large: at most 1,048,576 samples per optimizer step"):
+                       match=rf"global_batch_size \({shown}.*\) is too large: "
+                             r"at most 1,048,576 samples per optimizer step"):
         _fit(global_batch_size=size)
 
 

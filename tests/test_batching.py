@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.workload.batching import (bisect_next, fit_line, global_step_seconds, per_rank_batch,
-                               predict_max_micro_batch, solve_accumulation, split_sizes)
 from autotune.errors import InvalidSetting
+from autotune.workload.batching import (
+    bisect_next,
+    fit_line,
+    global_step_seconds,
+    per_rank_batch,
+    predict_max_micro_batch,
+    solve_accumulation,
+    split_sizes,
+)
 
 
 @pytest.mark.parametrize("per_rank,micro,expected", [(64, 8, (8, 8)), (64, 10, (7, 4)), (5, 8, (1, 5)), (7, 1, (7, 1))])

@@ -18,6 +18,7 @@ sys.path.insert(0, BENCH)
 
 import render  # noqa: E402
 import workloads  # noqa: E402
+
 from autotune.plan import Rung  # noqa: E402
 
 
@@ -28,7 +29,8 @@ def test_a_recorded_configuration_keeps_every_knob_the_plan_has() -> None:
     config = json.loads(json.dumps(workloads.config_of(rung, 7, 64, offload_fraction=0.89)))
     assert workloads.config_rung(config) == rung and config["offload_fraction"] == 0.89
     assert (config["accumulation_steps"], config["last_micro_batch_size"]) == (10, 1)
-    eager = workloads.config_of(Rung(checkpointing="selective", checkpointed_blocks=11, offload="optimizer"), 7, 64, 0.89)
+    eager = workloads.config_of(Rung(checkpointing="selective", checkpointed_blocks=11, offload="optimizer"), 7, 64,
+                                0.89)
     assert render.config_key(config) != render.config_key(eager)
     assert render.config_key(config) != render.config_key(workloads.config_of(rung, 7, 64, offload_fraction=1.0))
     older = {"rung": {"precision": "bf16", "checkpointing": "full", "offload": "none"}, "micro_batch_size": 4}
@@ -102,7 +104,8 @@ def test_peers_smoke_trigger_their_own_oom_handling(tmp_path):
     for r in (acc, lit):
         assert r["answer"] and workloads.config_rung(r["config"]) == Rung()
         assert r["config"]["micro_batch_size"] == min(r["answer"], r["spec"]["global_batch_size"])
-    assert len([r for r in records if r["kind"] == "verify"]) == len({render.config_key(r["config"]) for r in tune.values()})
+    verified = {render.config_key(r["config"]) for r in tune.values()}
+    assert len([r for r in records if r["kind"] == "verify"]) == len(verified)
 
 
 # -- the renderer on hand-made records (fast) ---------------------------------------------------------
@@ -113,7 +116,8 @@ BASE = {"run_id": "r", "command": "python benchmarks/bench_peers.py --workload W
 
 
 def _config(ckpt: str, offload: str, micro: int) -> dict:
-    name = "+".join(["bf16"] + ([f"{ckpt} ckpt"] if ckpt != "none" else []) + ([f"{offload} offload"] if offload != "none" else []))
+    name = "+".join(["bf16"] + ([f"{ckpt} ckpt"] if ckpt != "none" else [])
+                    + ([f"{offload} offload"] if offload != "none" else []))
     return {"rung": {"precision": "bf16", "checkpointing": ckpt, "offload": offload}, "name": name,
             "micro_batch_size": micro, "accumulation_steps": 64 // micro, "last_micro_batch_size": micro}
 

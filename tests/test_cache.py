@@ -154,7 +154,9 @@ def test_cache_hit_returns_the_tuned_plan_without_running_a_trial(tmp_path: Path
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     model, batch = tiny_workload()
     caplog.set_level(logging.INFO, logger="autotune")
+    started = time.perf_counter()
     tuned = fit(model, batch, tmp_path / "plans.db")
+    tune_seconds = time.perf_counter() - started
     assert tuned.source == "tuned" and tuned.trials and trial_records(caplog), "a tune runs (and logs) trials"
     caplog.clear()
 
@@ -165,7 +167,8 @@ def test_cache_hit_returns_the_tuned_plan_without_running_a_trial(tmp_path: Path
     assert hit.source == "cache"
     assert trial_records(caplog) == [], "a hit runs no trial"
     assert hit.with_provenance(source="tuned") == tuned  # trials and measurements included
-    assert seconds < 1.0, f"a hit took {seconds:.3f} s"
+    # A hit costs milliseconds, a tune seconds; a busy machine slows both, so the bound follows the tune's time.
+    assert seconds < max(1.0, tune_seconds / 5), f"a hit took {seconds:.3f} s, the tune {tune_seconds:.3f} s"
 
     caplog.clear()
     again = fit(model, batch, tmp_path / "plans.db", retune=True)

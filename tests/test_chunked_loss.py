@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from test_models import float64_causal_loss, padded_lm_batch, tiny_gpt2, tiny_llama
 from test_step import make_plan, sgd
+from torch import nn
+
 from autotune.training.step import TrainingStep
 from autotune.workload.chunked_loss import chunked, linear_cross_entropy, why_not
 from autotune.workload.losses import chunked_default_loss, default_loss, resolve
@@ -33,7 +33,8 @@ def test_linear_cross_entropy_equals_cross_entropy_of_the_full_logits(num_items,
     if num_items is None:
         want = F.cross_entropy(logits.reshape(-1, 29), targets.reshape(-1), ignore_index=-100)
     else:
-        want = F.cross_entropy(logits.reshape(-1, 29), targets.reshape(-1), ignore_index=-100, reduction="sum") / num_items
+        want = F.cross_entropy(logits.reshape(-1, 29), targets.reshape(-1), ignore_index=-100,
+                               reduction="sum") / num_items
     want_grads = torch.autograd.grad(want * 3.0, (hidden, weight, bias))
     got = linear_cross_entropy(hidden, weight, bias, targets, num_items_in_batch=num_items,
                                chunk_bytes=rows_per_chunk * 4 * 29)
@@ -111,7 +112,7 @@ def test_models_it_cannot_chunk_say_why():
 
 
 def test_the_step_uses_it_unless_techniques_leave_it_out():
-    model, batch = tiny_gpt2(), padded_lm_batch()
+    model = tiny_gpt2()
     plan = make_plan(4, 12)
     assert TrainingStep(plan, model, sgd(model.parameters())).loss_fn is chunked_default_loss
     without = TrainingStep(plan, model, sgd(model.parameters()), techniques=("bf16", "checkpointing")).loss_fn
@@ -135,7 +136,9 @@ def test_a_step_with_it_equals_a_full_batch_float64_step():
 
 def test_fit_fits_a_larger_micro_batch_with_it():
     """A head of 4,000 words on 16 dimensions: the logits are most of a sample's memory, so at one budget the
-    chunked loss fits a larger micro-batch (the CPU search runs under a simulated memory ceiling)."""
+    chunked loss fits a larger micro-batch. The CPU search runs under a simulated memory ceiling that counts
+    bytes, so the largest micro-batch each search saw fit does not depend on the machine's load; which size
+    trains fastest (the plan's pick) does, and is not compared."""
     import autotune
 
     config = transformers.GPT2Config(vocab_size=4000, n_positions=64, n_layer=2, n_embd=16, n_head=2,
@@ -144,12 +147,13 @@ def test_fit_fits_a_larger_micro_batch_with_it():
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 4000, (4, 64))
     plans = {}
-    for name, techniques in (("chunked", ("checkpointing", "chunked_loss")), ("full", ("checkpointing",))):
+    for name, techniques in (("chunked", ("chunked_loss",)), ("full", ())):
         plans[name] = autotune.fit(model, {"input_ids": ids, "labels": ids}, global_batch_size=32,
                                    memory_budget="40MiB", device="cpu", techniques=techniques, cache=False,
-                                   progress=False)
+                                   progress=False, trial_steps=1)
+    largest = {name: max(t.micro_batch_size for t in plan.trials if t.fits) for name, plan in plans.items()}
     assert "chunked_loss" in plans["chunked"].reason
-    assert plans["chunked"].micro_batch_size > plans["full"].micro_batch_size
+    assert largest["chunked"] > largest["full"], largest
 
 
 def test_a_compiled_model_gets_the_same_loss_and_its_full_logits_after():

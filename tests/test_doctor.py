@@ -10,8 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from autotune.devices import nvml
 from autotune.cli.main import main
+from autotune.devices import nvml
 
 GiB = 2**30
 NO_DRIVER = nvml.DriverFacts(ok=False, problem="NVMLError_LibraryNotFound: NVML Shared Library Not Found")

@@ -7,8 +7,8 @@ import signal
 import pytest
 import torch
 
-from autotune.errors import is_device_poisoned, is_host_oom_kill, is_oom, is_oom_text
 from autotune.devices.ceiling import SimulatedCeiling
+from autotune.errors import is_device_poisoned, is_host_oom_kill, is_oom, is_oom_text
 
 
 def _raised(fn) -> BaseException:

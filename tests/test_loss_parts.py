@@ -15,10 +15,10 @@ import math
 
 import pytest
 import torch
+from test_step import TOL, Net, assert_same_training, make_plan, new_model, peak_of, run_plan, sgd
 from torch import nn
 
 import autotune
-from test_step import TOL, Net, assert_same_training, make_plan, new_model, peak_of, run_plan, sgd
 from autotune.errors import InvalidSetting
 from autotune.workload.batching import split_sizes
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_step import TOL, adamw, make_plan, sgd
 from torch import nn
 
-from test_step import HUGE, TOL, adamw, make_plan, sgd
 from autotune.training.step import TrainingStep
 from autotune.workload import chunked_loss
 

@@ -17,17 +17,17 @@ import math
 
 import pytest
 import torch
+from test_step import HUGE, Net, make_plan, seq_batch, sgd
 from torch import nn
 from torch.nn import functional as F
 
 import autotune
-from autotune.errors import InvalidSetting, NoFeasiblePlan, TooFewSamples
 from autotune.configuration import Rung
+from autotune.errors import InvalidSetting, NoFeasiblePlan, TooFewSamples
 from autotune.evidence import Trial
 from autotune.plan import Plan
 from autotune.search.controller import Controller
 from autotune.training.step import TrainingStep
-from test_step import HUGE, Net, make_plan, seq_batch, sgd
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
 

@@ -12,13 +12,13 @@ import math
 
 import pytest
 import torch
+from test_step import Net, make_plan, seq_batch, sgd
 
 import autotune
-from autotune.errors import InvalidSetting
 from autotune.configuration import Rung
+from autotune.errors import InvalidSetting
 from autotune.search.floors import resident_floor
 from autotune.techniques import serve_dtypes
-from test_step import Net, make_plan, seq_batch, sgd
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
 

@@ -12,11 +12,11 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
+from test_step import make_plan
 from torch import nn
 
 import autotune
 from autotune.errors import InvalidSetting
-from test_step import make_plan
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
 

@@ -15,11 +15,11 @@ import math
 
 import pytest
 import torch
+from test_loss_parts import micro_batches, padded_lm_batch
+from test_step import TOL, assert_same_training, make_plan, peak_of, run_plan, sgd
 from torch import nn
 
 from autotune.training.step import TrainingStep
-from test_loss_parts import micro_batches, padded_lm_batch
-from test_step import TOL, assert_same_training, make_plan, peak_of, run_plan, sgd
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow,  # importing transformers takes seconds

@@ -27,7 +27,8 @@ GIB = 2**30
 
 
 def w1_like(mfu: float | None = 0.38) -> Plan:
-    """A search shaped like W1's: bf16 runs out of memory at 4 and 8, full checkpointing fits 8, over the limit at 16."""
+    """A search shaped like W1's: bf16 runs out of memory at 4 and 8, full checkpointing fits 8, over the limit
+    at 16."""
     bf16, full = Rung(), Rung(checkpointing="full")
 
     def trial(rung: Rung, micro: int, outcome: str, peak_gib: float, rate: float) -> Trial:

@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from ..supervisor.environment import Environment, inspect_environment
 from ..sizes import format_bytes
+from ..supervisor.environment import Environment, inspect_environment
 
 
 @click.command()
@@ -38,8 +38,8 @@ def format_report(env: Environment) -> str:
     lines = [f"autotune {v['autotune']} · Python {v['python']} · {v['platform']}",
              f"torch      {v['torch']} (CUDA build: {v['torch_cuda_build']}; cuDNN: {v['cudnn']})"]
     lines += _gpu_lines(env)
-    lines.append(f"host       {format_bytes(env.host_total_bytes)} memory, {format_bytes(env.host_available_bytes)} available; "
-                 f"{env.cpus} CPUs")
+    lines.append(f"host       {format_bytes(env.host_total_bytes)} memory, "
+                 f"{format_bytes(env.host_available_bytes)} available; {env.cpus} CPUs")
     lines += _cache_lines(env)
     lines += [f"problem    {p}" for p in env.problems]
     lines += [f"warning    {w}" for w in env.warnings]
@@ -60,8 +60,8 @@ def _gpu_lines(env: Environment) -> list[str]:
     for g in d.gpus:
         cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
         bf16 = {True: "yes", False: "no (fp16 with loss scaling instead)", None: "unknown"}[g.bf16]
-        lines.append(f"GPU {g.index:<6} {g.name}: {format_bytes(g.total_bytes)} total, {format_bytes(g.free_bytes)} free; "
-                     f"compute capability {cc}; bf16 {bf16}")
+        lines.append(f"GPU {g.index:<6} {g.name}: {format_bytes(g.total_bytes)} total, "
+                     f"{format_bytes(g.free_bytes)} free; compute capability {cc}; bf16 {bf16}")
         procs = ", ".join(f"{p.pid} {p.name or '?'} ({format_bytes(p.used_bytes) if p.used_bytes is not None else '?'})"
                           for p in g.processes)
         lines.append(f"           processes: {procs or 'none'}")

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -72,7 +73,7 @@ class _RunCommand(click.Command):
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: object) -> click.Context:
         try:
-            return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[arg-type]
+            return super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as exc:
             raise UsageLine(exc.format_message()) from None
 
@@ -80,7 +81,7 @@ class _RunCommand(click.Command):
 class _Finite(click.FloatRange):
     """A float option that refuses NaN and infinity, which no count of seconds or fraction can be."""
 
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         number = click.FLOAT.convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value} is not a finite number; pass a plain number (autotune run --help says which)",
@@ -99,7 +100,8 @@ class _Finite(click.FloatRange):
               "masters, moments and pinned buffers (default: available memory, capped by a cgroup limit, less 10%).")
 @click.option("--cache", metavar="PATH", help="Plan cache file, or 'off' (default: $AUTOTUNE_CACHE, else the user "
               "cache).")
-@click.option("--margin", type=_Finite(min=0, max=0.9, max_open=True), help="Fraction of the budget kept free (default 0.1).")
+@click.option("--margin", type=_Finite(min=0, max=0.9, max_open=True),
+              help="Fraction of the budget kept free (default 0.1).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=DEFAULT_MAX_RESTARTS, show_default=True,
               help="Restarts after an out-of-memory death before giving up (exit 3).")
 @click.option("--trial-steps", type=click.IntRange(min=1), help="Measured optimizer steps per trial, after one "

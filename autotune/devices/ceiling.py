@@ -153,7 +153,7 @@ class SimulatedCeiling(TorchDispatchMode):
                 f"{format_bytes(self.limit_bytes)} budget (autotune's CPU stand-in for CUDA out of memory)")
 
     # -- the dispatch hook ---------------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, unannotated
         out = func(*args, **(kwargs or {}))
         if not self._host_depth:
             for t in tree_leaves(out):

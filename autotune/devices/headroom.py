@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..sizes import format_bytes
 from . import placement as devices
 from .placement import Placement
-from ..sizes import format_bytes
 
 BUDGET_STEPS = 64  # a default budget is a whole number of 1/64ths of the device's memory
 MIN_STEP_BYTES = 2**20

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class DriverFacts:
 
 
 @contextmanager
-def _session() -> Iterator[object]:
+def _session() -> Iterator[Any]:
     import pynvml
 
     pynvml.nvmlInit()
@@ -76,11 +77,11 @@ def driver_facts(with_processes: bool = True) -> DriverFacts:
         return DriverFacts(ok=False, problem=f"{type(exc).__name__}: {exc}")
 
 
-def _gpu(nv: object, index: int, with_processes: bool) -> Gpu:
+def _gpu(nv: Any, index: int, with_processes: bool) -> Gpu:
     handle = nv.nvmlDeviceGetHandleByIndex(index)
     mem = nv.nvmlDeviceGetMemoryInfo(handle)
     try:
-        cc: tuple[int, int] | None = tuple(nv.nvmlDeviceGetCudaComputeCapability(handle))  # type: ignore[assignment]
+        cc: tuple[int, int] | None = tuple(nv.nvmlDeviceGetCudaComputeCapability(handle))
     except Exception:  # noqa: BLE001 - old drivers lack the call
         cc = None
     procs = _processes(nv, handle) if with_processes else ()
@@ -88,7 +89,7 @@ def _gpu(nv: object, index: int, with_processes: bool) -> Gpu:
                free_bytes=int(mem.free), used_bytes=int(mem.used), compute_capability=cc, processes=procs)
 
 
-def _processes(nv: object, handle: object) -> tuple[GpuProcess, ...]:
+def _processes(nv: Any, handle: object) -> tuple[GpuProcess, ...]:
     try:
         procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
     except Exception as exc:  # noqa: BLE001 - containers may deny the process list
@@ -111,7 +112,7 @@ def _process_name(pid: int) -> str:
         return ""
 
 
-def _cuda_version(nv: object) -> str:
+def _cuda_version(nv: Any) -> str:
     try:
         v = int(nv.nvmlSystemGetCudaDriverVersion())
         return f"{v // 1000}.{v % 1000 // 10}"

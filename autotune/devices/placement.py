@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from .ceiling import SimulatedCeiling
 from ..errors import DeviceError, InvalidSetting
 from ..sizes import format_bytes, parse_bytes  # noqa: F401 - re-exported: where callers found them first
+from .ceiling import SimulatedCeiling
 
 log = logging.getLogger(__name__)
 

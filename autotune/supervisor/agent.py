@@ -222,19 +222,19 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt:
         _update_ended(outcome="interrupted", exit_code=130)
         raise
-    except Exception as exc:  # noqa: BLE001 - autotune's own errors become exit codes; the rest re-raised
-        code = autotune_exit_code(exc)
-        if code is None:
+    except Exception as exc:  # autotune's own errors become exit codes; the rest re-raised
+        own_code = autotune_exit_code(exc)
+        if own_code is None:
             _update_ended(exit_code=1, **describe_exception(exc))
             raise
         # What fit (or a training step) raised on purpose: its message says what to do, and a traceback of
         # autotune's internals would bury it. The supervisor prints the message; without one, we do.
-        _update_ended(outcome="error", exit_code=code, error=f"{type(exc).__name__}: {exc}"[:500],
+        _update_ended(outcome="error", exit_code=own_code, error=f"{type(exc).__name__}: {exc}"[:500],
                       autotune_error={"type": type(exc).__name__, "message": str(exc)})
         if result_path() is None:
             sys.stderr.write(f"autotune: error: {exc}\n")
-        raise SystemExit(code) from None
-    except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised untouched
+        raise SystemExit(own_code) from None
+    except BaseException as exc:  # recorded, then re-raised untouched
         _update_ended(exit_code=1, **describe_exception(exc))
         raise
     _update_ended(outcome="ok", exit_code=0)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidSetting
 from ..configuration import Rung
+from ..errors import InvalidSetting
 
 NUMBER_KNOBS = ("micro_batch", "accumulation")
 SWITCH_KNOBS = ("checkpointing", "bf16", "compile")
@@ -127,8 +127,8 @@ class FlagMap:
 
     def describe(self) -> list[str]:
         """Each mapped knob as KNOB=FLAG[=VALUE], as `--map` takes it."""
-        knobs = {"micro_batch": self.micro_batch, "accumulation": self.accumulation, "checkpointing": self.checkpointing,
-                 "bf16": self.bf16, "compile": self.compile}
+        knobs = {"micro_batch": self.micro_batch, "accumulation": self.accumulation,
+                 "checkpointing": self.checkpointing, "bf16": self.bf16, "compile": self.compile}
         return [f"{k}={v}" for k, v in knobs.items() if v is not None]
 
     def global_batch(self, args: Sequence[str], world_size: int) -> int | None:

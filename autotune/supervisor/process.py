@@ -315,8 +315,8 @@ class SignalForwarder:
         try:
             yield self
         finally:
-            for s, handler in self._previous.items():
-                signal.signal(s, handler)  # type: ignore[arg-type]
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)  # type: ignore[arg-type]
 
     def run(self, child: Child) -> ChildExit:
         """Start `child`, wait for it with signals forwarded to it, and return how it ended."""

@@ -149,6 +149,7 @@ class LossWeights:
         """Token losses only: rescale the accumulated gradients from the estimate to the true total count."""
         if not self.needs_correction():
             return
+        assert self.estimate is not None and self.count_total is not None  # needs_correction checked both
         factor = self.estimate / self.count_total.clamp(min=1)
         with torch.no_grad():
             for p in model.parameters():
@@ -190,7 +191,8 @@ class LossWeights:
         figures go to the device from pinned memory, asynchronously: from pageable memory the copy would wait
         for the device."""
         assert self.loss_total is not None
-        count = self.count_total if self.by_tokens and self.count_total is not None else torch.zeros((), dtype=torch.float64)
+        count = (self.count_total if self.by_tokens and self.count_total is not None
+                 else torch.zeros((), dtype=torch.float64))
         means = self.mean_total if self.mean_total is not None else torch.zeros((), dtype=torch.float64)
         if count.device.type == "cpu":
             head = torch.tensor([float(self.n), float(count)], dtype=torch.float64)

@@ -75,7 +75,8 @@ def _rebuild(batch: Mapping, items: dict) -> Mapping:
     if isinstance(batch, defaultdict):
         return type(batch)(batch.default_factory, items)
     try:
-        rebuilt = type(batch)(items)
+        kind: Any = type(batch)  # a Mapping subclass whose constructor may or may not take a dict
+        rebuilt = kind(items)
     except Exception:  # noqa: BLE001 - any constructor that does not take a dict: the plain one does
         return items
     return rebuilt if isinstance(rebuilt, Mapping) and set(rebuilt.keys()) == set(items) else items

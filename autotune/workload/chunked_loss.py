@@ -85,7 +85,7 @@ def _recast(call: str) -> bool:
 @contextlib.contextmanager
 def chunked(model: nn.Module) -> Iterator[None]:
     """While inside, `model(**batch, labels=...)` returns the chunked loss (and its hidden states as logits)."""
-    inner = unwrapped(model)
+    inner: Any = unwrapped(model)  # a transformers model: lm_head and loss_function are its own attributes
     head = inner.lm_head
     had_loss = "_loss_function" in vars(inner)
     saved_loss = vars(inner).get("_loss_function")

@@ -128,7 +128,8 @@ def _class_builder(klass: type, extra: dict[str, Any]) -> Callable[[list[dict[st
     return build
 
 
-def _factory_builder(factory: Callable[[Iterable[Any]], Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+def _factory_builder(
+        factory: Callable[[Iterable[Any]], Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
     def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         flat = [p for g in groups for p in g["params"]]
         try:
