@@ -20,7 +20,7 @@ from .supervisor import agent
 from .workload import batch as batches
 from .cache import store as plan_cache
 from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, printable, sanitized
-from .training import distributed
+from . import parallel as distributed
 from .workload.batching import per_rank_batch, split_sizes
 from .search.controller import FIT_ADVICE, NOISE, Controller, Lattice, SearchResult
 from .search import host_budget, offload_overlap, partitioned_state, reduce_timing

@@ -100,7 +100,7 @@ class _Predict:
 
 def _together(rank: int, world: int) -> dict:
     """A bucket of gradients of three sizes summed over ranks as one collective (`all_reduce_together`)."""
-    from autotune.training import distributed
+    from autotune.parallel import reduce as distributed
 
     tensors = [torch.full((n,), float(rank + 1), dtype=torch.float64) for n in (1, 7, 3000)]
     work = distributed.all_reduce_together(tensors)
@@ -161,7 +161,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         # Buckets of 2 KB (several per block), and a hook on the first layer's output in the last micro-batch of
         # the first attempt: when backward reaches it, later layers' buckets are being all-reduced already (the
         # overlap); rank 1 runs out of memory right there and must still start the buckets it has not.
-        from autotune.training import distributed
+        from autotune.parallel import reduce as distributed
 
         shares = _shares(world, seed=70, **({"n_of": lambda r: 3} if after else {}))
         calls = {"n": 0}

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..parallel import broadcast_together, check_in
+
 EVERY = -1  # the owner of a parameter every rank steps
 
 
@@ -115,12 +117,10 @@ class Partition:
         its owner, under NCCL all in one group; no temporary, so no rank can run out of memory half-way through).
 
         In a trial (and a plan's first steps) a rank may have run out of memory before it got here and
-        wait for the others elsewhere: the check-in first (training/distributed.py) raises an OOM on every
+        wait for the others elsewhere: the check-in first (`parallel.check_in`) raises an OOM on every
         rank that meets it then, instead of leaving it in a broadcast the failed rank never joins. Outside
         those, an OOM in the optimizer step ends the job (TrainingStep does not recover from one).
         """
-        from ..training.distributed import broadcast_together, check_in  # (training imports techniques)
-
         check_in()
         pairs = [(params[i].data, owner) for i, owner in sorted(self.owner.items()) if owner != EVERY]
         direct = [(t, src) for t, src in pairs if self._direct(t)]

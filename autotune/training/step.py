@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..workload import batch as batches
-from . import distributed
+from .. import parallel
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import smallest_micro_batch, solve_accumulation, split_sizes
 from ..devices import host as host_memory
@@ -164,10 +164,10 @@ class TrainingStep:
         if why is not None:
             raise InvalidSetting(f"plan ({self.plan.rung.name}) cannot train this model: {why.split(': ', 1)[1]}; "
                                  "tune again with autotune.fit on this model, or use a plan with optimizer offload")
-        self._sharded = distributed.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
-        self._replicated = distributed.active() and not self._sharded  # autotune reduces them (OverlappedReduce)
+        self._sharded = parallel.active() and is_sharded(model)  # FSDP2: it reduces the gradients itself
+        self._replicated = parallel.active() and not self._sharded  # autotune reduces them (OverlappedReduce)
         if self._sharded:
-            distributed.guard_collectives(model)  # ranks that leave an OOM'd step at the same collective
+            parallel.guard_collectives(model)  # ranks that leave an OOM'd step at the same collective
         self._last_loss: torch.Tensor | None = None  # the last micro-batch's loss, until its backward
         self._last_index = 0
         self.rungs = _climbable_rungs(plan, techniques, self.placement, self.blocks, model)
@@ -277,7 +277,7 @@ class TrainingStep:
         elif self._applied.rung.optimizer_8bit and self._device_optimizer is not None:
             # The user's optimizer is not stepped under an 8-bit plan; its LR (a scheduler's) still rules.
             optimizer_8bit.sync_hyperparameters(self._device_optimizer, self._applied.optimizer, self.spec)
-        with self._memory_guard(batch), distributed.armed(self._sharded and self._oom_likely()):
+        with self._memory_guard(batch), parallel.armed(self._sharded and self._oom_likely()):
             weights, failure = self._guarded(self._accumulate, batch, n)
             # Every rank learns of an OOM on any rank before anyone steps (PEERS.md lesson 10). Under FSDP no
             # collective of autotune's runs between the first micro-batch and this point (the counts are summed
@@ -285,16 +285,16 @@ class TrainingStep:
             # micro-batch meet here, and all of them re-run the batch. Replicated ranks meet only after the last
             # backward: a rank that failed earlier skips it but still starts every all-reduce (below), so this
             # agreement, which waits for the device right before the last backward, is not needed there.
-            if not self._replicated and distributed.agree_oom(bool(failure)):
+            if not self._replicated and parallel.agree_oom(bool(failure)):
                 self._last_loss = None  # another rank failed: this rank's last graph is dropped unused
                 return float("nan"), failure or "another rank ran out of memory"
             # The last micro-batch's backward runs only now: replicated ranks all-reduce their gradients while it
-            # runs (`distributed.OverlappedReduce`), and a rank that runs out of memory in it (or before it) still
+            # runs (`parallel.OverlappedReduce`), and a rank that runs out of memory in it (or before it) still
             # starts every all-reduce, so the ranks meet again here and agree before anyone uses a gradient.
             with self._reduction(None if failure else weights) as reduction:
                 if not failure:
                     _, failure = self._guarded(self._last_backward, weights)
-            if distributed.agree_oom(bool(failure)):
+            if parallel.agree_oom(bool(failure)):
                 self._last_loss = None  # another rank failed: this rank's last graph is dropped unused
                 return float("nan"), failure or "another rank ran out of memory"
             loss = self._finish(weights, reduction)
@@ -309,7 +309,7 @@ class TrainingStep:
 
     def _oom_likely(self) -> bool:
         """A plan's first steps, those after a recovery, and a grown micro-batch still on trial: where ranks
-        check in before each FSDP collective (`distributed.armed`); every rank decides alike (agreed history)."""
+        check in before each FSDP collective (`parallel.armed`); every rank decides alike (agreed history)."""
         return self._clean_steps < ARMED_STEPS or self._probing
 
     def _guarded(self, run: Callable[..., Any], *args: Any) -> tuple[Any, str]:
@@ -361,15 +361,15 @@ class TrainingStep:
         offload): not when something changes the device gradients after backward (a reduction over ranks,
         the token-count correction, a callback before the step). Clipping and loss scaling do not: the
         host applies them to its own copies, after backward (`defer`)."""
-        return (not distributed.active() and not self._sharded and self.before_optimizer_step is None
+        return (not parallel.active() and not self._sharded and self.before_optimizer_step is None
                 and not weights.needs_correction())
 
-    def _reduction(self, weights: LossWeights | None) -> ContextManager[distributed.OverlappedReduce | None]:
+    def _reduction(self, weights: LossWeights | None) -> ContextManager[parallel.OverlappedReduce | None]:
         """Replicated on several ranks: the all-reduce that overlaps the last backward (None: this rank ran out
         of memory before it, and only joins the all-reduces); else nothing to do."""
         if not self._replicated:
             return contextlib.nullcontext()
-        return distributed.OverlappedReduce(self.model, weights, overlap=self.plan.reduce_overlap is not False)
+        return parallel.OverlappedReduce(self.model, weights, overlap=self.plan.reduce_overlap is not False)
 
     def _last_backward(self, weights: LossWeights) -> None:
         """The last micro-batch's backward; the optimizer steps right after it (overlapped offload arms here)."""
@@ -379,16 +379,16 @@ class TrainingStep:
             self._applied.backward(loss, last=self._overlap_allowed(weights), defer=self.max_grad_norm is not None)
         self._micro_step = -1
 
-    def _finish(self, weights: LossWeights, reduction: distributed.OverlappedReduce | None) -> torch.Tensor:
+    def _finish(self, weights: LossWeights, reduction: parallel.OverlappedReduce | None) -> torch.Tensor:
         """Make the accumulated gradients the whole global batch's; the mean loss over it, detached.
 
         One process: the token-count correction. Under torch.distributed (the model replicated): every
-        rank's share rescaled and summed over ranks during the last backward (`distributed.OverlappedReduce`),
+        rank's share rescaled and summed over ranks during the last backward (`parallel.OverlappedReduce`),
         so the update equals one full-batch step on one process and every rank returns the same loss.
         """
         self._tell_loss("parts", self._loss_form.note)
         if self._sharded:
-            return distributed.finish_sharded(self.model, weights)
+            return parallel.finish_sharded(self.model, weights)
         if reduction is not None:
             self._tell_loss("estimate", weights.inexact(reduction.factor))
             return reduction.wait(weights)
@@ -410,17 +410,17 @@ class TrainingStep:
     def _loss_weights(self, n: int, steps: int, counts: torch.Tensor | None) -> LossWeights:
         tokens = None if counts is None else float(counts.sum())
         if not self._sharded:
-            if not distributed.active():
+            if not parallel.active():
                 return LossWeights(n, steps, total=tokens)
             # The global samples and label tokens, known before the first micro-batch (every rank gets
             # here before any can fail), so each rank weighs by them directly (issue 17).
-            samples, total = distributed.sum_over_ranks([float(n), tokens or 0.0])
+            samples, total = parallel.sum_over_ranks([float(n), tokens or 0.0])
             return LossWeights(n, steps, divisor=samples, total=None if tokens is None else total, summed=True)
         # FSDP averages the gradients over ranks inside backward, so every rank must weigh alike: n_i over
         # (global samples / world) for mean losses, plain sums for token losses (finish_sharded divides by
         # the global count). The sum runs before any micro-batch, where every rank arrives.
-        world = distributed.world_size()
-        total, fewest, most = distributed.total_and_range(n, steps)
+        world = parallel.world_size()
+        total, fewest, most = parallel.total_and_range(n, steps)
         if fewest != most:  # FSDP's collectives run in every micro-step: unequal counts would leave one waiting
             raise InvalidSetting(f"under FSDP every rank must run the same number of micro-batches, but they range "
                                  f"from {fewest} to {most} at micro-batch {self.plan.micro_batch_size}; give every "
@@ -715,7 +715,7 @@ def _placement(plan: Plan, model: nn.Module) -> Placement:
 
 
 def _shard(plan: Plan, model: nn.Module, optimizer: Any) -> None:
-    if not distributed.active():
+    if not parallel.active():
         raise InvalidSetting("the plan shards the model with FSDP2 (plan.sharding='fsdp2') but torch.distributed "
                              "is not initialised: launch with torchrun as when tuning, or tune again on one process")
     shard_for_training(model, optimizer, precision=plan.precision)
@@ -753,7 +753,7 @@ def _tell_cache(old: Plan, new: Plan | None, shapes: dict[str, list[int]], note:
     honoured as in `fit`). The store is closed afterwards (it reopens when used again): recoveries are rare,
     and training should hold no connection between them. Whatever the cache does, training goes on.
     """
-    if not old.key or not distributed.is_writer():
+    if not old.key or not parallel.is_writer():
         return
     try:
         store = old.cache if old.cache is not None else _default_cache()
