@@ -39,6 +39,7 @@ from .evidence import Trial
 from .plan import Plan
 from .sizes import format_bytes, parse_bytes, shorten
 from .settings import FitSettings
+from .training.recovery import report_recoveries_to
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
 from .techniques import (anchors, drop_rungs_over, dtype_conflict, eight_bit_anchors, find_blocks, is_float64,
@@ -139,6 +140,8 @@ def fit(
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
     remember_fit_loss(model, loss_fn)  # plan.apply(model, ...) trains with the loss fit tuned with
+    if store is not None and plan.key:
+        report_recoveries_to(plan.key, _recorder(store))  # a recovery in training is recorded in this cache
     if plan.source == "tuned":
         log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
                  time.perf_counter() - started, len(plan.trials))
@@ -193,10 +196,24 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
         if placement.kind == "cuda":
             torch.cuda.empty_cache()
     # A plan carries its key only when it is cached: a recovery during training writes back by key, to `store`.
-    plan = dataclasses.replace(plan, key=key if store is not None else "", cache=store)
+    plan = dataclasses.replace(plan, key=key if store is not None else "")
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
     return plan
+
+
+def _recorder(store: plan_cache.PlanCache) -> Any:
+    """What a recovery in training does to `store`: the old plan marked unsafe at its shapes, the new one stored
+    under the same key. The store is closed again afterwards: training holds no connection between recoveries."""
+    def record(old: Plan, new: Plan | None, note: str, shapes: dict[str, list[int]]) -> None:
+        try:
+            store.mark_unsafe(old.key, micro_batch_size=old.micro_batch_size, shapes=shapes, note=note)
+            if new is not None:
+                store.replace(old.key, new)
+        finally:
+            store.close()
+
+    return record
 
 
 def _at_max_length(batch: Any, max_length: int | None) -> Any:
@@ -246,7 +263,7 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
             short = shortfall(hit.peak_memory_bytes, placement, "the cached plan")
             if short is not None:
                 log.warning("autotune: %s", short)
-        return dataclasses.replace(hit, source="cache", cache=store)
+        return dataclasses.replace(hit, source="cache")
     return None
 
 

@@ -136,6 +136,8 @@ class HostOptimizer:
     the FP32 weights and optimizer state, and the device saves the optimizer state.
     """
 
+    engaged = True  # an engine steps the optimizer (offload_engine.py)
+
     def __init__(self, params: Sequence[nn.Parameter], spec: OptimizerSpec, dtype: torch.dtype,
                  scaler: torch.amp.GradScaler | None = None, state: dict[str, Any] | None = None,
                  keep_fp32: Collection[nn.Parameter] = (), *, fraction: float = 1.0,
@@ -294,15 +296,29 @@ class HostOptimizer:
         if failed and self.stepper is not None and self.stepper.armed:
             self.stepper.abort()
 
-    def abort(self) -> None:
+    def abort(self) -> set[int]:
         """The armed attempt ran out of memory and will be re-run: chunks already stepped are not stepped
-        again (their weights, still old on the device, go back with the re-run's step). Streamed, nothing
-        was stepped for good: the weights go back and the re-run steps everything."""
+        again (their weights, still old on the device, go back with the re-run's step); their positions.
+        Streamed, nothing was stepped for good: the weights go back and the re-run steps everything."""
         self._disarm(failed=True)
-        if self.pipeline is None:
-            return
-        self.pipeline.abort()
-        self.skip |= {i for c in self.pipeline.done for i in self.pipeline.chunks[c]}
+        if self.pipeline is not None:
+            self.pipeline.abort()
+            self.skip |= {i for c in self.pipeline.done for i in self.pipeline.chunks[c]}
+        return set(self.skip)
+
+    def keep_stepped(self, positions: set[int]) -> set[int]:
+        """After a rung switch: these positions keep the update an aborted attempt gave them (not stepped
+        twice; the re-run sees their new weights). The ones this engine steps."""
+        self.skip = positions & set(self.host_index)
+        return self.skip
+
+    def scale_gradients(self, factor: float) -> None:
+        """Clipping's factor: the FP32 host gradients are multiplied by it after unscaling, for the next step."""
+        self.grad_factor = factor
+
+    def for_training(self) -> None:
+        """`restore()` hands every rank's weights and state back (partitioned over ranks)."""
+        self.gather_on_restore = True
 
     def _stage(self, i: int, grad: torch.Tensor) -> None:
         self._staging[i].copy_(local_part(grad), non_blocking=True)  # on the side stream, in the hook (see the pipeline)
@@ -625,6 +641,10 @@ class HostOptimizer:
                                      for name, v in entry.items()} for n, entry in part["state"].items()}
             with host_memory() if opt is self.optimizer else contextlib.nullcontext():
                 opt.load_state_dict(part)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The inverse of `state_dict()`: a state dict of the user's layout."""
+        self.load_user_state(state_dict)
 
     def sync_hyperparameters(self, groups: Sequence[dict[str, Any]], skip: Collection[str]) -> None:
         """Copy lr, betas, weight decay... from the user's groups (one per spec group) into both shares."""
