@@ -39,7 +39,7 @@ from .evidence import Trial
 from .plan import Plan
 from .sizes import format_bytes, parse_bytes, shorten
 from .settings import FitSettings
-from .training.recovery import report_recoveries_to
+from .training.recovery import engine_rung, report_recoveries_to
 from .search.progress import Progress, progress_for
 from .search.snapshot import Snapshot
 from .techniques import (anchors, drop_rungs_over, dtype_conflict, eight_bit_anchors, find_blocks, is_float64,
@@ -334,8 +334,8 @@ def _verify(plan: Plan, model: nn.Module, batch: Any, optimizer: Any, loss_fn: A
                         limit_bytes=int((1 - plan.margin) * plan.memory_budget_bytes), per_rank=per_rank,
                         world_size=world, blocks=find_blocks(tuned, plan.block_paths),
                         warmup_steps=settings.warmup_steps, measured_steps=settings.measured_steps)
-        fraction = plan.offload_fraction if plan.offload == "optimizer" else 1.0
-        trial = TrialRunner(work, agree=distributed.agree_trial)(plan.rung, plan.micro_batch_size,
+        rung, fraction = engine_rung(plan)  # the sharded optimizer state runs as offload with nothing on the host
+        trial = TrialRunner(work, agree=distributed.agree_trial)(rung, plan.micro_batch_size,
                                                                   offload_fraction=fraction,
                                                                   overlap=plan.offload_overlap is True)
         del tuned, work, loss
@@ -463,8 +463,11 @@ def _tune(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: 
         reason += f"; {work.loss_form.note}"
     if noise_note(result.trials):  # after the notes, never cut: the one thing that says how far to trust this
         reason += f"; {noise_note(result.trials)}"
-    return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
-                offload_fraction=fraction, offload_overlap=overlap, optimizer_8bit=best.rung.optimizer_8bit,
+    sharded_state = best.rung.offload == "optimizer" and fraction == 0.0  # nothing on the host: the state sharded
+    if sharded_state:
+        sharding, fraction = "optimizer_state", None
+    return Plan(precision=best.rung.precision, checkpointing=best.rung.checkpointing,
+                offload="none" if sharded_state else best.rung.offload, offload_fraction=fraction, offload_overlap=overlap, optimizer_8bit=best.rung.optimizer_8bit,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 block_paths=tuple(blocks.paths) if blocks is not None else (),
                 compile_seconds=sum(t.compile_seconds for t in result.trials),

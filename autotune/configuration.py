@@ -9,12 +9,19 @@ from .validate import check_choice, check_non_negative_int
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
-SHARDING = ("none", "fsdp2")
+# "optimizer_state": replicated ranks, each keeping the FP32 masters and optimizer state of its 1/world of the
+# parameters on its device (ZeRO stage 1, `Plan.partitioned_state`)
+SHARDING = ("none", "fsdp2", "optimizer_state")
 
 
 def none_on_the_host(world: int | None = None) -> str:
-    """How a plan, a trial and a recovery name optimizer offload with offload_fraction 0 (`Plan.partitioned_state`)."""
+    """How a trial names optimizer offload with nothing on the host: the state partitioned over the ranks."""
     return f"none on the host: the state partitioned over {f'{world} ranks' if world else 'the ranks'}"
+
+
+def state_sharded(world: int | None = None) -> str:
+    """How a plan and a recovery name sharding "optimizer_state"."""
+    return f"optimizer state sharded over {f'{world} ranks' if world else 'the ranks'}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from .workload.batching import solve_accumulation
 from .sizes import format_bytes
-from .configuration import SHARDING, Rung, none_on_the_host
+from .configuration import SHARDING, Rung, state_sharded
 from .evidence import Trial
 from .validate import check_choice, check_known_fields, check_non_negative_int, check_non_negative_number, \
     check_positive_int, dict_field
@@ -53,7 +53,7 @@ class Plan:
     # on the host: None resolves to 1.0 under optimizer offload, else 0.0
     offload_overlap: bool | None = None  # optimizer offload steps the host during the last backward: fit
     # measures it both ways and keeps the faster; None (a plan made by hand, an older row) leaves it on
-    sharding: str = "none"  # "none" | "fsdp2"
+    sharding: str = "none"  # "none" | "fsdp2" | "optimizer_state" (`partitioned_state`)
     reduce_overlap: bool | None = None  # replicated on several ranks: the gradient all-reduce in buckets during
     # the last backward (True), or in one after it (False); fit times both and keeps the faster; None (one
     # rank, FSDP2 shards, a plan made by hand, an older row) is the buckets
@@ -90,7 +90,7 @@ class Plan:
         check_choice("Plan.sharding", self.sharding, SHARDING)
         if self.reduce_overlap is not None and not isinstance(self.reduce_overlap, bool):
             raise ValueError(f"Plan.reduce_overlap must be True, False or None, got {self.reduce_overlap!r}")
-        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding != "none"):
+        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding == "fsdp2"):
             raise ValueError(f"Plan.reduce_overlap {self.reduce_overlap} times the gradient all-reduce of replicated "
                              f"ranks; this plan has world_size {self.world_size} and sharding {self.sharding!r}, "
                              "where autotune all-reduces nothing: leave it None")
@@ -105,12 +105,15 @@ class Plan:
         for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
                      "last_micro_batch_size", "memory_budget_bytes"):
             check_positive_int(f"Plan.{name}", getattr(self, name))
-        if self.partitioned_state and (self.world_size < 2 or self.sharding != "none" or self.precision == "fp16"):
+        if self.offload == "optimizer" and fraction == 0:
+            raise ValueError("Plan.offload_fraction 0 under optimizer offload is the optimizer state partitioned over "
+                             "the ranks: use sharding='optimizer_state' with offload='none'")
+        if self.partitioned_state and (self.world_size < 2 or self.offload != "none" or self.precision == "fp16"
+                                       or self.optimizer_8bit):
             raise ValueError(
-                "Plan.offload_fraction 0 under optimizer offload partitions the optimizer state over replicated "
-                f"ranks (none on the host); this plan has world_size {self.world_size}, sharding "
-                f"{self.sharding!r}, precision {self.precision!r}, where it would save nothing: use offload='none', "
-                "or a fraction above 0 to put a share on the host")
+                "Plan.sharding 'optimizer_state' partitions the optimizer state over replicated ranks; this plan has "
+                f"world_size {self.world_size}, offload {self.offload!r}, precision {self.precision!r}, where it "
+                "would save nothing or cannot: use sharding='none'")
         check_non_negative_int("Plan.peak_memory_bytes", self.peak_memory_bytes)
         check_non_negative_number("Plan.samples_per_second", self.samples_per_second)
         if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
@@ -144,10 +147,10 @@ class Plan:
 
     @property
     def partitioned_state(self) -> bool:
-        """Optimizer offload with nothing on the host: on replicated ranks each rank keeps the FP32 masters
-        and optimizer state of its 1/world of the parameters on the device, with 16-bit weights and
-        gradients, and sends the weights it updated to the others (ZeRO stage 1; offload_partition.py)."""
-        return self.offload == "optimizer" and self.offload_fraction == 0
+        """Sharding "optimizer_state": on replicated ranks each rank keeps the FP32 masters and optimizer state of
+        its 1/world of the parameters on the device, with 16-bit weights and gradients, and sends the weights it
+        updated to the others (ZeRO stage 1; techniques/offload_partition.py)."""
+        return self.sharding == "optimizer_state"
 
     @property
     def per_rank_batch_size(self) -> int:
@@ -180,7 +183,7 @@ class Plan:
         share = (f" of {self.offload_fraction:.0%} of the parameters"
                  if self.offload == "optimizer" and 0 < self.offload_fraction < 1 else "")
         if self.partitioned_state:
-            share = f", {none_on_the_host(self.world_size)}"
+            share = f", {state_sharded(self.world_size)}"
         share += " (serial)" if self.offload_overlap is False else ""
         share += ", gradients all-reduced after backward" if self.reduce_overlap is False else ""
         host = f", {format_bytes(self.host_peak_bytes)} on the host" if self.host_peak_bytes else ""

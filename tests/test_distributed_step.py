@@ -204,8 +204,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
 
     plan = make_plan(2, sum(len(b["x"] if isinstance(b, dict) else b[0]) for b in shares), budget=budget)
     if partitioned:
-        plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), offload="optimizer",
-                                   offload_fraction=0.0, world_size=world, global_batch_size=plan.global_batch_size)
+        plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), sharding="optimizer_state",
+                                   world_size=world, global_batch_size=plan.global_batch_size)
     if after:  # a plan of `world` ranks (what reduce_overlap is a setting of) needs equal shares
         plan = dataclasses.replace(make_plan(2, len(shares[rank][0]), budget=budget), world_size=world,
                                    global_batch_size=plan.global_batch_size, reduce_overlap=False)
@@ -229,7 +229,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     assert_same_training(model, got, want)
     assert step.plan.reduce_overlap is (False if after else None), step.plan  # kept through recovery
     if partitioned:
-        assert step.plan.offload_fraction == 0.0 and step.plan.partitioned_state, step.plan  # kept through recovery
+        assert step.plan.sharding == "optimizer_state" and step.plan.partitioned_state, step.plan  # kept through recovery
     assert math.isclose(loss, want_loss, rel_tol=1e-10), (loss, want_loss)
     if max_norm is not None:
         assert want_norm > max_norm, want_norm  # the clipping is real
@@ -292,12 +292,12 @@ def test_oom_on_one_rank_is_recovered_on_every_rank(two_ranks, name):
 
 
 def test_oom_on_one_rank_under_the_partitioned_optimizer_state_is_recovered_exactly(two_ranks):
-    # `plan.offload_fraction` 0 under optimizer offload: each rank steps its part and sends its weights; the
+    # `plan.sharding` "optimizer_state": each rank steps its part and sends its weights; the
     # recovered step equals the full-batch one (float64, checked on every rank) and the plan stays partitioned
     results = _check(two_ranks, "partitioned-oom-on-one-rank")
     assert [r["micro"] for r in results] == [1, 1] and [len(r["recoveries"]) for r in results] == [1, 1]
     assert [r["recoveries"][0]["micro_step"] >= 0 for r in results] == [False, True]
-    assert all(r["recoveries"][0]["now"].startswith("fp32+optimizer offload, none on the host") for r in results), results
+    assert all(r["recoveries"][0]["now"].startswith("fp32, optimizer state sharded over the ranks") for r in results), results
 
 
 def test_one_all_reduce_after_backward_steps_exactly_and_recovers_an_oom_in_the_last_backward(two_ranks):

@@ -75,7 +75,8 @@ def _case(name: str, rank: int, world: int) -> dict:
     clip = 0.05 if name.endswith("clipped") else None
     plan = make_plan(2, 5, fraction=fraction if fraction != 0.0 else None)  # 2 + 2 + 1 per rank
     if fraction == 0.0:  # a plan of several ranks only (Plan refuses it on one, where it saves nothing)
-        plan = dataclasses.replace(plan, world_size=world, global_batch_size=5 * world, offload_fraction=0.0)
+        plan = dataclasses.replace(plan, world_size=world, global_batch_size=5 * world, offload="none",
+                                   offload_fraction=None, sharding="optimizer_state")
     on = _train(plan, rank, partition=True, stream=stream, clip=clip, cpu_part=0.5 if name.endswith("cpu-part") else 0.0)
     off = _train(plan, rank, partition=False, stream=stream, clip=clip)
     assert on[3]["stepper"] == stream and off[3]["foreign"] == []  # the control: unpartitioned steps everything

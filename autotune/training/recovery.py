@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from .. import parallel
-from ..configuration import CHECKPOINTING, OFFLOAD, Rung, none_on_the_host
+from ..configuration import CHECKPOINTING, OFFLOAD, Rung, state_sharded
 from ..devices.placement import Placement
 from ..evidence import Trial
 from ..settings import FitSettings
@@ -76,11 +76,21 @@ def revised(plan: Any, reason: str, **knobs: Any) -> Any:
     return dataclasses.replace(plan, reason=reason, **knobs)
 
 
+def engine_rung(plan: Any) -> tuple[Rung, float]:
+    """The rung put on the model for `plan`, and the host's share of its optimizer offload: the optimizer state
+    sharded over replicated ranks is the offload engine with nothing on the host, partitioned over the ranks."""
+    if plan.partitioned_state:
+        return dataclasses.replace(plan.rung, offload="optimizer"), 0.0
+    return plan.rung, plan.offload_fraction if plan.offload == "optimizer" else 1.0
+
+
 def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None = None) -> Any:
-    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch."""
+    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch. A rung with
+    optimizer offload leaves the sharded optimizer state: its engine partitions what it keeps on the device."""
     smallest = plan.min_micro_batch_size if smallest is None else smallest
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
-    return revised(plan, reason, precision=rung.precision, checkpointing=rung.checkpointing,
+    sharding = "none" if plan.partitioned_state and rung.offload == "optimizer" else plan.sharding
+    return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
                    checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
                    optimizer_8bit=rung.optimizer_8bit, offload=rung.offload,
                    offload_fraction=plan.offload_fraction if rung == plan.rung else None,
@@ -161,7 +171,7 @@ def climbable_rungs(plan: Any, techniques: Any, placement: Placement, blocks: An
 # -- what is said about it -----------------------------------------------------------------------------------
 
 def describe(plan: Any) -> str:
-    partitioned = f", {none_on_the_host()}" if plan.partitioned_state else ""
+    partitioned = f", {state_sharded()}" if plan.partitioned_state else ""
     return f"{plan.rung.name}{partitioned} at micro-batch {plan.micro_batch_size}"
 
 

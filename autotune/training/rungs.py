@@ -45,9 +45,11 @@ class RungInForce:
         self.stepped: set[int] = set()  # positions an aborted attempt stepped for good (`abort`)
         self._links: list[Any] = []  # closed last first
         self._offload_link: OffloadLink | None = None
+        self._setting: tuple[float, bool | None] = (1.0, None)  # the offload's host share and overlap in force
 
     def apply(self, rung: Rung, *, fraction: float = 1.0, overlap: bool | None = None) -> None:
         """Put `rung` on the model, with the optimizer state carried over."""
+        self._setting = (fraction, overlap)
         given = self.eight_bit if rung.optimizer_8bit and self.eight_bit is not None else self.device_optimizer
         applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks, optimizer=given,
                              offload_fraction=fraction, overlap=overlap)
@@ -76,17 +78,17 @@ class RungInForce:
         if offload_link is not None:
             offload_link.close()
 
-    def switch(self, rung: Rung, drop_gradients: Any) -> None:
+    def switch(self, rung: Rung, fraction: float, drop_gradients: Any) -> None:
         """Move to `rung` (recovery), the loss scale and the updates an aborted attempt made kept."""
         scaler = self.applied.scaler
         scaler_state = scaler.state_dict() if scaler is not None else None
-        old = self.applied.rung
+        old, (old_fraction, old_overlap) = self.applied.rung, self._setting
         stepped, self.stepped = self.stepped, set()
         self.remove(drop_gradients)
         try:
-            self.apply(rung)
+            self.apply(rung, fraction=fraction)
         except BaseException:
-            self.apply(old)  # never leave the step holding a rung already removed
+            self.apply(old, fraction=old_fraction, overlap=old_overlap)  # never leave the step holding a rung already removed
             raise
         if stepped and self.offload.keep_stepped(stepped):
             # Rare: an OOM in the last backward at micro-batch 1 after the host had stepped some chunks.

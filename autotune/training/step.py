@@ -138,9 +138,8 @@ class TrainingStep:
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
         self._buffers = BufferGuard(model, self.placement.torch_device)
         self._in_force: RungInForce | None = RungInForce(model, self.spec, self.placement, self.blocks, optimizer)
-        planned = self.plan
-        self._in_force.apply(planned.rung, overlap=planned.offload_overlap,
-                             fraction=planned.offload_fraction if planned.offload == "optimizer" else 1.0)
+        rung, fraction = recovery.engine_rung(self.plan)
+        self._in_force.apply(rung, fraction=fraction, overlap=self.plan.offload_overlap)
         checks.opened(model, self)
 
     # -- the public surface ----------------------------------------------------------------------------
@@ -367,7 +366,7 @@ class TrainingStep:
             recovery.report(old, None, shapes, failure)
             raise NoFeasiblePlan(recovery.exhausted(failed, shapes, old), trials=tuple(failed))
         if new.rung != old.rung:
-            self._in_force.switch(new.rung, self._drop_gradients)
+            self._in_force.switch(*recovery.engine_rung(new), self._drop_gradients)
         self.plan = new
         recovery.report(old, new, shapes, failure)
         self.recoveries.append(Recovery(step=self.steps_taken, failed=recovery.describe(old),
