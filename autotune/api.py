@@ -45,8 +45,8 @@ from .search.snapshot import Snapshot
 from .techniques import (anchors, drop_rungs_over, dtype_conflict, eight_bit_anchors, find_blocks, is_float64,
                          keep_dtype, parse_techniques, profile_blocks, resident_floor, serve_dtypes)
 from .techniques.offload import norm_parameters, overlap_default
-from .techniques.offload_stream import streams
-from .techniques import offload_partition
+from .techniques.offload.streamed import streams
+from .techniques.offload import partition as offload_partition
 from .techniques.compile import unavailable as compile_unavailable
 from .techniques.sharding import choose_sharding, is_sharded, sharded_copy
 from .search.trial import TrialRunner, Workload, noise_note

@@ -149,7 +149,7 @@ class Plan:
     def partitioned_state(self) -> bool:
         """Sharding "optimizer_state": on replicated ranks each rank keeps the FP32 masters and optimizer state of
         its 1/world of the parameters on the device, with 16-bit weights and gradients, and sends the weights it
-        updated to the others (ZeRO stage 1; techniques/offload_partition.py)."""
+        updated to the others (ZeRO stage 1; techniques/offload/partition.py)."""
         return self.sharding == "optimizer_state"
 
     @property

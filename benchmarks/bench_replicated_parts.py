@@ -40,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autotune  # noqa: E402
-from autotune.techniques import offload_partition  # noqa: E402
+from autotune.techniques.offload import partition as offload_partition  # noqa: E402
 from autotune.training import distributed  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
 from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)

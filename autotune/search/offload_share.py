@@ -20,7 +20,7 @@ from torch import nn
 from ..evidence import Trial
 from ..sizes import format_bytes
 from ..techniques.offload import host_share
-from ..techniques.offload_partition import runs
+from ..techniques.offload.partition import runs
 from ..workload.batching import global_step_seconds
 
 ROOM_USED = 0.85  # share of the measured room the arithmetic may fill: the device optimizer's own step

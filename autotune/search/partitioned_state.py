@@ -4,7 +4,7 @@ Replicated, every rank holds the FP32 weights, their FP32 gradients and the whol
 16 bytes a parameter. A plan with `sharding="optimizer_state"` keeps 16-bit weights and gradients, and each
 rank keeps the FP32 masters and state of its 1/world of the parameters on the device, steps them, and sends
 the weights it updated to the others (ZeRO stage 1; the offload engine with nothing on the host,
-techniques/offload_partition.py): 4 + 12/world bytes a parameter, so on two ranks 6 fewer. That room buys
+techniques/offload/partition.py): 4 + 12/world bytes a parameter, so on two ranks 6 fewer. That room buys
 fewer recomputed blocks, or a larger micro-batch.
 
 How the search reaches it, after the pick (no offload, several replicated ranks): one trial of the pick
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from ..configuration import Rung
 from ..evidence import Trial
-from ..techniques import offload_partition
+from ..techniques.offload import partition as offload_partition
 from .controller import NOISE, Controller, SearchResult, _ruled_out
 
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it

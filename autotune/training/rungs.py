@@ -18,7 +18,7 @@ from torch import nn
 from ..configuration import Rung
 from ..devices.placement import Placement
 from ..techniques import AppliedRung, apply_rung, optimizer_8bit
-from ..techniques.offload_engine import OptimizerOffload, offload_of
+from ..techniques.offload import OptimizerOffload, offload_of
 from ..workload.optimizers import OptimizerSpec
 from .eight_bit_link import EightBitLink
 from .model_link import ModelLink

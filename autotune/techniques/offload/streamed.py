@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..devices.ceiling import host_memory
+from ...devices.ceiling import host_memory
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
@@ -63,36 +63,6 @@ def stream_wanted(device_type: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     return device_type == "cuda"
-
-
-def cpu_share() -> float:
-    """$AUTOTUNE_OFFLOAD_CPU_SHARE (0..1): the part of the streamed host share the CPU steps instead, at the
-    same time as the GPU steps the rest (`HostOptimizer.cpu_index`). The link carries 24 bytes a parameter
-    streamed and about 8 for one the CPU steps (its gradient out, its weight back), so the two together
-    finish sooner than either alone when the CPU's part is right-sized. 0 (the default) streams all of it: on
-    an H100 host (W1, 16 cores) a 40% CPU part cut the serial tail from 0.208 to 0.176 s, but overlapped, where
-    the GPU's part hides behind the last backward and the CPU's cannot, 25% gained nothing measurable and 40%
-    lost (RESULTS.md, sixth session)."""
-    value = os.environ.get("AUTOTUNE_OFFLOAD_CPU_SHARE", "").strip()
-    try:
-        share = float(value) if value else 0.0
-    except ValueError:
-        raise ValueError(f"AUTOTUNE_OFFLOAD_CPU_SHARE must be a number from 0 to 1, got {value!r}") from None
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"AUTOTUNE_OFFLOAD_CPU_SHARE must be from 0 to 1, got {share}")
-    return share
-
-
-def leading(indices: Sequence[int], numels: Sequence[int], share: float) -> int:
-    """How many of `indices`, from the first, hold `share` of their elements (fewest that reach it). The
-    host share (`offload.host_share`, from the last parameter) and the CPU's part of it (from the first) both."""
-    total = sum(numels[i] for i in indices)
-    held = 0
-    for k, i in enumerate(indices):
-        if held >= share * total * (1 - 1e-9):
-            return k
-        held += numels[i]
-    return len(indices)
 
 
 def streams(device_type: str, optimizer_class: str, precision: str) -> bool:

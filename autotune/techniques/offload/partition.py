@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel import broadcast_together, check_in
+from ...parallel import broadcast_together, check_in
 
 EVERY = -1  # the owner of a parameter every rank steps
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .offload import HostOptimizer
+from .cpu_engine import HostOptimizer
 
 
 class OptimizerOffload(Protocol):
