@@ -36,7 +36,7 @@ from ..configuration import Rung
 from . import checkpointing, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup, find_blocks, profile_blocks
-from .offload import HostOptimizer, device_dtype, local_part, norm_parameters
+from .offload import HostOptimizer, device_dtype, local_part, norm_parameters, offload_of
 from .precision import autocast_factory, choose_precision, make_scaler
 
 FLOAT64_KEPT = "float64 model: kept in float64 (bf16 autocast only where techniques names 'bf16')"
@@ -245,8 +245,8 @@ class AppliedRung:
         """Backward of one micro-batch. `last`: the optimizer steps right after it, so under optimizer
         offload the host starts its share during this backward (`HostOptimizer.arm`; `defer` when the
         gradients may still change before the step: clipping, a callback, a correction)."""
-        if last and self._host:
-            self.optimizer.arm(defer)
+        if last:
+            offload_of(self.optimizer).arm(defer)
         # Scale under optimizer offload too: HostOptimizer.step unscales the host gradients itself.
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
@@ -264,7 +264,7 @@ class AppliedRung:
 
     @property
     def _host(self) -> bool:
-        return isinstance(self.optimizer, HostOptimizer)
+        return offload_of(self.optimizer).engaged
 
     def remove(self) -> None:
         """Undo everything `apply_rung` did, last first."""
