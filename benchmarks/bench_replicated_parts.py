@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autotune  # noqa: E402
 from autotune.techniques.offload import partition as offload_partition  # noqa: E402
-from autotune.training import distributed  # noqa: E402
+from autotune import parallel as distributed  # noqa: E402
+from autotune.parallel import reduce as parallel_reduce  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
 from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
@@ -105,7 +106,7 @@ class _variant:
         if self.name.endswith("after-backward"):
             self._set(distributed, "BUCKET_BYTES", 2**62)
         if self.name.startswith("per-tensor"):
-            self._set(distributed, "_coalescing_manager", None)  # all_reduce_together's fallback: one per tensor
+            self._set(parallel_reduce, "_coalescing_manager", None)  # all_reduce_together's fallback: one per tensor
         if self.name == "no-all-reduce":
             def start(reduce: Any) -> None:
                 reduce.started += 1
