@@ -11,8 +11,6 @@ import torch.distributed as dist
 from ..workload.accumulation import LossWeights
 from .ranks import collective_device, world_size
 
-from ..evidence import NOISY, Trial
-
 try:  # private to torch.distributed (present in torch 2.11 and 2.13): one collective for a bucket of tensors
     from torch.distributed.distributed_c10d import _coalescing_manager
 except ImportError:  # pragma: no cover - older torch: one all-reduce per tensor
