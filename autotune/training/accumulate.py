@@ -9,7 +9,6 @@ all-reduce beside it and optimizer offload steps during it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any, ContextManager
 
 import torch
@@ -27,19 +26,18 @@ from ..workload.losses import LossForm, label_counts
 class Accumulator:
     """Forward and backward over every micro-batch of one attempt; `micro_step` is the one running now.
 
-    `tell(kind, note)` is called once per kind of note about what of the loss could not be weighted part by
-    part (the step puts it in a warning and in `plan.reason`).
+    `notes` collects (kind, note) about what of the loss could not be weighted part by part; the step takes
+    them (`take_notes`) and says each kind once, in a warning and in `plan.reason`.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Any, placement: Placement, *, sharded: bool,
-                 tell: Callable[[str, str | None], None]) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Any, placement: Placement, *, sharded: bool) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.placement = placement
         self.sharded = sharded  # FSDP2: it reduces the gradients itself
         self.replicated = parallel.active() and not sharded  # autotune reduces them (OverlappedReduce)
         self.form = LossForm.of(model)  # whether the default loss passes num_items_in_batch; what it holds
-        self.tell = tell
+        self.notes: list[tuple[str, str | None]] = []
         self.micro_step = -1  # the micro-batch running now, for the record of a recovery
         self.micro_size = 0  # and its number of samples
         self._last_loss: torch.Tensor | None = None  # the last micro-batch's loss, until its backward
@@ -105,15 +103,19 @@ class Accumulator:
         rank's share rescaled and summed over ranks during the last backward (`parallel.OverlappedReduce`),
         so the update equals one full-batch step on one process and every rank returns the same loss.
         """
-        self.tell("parts", self.form.note)
+        self.notes.append(("parts", self.form.note))
         if self.sharded:
             return parallel.finish_sharded(self.model, weights)
         if reduction is not None:
-            self.tell("estimate", weights.inexact(reduction.factor))
+            self.notes.append(("estimate", weights.inexact(reduction.factor)))
             return reduction.wait(weights)
-        self.tell("estimate", weights.inexact())
+        self.notes.append(("estimate", weights.inexact()))
         weights.correct(self.model)
         return weights.mean_loss()
+
+    def take_notes(self) -> list[tuple[str, str | None]]:
+        notes, self.notes = self.notes, []
+        return notes
 
     def _loss_weights(self, n: int, steps: int, counts: torch.Tensor | None, micro: int) -> LossWeights:
         tokens = None if counts is None else float(counts.sum())

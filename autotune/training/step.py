@@ -123,7 +123,7 @@ class TrainingStep:
         if self._sharded:
             parallel.guard_collectives(model)  # ranks that leave an OOM'd step at the same collective
         loss_fn = resolve(loss_fn, model, chunked="chunked_loss" in recovery.allowed(plan, techniques))
-        self._accumulator = Accumulator(model, loss_fn, self.placement, sharded=self._sharded, tell=self._tell_loss)
+        self._accumulator = Accumulator(model, loss_fn, self.placement, sharded=self._sharded)
         self._loss_notes: set[str] = set()  # the kinds of note said about the loss's parts (`_tell_loss`)
         self.rungs = recovery.climbable_rungs(plan, techniques, self.placement, self.blocks, model)
         self.grow_after = grow_after
@@ -248,6 +248,8 @@ class TrainingStep:
                 acc.drop_last()
                 return float("nan"), failure or "another rank ran out of memory"
             loss = acc.finish(weights, reduction)
+            for kind, note in acc.take_notes():
+                self._tell_loss(kind, note)
             self._clip()
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step(self)
