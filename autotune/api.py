@@ -28,7 +28,8 @@ from .search.tune import Job, host_limit, tune, verify
 from .settings import FitSettings
 from .sizes import format_bytes, parse_bytes, shorten
 from .techniques import parse_techniques
-from .training import distributed
+from . import parallel as distributed
+from .training.recovery import report_recoveries_to
 from .workload import batch as batches
 from .workload.batching import per_rank_batch
 from .workload.losses import remember_fit_loss
@@ -117,6 +118,8 @@ def fit(
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
     remember_fit_loss(model, loss_fn)  # plan.apply(model, ...) trains with the loss fit tuned with
+    if store is not None and plan.key:
+        report_recoveries_to(plan.key, _recorder(store))  # a recovery in training is recorded in this cache
     if plan.source == "tuned":
         log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
                  time.perf_counter() - started, len(plan.trials))
@@ -132,6 +135,20 @@ def on_plan(callback: Callable[[Plan], None]) -> None:
     """Call `callback(plan)` with every plan `fit` returns, tuned or cached (a job of `autotune run` records it)."""
     if callback not in _plan_callbacks:
         _plan_callbacks.append(callback)
+
+
+def _recorder(store: plan_cache.PlanCache) -> Callable[[Plan, Plan | None, str, dict[str, list[int]]], None]:
+    """What a recovery in training does to `store`: the old plan marked unsafe at its shapes, the new one stored
+    under the same key. The store is closed again afterwards: training holds no connection between recoveries."""
+    def record(old: Plan, new: Plan | None, note: str, shapes: dict[str, list[int]]) -> None:
+        try:
+            store.mark_unsafe(old.key, micro_batch_size=old.micro_batch_size, shapes=shapes, note=note)
+            if new is not None:
+                store.replace(old.key, new)
+        finally:
+            store.close()
+
+    return record
 
 
 def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings, placement: Placement,

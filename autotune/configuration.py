@@ -13,12 +13,19 @@ from .workload.batching import solve_accumulation
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
-SHARDING = ("none", "fsdp2")
+# "optimizer_state": replicated ranks, each keeping the FP32 masters and optimizer state of its 1/world of the
+# parameters on its device (ZeRO stage 1, `Plan.partitioned_state`)
+SHARDING = ("none", "fsdp2", "optimizer_state")
 
 
 def none_on_the_host(world: int | None = None) -> str:
-    """How a plan, a trial and a recovery name optimizer offload with offload_fraction 0 (`Plan.partitioned_state`)."""
+    """How a trial names optimizer offload with nothing on the host: the state partitioned over the ranks."""
     return f"none on the host: the state partitioned over {f'{world} ranks' if world else 'the ranks'}"
+
+
+def state_sharded(world: int | None = None) -> str:
+    """How a plan and a recovery name sharding "optimizer_state"."""
+    return f"optimizer state sharded over {f'{world} ranks' if world else 'the ranks'}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +147,7 @@ class Configuration:
     def _check_reduce_overlap(self) -> None:
         if self.reduce_overlap is not None and not isinstance(self.reduce_overlap, bool):
             raise ValueError(f"Configuration.reduce_overlap must be True, False or None, got {self.reduce_overlap!r}")
-        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding != "none"):
+        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding == "fsdp2"):
             raise ValueError(f"Configuration.reduce_overlap {self.reduce_overlap} times the gradient all-reduce of "
                              f"replicated ranks; this configuration has world_size {self.world_size} and sharding "
                              f"{self.sharding!r}, where autotune all-reduces nothing: leave it None")
@@ -149,12 +156,15 @@ class Configuration:
         for name in ("micro_batch_size", "accumulation_steps", "world_size", "global_batch_size",
                      "last_micro_batch_size", "memory_budget_bytes", "min_micro_batch_size"):
             check_positive_int(f"Configuration.{name}", getattr(self, name))
-        if self.partitioned_state and (self.world_size < 2 or self.sharding != "none" or self.precision == "fp16"):
+        if self.offload == "optimizer" and self.offload_fraction == 0:
+            raise ValueError("Configuration.offload_fraction 0 under optimizer offload is the optimizer state "
+                             "partitioned over the ranks: use sharding='optimizer_state' with offload='none'")
+        if self.partitioned_state and (self.world_size < 2 or self.offload != "none" or self.precision == "fp16"
+                                       or self.optimizer_8bit):
             raise ValueError(
-                "Configuration.offload_fraction 0 under optimizer offload partitions the optimizer state over "
-                f"replicated ranks (none on the host); this configuration has world_size {self.world_size}, sharding "
-                f"{self.sharding!r}, precision {self.precision!r}, where it would save nothing: use offload='none', "
-                "or a fraction above 0 to put a share on the host")
+                "Configuration.sharding 'optimizer_state' partitions the optimizer state over replicated ranks; this "
+                f"configuration has world_size {self.world_size}, offload {self.offload!r}, precision "
+                f"{self.precision!r}, where it would save nothing or cannot: use sharding='none'")
         if self.last_micro_batch_size > self.micro_batch_size:
             raise ValueError("Configuration.last_micro_batch_size cannot exceed Configuration.micro_batch_size")
         per_rank = self.global_batch_size // self.world_size
@@ -216,10 +226,10 @@ class Configuration:
 
     @property
     def partitioned_state(self) -> bool:
-        """Optimizer offload with nothing on the host: on replicated ranks each rank keeps the FP32 masters
-        and optimizer state of its 1/world of the parameters on the device, with 16-bit weights and
-        gradients, and sends the weights it updated to the others (ZeRO stage 1)."""
-        return self.offload == "optimizer" and self.offload_fraction == 0
+        """Sharding "optimizer_state": on replicated ranks each rank keeps the FP32 masters and optimizer state of
+        its 1/world of the parameters on the device, with 16-bit weights and gradients, and sends the weights it
+        updated to the others (ZeRO stage 1)."""
+        return self.sharding == "optimizer_state"
 
     @property
     def per_rank_batch_size(self) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
-from .configuration import RUNG_FIELDS, Configuration, Rung, none_on_the_host
+from .configuration import RUNG_FIELDS, Configuration, Rung, state_sharded
 from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
 from .sizes import format_bytes
 from .training.step import TrainingStep
@@ -170,7 +170,7 @@ class Plan:
         share = (f" of {self.offload_fraction:.0%} of the parameters"
                  if self.offload == "optimizer" and 0 < self.offload_fraction < 1 else "")
         if self.partitioned_state:
-            share = f", {none_on_the_host(self.world_size)}"
+            share = f", {state_sharded(self.world_size)}"
         share += " (serial)" if self.offload_overlap is False else ""
         share += ", gradients all-reduced after backward" if self.reduce_overlap is False else ""
         host = f", {format_bytes(self.host_peak_bytes)} on the host" if self.host_peak_bytes else ""

@@ -47,7 +47,9 @@ from autotune.plan import Plan  # noqa: E402
 from autotune.techniques import TECHNIQUES, find_blocks, ladder  # noqa: E402
 from autotune.devices.placement import resolve_device  # noqa: E402
 from autotune.techniques.sharding import is_sharded, shard  # noqa: E402
-from autotune.training import distributed  # noqa: E402
+from autotune import parallel  # noqa: E402
+from autotune.parallel import reduce as distributed  # noqa: E402
+from autotune.training.recovery import engine_rung  # noqa: E402
 from autotune.workload.batching import solve_accumulation  # noqa: E402
 from workloads import build_gpt, cap_memory  # noqa: E402
 
@@ -138,11 +140,11 @@ def _trial_and_train(model: torch.nn.Module, example: Any, plan: Any, variant: s
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device(args.device),
                     budget_bytes=budget, limit_bytes=int(0.9 * budget), per_rank=args.global_batch_size // world,
                     world_size=world, blocks=find_blocks(model))
-    runner = TrialRunner(work, agree=distributed.agree_trial)
-    fraction = other.offload_fraction if other.offload == "optimizer" else 1.0
+    runner = TrialRunner(work, agree=parallel.agree_trial)
+    rung, fraction = engine_rung(other)  # the sharded optimizer state runs as offload with nothing on the host
     out: dict[str, Any] = {"variant": variant}
     for steps in (work.measured_steps, 4 * work.measured_steps):
-        t = runner(other.rung, other.micro_batch_size, measured_steps=steps, offload_fraction=fraction)
+        t = runner(rung, other.micro_batch_size, measured_steps=steps, offload_fraction=fraction)
         out[f"trial_{steps}"] = {"outcome": t.outcome, "tokens_per_second": t.samples_per_second * args.seq,
                                  "step_seconds": t.step_seconds, "optimizer_seconds": t.optimizer_seconds,
                                  "reduce_seconds": t.reduce_seconds, "peak_gib": t.peak_bytes / 2**30}
@@ -179,7 +181,7 @@ def variant_plan(plan: Any, variant: str) -> Any:
     """`plan` as SHARE[@MICRO][@one|@buckets][@kBLOCKS] changes it (see `_train_share`): `one` sets
     `plan.reduce_overlap` False (one gradient bucket, after backward), `buckets` True; else fit's choice stays."""
     share, *rest = variant.split("@")
-    partitioned = share == "z"  # optimizer offload with nothing on the host: the state partitioned over the ranks
+    partitioned = share == "z"  # sharding "optimizer_state": nothing on the host, the state partitioned over the ranks
     share = "0" if partitioned else share
     micros = [int(r) for r in rest if r.isdigit()]
     blocks = [int(r[1:]) for r in rest if r.startswith("k") and r[1:].isdigit()]
@@ -187,8 +189,9 @@ def variant_plan(plan: Any, variant: str) -> Any:
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro)
     k = blocks[0] if blocks else plan.checkpointed_blocks
     n = len(plan.block_paths) or 10**9
-    other = plan.with_config(offload_fraction=float(share), micro_batch_size=micro,
-                                offload="optimizer" if float(share) > 0 or partitioned else "none", checkpointed_blocks=k,
+    sharding = "optimizer_state" if partitioned else "none" if plan.partitioned_state else plan.sharding
+    other = plan.with_config(offload_fraction=None if partitioned else float(share), micro_batch_size=micro,
+                             offload="optimizer" if float(share) > 0 else "none", sharding=sharding, checkpointed_blocks=k,
                                 checkpointing="none" if not k else "full" if k >= n else "selective",
                                 accumulation_steps=steps, last_micro_batch_size=last)
     if "one" in rest or "buckets" in rest:

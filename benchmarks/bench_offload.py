@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autotune  # noqa: E402
 from autotune.devices.placement import parse_bytes  # noqa: E402
 from autotune.plan import Plan  # noqa: E402
-from autotune.techniques import offload_stream  # noqa: E402
+from autotune.techniques.offload import streamed as offload_stream  # noqa: E402
 from autotune.workload import batch as batches  # noqa: E402
 from autotune.workload.batching import solve_accumulation  # noqa: E402
 from workloads import build_gpt, cap_memory, environment  # noqa: E402
@@ -132,9 +132,7 @@ def timed_optimizer(step: Any, device: str, record: dict[str, list[float]], *, s
 
 def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: argparse.Namespace,
              device: str, seq: int) -> dict[str, Any]:
-    base, _, cpu = label.partition("+cpu")  # stream-overlap+cpu35: the CPU steps 35% of the host share meanwhile
-    mode, _, segment = base.partition("@")  # stream-overlap@16: segments of 16 Mi elements
-    os.environ["AUTOTUNE_OFFLOAD_CPU_SHARE"] = str(int(cpu) / 100) if cpu else "0"
+    mode, _, segment = label.partition("@")  # stream-overlap@16: segments of 16 Mi elements
     offload_stream.SEGMENT = int(segment) << 20 if segment else DEFAULT_SEGMENT
     os.environ["AUTOTUNE_OFFLOAD_OVERLAP"] = "1" if mode.endswith("overlap") else "0"
     os.environ["AUTOTUNE_OFFLOAD_STREAM"] = "1" if mode.startswith("stream") else "0"
@@ -159,7 +157,6 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
                 tails.append(record["tail_end"][-1] - record["tail_start"][-1])
                 befores.append(record["chunks_before_tail"][-1])
     finally:
-        cpu_params = len(getattr(step.optimizer, "cpu_index", []))  # the part the CPU stepped (+cpuP)
         step.close()
     total, tail = statistics.median(totals), statistics.median(tails)
     peak = torch.cuda.max_memory_reserved() if device.startswith("cuda") else 0
@@ -172,8 +169,7 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
             "tail_share": tail / total, "tok_s": plan.global_batch_size * seq / total,
             "chunks_before_tail": statistics.median(befores), "chunks": record["chunks_total"][-1],
             "peak_reserved_gib": peak / 2**30, "peak_allocated_gib": allocated / 2**30,
-            "reserved_by_stream_mib": {k: v / 2**20 for k, v in by_stream.items()}, "recoveries": len(step.recoveries), "steps": len(totals),
-            "cpu_share": float(os.environ["AUTOTUNE_OFFLOAD_CPU_SHARE"]), "cpu_params": cpu_params}
+            "reserved_by_stream_mib": {k: v / 2**20 for k, v in by_stream.items()}, "recoveries": len(step.recoveries), "steps": len(totals)}
 
 
 def main() -> None:
@@ -182,8 +178,7 @@ def main() -> None:
     parser.add_argument("--modes", default="serial,overlap,stream-serial,stream-overlap",
                         help="serial/overlap: the host share stepped by the CPU; stream-*: on the GPU, its state "
                         "streamed (offload_stream.py), after backward or issued from the last backward's hooks; "
-                        "MODE@N streams segments of N Mi elements; MODE+cpuP has the CPU step P% of the streamed share meanwhile "
-                        "(stream-overlap+cpu35); comma-separated, run in this order")
+                        "MODE@N streams segments of N Mi elements; comma-separated, run in this order")
     args = parser.parse_args()
     setup = set_up(args)
     seq, budget, global_batch, device, model, example = (setup.seq, setup.budget, setup.global_batch, setup.device,

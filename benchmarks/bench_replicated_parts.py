@@ -40,8 +40,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autotune  # noqa: E402
-from autotune.techniques import offload_partition  # noqa: E402
-from autotune.training import distributed  # noqa: E402
+from autotune.techniques.offload import partition as offload_partition  # noqa: E402
+from autotune import parallel as distributed  # noqa: E402
+from autotune.parallel import reduce as parallel_reduce  # noqa: E402
+from autotune.training.accumulate import Accumulator  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
 from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
 from workloads import build_gpt, cap_memory  # noqa: E402
@@ -105,7 +107,7 @@ class _variant:
         if self.name.endswith("after-backward"):
             self._set(distributed, "BUCKET_BYTES", 2**62)
         if self.name.startswith("per-tensor"):
-            self._set(distributed, "_coalescing_manager", None)  # all_reduce_together's fallback: one per tensor
+            self._set(parallel_reduce, "_coalescing_manager", None)  # all_reduce_together's fallback: one per tensor
         if self.name == "no-all-reduce":
             def start(reduce: Any) -> None:
                 reduce.started += 1
@@ -121,9 +123,11 @@ class _variant:
             for fn in ("agree_oom", "sum_over_ranks"):
                 self._set(distributed, fn, self._waited(getattr(distributed, fn), fn))
         elif self.name == "parts":
-            for method, label in (("_accumulate", "micro_batches_but_last_backward"), ("_last_backward", "last_backward"),
-                                  ("_finish", "all_reduce_wait"), ("_optimizer_step", "optimizer")):
-                self._set(TrainingStep, method, self._timed(getattr(TrainingStep, method), label))
+            for owner, method, label in ((Accumulator, "forward", "micro_batches_but_last_backward"),
+                                         (Accumulator, "last_backward", "last_backward"),
+                                         (Accumulator, "finish", "all_reduce_wait"),
+                                         (TrainingStep, "_optimizer_step", "optimizer")):
+                self._set(owner, method, self._timed(getattr(owner, method), label))
         return self.parts
 
     def __exit__(self, *exc: Any) -> None:

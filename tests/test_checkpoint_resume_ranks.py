@@ -13,8 +13,10 @@ import os
 import pytest
 import torch
 
-# name -> plan.offload_fraction; "fsdp2" cases shard the model and save through torch's distributed checkpoint API
-CASES = {"partitioned": None, "partitioned-none-on-host": 0.0, "fsdp2-offload": None, "fsdp2-bf16": None}
+# name -> plan.sharding; "fsdp2" cases shard the model and save through torch's distributed checkpoint API;
+# "optimizer-state-sharded" keeps nothing on the host, each rank 1/world of the state on its device
+CASES = {"partitioned": "none", "optimizer-state-sharded": "optimizer_state", "fsdp2-offload": "none",
+         "fsdp2-bf16": "none"}
 MODES = ("load-before-apply", "load-after-apply")
 TIMEOUT_S = 240
 
@@ -23,7 +25,10 @@ def _plan(case: str, world: int):
     from test_checkpoint_resume import N, plan_for
 
     plan = plan_for("bf16" if case == "fsdp2-bf16" else "optimizer-offload")
-    return plan.with_config(world_size=world, global_batch_size=N * world, offload_fraction=CASES[case])
+    plan = plan.with_config(world_size=world, global_batch_size=N * world)
+    if CASES[case] == "optimizer_state":
+        plan = plan.with_config(offload="none", offload_fraction=None, sharding="optimizer_state")
+    return plan
 
 
 def _run(case: str, rank: int, world: int, folder: str, mode: str) -> dict:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from autotune.configuration import Rung
 
 from autotune.evidence import NOISY, Trial
-from autotune.training import distributed
+from autotune import parallel as distributed
 
 
 def _trial(outcome: str, **figures) -> Trial:

@@ -99,7 +99,7 @@ class _Predict:
 
 def _together(rank: int, world: int) -> dict:
     """A bucket of gradients of three sizes summed over ranks as one collective (`all_reduce_together`)."""
-    from autotune.training import distributed
+    from autotune.parallel import reduce as distributed
 
     tensors = [torch.full((n,), float(rank + 1), dtype=torch.float64) for n in (1, 7, 3000)]
     work = distributed.all_reduce_together(tensors)
@@ -160,7 +160,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         # Buckets of 2 KB (several per block), and a hook on the first layer's output in the last micro-batch of
         # the first attempt: when backward reaches it, later layers' buckets are being all-reduced already (the
         # overlap); rank 1 runs out of memory right there and must still start the buckets it has not.
-        from autotune.training import distributed
+        from autotune.parallel import reduce as distributed
 
         shares = _shares(world, seed=70, **({"n_of": lambda r: 3} if after else {}))
         calls = {"n": 0}
@@ -203,8 +203,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
 
     plan = make_plan(2, sum(len(b["x"] if isinstance(b, dict) else b[0]) for b in shares), budget=budget)
     if partitioned:
-        plan = make_plan(2, len(shares[rank][0]), budget=budget).with_config(offload="optimizer",
-                                   offload_fraction=0.0, world_size=world, global_batch_size=plan.global_batch_size)
+        plan = make_plan(2, len(shares[rank][0]), budget=budget).with_config(
+            sharding="optimizer_state", world_size=world, global_batch_size=plan.global_batch_size)
     if after:  # a plan of `world` ranks (what reduce_overlap is a setting of) needs equal shares
         plan = make_plan(2, len(shares[rank][0]), budget=budget).with_config(world_size=world,
                                    global_batch_size=plan.global_batch_size, reduce_overlap=False)
@@ -228,7 +228,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     assert_same_training(model, got, want)
     assert step.plan.reduce_overlap is (False if after else None), step.plan  # kept through recovery
     if partitioned:
-        assert step.plan.offload_fraction == 0.0 and step.plan.partitioned_state, step.plan  # kept through recovery
+        assert step.plan.sharding == "optimizer_state" and step.plan.partitioned_state, step.plan  # kept through recovery
     assert math.isclose(loss, want_loss, rel_tol=1e-10), (loss, want_loss)
     if max_norm is not None:
         assert want_norm > max_norm, want_norm  # the clipping is real
@@ -291,12 +291,12 @@ def test_oom_on_one_rank_is_recovered_on_every_rank(two_ranks, name):
 
 
 def test_oom_on_one_rank_under_the_partitioned_optimizer_state_is_recovered_exactly(two_ranks):
-    # `plan.offload_fraction` 0 under optimizer offload: each rank steps its part and sends its weights; the
+    # `plan.sharding` "optimizer_state": each rank steps its part and sends its weights; the
     # recovered step equals the full-batch one (float64, checked on every rank) and the plan stays partitioned
     results = _check(two_ranks, "partitioned-oom-on-one-rank")
     assert [r["micro"] for r in results] == [1, 1] and [len(r["recoveries"]) for r in results] == [1, 1]
     assert [r["recoveries"][0]["micro_step"] >= 0 for r in results] == [False, True]
-    assert all(r["recoveries"][0]["now"].startswith("fp32+optimizer offload, none on the host") for r in results), results
+    assert all(r["recoveries"][0]["now"].startswith("fp32, optimizer state sharded over the ranks") for r in results), results
 
 
 def test_one_all_reduce_after_backward_steps_exactly_and_recovers_an_oom_in_the_last_backward(two_ranks):

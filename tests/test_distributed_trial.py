@@ -40,7 +40,7 @@ def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -
     """One trial of `_work`'s model on this rank's ceiling."""
     from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner
-    from autotune.training import distributed
+    from autotune import parallel as distributed
 
     work = _work(budget, wide=wide)
     trial = TrialRunner(work, agree=distributed.agree_trial)(rung or Rung(precision="fp32"), 4, **kwargs)
@@ -55,7 +55,7 @@ def _phase(rank: int) -> dict:
     from autotune.search.phases import PhaseContext, partitioned
     from autotune.search.state import SearchState
     from autotune.search.trial import TrialRunner
-    from autotune.training import distributed
+    from autotune import parallel as distributed
 
     work = _work(512 * MiB, wide=True)
     runner = TrialRunner(work, agree=distributed.agree_trial)
@@ -78,7 +78,7 @@ def _counted(rank: int, oom_at: int | None = None, **kwargs) -> dict:
 
     from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner
-    from autotune.training import distributed
+    from autotune import parallel as distributed
 
     work = _work(512 * MiB)
     calls = {"n": 0}

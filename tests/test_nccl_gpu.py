@@ -36,7 +36,7 @@ def _tensors(rank: int) -> list[torch.Tensor]:
 
 
 def _scenario(name: str, rank: int, world: int) -> dict:
-    from autotune.training.distributed import all_reduce_together, broadcast_together
+    from autotune.parallel import all_reduce_together, broadcast_together
 
     if name == "broadcast":
         mine = _tensors(rank)

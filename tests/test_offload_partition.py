@@ -1,4 +1,4 @@
-"""Optimizer offload partitioned over replicated ranks (offload_partition.py), on two gloo ranks.
+"""Optimizer offload partitioned over replicated ranks (techniques/offload/partition.py), on two gloo ranks.
 
 Each rank steps its runs of the host and device shares and broadcasts the weights; the result must be
 bitwise the unpartitioned one (every rank stepping everything) for the parameters during training, the
@@ -15,20 +15,19 @@ import os
 import pytest
 import torch
 
-from autotune.techniques.offload_partition import runs
+from autotune.techniques.offload.partition import runs
 
-CASES = ("cpu-whole", "cpu-half-clipped", "streamed-whole", "streamed-half", "streamed-half-clipped", "streamed-cpu-part",
+CASES = ("cpu-whole", "cpu-half-clipped", "streamed-whole", "streamed-half", "streamed-half-clipped",
          "none-on-host-clipped")  # the last: `plan.offload_fraction` 0, every master on the device, partitioned
 TIMEOUT_S = 240
 
 
-def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None, cpu_part: float = 0.0):
+def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None):
     from test_offload import Net, adamw
     from autotune.training.step import TrainingStep
 
     os.environ["AUTOTUNE_OFFLOAD_PARTITION"] = "1" if partition else "0"
     os.environ["AUTOTUNE_OFFLOAD_STREAM"] = "1" if stream else "0"
-    os.environ["AUTOTUNE_OFFLOAD_CPU_SHARE"] = str(cpu_part)  # streamed: the CPU steps that part of each rank's
     torch.manual_seed(0)
     model = Net()
     opt = adamw(model.parameters())
@@ -40,7 +39,7 @@ def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None
         peaks.append(step.last_peak_bytes)
     host = step.optimizer
     layout = {"host": host.host_index, "device": host.device_index, "foreign": host.foreign,
-              "stepper": host.stepper is not None, "cpu": host.cpu_index}
+              "stepper": host.stepper is not None}
     trained = [p.detach().clone() for p in model.parameters()]
     saved = opt.state_dict()  # through the user's optimizer: gathered from every rank
     state = copy.deepcopy(saved["state"])  # as saved (loading it below lets the optimizer step its tensors in place)
@@ -74,8 +73,9 @@ def _case(name: str, rank: int, world: int) -> dict:
     clip = 0.05 if name.endswith("clipped") else None
     plan = make_plan(2, 5, fraction=fraction if fraction != 0.0 else None)  # 2 + 2 + 1 per rank
     if fraction == 0.0:  # a plan of several ranks only (Plan refuses it on one, where it saves nothing)
-        plan = plan.with_config(world_size=world, global_batch_size=5 * world, offload_fraction=0.0)
-    on = _train(plan, rank, partition=True, stream=stream, clip=clip, cpu_part=0.5 if name.endswith("cpu-part") else 0.0)
+        plan = plan.with_config(world_size=world, global_batch_size=5 * world, offload="none",
+                                offload_fraction=None, sharding="optimizer_state")
+    on = _train(plan, rank, partition=True, stream=stream, clip=clip)
     off = _train(plan, rank, partition=False, stream=stream, clip=clip)
     assert on[3]["stepper"] == stream and off[3]["foreign"] == []  # the control: unpartitioned steps everything
     return {"trained": _same(on[0], off[0]), "state": _same_state(on[1], off[1]), "closed": _same(on[2], off[2]),
@@ -138,7 +138,6 @@ def _check(ranks: list[dict], name: str) -> None:
     assert sum(len(o) for o in own) == len(every) and set().union(*own) == every  # disjoint, and all of them
     none_on_host = name.startswith("none-on-host")
     assert all(bool(r["layout"]["host"]) != none_on_host and r["layout"]["foreign"] for r in results)
-    assert all(bool(r["layout"]["cpu"]) == name.endswith("cpu-part") for r in results)
     if "half" in name or none_on_host:
         assert all(r["layout"]["device"] for r in results)
         # the device share's masters and moments are split over the ranks: each rank's peak is lower

@@ -93,7 +93,7 @@ def test_partitioned_ranks_are_charged_their_dearest_run_not_an_even_split():
     import torch
 
     from autotune.search.offload_share import bytes_to_device, predict_fraction
-    from autotune.techniques.offload_partition import runs
+    from autotune.techniques.offload.partition import runs
 
     ps = [nn.Parameter(torch.zeros(300_000))] + params()  # an "embedding" of 300 k, then 526 k in 16 tensors
     numels = [p.numel() for p in ps]

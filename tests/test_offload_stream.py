@@ -1,4 +1,4 @@
-"""The host share of optimizer offload stepped on the device, its state streamed (offload_stream.py).
+"""The host share of optimizer offload stepped on the device, its state streamed (techniques/offload/streamed.py).
 
 On the CPU test device the "device" is the CPU, so the streamed step runs the very kernel the CPU step runs
 (torch's fused AdamW) on the same FP32 gradient: the parameters and the optimizer state must be bitwise the
@@ -15,7 +15,7 @@ import torch
 
 import autotune
 
-from autotune.techniques import offload_pipeline, offload_stream
+from autotune.techniques.offload import pipeline as offload_pipeline, streamed as offload_stream
 from autotune.training.step import TrainingStep
 from test_offload import Net, Wide, adamw, assert_bitwise, batches, make_plan, second_step_peak
 
@@ -51,18 +51,14 @@ def assert_same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> Non
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap-asked"])
-@pytest.mark.parametrize("fraction,clip,cpu_part", [(None, None, 0), (None, 0.05, 0), (0.5, None, 0), (None, None, 0.4),
-                                                    (None, 0.05, 0.4), (0.5, None, 0.5)],
-                         ids=["whole", "clipped", "half", "cpu-part", "cpu-part-clipped", "half-cpu-part"])
-def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch, overlap, fraction, clip, cpu_part):
+@pytest.mark.parametrize("fraction,clip", [(None, None), (None, 0.05), (0.5, None)], ids=["whole", "clipped", "half"])
+def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch, overlap, fraction, clip):
     plan = make_plan(3, 8, fraction=fraction)  # 3 + 3 + 2: an uneven micro-batch
     data = batches(8, 4)
     cpu, c_step, c_opt = train(plan, data, monkeypatch, stream=False, overlap=False, max_grad_norm=clip)
-    monkeypatch.setenv("AUTOTUNE_OFFLOAD_CPU_SHARE", str(cpu_part))  # that part stepped by the CPU meanwhile
     streamed, s_step, s_opt = train(plan, data, monkeypatch, stream=True, overlap=overlap, max_grad_norm=clip)
     host = s_step.optimizer
-    assert bool(host.cpu_index) == (cpu_part > 0) and set(host.cpu_index) | set(host.streamed_index) == set(host.host_index)
-    assert set(host.cpu_index).isdisjoint(host.streamed_index) and host.streamed_index
+    assert host.streamed_index and set(host.streamed_index) == set(host.host_index)  # the device steps all of it
     assert_bitwise(streamed, cpu)
     assert s_step.optimizer.pipeline is None  # streamed, the stepper overlaps on its own
     # overlapped, segments were stepped during the last backward; clipped, the factor comes after it: none
@@ -149,8 +145,7 @@ def test_a_loaded_state_is_streamed_from_where_it_was_left(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
-@pytest.mark.parametrize("cpu_part", [0, 0.4], ids=["all-streamed", "cpu-part"])
-def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(monkeypatch, overlap, cpu_part):
+def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(monkeypatch, overlap):
     # Different kernels (CUDA and CPU fused AdamW): equal up to FP32 rounding, not bitwise. One step from the
     # same weights and batch (so the same gradients): after more, a 16-bit weight rounded the other way
     # changes the next gradient, and Adam's normalised update can turn that into a full lr.
@@ -160,14 +155,12 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
     def run(stream: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
-        monkeypatch.setenv("AUTOTUNE_OFFLOAD_CPU_SHARE", str(cpu_part))  # the CPU steps that part meanwhile
         torch.manual_seed(0)
         model = Net(width=256).cuda()
         before = copy.deepcopy(model)
         plan = make_plan(3, 8).with_config(offload_overlap=True if overlap else None).with_provenance(device="cuda")
         step = TrainingStep(plan, model, adamw(model.parameters()))
         assert (step.optimizer.stepper is not None) == stream
-        assert bool(step.optimizer.cpu_index) == (stream and cpu_part > 0)
         step(batch)
         if stream:  # overlapped: segments issued from the last backward's hooks, on the GPU's streams
             assert (step.optimizer.stepper.early > 0) == overlap, step.optimizer.stepper.early

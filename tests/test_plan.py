@@ -47,16 +47,18 @@ def test_unknown_fields_are_rejected():
         Plan.from_dict(d)
 
 
-def test_optimizer_offload_with_nothing_on_the_host_is_a_plan_of_several_replicated_ranks_only():
-    two = dict(offload="optimizer", offload_fraction=0.0, world_size=2, global_batch_size=128, accumulation_steps=7,
+def test_the_optimizer_state_sharded_over_ranks_is_a_plan_of_several_replicated_ranks_only():
+    two = dict(sharding="optimizer_state", world_size=2, global_batch_size=128, accumulation_steps=7,
                micro_batch_size=10, last_micro_batch_size=4)
     plan = _plan(**two)
-    assert plan.partitioned_state and not _plan(**{**two, "offload_fraction": 0.5}).partitioned_state
-    assert "none on the host: the state partitioned over 2 ranks" in plan.summary()
+    assert plan.partitioned_state and not _plan(**{**two, "sharding": "none"}).partitioned_state
+    assert "optimizer state sharded over 2 ranks" in plan.summary()
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
-    for over in ({"world_size": 1, "global_batch_size": 64}, {"sharding": "fsdp2"}, {"precision": "fp16"}):
+    for over in ({"world_size": 1, "global_batch_size": 64}, {"offload": "optimizer"}, {"precision": "fp16"}):
         with pytest.raises(ValueError, match="partitions the optimizer state over replicated ranks"):
             _plan(**{**two, **over})
+    with pytest.raises(ValueError, match="use sharding='optimizer_state'"):  # the old spelling is not misread
+        _plan(**{**two, "sharding": "none", "offload": "optimizer", "offload_fraction": 0.0})
     with pytest.raises(ValueError, match="only optimizer offload puts a share"):
         _plan(offload="none", offload_fraction=0.5)
 

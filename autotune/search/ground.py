@@ -15,7 +15,7 @@ from torch import nn
 from ..devices.placement import Placement
 from ..errors import DeviceError
 from ..techniques.sharding import is_sharded, sharded_copy
-from ..training import distributed
+from .. import parallel as distributed
 from .snapshot import Snapshot
 
 log = logging.getLogger(__name__)

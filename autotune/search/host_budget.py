@@ -15,10 +15,10 @@ from torch.distributed.tensor import DTensor
 from ..errors import NoFeasiblePlan
 from ..configuration import Rung
 from ..sizes import format_bytes
-from ..techniques import offload_partition
+from ..techniques.offload import partition as offload_partition
 from ..techniques.host_need import HostNeed, offload_need, with_snapshot
 from ..techniques.offload import overlap_default
-from ..techniques.offload_stream import streams
+from ..techniques.offload.streamed import streams
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 
 ADVICE = ("raise host_memory_budget (autotune run --host-budget), free host memory, or allow a rung that keeps "

@@ -6,7 +6,7 @@ chosen configuration with its measured steps overlapped is compared with the cho
 optimizer seconds, not on whole-batch estimates. Neither wins everywhere: overlap saves a little where a long
 recomputed backward hides host work, and costs a little on a compiled step whose launches the host optimizer's
 threads slow (benchmarks/bench_trial_accuracy.py measures both). Streamed to the GPU
-(techniques/offload_stream.py), the same choice: its segments issued during the last backward, or all after it.
+(techniques/offload/streamed.py), the same choice: its segments issued during the last backward, or all after it.
 
 The estimate moves with the choice: left at the serial trial's, it would price a step the plan does not
 train, and promise less than the plan then trains.

@@ -20,7 +20,7 @@ from torch import nn
 from ..evidence import Trial
 from ..sizes import format_bytes
 from ..techniques.offload import host_share
-from ..techniques.offload_partition import runs
+from ..techniques.offload.partition import runs
 from ..workload.batching import global_step_seconds
 
 ROOM_USED = 0.85  # share of the measured room the arithmetic may fill: the device optimizer's own step
@@ -47,7 +47,7 @@ def predict_fraction(params: Sequence[nn.Parameter], room_bytes: float, state_te
     within `room_bytes`; 1.0 when not even the first fits. The last parameter stays on the host: a plan
     with nothing offloaded is a plan without optimizer offload, which the search measured on its own.
 
-    `ranks` > 1: the device share is partitioned over that many replicated ranks (offload_partition.py), each
+    `ranks` > 1: the device share is partitioned over that many replicated ranks (techniques/offload/partition.py), each
     holding the masters and state of its run of whole parameters; the rank with the dearest run must fit.
     Not 1/ranks of the share: a language model's first parameters are its token embedding, one tensor one
     rank holds whole, so a small device share can land entirely on one rank."""
@@ -68,7 +68,7 @@ def _costs(params: Sequence[nn.Parameter], state_tensors: int, keep_fp32: Collec
 def _dearest_run(costs: Sequence[int], numels: Sequence[int], kept: int, ranks: int) -> int:
     """What keeping the first `kept` parameters on the device costs the rank whose run of them costs most (the
     only rank, unpartitioned): the runs `HostOptimizer`'s partition cuts, balanced by elements."""
-    if ranks <= 1 or kept < ranks:  # fewer than the ranks: every rank steps all of them (offload_partition.py)
+    if ranks <= 1 or kept < ranks:  # fewer than the ranks: every rank steps all of them (techniques/offload/partition.py)
         return sum(costs[:kept])
     return max(sum(costs[i] for i in run) for run in runs(range(kept), numels, ranks))
 

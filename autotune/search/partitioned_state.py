@@ -1,23 +1,19 @@
-"""On replicated ranks: the pick with its optimizer state partitioned over the ranks, and the room that frees.
+"""On replicated ranks: the pick with its optimizer state sharded over the ranks, and the room that frees.
 
 Replicated, every rank holds the FP32 weights, their FP32 gradients and the whole optimizer state: AdamW,
-16 bytes a parameter. With `plan.offload_fraction` 0 under optimizer offload nothing goes to the host: the
-weights and gradients are 16-bit, and each rank keeps the FP32 masters and state of its 1/world of the
-parameters on the device, steps them, and sends the weights it updated to the others (ZeRO stage 1;
-techniques/offload_partition.py): 4 + 12/world bytes a parameter, so on two ranks 6 fewer, 2.1 GB of GPT-2
-medium. That room buys fewer recomputed blocks, or a larger micro-batch.
-
-Measured on two H200s (GPT-2 medium, 16 GiB a GPU, 32 samples a rank; RESULTS.md tenth session): the pick,
-compile with 16 of 24 blocks recomputed at 16 x 2, peaked at 14.09 GiB in its trial and 11.17-11.18 GiB
-partitioned (2.9 GiB freed); the room predicted 10 blocks at 16 x 2, which peaked at 14.16 GiB. Trained in
-one process after fit: 190,489 tok/s partitioned with 10 blocks against 180,978 for the pick (call 1, a host
-share of 0.1% then); in call 2 fit chose it and trained 193,560, the pick after it 182,749.
+16 bytes a parameter. A plan with `sharding="optimizer_state"` keeps 16-bit weights and gradients, and each
+rank keeps the FP32 masters and state of its 1/world of the parameters on the device, steps them, and sends
+the weights it updated to the others (ZeRO stage 1; the offload engine with nothing on the host,
+techniques/offload/partition.py): 4 + 12/world bytes a parameter, so on two ranks 6 fewer. That room buys
+fewer recomputed blocks, or a larger micro-batch.
 
 How the search reaches it, after the pick (no offload, several replicated ranks): one trial of the pick
 partitioned measures the bytes it frees (the peaks of two measured trials, not arithmetic); the controller's
 memory and time lines then predict the fastest configuration with that much more room
 (`Controller.with_room`), which is run partitioned; after a miss, the next one the miss does not rule out.
-Kept only when faster than the pick, measured again as long, by more than noise (`price`).
+Kept only when faster than the pick, measured again as long, by more than noise (`price`). In the trials the
+partitioned configurations run as optimizer offload with a host share of 0; the plan names them
+`sharding="optimizer_state"` with `offload="none"`.
 """
 
 from __future__ import annotations
@@ -26,9 +22,8 @@ import dataclasses
 from collections.abc import Callable
 
 from ..configuration import Rung
-
 from ..evidence import Trial
-from ..techniques import offload_partition
+from ..techniques.offload import partition as offload_partition
 from .controller import NOISE, Controller, SearchResult, _ruled_out
 
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it
@@ -48,7 +43,7 @@ def eligible(best: Trial, world: int, sharded: bool, state_tensors: int, allowed
 
 
 def partitioned(rung: Rung) -> Rung:
-    """`rung` with optimizer offload: with an offload fraction of 0, the partitioned state."""
+    """`rung` as the trials run the sharded optimizer state: optimizer offload with a host share of 0."""
     return dataclasses.replace(rung, offload="optimizer")
 
 
@@ -57,12 +52,10 @@ def price(result: SearchResult, best: Trial, controller: Controller, run: Run, w
     run to `result.trials`, and a note saying what was found either way.
 
     Every trial here runs LONGER times the search's measured steps, the pick's configuration again too, and the
-    decision rests on those: with the search's 3 measured steps the partitioned step read slow (two H200s, 10
-    blocks at 16 x 2: optimizer 45 ms and all-reduce 13 ms a step, 188,274 tok/s; with 12 steps 28 and 7 ms,
-    197,413; trained 199,142), and the pick itself measured 164 to 187 samples/s between lends (RESULTS.md
-    tenth session): short readings ranked the partitioned configurations below the pick they beat in training.
-    The all-reduced step, read once in the search's trials, is read LONGER times here too (search/trial.py):
-    read once, it still had the partitioned plan 5% slow in two calls of three (RESULTS.md twelfth session)."""
+    decision rests on those: a partitioned step's optimizer and all-reduce times settle only over more steps
+    than the search measures, and the pick's own rate drifts between measurements, so short readings can rank
+    the partitioned configurations below a pick they beat in training. The all-reduced step is read LONGER
+    times here too (search/trial.py)."""
     first = run(partitioned(best.rung), best.micro_batch_size)
     ran = [first]
     if first.fits and first.peak_bytes < best.peak_bytes:

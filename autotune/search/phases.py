@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from ..configuration import Rung
 from ..evidence import Trial
 from ..sizes import format_bytes
-from ..techniques import offload_partition
+from ..techniques.offload import partition as offload_partition
 from ..techniques.offload import norm_parameters, overlap_default
-from ..techniques.offload_stream import streams
+from ..techniques.offload.streamed import streams
 from ..workload.optimizers import state_tensors_per_parameter
 from . import host_budget, offload_overlap, partitioned_state, reduce_timing
 from .controller import NOISE, Controller

@@ -35,7 +35,7 @@ from ..evidence import NOISY, Trial
 from ..sizes import format_bytes, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import is_sharded, reset_after_failure
-from ..training import distributed
+from .. import parallel as distributed
 
 log = logging.getLogger(__name__)
 

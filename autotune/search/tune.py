@@ -21,7 +21,8 @@ from ..techniques import dtype_conflict, find_blocks, is_float64, profile_blocks
 from ..techniques.blocks import BlockGroup
 from ..techniques.compile import unavailable as compile_unavailable
 from ..techniques.sharding import choose_sharding, is_sharded
-from ..training import distributed
+from .. import parallel as distributed
+from ..training.recovery import engine_rung
 from ..workload import batch as batches
 from ..workload import chunked_loss
 from ..workload.batching import split_sizes
@@ -104,8 +105,13 @@ def tune(job: Job) -> Plan:
                   last=(work.loss_form.note,) if work.loss_form is not None and work.loss_form.note else ())
     best, fraction = state.best, state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
-    return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload=best.rung.offload,
-                offload_fraction=fraction, offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit,
+    host_fraction = fraction or 1.0  # what the host holds, for its need below
+    sharded_state = best.rung.offload == "optimizer" and fraction == 0.0  # nothing on the host: the state sharded
+    if sharded_state:
+        sharding, fraction = "optimizer_state", None
+    return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing,
+                offload="none" if sharded_state else best.rung.offload, offload_fraction=fraction,
+                offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 block_paths=tuple(setup.blocks.paths) if setup.blocks is not None else (),
                 compile_seconds=sum(t.compile_seconds for t in state.trials),
@@ -120,7 +126,7 @@ def tune(job: Job) -> Plan:
                 mfu=utilization(flops, best.samples_per_second, job.world, peak, best.rung.precision),
                 min_micro_batch_size=state.smallest, techniques=tuple(sorted(job.allowed)), max_length=tokens,
                 host_peak_bytes=host_budget.need(best.rung, job.model, spec, job.placement.kind,
-                                                 fraction=fraction or 1.0, overlap=state.overlap,
+                                                 fraction=host_fraction, overlap=state.overlap,
                                                  snapshot=False).total)
 
 
@@ -194,8 +200,8 @@ def verify(plan: Plan, job: Job) -> Trial:
                         limit_bytes=int((1 - plan.margin) * plan.memory_budget_bytes), per_rank=job.per_rank,
                         world_size=job.world, blocks=find_blocks(tuned, plan.block_paths),
                         warmup_steps=job.settings.warmup_steps, measured_steps=job.settings.measured_steps)
-        fraction = plan.offload_fraction if plan.offload == "optimizer" else 1.0
-        trial = TrialRunner(work, agree=distributed.agree_trial)(plan.rung, plan.micro_batch_size,
+        rung, fraction = engine_rung(plan)  # the sharded optimizer state runs as offload with nothing on the host
+        trial = TrialRunner(work, agree=distributed.agree_trial)(rung, plan.micro_batch_size,
                                                                   offload_fraction=fraction,
                                                                   overlap=plan.offload_overlap is True)
         del tuned, work, loss

@@ -21,7 +21,7 @@ from . import checkpointing, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup
 from .ladder import block_count
-from .offload import HostOptimizer, norm_parameters
+from .offload import HostOptimizer, norm_parameters, offload_of
 from .precision import autocast_factory, make_scaler
 
 
@@ -47,8 +47,8 @@ class AppliedRung:
         """Backward of one micro-batch. `last`: the optimizer steps right after it, so under optimizer
         offload the host starts its share during this backward (`HostOptimizer.arm`; `defer` when the
         gradients may still change before the step: clipping, a callback, a correction)."""
-        if last and self._host:
-            self.optimizer.arm(defer)
+        if last:
+            offload_of(self.optimizer).arm(defer)
         # Scale under optimizer offload too: HostOptimizer.step unscales the host gradients itself.
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
@@ -66,7 +66,7 @@ class AppliedRung:
 
     @property
     def _host(self) -> bool:
-        return isinstance(self.optimizer, HostOptimizer)
+        return offload_of(self.optimizer).engaged
 
     def remove(self) -> None:
         """Undo everything `apply_rung` did, last first."""

@@ -2,8 +2,7 @@
 in training, and the random streams.
 
 An attempt that runs out of memory half-way has already run some micro-batches forward: BatchNorm has folded
-their statistics into `running_mean` / `running_var` and counted them in `num_batches_tracked` (issue 21:
-43% off and 3 instead of 2 after one recovery). The re-run must start from the state the failed attempt
+their statistics into `running_mean` / `running_var` and counted them in `num_batches_tracked`. The re-run must start from the state the failed attempt
 started from, so a recovered step equals a clean one at the new micro-batch. `fit` snapshots every
 parameter and buffer to the host once per tune (`search/snapshot.py`); a training step cannot pay that
 every step, so it copies, on the device, only the buffers that change in training:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSetting
-from . import distributed
+from .. import parallel
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: keeps the factor finite at a zero norm
 
@@ -65,8 +65,8 @@ def global_norm(model: nn.Module, *, sharded: bool, scale: float = 1.0) -> float
         dtype = torch.float32 if local.dtype in (torch.float16, torch.bfloat16) else local.dtype
         norm = torch.linalg.vector_norm(local, 2, dtype=dtype)
         squares += norm.double().cpu() ** 2
-    if sharded and distributed.active():  # each rank holds a shard: the squares add up over ranks
-        total = squares.to(distributed.collective_device())
+    if sharded and parallel.active():  # each rank holds a shard: the squares add up over ranks
+        total = squares.to(parallel.collective_device())
         torch.distributed.all_reduce(total)
         squares = total.cpu()
     return math.sqrt(float(squares)) / scale

@@ -93,9 +93,8 @@ class OffloadLink:
 
     def _keep_on_host(self, exc: BaseException) -> None:
         """The state did not fit on the device beside the model (that is why the plan offloaded it): hand
-        it to the user's optimizer where it is, on the host, and say so, rather than fail in `close()`.
-
-        W2 (GPT-2 XL, 16 GiB on an H200) met this: AdamW's moments are 12 GB, the budget 16 GiB.
+        it to the user's optimizer where it is, on the host, and say so, rather than fail in `close()` (a model
+        whose AdamW moments alone are most of the GPU's budget meets this).
         """
         self.user.state.clear()  # what load_state_dict placed before the OOM
         _empty_device_cache()

@@ -1,17 +1,15 @@
-"""Stepping the host share of optimizer offload on the GPU, its state streamed over PCIe (issue 12).
+"""The streamed engine: the host share of optimizer offload stepped on the GPU, its state streamed over PCIe.
 
 Optimizer offload keeps the FP32 masters and the AdamW moments of its share in host memory. Stepping them on
-the CPU costs, on W1's share (GPT-2 large, 690 M parameters, one H100 host with 16 cores): 0.27 s, of which
-the fused CPU AdamW is 0.14 s and the rest widening gradients, narrowing weights and copies. Streaming the
-three FP32 tensors of each segment to the GPU, stepping them there with the fused CUDA AdamW and streaming
-them back moves 24 bytes a parameter over a link that carries about 50 GB/s each way at once: 0.17 s for the
-same share, the CPU free (benchmarks/bench_host_step.py; RESULTS.md).
+the CPU costs the fused CPU AdamW plus widening gradients, narrowing weights and copies. Streaming the three
+FP32 tensors of each segment to the GPU, stepping them there with the fused CUDA AdamW and streaming them
+back moves 24 bytes a parameter over a link that carries them both ways at once, and leaves the CPU free:
+faster on the hosts measured (benchmarks/bench_host_step.py; docs/offload-engines.md).
 
 Serial (`step`), it runs after backward. Overlapped (`begin`, `landed`, `finish`), each segment is issued from
 the last backward's post-accumulate-grad hooks as soon as every parameter in it has its final gradient, on
-the GPU's streams behind an event of the backward's stream: no thread, no host wait. (A first overlap, issued
-from the offload pipeline's worker, staged the new weights through host memory and was no faster; it also
-met an illegal address in a recomputed backward on an H100, RESULTS.md fourth session.) An overlapped step
+the GPU's streams behind an event of the backward's stream: no thread, no host wait (issued from the CPU
+engine's worker instead, the new weights staged through host memory, it was no faster). An overlapped step
 writes the new masters and moments into a second set of host buffers, made current by `finish`: an attempt
 that runs out of memory half-way (`abort`) leaves the state as it was, puts the old weights back on the
 device from the untouched masters, and the re-run is exact. It costs 12 more bytes of pinned host memory a
@@ -25,8 +23,7 @@ master, both moments and the FP32 gradient. Per segment, on three streams: copy 
 then torch's fused Adam or AdamW kernel over the pieces, the kernel torch's `fused=True` optimizers call);
 copy out (three ranges), the 16-bit weights written into the device parameters on the step's stream. A
 slot is reused once its copies out are done. Per-segment work, not per-parameter, keeps the CPU's share
-small: a first version streamed each parameter on its own and spent as long issuing copies as the link
-took to carry them.
+small: streaming each parameter on its own spends as long issuing copies as the link takes to carry them.
 
 The arithmetic is the host optimizer's: the same kernel, on the same FP32 gradient, with the step count
 kept in the host state (so `state_dict()` and a later CPU step see it). On the CPU test device the
@@ -47,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..devices.ceiling import host_memory
+from ...devices.ceiling import host_memory
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
@@ -63,36 +60,6 @@ def stream_wanted(device_type: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     return device_type == "cuda"
-
-
-def cpu_share() -> float:
-    """$AUTOTUNE_OFFLOAD_CPU_SHARE (0..1): the part of the streamed host share the CPU steps instead, at the
-    same time as the GPU steps the rest (`HostOptimizer.cpu_index`). The link carries 24 bytes a parameter
-    streamed and about 8 for one the CPU steps (its gradient out, its weight back), so the two together
-    finish sooner than either alone when the CPU's part is right-sized. 0 (the default) streams all of it: on
-    an H100 host (W1, 16 cores) a 40% CPU part cut the serial tail from 0.208 to 0.176 s, but overlapped, where
-    the GPU's part hides behind the last backward and the CPU's cannot, 25% gained nothing measurable and 40%
-    lost (RESULTS.md, sixth session)."""
-    value = os.environ.get("AUTOTUNE_OFFLOAD_CPU_SHARE", "").strip()
-    try:
-        share = float(value) if value else 0.0
-    except ValueError:
-        raise ValueError(f"AUTOTUNE_OFFLOAD_CPU_SHARE must be a number from 0 to 1, got {value!r}") from None
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"AUTOTUNE_OFFLOAD_CPU_SHARE must be from 0 to 1, got {share}")
-    return share
-
-
-def leading(indices: Sequence[int], numels: Sequence[int], share: float) -> int:
-    """How many of `indices`, from the first, hold `share` of their elements (fewest that reach it). The
-    host share (`offload.host_share`, from the last parameter) and the CPU's part of it (from the first) both."""
-    total = sum(numels[i] for i in indices)
-    held = 0
-    for k, i in enumerate(indices):
-        if held >= share * total * (1 - 1e-9):
-            return k
-        held += numels[i]
-    return len(indices)
 
 
 def streams(device_type: str, optimizer_class: str, precision: str) -> bool:
@@ -379,9 +346,9 @@ class DeviceStepper:
         """The step count the kernel reads, per parameter: the host's plus `ahead` (torch's Adam adds 1
         before calling the kernel). Allocated on the current stream (no pool of the stepper's own), filled on
         the step's stream once it has waited for the current stream's queued work: a block the allocator
-        hands out may still be written by kernels queued for its last tenant, and on two GPUs lent on
-        2026-11-27 counts filled without that wait read 0 or garbage after the first step, whose bias
-        correction then made the weights NaN (benchmarks/check_offload_loss.py; RESULTS.md ninth session)."""
+        hands out may still be written by kernels queued for its last tenant; counts filled without that wait
+        can read 0 or garbage after the first step, whose bias correction then makes the weights NaN
+        (benchmarks/check_offload_loss.py)."""
         fresh = [i for i in indices if i not in self._steps]
         for i in fresh:
             self._steps[i] = torch.empty((), device=self.device)

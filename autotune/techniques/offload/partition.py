@@ -1,9 +1,8 @@
 """Optimizer offload on replicated ranks: each rank steps 1/world of the parameters (ZeRO stage 1).
 
 Replicated, every rank holds the same summed gradients after the all-reduce, so every rank stepping every
-parameter repeats one update world times: on two H100s each rank streamed the same 277 M parameters' FP32
-state over its own link every step (0.07 s of a 0.51 s step, RESULTS.md fourth session) and kept the same
-FP32 masters and moments of the device share. Partitioned, each share of `HostOptimizer` (host and device)
+parameter repeats one update world times: each rank would stream the same FP32 state over its own link
+every step and keep the same FP32 masters and moments of the device share. Partitioned, each share of `HostOptimizer` (host and device)
 is cut into `world` contiguous runs of parameters, balanced by elements; rank r keeps masters and state for
 its runs only and steps them; then each rank broadcasts the weights it updated to the others (16 bits a
 parameter: what DDP's all-reduce moves, over NVLink, against 24 bytes a parameter over each rank's PCIe link
@@ -14,9 +13,9 @@ instead of all (tests/test_offload_partition.py). What changes for the user: the
 over the ranks, so `optimizer.state_dict()` gathers it, a collective that every rank must call (as with
 FSDP's or ZeRO's optimizer state); closing the step gathers the state and the FP32 weights the same way.
 
-With `plan.offload_fraction` 0 there is no host share: every master stays on the device and only the device
-share is partitioned, so a rank holds 16-bit weights and gradients and 1/world of the FP32 masters and state
-(ZeRO stage 1 on the GPU; `fit` prices it after its pick, search/partitioned_state.py).
+With a host share of 0 (the plan's `sharding="optimizer_state"`) every master stays on the device and only
+the device share is partitioned, so a rank holds 16-bit weights and gradients and 1/world of the FP32 masters
+and state (ZeRO stage 1 on the GPU; `fit` prices it after its pick, search/partitioned_state.py).
 
 Not partitioned: FSDP2 shards (sharded already), FP16 with a GradScaler (its inf check would need the
 ranks' gradients again), one process, or $AUTOTUNE_OFFLOAD_PARTITION=0 (every rank steps everything, kept
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ...parallel import broadcast_together, check_in
 
 EVERY = -1  # the owner of a parameter every rank steps
 
@@ -115,12 +116,10 @@ class Partition:
         its owner, under NCCL all in one group; no temporary, so no rank can run out of memory half-way through).
 
         In a trial (and a plan's first steps) a rank may have run out of memory before it got here and
-        wait for the others elsewhere: the check-in first (training/distributed.py) raises an OOM on every
+        wait for the others elsewhere: the check-in first (`parallel.check_in`) raises an OOM on every
         rank that meets it then, instead of leaving it in a broadcast the failed rank never joins. Outside
         those, an OOM in the optimizer step ends the job (TrainingStep does not recover from one).
         """
-        from ..training.distributed import broadcast_together, check_in  # (training imports techniques)
-
         check_in()
         pairs = [(params[i].data, owner) for i, owner in sorted(self.owner.items()) if owner != EVERY]
         direct = [(t, src) for t, src in pairs if self._direct(t)]

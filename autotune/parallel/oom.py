@@ -1,0 +1,119 @@
+"""An OOM on one rank while the others go on: every rank leaves an attempt at the same collective.
+
+Replicated, no collective runs inside an attempt before the ranks agree (see `TrainingStep._attempt`). A
+sharded model is different: FSDP2 all-gathers each block before its forward and backward and
+reduce-scatters its gradients after, so a rank that runs out of memory between two of those leaves the step
+while the others go on into the next collective and wait there for it for good (seen on the CPU: one rank
+in `agree_oom`, three in a backward prefetch all-gather). While an OOM is possible (`armed`: the trials, a
+plan's first steps, after a recovery) each of FSDP's collectives is preceded by a check-in
+(`guard_collectives`): one all-reduce (MAX) of [ran out of memory, still in the step]. A rank that ran out of
+memory comes to no further check-in: it goes to the end of the attempt (`agree_oom`), which answers the
+others' check-ins with [1, 0] until no rank is still in the step; a rank whose check-in hears of an OOM
+raises one of its own there and goes to the end too. So every rank leaves at the same collective and all
+re-run the batch. The idea is Composer's FSDP sync hook; placed inside FSDP's own collectives, no other
+collective runs between a check-in and the one it guards. Armed, it costs a small all-reduce and a host
+sync per FSDP collective, so steady training (plan proven for a few steps) runs without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..devices.ceiling import host_memory
+from .ranks import collective_device, active
+
+_armed = 0
+ANOTHER_RANK_OOM = "CUDA out of memory on another rank (autotune stopped this rank at the same collective)"
+
+
+@contextlib.contextmanager
+def armed(on: bool = True) -> Iterator[None]:
+    """Check in before each guarded FSDP collective inside this block (every rank must arm alike)."""
+    global _armed
+    if not on:
+        yield
+        return
+    _armed += 1
+    try:
+        yield
+    finally:
+        _armed -= 1
+
+
+def check_in() -> None:
+    """Before an FSDP collective: raise an OOM here when another rank has run out of memory."""
+    if not _armed or not active():
+        return
+    oom, _ = _exchange(oom=False, in_step=True)
+    if oom:
+        raise torch.OutOfMemoryError(ANOTHER_RANK_OOM)
+
+
+def agree_oom(oom: bool) -> bool:
+    """At the end of an attempt: True on every rank when any rank ran out of memory.
+
+    Answers the check-ins of ranks still in the step until none is, so it also ends theirs (see above).
+    """
+    if not active():
+        return oom
+    while True:
+        any_oom, in_step = _exchange(oom=oom, in_step=False)
+        if not in_step:
+            return any_oom
+
+
+def _exchange(*, oom: bool, in_step: bool) -> tuple[bool, bool]:
+    # Uncounted by the simulated ceiling: its OOM raised here, after the all-reduce and before the collective
+    # this check-in guards, would leave this rank out of a collective the others just agreed to run.
+    with host_memory():
+        flags = torch.tensor([int(oom), int(in_step)], dtype=torch.int32, device=collective_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_oom, any_in_step = flags.tolist()
+    return bool(any_oom), bool(any_in_step)
+
+
+class _CheckedIn:
+    """FSDP's all-gather or reduce-scatter, preceded by `check_in` (`FSDPModule.set_custom_*`)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        check_in()
+        return self.inner(*args, **kwargs)
+
+
+def guard_collectives(model: torch.nn.Module) -> bool:
+    """Put a check-in before every FSDP2 collective of `model` (idempotent); False where torch cannot."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units or not hasattr(units[0], "set_custom_all_gather"):
+        return False
+    for unit in units:
+        groups = param_groups(unit._get_fsdp_state())
+        if len(groups) != 1:
+            continue  # a unit without parameters runs no collective; several groups cannot take a custom comm
+        group = groups[0]
+        if not isinstance(group._all_gather_comm, _CheckedIn):
+            unit.set_custom_all_gather(_CheckedIn(group._all_gather_comm))
+        if not isinstance(group._reduce_scatter_comm, _CheckedIn):
+            unit.set_custom_reduce_scatter(_CheckedIn(group._reduce_scatter_comm))
+    return True
+
+
+def param_groups(state: object) -> list:
+    """An FSDP2 state's parameter groups: `_fsdp_param_groups`, or torch <2.9's one `_fsdp_param_group`."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)

@@ -1,0 +1,16 @@
+"""Optimizer offload and the offload rung's tensors, behind one interface (`interface.py`).
+
+`interface` (what training and the trials call) · `cpu_engine` (`HostOptimizer`: masters and state on the
+host) · `engine_state` (its weights and state as the user's model and optimizer read them) · `streamed`
+(the host share stepped by the GPU, its state streamed) · `pipeline` (the CPU step during the last
+backward) · `partition` (the shares partitioned over replicated ranks) · `tensors` (host copies, dtypes,
+which parameters go to the host).
+"""
+
+from .cpu_engine import HostOptimizer
+from .interface import NO_OFFLOAD, OptimizerOffload, offload_of
+from .tensors import (NORM_LAYERS, device_dtype, host_share, local_part, master_dtype, norm_parameters,
+                      overlap_default, to_device, to_host)
+
+__all__ = ["NORM_LAYERS", "NO_OFFLOAD", "HostOptimizer", "OptimizerOffload", "device_dtype", "host_share",
+           "local_part", "master_dtype", "norm_parameters", "offload_of", "overlap_default", "to_device", "to_host"]

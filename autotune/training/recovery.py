@@ -1,0 +1,195 @@
+"""Recovery from an OOM in training: the policy (what failed -> the next configuration) and who is told.
+
+The policy is pure: given the plan in force and the rungs recovery may climb, it returns the next plan
+(half the micro-batch, or at the smallest micro-batch the next rung up), or None past the top. Training
+never writes to the plan cache itself: whoever made the plan (`autotune.fit`) registers a callback under
+the plan's key with `report_recoveries_to`, and the step calls it after each recovery as
+`callback(old_plan, new_plan, note, shapes)` (`new_plan` None: nothing fits, or the optimizer step ran
+out of memory). A plan whose key has no callback (built by hand, read from JSON) records nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .. import parallel
+from ..configuration import CHECKPOINTING, OFFLOAD, Rung, state_sharded
+from ..devices.placement import Placement
+from ..evidence import Trial
+from ..settings import FitSettings
+from ..sizes import format_bytes
+from ..techniques import is_float64, ladder, parse_techniques, serve_dtypes
+from ..workload import batch as batches
+from ..workload.batching import smallest_micro_batch, solve_accumulation
+
+log = logging.getLogger(__name__)
+
+Reporter = Callable[[Any, Any, str, dict[str, list[int]]], None]  # (old plan, new plan or None, note, shapes)
+_REPORTERS: dict[str, Reporter] = {}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recovery:
+    """One OOM met in training, and what the step did about it."""
+
+    step: int  # index of the optimizer step (calls to `step(batch)`) it happened in, from 0
+    failed: str  # the configuration that ran out of memory, e.g. "bf16 at micro-batch 8"
+    micro_step: int  # which micro-batch of the batch (from 0) ran out of memory; -1 when another rank did
+    now: str  # the configuration the batch is re-run with
+    shapes: dict[str, list[int]]  # each tensor's shape in the micro-batch that failed, e.g. {"[0]": [8, 4096]}
+    seconds: float  # wall time of the failed attempt and its clean-up: the time lost
+    note: str  # the error's first line
+
+
+# -- who is told -------------------------------------------------------------------------------------------
+
+def report_recoveries_to(key: str, callback: Reporter | None) -> None:
+    """Call `callback(old_plan, new_plan, note, shapes)` after each recovery of a plan with this key (None:
+    stop). Process-local; the last registration for a key wins."""
+    if callback is None:
+        _REPORTERS.pop(key, None)
+    else:
+        _REPORTERS[key] = callback
+
+
+def report(old: Any, new: Any, shapes: dict[str, list[int]], note: str) -> None:
+    """Tell the callback registered under `old.key`, on the writing rank only; whatever it does, training goes on."""
+    callback = _REPORTERS.get(old.key) if old.key else None
+    if callback is None or not parallel.is_writer():
+        return
+    try:
+        callback(old, new, note[:200], shapes)
+    except Exception as exc:  # noqa: BLE001 - recording must never break training
+        log.warning("autotune: could not record the OOM in the plan cache (%s); training goes on", exc)
+
+
+# -- the policy --------------------------------------------------------------------------------------------
+
+def revised(plan: Any, reason: str, **knobs: Any) -> Any:
+    """`plan` with some knobs changed and a new reason: the one place the step builds a plan (`Plan.with_config`;
+    a Plan is read by its methods here, since plan.py sits above training)."""
+    return plan.with_config(reason=reason, **knobs)
+
+
+def engine_rung(plan: Any) -> tuple[Rung, float]:
+    """The rung put on the model for `plan`, and the host's share of its optimizer offload: the optimizer state
+    sharded over replicated ranks is the offload engine with nothing on the host, partitioned over the ranks."""
+    if plan.partitioned_state:
+        return dataclasses.replace(plan.rung, offload="optimizer"), 0.0
+    return plan.rung, plan.offload_fraction if plan.offload == "optimizer" else 1.0
+
+
+def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None = None) -> Any:
+    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch. A rung with
+    optimizer offload leaves the sharded optimizer state: its engine partitions what it keeps on the device."""
+    smallest = plan.min_micro_batch_size if smallest is None else smallest
+    steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
+    sharding = "none" if plan.partitioned_state and rung.offload == "optimizer" else plan.sharding
+    return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
+                   checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
+                   optimizer_8bit=rung.optimizer_8bit, offload=rung.offload,
+                   offload_fraction=plan.offload_fraction if rung == plan.rung else None,
+                   micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
+                   last_micro_batch_size=last, min_micro_batch_size=smallest)
+
+
+def after_oom(plan: Any, rungs: list[Rung]) -> Any:
+    """The next plan after an OOM: half the micro-batch, else the next rung up at the smallest; None past the top."""
+    lowest = smallest_micro_batch(plan.per_rank_batch_size, plan.min_micro_batch_size) or 1
+    if plan.micro_batch_size > lowest:
+        micro = max(plan.micro_batch_size // 2, lowest)
+        return at(plan, plan.rung, micro, f"recovered from an OOM in training at micro-batch "
+                                          f"{plan.micro_batch_size}: halved to {micro}")
+    rung = next_rung(rungs, plan.rung)
+    if rung is None:
+        return None
+    return at(plan, rung, lowest, f"recovered from an OOM in training at micro-batch {lowest} on "
+                                  f"{plan.rung.name}: moved up to {rung.name}")
+
+
+def balanced(plan: Any, failure: str) -> Any:
+    """After batch statistics failed on a 1-sample micro-batch: every micro-batch holds 2 samples or more."""
+    micro = max(plan.micro_batch_size, smallest_micro_batch(plan.per_rank_batch_size, 2) or 1)
+    return at(plan, plan.rung, micro, f"{failure} on a 1-sample micro-batch (batch statistics): every "
+                                      "micro-batch now holds 2 samples or more, the split balanced", smallest=2)
+
+
+def grown(plan: Any, cap: int, clean_steps: int) -> Any:
+    """The micro-batch doubled back (at most `cap`) after `clean_steps` clean steps."""
+    bigger = min(2 * plan.micro_batch_size, cap)
+    return at(plan, plan.rung, bigger, f"grown back to micro-batch {bigger} after {clean_steps} clean steps")
+
+
+def next_rung(rungs: list[Rung], current: Rung) -> Rung | None:
+    """The cheapest allowed rung that keeps every technique in force and adds one."""
+    for rung in rungs:
+        if _strength(rung) != _strength(current) and _dominates(rung, current):
+            return rung
+    return None
+
+
+def _strength(rung: Rung) -> tuple[int, int, int]:
+    # The count breaks ties between two "selective" rungs; None (the label's default) counts as the label.
+    return OFFLOAD.index(rung.offload), CHECKPOINTING.index(rung.checkpointing), rung.checkpointed_blocks or 0
+
+
+def _dominates(a: Rung, b: Rung) -> bool:
+    """`a` is at least as strong as `b` in checkpointing and in offload: recovery climbs the ladder's
+    order but never trades checkpointing away for offload (when the allowed techniques would)."""
+    return all(x >= y for x, y in zip(_strength(a), _strength(b)))
+
+
+def allowed(plan: Any, techniques: Any) -> frozenset[str]:
+    """The step's `techniques`, else what fit was allowed (`plan.techniques`), else $AUTOTUNE_TECHNIQUES or all."""
+    if techniques is None and plan.techniques is not None:
+        techniques = plan.techniques  # what fit was allowed: recovery never climbs past it
+    return parse_techniques(FitSettings.resolve(techniques=techniques).techniques)
+
+
+def climbable_rungs(plan: Any, techniques: Any, placement: Placement, blocks: Any, model: nn.Module) -> list[Rung]:
+    """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
+    names = set(allowed(plan, techniques))
+    if plan.precision == "fp32":
+        names.discard("bf16")  # and optimizer offload with it, but for float64 weights (see `ladder`)
+    else:
+        names.add("bf16")
+    rungs, _ = ladder(frozenset(names), placement, blocks, compile=plan.compile,  # compile stays as tuned
+                      float64=is_float64(model))
+    # An 8-bit plan keeps its 8-bit state (recovery never changes the numerics) and so never climbs to
+    # optimizer offload, whose host optimizer keeps FP32 state.
+    rungs = [dataclasses.replace(r, precision=plan.precision, optimizer_8bit=plan.optimizer_8bit) for r in rungs
+             if not (plan.optimizer_8bit and r.offload == "optimizer")]
+    rungs, _ = serve_dtypes(rungs, model)
+    return rungs
+
+
+# -- what is said about it -----------------------------------------------------------------------------------
+
+def describe(plan: Any) -> str:
+    partitioned = f", {state_sharded()}" if plan.partitioned_state else ""
+    return f"{plan.rung.name}{partitioned} at micro-batch {plan.micro_batch_size}"
+
+
+def micro_batch_shapes(batch: Any, micro: int) -> dict[str, list[int]]:
+    """{tensor path: shape} of a micro-batch of `micro` samples of `batch`: what the cache records."""
+    return {path or "batch": [micro, *shape] for path, shape, _ in batches.signature(batch)}
+
+
+def exhausted(failed: list[Trial], shapes: dict[str, list[int]], plan: Any) -> str:
+    tried = ", ".join(f"{t.rung.name} at micro-batch {t.micro_batch_size}" for t in failed)
+    shape = "; ".join(f"{path} {tuple(s)}" for path, s in shapes.items())
+    return (f"a micro-batch of [{shape}] does not fit in the memory budget of "
+            f"{format_bytes(plan.memory_budget_bytes)}: out of memory at {tried}, and no higher rung is "
+            "allowed. Shorten the inputs, raise memory_budget, or allow more techniques "
+            "(techniques=('bf16', 'checkpointing', 'offload')).")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
