@@ -7,8 +7,8 @@
 
 from .api import fit
 from .cache import PlanCache
-from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
 from .configuration import Rung
+from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
 from .evidence import Trial
 from .plan import Plan
 from .workload.batch import Shared

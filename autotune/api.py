@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import parallel as distributed
 from .cache import store as plan_cache
 from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, printable, sanitized
 from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
@@ -28,7 +29,6 @@ from .search.tune import Job, host_limit, tune, verify
 from .settings import FitSettings
 from .sizes import format_bytes, parse_bytes, shorten
 from .techniques import parse_techniques
-from . import parallel as distributed
 from .training.recovery import report_recoveries_to
 from .workload import batch as batches
 from .workload.batching import per_rank_batch

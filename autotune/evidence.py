@@ -8,8 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .configuration import Rung
-from .validate import check_choice, check_known_fields, check_non_negative_int, check_non_negative_number, \
-    check_positive_int, dict_field
+from .validate import (
+    check_choice,
+    check_known_fields,
+    check_non_negative_int,
+    check_non_negative_number,
+    check_positive_int,
+    dict_field,
+)
 
 NOISY = "noisy timings"  # how a noisy trial's note says so (the plan's reason counts the `noisy` ones)
 OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager

@@ -26,13 +26,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from autotune.devices.placement import resolve_device  # noqa: E402
-from autotune.plan import Rung  # noqa: E402
-from autotune.search.trial import TrialRunner, Workload  # noqa: E402
-from autotune.techniques import profile_blocks  # noqa: E402
-from autotune.techniques.blocks import BlockGroup  # noqa: E402
-from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
-from workloads import WORKLOADS, build, classify_loss  # noqa: E402
+from workloads import WORKLOADS, build, classify_loss
+
+from autotune.devices.placement import resolve_device
+from autotune.plan import Rung
+from autotune.search.trial import TrialRunner, Workload
+from autotune.techniques import profile_blocks
+from autotune.techniques.blocks import BlockGroup
+from autotune.workload.optimizers import OptimizerSpec
 
 
 class Basic(nn.Module):

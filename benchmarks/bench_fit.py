@@ -25,12 +25,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autotune  # noqa: E402
-from autotune.devices.placement import parse_bytes  # noqa: E402
-from autotune.workload.losses import resolve  # noqa: E402
-from autotune.plan import Rung  # noqa: E402
-from workloads import GRID_MICRO, Spec, cap_memory, grid, trial_runner  # noqa: E402
-from workloads import build_gpt as build  # noqa: E402
+from workloads import GRID_MICRO, Spec, cap_memory, grid, trial_runner
+from workloads import build_gpt as build
+
+import autotune
+from autotune.devices.placement import parse_bytes
+from autotune.plan import Rung
+from autotune.workload.losses import resolve
 
 
 def run_fit(args: argparse.Namespace) -> dict[str, Any]:

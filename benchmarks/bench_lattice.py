@@ -19,7 +19,6 @@ memory capped at 24 GiB with torch.cuda.set_per_process_memory_fraction.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -32,17 +31,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autotune  # noqa: E402
-from autotune.devices.placement import now, parse_bytes, resolve_device  # noqa: E402
-from autotune.plan import Plan, Rung  # noqa: E402
-from autotune.search.trial import TrialRunner, Workload  # noqa: E402
-from autotune.techniques import find_blocks  # noqa: E402
-from autotune.workload import batch as batches  # noqa: E402
-from autotune.workload.batching import solve_accumulation  # noqa: E402
-from autotune.workload.losses import resolve  # noqa: E402
-from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
-from workloads import cap_memory, environment  # noqa: E402
-from workloads import build_gpt as build  # noqa: E402
+from workloads import build_gpt as build
+from workloads import cap_memory, environment
+
+import autotune
+from autotune.devices.placement import now, parse_bytes, resolve_device
+from autotune.plan import Plan, Rung
+from autotune.search.trial import TrialRunner, Workload
+from autotune.techniques import find_blocks
+from autotune.workload import batch as batches
+from autotune.workload.batching import solve_accumulation
+from autotune.workload.losses import resolve
+from autotune.workload.optimizers import OptimizerSpec
 
 
 def run_fit(args: argparse.Namespace) -> dict[str, Any]:

@@ -40,18 +40,21 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autotune  # noqa: E402
-from autotune.devices.placement import parse_bytes  # noqa: E402
-from autotune.errors import is_oom  # noqa: E402
-from autotune.plan import Plan  # noqa: E402
-from autotune.techniques import TECHNIQUES, find_blocks, ladder  # noqa: E402
-from autotune.devices.placement import resolve_device  # noqa: E402
-from autotune.techniques.sharding import is_sharded, shard  # noqa: E402
-from autotune import parallel  # noqa: E402
-from autotune.parallel import reduce as distributed  # noqa: E402
-from autotune.training.recovery import engine_rung  # noqa: E402
-from autotune.workload.batching import solve_accumulation  # noqa: E402
-from workloads import build_gpt, cap_memory  # noqa: E402
+from workloads import build_gpt, cap_memory
+
+import autotune
+from autotune import parallel
+from autotune.devices.placement import (
+    parse_bytes,
+    resolve_device,
+)
+from autotune.errors import is_oom
+from autotune.parallel import reduce as distributed
+from autotune.plan import Plan
+from autotune.techniques import TECHNIQUES, find_blocks, ladder
+from autotune.techniques.sharding import is_sharded, shard
+from autotune.training.recovery import engine_rung
+from autotune.workload.batching import solve_accumulation
 
 
 def main() -> None:

@@ -36,13 +36,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autotune  # noqa: E402
-from autotune.devices.placement import parse_bytes  # noqa: E402
-from autotune.plan import Plan  # noqa: E402
-from autotune.techniques.offload import streamed as offload_stream  # noqa: E402
-from autotune.workload import batch as batches  # noqa: E402
-from autotune.workload.batching import solve_accumulation  # noqa: E402
-from workloads import build_gpt, cap_memory, environment  # noqa: E402
+from workloads import build_gpt, cap_memory, environment
+
+import autotune
+from autotune.devices.placement import parse_bytes
+from autotune.plan import Plan
+from autotune.techniques.offload import streamed as offload_stream
+from autotune.workload import batch as batches
+from autotune.workload.batching import solve_accumulation
 
 DEFAULT_SEGMENT = offload_stream.SEGMENT
 WORKLOADS = {  # model, sequence, budget, global batch, device

@@ -38,8 +38,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
-
 import workloads as wl  # noqa: E402
+
 from autotune.plan import Rung  # noqa: E402
 
 METHODS = ("autotune-cold", "autotune-warm", "accelerate", "lightning-power", "lightning-binsearch", "grid")

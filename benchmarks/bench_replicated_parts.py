@@ -39,14 +39,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autotune  # noqa: E402
-from autotune.techniques.offload import partition as offload_partition  # noqa: E402
-from autotune import parallel as distributed  # noqa: E402
-from autotune.parallel import reduce as parallel_reduce  # noqa: E402
-from autotune.training.accumulate import Accumulator  # noqa: E402
-from autotune.training.step import TrainingStep  # noqa: E402
-from bench_multi_gpu import _init, _train, variant_plan  # noqa: E402  (the same ranks and the same training loop)
-from workloads import build_gpt, cap_memory  # noqa: E402
+from bench_multi_gpu import _init, _train, variant_plan  # the same ranks and the same training loop
+from workloads import build_gpt, cap_memory
+
+import autotune
+from autotune import parallel as distributed
+from autotune.parallel import reduce as parallel_reduce
+from autotune.techniques.offload import partition as offload_partition
+from autotune.training.accumulate import Accumulator
+from autotune.training.step import TrainingStep
 
 VARIANTS = ("as-planned", "after-backward", "per-tensor", "per-tensor-after-backward", "no-all-reduce",
             "no-weight-share", "parts", "waits", "no-agree", "no-count-sum", "as-planned")

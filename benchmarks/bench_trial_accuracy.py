@@ -20,15 +20,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from autotune.devices.placement import parse_bytes, resolve_device  # noqa: E402
-from autotune.plan import Plan  # noqa: E402
-from autotune.search.trial import TrialRunner, Workload  # noqa: E402
-from autotune.techniques import find_blocks  # noqa: E402
-from autotune.workload import batch as batches  # noqa: E402
-from autotune.workload.losses import resolve  # noqa: E402
-from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
-from bench_offload import config_parser, run_mode, set_up  # noqa: E402
-from workloads import environment  # noqa: E402
+from bench_offload import config_parser, run_mode, set_up
+from workloads import environment
+
+from autotune.devices.placement import parse_bytes, resolve_device
+from autotune.plan import Plan
+from autotune.search.trial import TrialRunner, Workload
+from autotune.techniques import find_blocks
+from autotune.workload import batch as batches
+from autotune.workload.losses import resolve
+from autotune.workload.optimizers import OptimizerSpec
 
 
 def trial_estimate(work: Workload, plan: Plan, overlapped: bool) -> float:

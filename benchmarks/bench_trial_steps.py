@@ -18,8 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import workloads as wl  # noqa: E402
-from autotune.plan import Rung  # noqa: E402
+import workloads as wl
+
+from autotune.plan import Rung
 
 W3_CONFIGS = ('{}@64', '{}@86', '{"checkpointing": "selective", "checkpointed_blocks": 11}@128',
               '{"compile": true}@64')

@@ -22,9 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from gpt import GPT, GPTConfig, random_batch  # noqa: E402
+from gpt import GPT, GPTConfig, random_batch
 
-import autotune  # noqa: E402
+import autotune
 
 CONFIG = GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=4, n_embd=256)
 

@@ -34,9 +34,10 @@ def main() -> None:
         torch._C._host_emptyCache = None  # what release_memory looks for: absent, the cache is kept
     sys.path.insert(0, _HERE)
     import workloads
+
+    from autotune.configuration import Rung
     from autotune.devices import host
     from autotune.devices.placement import resolve_device
-    from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner, Workload
     from autotune.techniques import find_blocks
     from autotune.workload.losses import default_loss

@@ -21,11 +21,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import build_gpt  # noqa: E402
+from workloads import build_gpt
 
-from autotune.plan import Plan  # noqa: E402
-from autotune.training.step import TrainingStep  # noqa: E402
-from autotune.workload.batching import solve_accumulation  # noqa: E402
+from autotune.plan import Plan
+from autotune.training.step import TrainingStep
+from autotune.workload.batching import solve_accumulation
 
 
 def variant_plan(variant: str, global_batch: int, device: str) -> tuple[Plan, bool]:

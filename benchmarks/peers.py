@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
 from workloads import Spec, emulated_ceiling
 
-from autotune.workload import batch as batches
 from autotune.errors import is_oom
+from autotune.workload import batch as batches
 
 DATASET_LENGTH = 1 << 20  # longer than any batch a finder tries: Lightning stops growing at the dataset's length
 
@@ -35,7 +34,7 @@ def preload(method: str) -> None:
     if method == "accelerate":
         import accelerate.utils  # noqa: F401
     else:
-        import lightning.pytorch  # noqa: F401
+        import lightning.pytorch
         import lightning.pytorch.tuner  # noqa: F401
 
 

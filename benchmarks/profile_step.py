@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from autotune.workload import batch as batches  # noqa: E402
-from bench_offload import config_parser, set_up  # noqa: E402
-from workloads import environment  # noqa: E402
+from bench_offload import config_parser, set_up
+from workloads import environment
+
+from autotune.workload import batch as batches
 
 
 def sync() -> None:

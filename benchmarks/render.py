@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import config_key, config_rung  # noqa: E402  (adds the repository root to sys.path)
+from workloads import config_key, config_rung  # adds the repository root to sys.path
 
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 METHODS = ("autotune-cold", "autotune-warm", "accelerate", "lightning-power", "lightning-binsearch", "grid")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-from importlib import metadata
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -39,17 +39,17 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
-from autotune.workload import batch as batches  # noqa: E402
-from autotune.workload.batching import split_sizes  # noqa: E402
+from autotune.configuration import Rung
 from autotune.devices.ceiling import SimulatedCeiling  # noqa: E402
 from autotune.devices.placement import Placement, now, parse_bytes, resolve_device  # noqa: E402
 from autotune.errors import DeviceError, is_oom  # noqa: E402
+from autotune.plan import Trial  # noqa: E402
+from autotune.search.trial import TrialRunner, Workload  # noqa: E402
+from autotune.techniques import apply_rung, find_blocks, ladder, parse_techniques  # noqa: E402
+from autotune.workload import batch as batches  # noqa: E402
+from autotune.workload.batching import split_sizes  # noqa: E402
 from autotune.workload.losses import default_loss  # noqa: E402
 from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
-from autotune.configuration import Rung
-from autotune.plan import Trial  # noqa: E402
-from autotune.techniques import apply_rung, find_blocks, ladder, parse_techniques  # noqa: E402
-from autotune.search.trial import TrialRunner, Workload  # noqa: E402
 
 GRID_MICRO = (1, 2, 4, 8, 16, 32, 64)
 EXAMPLE_ROWS = 8  # rows in the example batch; trials repeat them cyclically up to any micro-batch
@@ -212,7 +212,7 @@ class CudaLikeCeiling(SimulatedCeiling):
     message (Accelerate wants " out of memory.", Lightning "CUDA" and "out of memory") reacts on the CPU
     as it would on a GPU."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except torch.OutOfMemoryError as exc:
@@ -377,7 +377,7 @@ def _loop(applied: Any, model: nn.Module, batch: Any, loss_fn: Any, placement: P
                 p.grad = None
             times.append(now(placement) - t0)
             losses.append(float(last))  # after the step's timing: the read waits for the device
-    except Exception as exc:  # noqa: BLE001 - an OOM is the answer failing; anything else propagates
+    except Exception as exc:  # an OOM is the answer failing; anything else propagates
         if not is_oom(exc):
             raise
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}", ""

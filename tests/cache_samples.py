@@ -15,8 +15,8 @@ from torch import nn
 import autotune
 from autotune.cache import guard
 from autotune.cache.store import CacheWarning, key_parts, plan_key
-from autotune.devices.placement import Placement
 from autotune.configuration import RUNG_FIELDS, Rung
+from autotune.devices.placement import Placement
 from autotune.evidence import Trial
 from autotune.plan import Plan
 

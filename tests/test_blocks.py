@@ -16,17 +16,17 @@ import transformers
 from torch import nn
 
 import autotune
-from autotune.devices.placement import resolve_device
 from autotune.configuration import Rung
+from autotune.devices.placement import resolve_device
 from autotune.evidence import Trial
 from autotune.plan import Plan
 from autotune.search.controller import Controller
 from autotune.search.placement import blocks_needed
 from autotune.search.trial import TrialRunner, Workload
-from autotune.techniques import apply_rung, find_blocks, profile_blocks
 from autotune.sizes import format_bytes
-from autotune.workload.batching import global_step_seconds
+from autotune.techniques import apply_rung, find_blocks, profile_blocks
 from autotune.workload import batch as batches
+from autotune.workload.batching import global_step_seconds
 from autotune.workload.losses import resolve
 from autotune.workload.optimizers import OptimizerSpec
 

@@ -29,6 +29,8 @@ import torch
 from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, set_plan_fields, tiny_workload  # noqa: F401 - autouse fixture
 from gpt import GPT, random_batch
 
+from autotune.cache.db import SCHEMA_VERSION
+from autotune.cache.lines import read_rows
 from autotune.cache.store import (
     CacheError,
     CacheWarning,
@@ -40,8 +42,6 @@ from autotune.cache.store import (
     open_cache,
     plan_key,
 )
-from autotune.cache.db import SCHEMA_VERSION
-from autotune.cache.lines import read_rows
 from autotune.devices.placement import Placement
 from autotune.errors import InvalidSetting
 from autotune.plan import PLAN_FORMAT_VERSION, Plan
@@ -222,9 +222,10 @@ def test_a_flat_row_of_plan_format_2_is_listed_stale_and_retuned(tmp_path: Path,
     # An older autotune wrote flat plans: one under its own key (parts of format 2), and one under the key this
     # autotune computes (as if only the plan had changed). Neither is misread: both list as stale, and fit
     # tunes again and stores a plan of this format in place of the second.
-    from autotune.cli.main import main
     from click.testing import CliRunner
     from sqlite_utils import Database
+
+    from autotune.cli.main import main
 
     model, batch = tiny_workload()
     path = tmp_path / "plans.db"

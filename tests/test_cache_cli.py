@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from autotune.cache import guard
 from autotune.cache.store import PlanCache
-from autotune.cli.main import main
 from autotune.cli.cache import cache as cache_group
+from autotune.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

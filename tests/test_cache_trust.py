@@ -17,8 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cache_samples import (BUDGET, GLOBAL_BATCH, cache_warnings, clean_environment, sample,  # noqa: F401
-                           set_plan_fields, tiny_workload)
+from cache_samples import (  # noqa: F401
+    BUDGET,
+    GLOBAL_BATCH,
+    cache_warnings,
+    clean_environment,
+    sample,
+    set_plan_fields,
+    tiny_workload,
+)
 from click.testing import CliRunner
 
 import autotune

@@ -9,7 +9,6 @@ The resumed half runs in a spawned process, so nothing but the checkpoint file c
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest

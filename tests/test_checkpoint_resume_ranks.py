@@ -35,9 +35,9 @@ def _run(case: str, rank: int, world: int, folder: str, mode: str) -> dict:
     """`whole`: train, checkpoint at SAVED_AT (rank 0 saves); else resume from it. Saves the final weights."""
     import torch.distributed as dist
     from test_checkpoint_resume import SAVED_AT, STEPS, Net, adamw, batch
-    from autotune.training.step import TrainingStep
 
     from autotune.techniques.sharding import shard
+    from autotune.training.step import TrainingStep
 
     ckpt = os.path.join(folder, f"{case}.pt")
     fsdp = case.startswith("fsdp2")

@@ -14,11 +14,20 @@ import math
 
 import pytest
 import torch
+from test_step import (
+    TOL,
+    assert_same_training,
+    make_plan,
+    new_model,
+    padded_batch,
+    run_plan,
+    seq_batch,
+    sgd,
+    token_loss,
+)
 
 from autotune.errors import InvalidSetting
 from autotune.training.step import TrainingStep
-from test_step import (TOL, assert_same_training, make_plan, new_model, padded_batch, run_plan, seq_batch, sgd,
-                       token_loss)
 
 
 @pytest.fixture(autouse=True)

@@ -122,8 +122,8 @@ def test_compiled_rungs_with_more_blocks_recomputed_follow_each_other_as_a_searc
     """`apply_rung` for compile with 0, 2 and 4 blocks recomputed, one after the other on one model (each
     undone before the next): every rung gives the compiled model's loss, each block is compiled in exactly
     one way (inside its checkpoint or as a whole call, never both), and the last undo leaves none."""
-    from autotune.devices.placement import Placement
     from autotune.configuration import Rung
+    from autotune.devices.placement import Placement
     from autotune.techniques import apply_rung
     from autotune.workload.optimizers import OptimizerSpec
 

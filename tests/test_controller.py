@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.workload.batching import global_step_seconds, split_sizes
-from autotune.search.controller import Controller
-from autotune.errors import NoFeasiblePlan
 from autotune.configuration import Rung
+from autotune.errors import NoFeasiblePlan
 from autotune.evidence import Trial
+from autotune.search.controller import Controller
+from autotune.workload.batching import global_step_seconds, split_sizes
 
 GiB = 2**30
 BF16, SEL, FULL = Rung(), Rung(checkpointing="selective"), Rung(checkpointing="full")

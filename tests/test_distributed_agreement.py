@@ -12,10 +12,9 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from autotune.configuration import Rung
-
-from autotune.evidence import NOISY, Trial
 from autotune import parallel as distributed
+from autotune.configuration import Rung
+from autotune.evidence import NOISY, Trial
 
 
 def _trial(outcome: str, **figures) -> Trial:

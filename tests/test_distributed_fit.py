@@ -26,10 +26,10 @@ def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> N
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import autotune
     from gpt import GPT, GPTConfig, random_batch
-
     from ranks import join
+
+    import autotune
 
     join(rank, WORLD, init_file)
     try:
@@ -93,9 +93,10 @@ def _share_main(rank: int, world: int, init_file: str, out_dir: str, budget: int
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import autotune
     from ranks import join
     from test_offload import Wide
+
+    import autotune
 
     join(rank, world, init_file)
     try:

@@ -59,9 +59,10 @@ def _reference(model, shares, loss_fn=None, max_norm=None):
 
 
 def _train(plan, model, batch, loss_fn=None, sharded=False, max_norm=None):
-    from autotune.training.step import TrainingStep
-    from autotune.techniques.sharding import shard
     from test_step import sgd
+
+    from autotune.techniques.sharding import shard
+    from autotune.training.step import TrainingStep
 
     m = copy.deepcopy(model)
     if sharded:
@@ -151,7 +152,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         # rank 1 runs out of memory at its first micro-batch, or at its last one; only in the first attempt
         at = 1 if name == "oom-on-one-rank" else math.ceil(len(shares[1][0]) / 2)
 
-        def loss_fn(m, b):  # noqa: F811 - the scenario's loss
+        def loss_fn(m, b):  # the scenario's loss
             calls["n"] += 1
             if rank == 1 and calls["n"] == at:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank 1)")
@@ -168,7 +169,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
         start = distributed.OverlappedReduce._start
         distributed.BUCKET_BYTES = 2048
 
-        def counted(self):  # noqa: ANN001
+        def counted(self):
             overlap["started"].append(self.started)
             start(self)
 
@@ -180,7 +181,7 @@ def _scenario(name: str, rank: int, world: int) -> dict:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected in backward)")
             return grad
 
-        def loss_fn(m, b):  # noqa: F811 - the scenario's loss: m(*b), with a hook on the first layer's output
+        def loss_fn(m, b):  # the scenario's loss: m(*b), with a hook on the first layer's output
             calls["n"] += 1
             x, y = b
             h = m.inp(x)

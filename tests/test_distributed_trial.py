@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ranks import run_scenarios, spawn  # noqa: E402
+from ranks import run_scenarios, spawn
 
 WORLD = 2
 MiB = 2**20
@@ -38,9 +38,9 @@ def _work(budget: int, *, wide: bool = False):
 
 def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -> dict:
     """One trial of `_work`'s model on this rank's ceiling."""
+    from autotune import parallel as distributed
     from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner
-    from autotune import parallel as distributed
 
     work = _work(budget, wide=wide)
     trial = TrialRunner(work, agree=distributed.agree_trial)(rung or Rung(precision="fp32"), 4, **kwargs)
@@ -50,12 +50,12 @@ def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -
 
 def _phase(rank: int) -> dict:
     """`fit`'s partitioned-state phase (search/phases.py) after a BF16 search, with real trials."""
+    from autotune import parallel as distributed
     from autotune.configuration import Rung
     from autotune.search.controller import Controller
     from autotune.search.phases import PhaseContext, partitioned
     from autotune.search.state import SearchState
     from autotune.search.trial import TrialRunner
-    from autotune import parallel as distributed
 
     work = _work(512 * MiB, wide=True)
     runner = TrialRunner(work, agree=distributed.agree_trial)
@@ -76,9 +76,9 @@ def _counted(rank: int, oom_at: int | None = None, **kwargs) -> dict:
     rank 1 runs out of memory in that forward. `kwargs` go to the trial runner."""
     import torch
 
+    from autotune import parallel as distributed
     from autotune.configuration import Rung
     from autotune.search.trial import TrialRunner
-    from autotune import parallel as distributed
 
     work = _work(512 * MiB)
     calls = {"n": 0}

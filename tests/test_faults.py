@@ -15,8 +15,8 @@ import sys
 import tracemalloc
 import warnings
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch

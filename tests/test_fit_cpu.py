@@ -6,18 +6,18 @@ import copy
 
 import pytest
 import torch
+from gpt import GPT, GPTConfig, random_batch
 from torch import nn
 
 import autotune
+from autotune.configuration import Rung
 from autotune.devices.placement import resolve_device
+from autotune.search.controller import NOISE
+from autotune.search.floors import resident_floor
+from autotune.search.trial import TrialRunner, Workload
+from autotune.techniques import apply_rung, checkpointing, find_blocks
 from autotune.workload.losses import resolve
 from autotune.workload.optimizers import OptimizerSpec
-from autotune.search.controller import NOISE
-from autotune.configuration import Rung
-from autotune.search.floors import resident_floor
-from autotune.techniques import apply_rung, checkpointing, find_blocks
-from autotune.search.trial import TrialRunner, Workload
-from gpt import GPT, GPTConfig, random_batch
 
 CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
 RUNGS = {

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from cache_samples import sample
 from click.testing import CliRunner
+from gpt import GPT, GPTConfig, random_batch
 from torch import nn
 
 import autotune
@@ -17,7 +17,6 @@ from autotune.devices.peaks import PEAK_ENV, device_peak
 from autotune.devices.placement import resolve_device
 from autotune.search.flops import flops_per_sample, utilization
 from autotune.workload.losses import resolve
-from gpt import GPT, GPTConfig, random_batch
 
 CPU = resolve_device("cpu")
 

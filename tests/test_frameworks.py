@@ -25,9 +25,9 @@ import torch
 from click.testing import CliRunner
 
 from autotune.cli.main import main
+from autotune.configuration import Rung
 from autotune.errors import InvalidSetting
 from autotune.plan import Plan
-from autotune.configuration import Rung
 from autotune.supervisor import claims, runner
 from autotune.supervisor.flags import PRESETS, FlagMap
 from autotune.supervisor.measure import StepWatch
@@ -224,7 +224,7 @@ def test_a_wrapper_optimizer_and_a_second_optimizer_fall_inside_the_first_optimi
         def __init__(self) -> None:
             super().__init__(weights, {})
 
-        def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        def step(self, closure=None):  # torch's signature
             return inner.step(closure)
 
     wrapper = Wrapper()
@@ -237,7 +237,7 @@ def test_a_wrapper_optimizer_and_a_second_optimizer_fall_inside_the_first_optimi
         worker.start()
         worker.join()
     assert watch.count == 3 and len(watch.step_seconds) == 2
-    def failing_step(closure=None):  # noqa: ANN001, ANN202
+    def failing_step(closure=None):
         raise RuntimeError("a step that failed")
 
     inner.step = failing_step

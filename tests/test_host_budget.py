@@ -11,13 +11,13 @@ import logging
 
 import pytest
 import torch
+from gpt import GPT, GPTConfig, random_batch
 
 import autotune
 from autotune.configuration import Rung
 from autotune.search import host_budget
 from autotune.search.floors import resident_floor
 from autotune.workload.optimizers import OptimizerSpec
-from gpt import GPT, GPTConfig, random_batch
 
 CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
 OFFLOAD = Rung(checkpointing="full", offload="optimizer")

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from autotune.configuration import Rung
-
 from autotune.evidence import Trial
 from autotune.search.controller import Controller, Lattice
 from autotune.workload.batching import global_step_seconds
@@ -220,8 +219,17 @@ def test_compile_is_not_tried_when_the_lattice_forbids_it():
 
 # -- plan.apply reproduces each knob (a real model on the CPU, float64) -----------------------------------
 
-from test_step import (HUGE, assert_same_training, make_plan, new_model, padded_batch, peak_of,  # noqa: E402
-                       run_plan, run_reference, seq_batch, token_loss)
+from test_step import (  # noqa: E402
+    assert_same_training,
+    make_plan,
+    new_model,
+    padded_batch,
+    peak_of,
+    run_plan,
+    run_reference,
+    seq_batch,
+    token_loss,
+)
 
 
 def _with_blocks(plan, k: int, offload: str = "none"):

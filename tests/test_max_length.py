@@ -8,10 +8,10 @@ import logging
 
 import pytest
 import torch
+from gpt import GPT, GPTConfig, random_batch
 
 import autotune
 from autotune.workload import batch as batches
-from gpt import GPT, GPTConfig, random_batch
 
 CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
 

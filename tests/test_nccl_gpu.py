@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import run_scenarios, spawn  # noqa: E402
+from ranks import run_scenarios, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                   reason="needs two CUDA GPUs")]

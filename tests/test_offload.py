@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.errors import InvalidSetting
 from autotune.configuration import Rung
+from autotune.errors import InvalidSetting
 from autotune.evidence import Trial
 from autotune.plan import Plan
 from autotune.search.trial import OVERLAPPED
 from autotune.techniques import optimizer_8bit, parse_techniques
-from autotune.techniques.offload import pipeline as offload_pipeline
 from autotune.techniques.offload import HostOptimizer, host_share, norm_parameters
+from autotune.techniques.offload import pipeline as offload_pipeline
 from autotune.training.step import TrainingStep
 from autotune.workload.batching import global_step_seconds, solve_accumulation
 from autotune.workload.optimizers import OptimizerSpec
@@ -337,8 +337,8 @@ def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(mon
     # Training overlaps only the last of k backwards; a trial measured with every step overlapped priced
     # all k that way (4-20% under the trained rate on an H100). The warm-up step still overlaps: its peak
     # is the last backward's, which the meter must see.
-    from autotune.devices.placement import resolve_device
     from autotune.configuration import Rung
+    from autotune.devices.placement import resolve_device
     from autotune.search.trial import TrialRunner, Workload
     from autotune.workload.losses import resolve
 

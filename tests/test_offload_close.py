@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from test_step import make_plan, new_model, run_plan, seq_batch
 
 

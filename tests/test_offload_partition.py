@@ -24,6 +24,7 @@ TIMEOUT_S = 240
 
 def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None):
     from test_offload import Net, adamw
+
     from autotune.training.step import TrainingStep
 
     os.environ["AUTOTUNE_OFFLOAD_PARTITION"] = "1" if partition else "0"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from torch import nn
 
 from autotune.configuration import Rung
-
 from autotune.evidence import Trial
 from autotune.search.offload_share import choose_offload_fraction
 from autotune.techniques.offload import host_share

@@ -12,12 +12,12 @@ import copy
 
 import pytest
 import torch
+from test_offload import Net, Wide, adamw, assert_bitwise, batches, make_plan, second_step_peak
 
 import autotune
-
-from autotune.techniques.offload import pipeline as offload_pipeline, streamed as offload_stream
+from autotune.techniques.offload import pipeline as offload_pipeline
+from autotune.techniques.offload import streamed as offload_stream
 from autotune.training.step import TrainingStep
-from test_offload import Net, Wide, adamw, assert_bitwise, batches, make_plan, second_step_peak
 
 
 @pytest.fixture(autouse=True)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_lattice import ANCHORS, GiB, LatticeGPU, N
 
 from autotune.configuration import Rung
-
 from autotune.evidence import Trial
 from autotune.search import partitioned_state
 from autotune.search.controller import Controller, Lattice, SearchResult
-from test_lattice import ANCHORS, GiB, N, LatticeGPU
 
 
 def _gpu() -> LatticeGPU:

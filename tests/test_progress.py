@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 from autotune.configuration import Rung
-
 from autotune.evidence import Trial
 from autotune.plan import Plan
 from autotune.search.progress import Progress, progress_for

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from autotune.configuration import Rung
-
 from autotune.evidence import Trial
 from autotune.search import reduce_timing
 from autotune.workload.batching import global_step_seconds

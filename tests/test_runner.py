@@ -24,13 +24,13 @@ import pytest
 from click.testing import CliRunner
 
 from autotune.cache.store import PlanCache
-from autotune.supervisor import claims, runner
 from autotune.cli.main import main
-from autotune.search.controller import Controller
-from autotune.errors import InvalidSetting
-from autotune.plan import Plan
 from autotune.configuration import Rung
+from autotune.errors import InvalidSetting
 from autotune.evidence import Trial
+from autotune.plan import Plan
+from autotune.search.controller import Controller
+from autotune.supervisor import claims, runner
 from autotune.supervisor.process import ChildExit
 from autotune.supervisor.verdict import classify
 from autotune.supervisor.zero_change import FlagMap

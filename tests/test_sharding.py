@@ -26,9 +26,10 @@ def _presharded_fit(rank: int, world: int) -> dict:
     """A model the user sharded goes through fit and a step at a roomy budget, then at a tight one: the limit
     (budget less the 10% margin) just under the peak of the roomy fit's first trial (bf16 at micro-batch 1),
     so trials run out of memory or over the limit inside FSDP and the search moves on."""
+    from test_step import Net, seq_batch
+
     import autotune
     from autotune.techniques.sharding import shard
-    from test_step import Net, seq_batch
 
     def fit_and_step(budget):
         torch.manual_seed(0)
@@ -114,10 +115,11 @@ def _sharded_when_needed(rank: int, world: int) -> dict:
     """An unsharded model whose replicated weights and gradients are over the limit: fit tunes a sharded
     copy and leaves the model as it was; plan.apply shards it, keeps the user's optimizer (two parameter
     groups, two learning rates) over the shards, and the step equals one full-batch step (float64)."""
-    import autotune
-    from autotune.techniques.sharding import is_sharded
     from test_distributed_step import _shares
     from test_step import Net, assert_same_training
+
+    import autotune
+    from autotune.techniques.sharding import is_sharded
 
     torch.manual_seed(0)
     model = Net(width=WIDTH, depth=8).to(torch.float64)
@@ -165,9 +167,10 @@ def _one_rank_out_of_memory(rank: int, world: int) -> dict:
     longer. Without the check-ins before FSDP's collectives (`distributed.guard_collectives`) the others wait
     in the next all-gather for a rank that has left the step, until gloo's timeout; with them, every rank
     leaves at the same collective and all re-run the batch at a smaller micro-batch, together."""
+    from test_step import Net, seq_batch
+
     import autotune
     from autotune.techniques.sharding import shard
-    from test_step import Net, seq_batch
 
     torch.manual_seed(0)
     model = shard(Net(width=WIDTH))
@@ -198,11 +201,12 @@ def _hf_chunked_loss(rank: int, world: int) -> dict:
     """A Hugging Face GPT-2 (its head tied to the embedding, in the root unit) sharded in FP32, the default loss
     chunked (`workload/chunked_loss.py`), padded labels spread unevenly over the ranks: the step equals one
     full-batch step on the float64 loss of the whole batch's full logits."""
+    from test_models import float64_causal_loss, padded_lm_batch, tiny_gpt2
+    from test_step import make_plan, sgd
+
     from autotune.techniques.sharding import shard
     from autotune.training.step import TrainingStep
     from autotune.workload.losses import chunked_default_loss
-    from test_models import float64_causal_loss, padded_lm_batch, tiny_gpt2
-    from test_step import make_plan, sgd
 
     batch = padded_lm_batch(n=4 * world)
     start = tiny_gpt2()

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.workload.batching import solve_accumulation
 from autotune.cache.store import PlanCache
 from autotune.errors import NoFeasiblePlan
 from autotune.plan import Plan
 from autotune.training.step import TrainingStep
+from autotune.workload.batching import solve_accumulation
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py
 

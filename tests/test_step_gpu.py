@@ -21,7 +21,7 @@ import torch
 import autotune
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import psutil
-
-from autotune.cache.trouble import check_integrity
-from autotune.cache.store import PlanCache
 from cache_samples import sample
+
+from autotune.cache.store import PlanCache
+from autotune.cache.trouble import check_integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"

@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 from sqlite_utils import Database
 
+from ..errors import AutotuneError
 from . import db as cache_db
 from . import files, trouble
 from .files import unknown_home
-from ..errors import AutotuneError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

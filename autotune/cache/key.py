@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..workload import batch as batches
 from ..plan import PLAN_FORMAT_VERSION
 from ..techniques import TECHNIQUES as TECHNIQUE_NAMES
+from ..workload import batch as batches
 
 PART_FIELDS = ("format", "model", "batch", "global_batch_size", "world_size", "device", "budget_bytes", "margin",
                "techniques", "max_micro_batch", "optimizer", "loss", "runtime")

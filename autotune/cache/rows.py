@@ -21,9 +21,9 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from .key import check_parts, plan_key
 from ..evidence import Trial
 from ..plan import Plan
+from .key import check_parts, plan_key
 
 EXPORT_SCHEMA = 1
 ROW_FIELDS = ("schema", "key", "parts", "plan", "failures", "updated")  # a plan row; "kind" optional

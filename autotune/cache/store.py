@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO, TypeVar
 
-
+from ..errors import InvalidSetting
+from ..evidence import Trial
+from ..plan import Plan
 from . import tables
 from .files import CACHE_ENV, TEAM_DIR_ENV, expanded, filesystem_type, is_network_filesystem
 from .guard import DEFAULT_TIMEOUT, CacheConnection, CacheError, CacheWarning, _warn_once
@@ -35,9 +37,6 @@ from .key import check_parts, key_parts, plan_key
 from .lines import read_rows, write_rows
 from .rows import CacheEntry, Failure, NothingFits, PlanRow, check_plan_matches, parse_row, printable
 from .team import TeamDir
-from ..errors import InvalidSetting
-from ..evidence import Trial
-from ..plan import Plan
 
 __all__ = ["CacheEntry", "CacheError", "CacheWarning", "ImportReport", "NothingFits", "PlanCache", "default_path",
            "filesystem_type", "is_network_filesystem", "key_parts", "open_cache", "plan_key"]

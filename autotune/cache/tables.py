@@ -18,10 +18,10 @@ from typing import Any
 
 from sqlite_utils import Database
 
-from .db import immediate
-from .rows import CacheEntry, Failure, NothingFits, PlanRow
 from ..evidence import Trial
 from ..plan import Plan, StalePlanFormat
+from .db import immediate
+from .rows import CacheEntry, Failure, NothingFits, PlanRow
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import CACHE_ENV, TEAM_DIR_ENV, free_bytes
 from ..sizes import format_bytes
+from .files import CACHE_ENV, TEAM_DIR_ENV, free_bytes
 
 FULL_BELOW_BYTES = 2**20  # an I/O error with less free space than this on the cache's file system is "full"
 

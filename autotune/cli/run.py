@@ -13,15 +13,14 @@ from typing import Any
 
 import click
 
-from ..supervisor.agent import configure_logging
-from ..supervisor.flags import PRESETS
-from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..cache.rows import printable
+from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..evidence import Trial
 from ..plan import Plan
 from ..plotting import PlotUnavailable, draw_search, require_matplotlib
 from ..sizes import format_bytes, shorten
-from ..workload.batching import check_global_batch_size
+from ..supervisor.agent import configure_logging
+from ..supervisor.flags import PRESETS
 from ..supervisor.runner import (
     DEFAULT_GRACE,
     DEFAULT_MAX_RESTARTS,
@@ -31,6 +30,7 @@ from ..supervisor.runner import (
     RunResult,
 )
 from ..supervisor.runner import run as run_script
+from ..workload.batching import check_global_batch_size
 
 EXAMPLES = """\b
 Examples:

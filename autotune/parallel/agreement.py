@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..evidence import NOISY, Trial
 from .oom import agree_oom
-from .ranks import collective_device, active
+from .ranks import active, collective_device
 
 # Worse outcomes have higher codes, so MAX over ranks is the worst. "error" (compile failed on a rank) is the
 # worst: every rank must then leave compile, or the ranks' searches part ways.

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices.ceiling import host_memory
-from .ranks import collective_device, active
+from .ranks import active, collective_device
 
 _armed = 0
 ANOTHER_RANK_OOM = "CUDA out of memory on another rank (autotune stopped this rank at the same collective)"

@@ -11,7 +11,7 @@ from ..configuration import Rung
 from ..evidence import Trial
 from ..sizes import format_bytes
 from ..workload.batching import fit_line, global_step_seconds
-from .lines import MIN_OVERHEAD, NOISE, RUNOFF, Lines, Runner, RungState, timed
+from .lines import MIN_OVERHEAD, NOISE, RUNOFF, Lines, RungState, Runner, timed
 
 log = logging.getLogger("autotune.search.controller")
 

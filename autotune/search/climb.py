@@ -11,9 +11,15 @@ from ..configuration import Rung
 from ..errors import InvalidSetting, TooFewSamples
 from ..evidence import Trial
 from ..sizes import format_bytes
-from ..workload.batching import (bisect_next, ceil_div, fit_line, global_step_seconds, predict_max_micro_batch,
-                                 smallest_micro_batch)
-from .lines import MAX_BISECT, NOISE, Lines, Runner, RungState, balanced
+from ..workload.batching import (
+    bisect_next,
+    ceil_div,
+    fit_line,
+    global_step_seconds,
+    predict_max_micro_batch,
+    smallest_micro_batch,
+)
+from .lines import MAX_BISECT, NOISE, Lines, RungState, Runner, balanced
 
 log = logging.getLogger("autotune.search.controller")
 

@@ -24,7 +24,7 @@ from ..configuration import Rung
 from ..errors import NoFeasiblePlan
 from ..evidence import Trial
 from .choice import Choice
-from .lines import NOISE, Compiled, Lattice, Runner, RungState
+from .lines import NOISE, Compiled, Lattice, RungState, Runner
 from .placement import Placing, ruled_out
 
 __all__ = ["Controller", "FIT_ADVICE", "Lattice", "NOISE", "SearchResult", "ruled_out"]

@@ -44,7 +44,7 @@ def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: P
     total: float | None = None
     try:
         total = _count(model, part, loss_fn)
-    except Exception as exc:  # noqa: BLE001 - an OOM only leaves MFU unknown; anything else is the model's own
+    except Exception as exc:  # an OOM only leaves MFU unknown; anything else is the model's own
         if is_device_poisoned(exc):  # no clean-up: every CUDA call would fail again and hide this error
             raise DeviceError(f"CUDA error while counting the model's FLOPs: {exc}. The CUDA context is unusable; "
                               "restart the process.") from exc
@@ -66,7 +66,7 @@ def _forward_only(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Plac
         with torch.no_grad(), counter:
             loss_fn(model, batch)
         total = 3.0 * counter.get_total_flops()
-    except Exception as exc:  # noqa: BLE001 - as in the full count: an OOM only leaves MFU unknown
+    except Exception as exc:  # as in the full count: an OOM only leaves MFU unknown
         if not is_oom(exc):
             raise
         log.info("counting FLOPs at micro-batch %d ran out of memory; the plan will have no MFU", n)

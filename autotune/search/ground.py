@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import parallel as distributed
 from ..devices.placement import Placement
 from ..errors import DeviceError
 from ..techniques.sharding import is_sharded, sharded_copy
-from .. import parallel as distributed
 from .snapshot import Snapshot
 
 log = logging.getLogger(__name__)

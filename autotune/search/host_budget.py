@@ -12,12 +12,12 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import NoFeasiblePlan
 from ..configuration import Rung
+from ..errors import NoFeasiblePlan
 from ..sizes import format_bytes
-from ..techniques.offload import partition as offload_partition
 from ..techniques.host_need import HostNeed, offload_need, with_snapshot
 from ..techniques.offload import overlap_default
+from ..techniques.offload import partition as offload_partition
 from ..techniques.offload.streamed import streams
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 

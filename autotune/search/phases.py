@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from ..configuration import Rung
 from ..evidence import Trial
 from ..sizes import format_bytes
-from ..techniques.offload import partition as offload_partition
 from ..techniques.offload import norm_parameters, overlap_default
+from ..techniques.offload import partition as offload_partition
 from ..techniques.offload.streamed import streams
 from ..workload.optimizers import state_tensors_per_parameter
 from . import host_budget, offload_overlap, partitioned_state, reduce_timing

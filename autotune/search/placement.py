@@ -12,7 +12,6 @@ from .climb import Climb
 from .lines import MAX_PLACED, NOISE, Compiled
 
 
-
 class Placing(Climb):
     """Placing configurations between and beyond the anchors (a part of `Controller`)."""
 

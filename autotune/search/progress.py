@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..configuration import Rung
-
 from ..evidence import Trial
 from ..sizes import format_bytes, shorten
 

@@ -23,19 +23,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..workload import batch as batches
-from ..workload.batching import global_step_seconds
+from .. import parallel as distributed
+from ..configuration import Rung, none_on_the_host
 from ..devices.placement import MemoryMeter, Placement, now, release_memory
 from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
-from ..workload.accumulation import LossWeights, weighted_loss
-from ..workload.losses import LossFn, LossForm, label_counts
-from ..workload.optimizers import OptimizerSpec
-from ..configuration import Rung, none_on_the_host
 from ..evidence import NOISY, Trial
 from ..sizes import format_bytes, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import is_sharded, reset_after_failure
-from .. import parallel as distributed
+from ..workload import batch as batches
+from ..workload.accumulation import LossWeights, weighted_loss
+from ..workload.batching import global_step_seconds
+from ..workload.losses import LossFn, LossForm, label_counts
+from ..workload.optimizers import OptimizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class TrialRunner:
                                          offload_fraction=offload_fraction, overlap=True if overlap else None)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
                                          gate, reduce_pairs)
-            except Exception as exc:  # noqa: BLE001 - classified right here; anything not an OOM re-raised
+            except Exception as exc:  # classified right here; anything not an OOM re-raised
                 if is_device_poisoned(exc):
                     poisoned = True  # clean-up must make no CUDA call: it would fail too and hide this error
                     raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
@@ -205,7 +205,7 @@ def _reduced_steps(reduced: Callable[[bool], float], order: list[bool]) -> tuple
         seconds, failure = 0.0, None
         try:
             seconds = reduced(overlap)
-        except Exception as exc:  # noqa: BLE001 - an OOM is agreed first; anything else propagates
+        except Exception as exc:  # an OOM is agreed first; anything else propagates
             if not is_oom(exc):
                 raise
             failure = exc
@@ -286,7 +286,7 @@ def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens
     loss, failure = None, None
     try:
         loss = _loss(applied, micro_batch, work, weights, tokens, form)
-    except Exception as exc:  # noqa: BLE001 - an OOM is held until the ranks' all-reduces are done
+    except Exception as exc:  # an OOM is held until the ranks' all-reduces are done
         if not is_oom(exc):
             raise
         failure = exc
@@ -296,7 +296,7 @@ def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens
         if loss is not None:
             try:
                 applied.backward(loss)
-            except Exception as exc:  # noqa: BLE001 - as above
+            except Exception as exc:  # as above
                 if not is_oom(exc):
                     raise
                 failure = exc
@@ -349,7 +349,7 @@ def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool
         return
     try:
         release_memory(work.placement, reset_peak=True)
-    except Exception as exc:  # noqa: BLE001 - classified here; anything else propagates untouched
+    except Exception as exc:  # classified here; anything else propagates untouched
         if is_device_poisoned(exc):
             raise DeviceError(f"CUDA error while cleaning up after a trial: {exc}. The CUDA context is unusable; "
                               "restart the process.") from exc

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import parallel as distributed
 from ..configuration import Rung
 from ..devices import host as host_memory
 from ..devices.peaks import device_peak
@@ -21,18 +22,18 @@ from ..techniques import dtype_conflict, find_blocks, is_float64, profile_blocks
 from ..techniques.blocks import BlockGroup
 from ..techniques.compile import unavailable as compile_unavailable
 from ..techniques.sharding import choose_sharding, is_sharded
-from .. import parallel as distributed
 from ..training.recovery import engine_rung
 from ..workload import batch as batches
 from ..workload import chunked_loss
 from ..workload.batching import split_sizes
-from ..workload.losses import chunked_default_loss, resolve as resolve_loss
+from ..workload.losses import chunked_default_loss
+from ..workload.losses import resolve as resolve_loss
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from . import host_budget
 from .anchors import anchors, eight_bit_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
-from .flops import flops_per_sample, utilization
 from .floors import drop_rungs_over, resident_floor
+from .flops import flops_per_sample, utilization
 from .ground import trials_on
 from .phases import PhaseContext, run_phases
 from .progress import Progress

@@ -35,8 +35,8 @@ from typing import Any, TextIO
 from .. import api, settings
 from ..cache.store import CacheWarning
 from ..plan import Plan
-from .measure import PeakMeter, StepWatch, clock
 from ..sizes import format_bytes
+from .measure import PeakMeter, StepWatch, clock
 
 log = logging.getLogger(__name__)
 

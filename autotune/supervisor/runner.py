@@ -34,19 +34,18 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import agent
-from ..workload.batching import per_rank_batch
-from ..sizes import format_bytes, parse_bytes, shorten
-from ..search.progress import PROGRESS_ENV, progress_for
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
 from ..plan import Plan
-from .process import Child, SignalForwarder
+from ..search.progress import PROGRESS_ENV, progress_for
 from ..settings import DEFAULT_MARGIN, DEFAULT_MEASURED_STEPS, ENV, FitSettings
+from ..sizes import format_bytes, parse_bytes, shorten
 from ..techniques import parse_techniques
-from .verdict import Verdict, classify
-from . import claims
+from ..workload.batching import per_rank_batch
+from . import agent, claims
 from .flags import FlagMap, preset_maps
+from .process import Child, SignalForwarder
 from .script_cache import RunCache, ScriptCache, script_parts
+from .verdict import Verdict, classify
 from .zero_change import ScriptTrials, ScriptTuner, TrialFailed, compile_searched, resolve_target, script_rungs
 
 log = logging.getLogger(__name__)

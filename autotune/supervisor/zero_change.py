@@ -20,19 +20,19 @@ from typing import Any
 import psutil
 import torch
 
+from ..configuration import Rung
 from ..devices import nvml
-from .flags import FlagMap
-from .agent import STEPS_ENV
-from ..workload.batching import global_step_seconds
+from ..devices.placement import check_budget
+from ..errors import DeviceError, InvalidSetting
+from ..evidence import Trial
+from ..plan import Plan
 from ..search.controller import Controller, Lattice
 from ..search.progress import Progress
 from ..search.trial import NOISY, NOISY_SPREAD, noise_note, spread
-from ..devices.placement import check_budget
-from ..errors import DeviceError, InvalidSetting
-from ..configuration import Rung
-from ..evidence import Trial
-from ..plan import Plan
 from ..sizes import format_bytes, parse_bytes, shorten
+from ..workload.batching import global_step_seconds
+from .agent import STEPS_ENV
+from .flags import FlagMap
 from .process import ChildExit
 from .verdict import Verdict
 

@@ -127,7 +127,7 @@ def profile_blocks(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, A
     held: dict[int, int] | None = None
     try:
         held = _held_bytes(model, [m for _, m in candidates], part, n, loss_fn)
-    except Exception as exc:  # noqa: BLE001 - an OOM only leaves the order structural; anything else is the model's
+    except Exception as exc:  # an OOM only leaves the order structural; anything else is the model's
         if not is_oom(exc):
             raise
         log.info("profiling the blocks' activations ran out of memory; blocks recomputed in structural order")

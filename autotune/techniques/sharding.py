@@ -182,7 +182,7 @@ def _repoint(optimizer: torch.optim.Optimizer, names: dict[int, str], shards: di
     state.update(moved)
 
 
-def _shard_like(value: object, param: nn.Parameter, distribute) -> object:  # noqa: ANN001 - torch's function
+def _shard_like(value: object, param: nn.Parameter, distribute) -> object:  # torch's function
     """A parameter-shaped state tensor cut to this rank's shard, laid out as the parameter; else as it is."""
     if isinstance(value, torch.Tensor) and value.shape == param.shape and hasattr(param, "device_mesh"):
         local = value.detach().to(param.device)

@@ -25,8 +25,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..errors import InvalidSetting
 from .. import parallel
+from ..errors import InvalidSetting
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: keeps the factor finite at a zero norm
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import is_oom
-from ..techniques.offload import HostOptimizer
 from ..sizes import format_bytes
+from ..techniques.offload import HostOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class OffloadLink:
         state = self._state_dict(self.user, self.user.state_dict())
         try:
             self.user.load_state_dict(state)
-        except Exception as exc:  # noqa: BLE001 - only an OOM is handled; anything else propagates
+        except Exception as exc:  # only an OOM is handled; anything else propagates
             if not is_oom(exc):
                 raise
             self._keep_on_host(exc)

@@ -269,7 +269,7 @@ class TrainingStep:
         # exception, its traceback, and with them that frame (pytorch #27600).
         try:
             return run(*args, **kwargs), ""
-        except Exception as exc:  # noqa: BLE001 - classified here; anything not an OOM propagates untouched
+        except Exception as exc:  # classified here; anything not an OOM propagates untouched
             if is_device_poisoned(exc):
                 raise DeviceError(f"CUDA error in a training step ({self._config()}): {exc}. The CUDA context "
                                   "is unusable; restart the process.") from exc
@@ -347,7 +347,7 @@ class TrainingStep:
         gc.collect()
         try:
             release_memory(self.placement)
-        except Exception as exc:  # noqa: BLE001 - classified here; anything else propagates untouched
+        except Exception as exc:  # classified here; anything else propagates untouched
             if is_device_poisoned(exc):  # an asynchronous error surfacing at the synchronize
                 raise DeviceError(f"CUDA error while cleaning up after an OOM in training ({self._config()}): "
                                   f"{exc}. The CUDA context is unusable; restart the process.") from exc

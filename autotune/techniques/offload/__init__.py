@@ -9,8 +9,17 @@ which parameters go to the host).
 
 from .cpu_engine import HostOptimizer
 from .interface import NO_OFFLOAD, OptimizerOffload, offload_of
-from .tensors import (NORM_LAYERS, device_dtype, host_share, local_part, master_dtype, norm_parameters,
-                      overlap_default, to_device, to_host)
+from .tensors import (
+                      NORM_LAYERS,
+                      device_dtype,
+                      host_share,
+                      local_part,
+                      master_dtype,
+                      norm_parameters,
+                      overlap_default,
+                      to_device,
+                      to_host,
+)
 
 __all__ = ["NORM_LAYERS", "NO_OFFLOAD", "HostOptimizer", "OptimizerOffload", "device_dtype", "host_share",
            "local_part", "master_dtype", "norm_parameters", "offload_of", "overlap_default", "to_device", "to_host"]

@@ -17,12 +17,11 @@ from torch.distributed.tensor import DTensor
 from ...devices.ceiling import host_memory
 from ...workload.optimizers import OptimizerSpec
 from . import partition as offload_partition
+from .engine_state import EngineState
 from .partition import Gathered, Partition
 from .pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
-from .engine_state import EngineState
 from .streamed import DeviceStepper, stream_wanted, streamable
-from .tensors import (host_masters, device_dtype, host_share, local_part, master_dtype,
-                      overlap_default)
+from .tensors import device_dtype, host_masters, host_share, local_part, master_dtype, overlap_default
 
 
 class HostOptimizer(EngineState):
