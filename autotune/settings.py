@@ -1,4 +1,5 @@
-"""`FitSettings`: fit's arguments and their `AUTOTUNE_*` environment defaults, validated in one place.
+"""`FitSettings`: fit's arguments and their `AUTOTUNE_*` environment defaults, validated in one place; and every
+other `AUTOTUNE_*` variable autotune reads (`VARIABLES`), read only through `read` and `switch` here.
 
 An argument passed to `fit` wins; otherwise the environment variable (set by `autotune run`, or by hand);
 otherwise the default below. Each default is defined once, here.
@@ -11,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .devices.peaks import PEAK_ENV  # its name lives below, where the peak table is
 from .errors import InvalidSetting
 from .sizes import brief, parse_bytes
 from .workload.batching import check_global_batch_size
@@ -131,8 +133,63 @@ def _from_env(name: str) -> Any:
 
 
 RESULT_FILE_ENV = "AUTOTUNE_RESULT_FILE"
+TEAM_DIR_ENV = "AUTOTUNE_TEAM_DIR"
+PROGRESS_ENV = "AUTOTUNE_PROGRESS"
+OFFLOAD_OVERLAP_ENV = "AUTOTUNE_OFFLOAD_OVERLAP"
+OFFLOAD_PARTITION_ENV = "AUTOTUNE_OFFLOAD_PARTITION"
+OFFLOAD_STREAM_ENV = "AUTOTUNE_OFFLOAD_STREAM"
+COMPILE_REGIONS_ENV = "AUTOTUNE_COMPILE_REGIONS"
+RESTART_COUNT_ENV = "AUTOTUNE_RESTART_COUNT"
+AGENT_STEPS_ENV = "AUTOTUNE_AGENT_STEPS"
+AGENT_BUDGET_ENV = "AUTOTUNE_AGENT_BUDGET"
+AGENT_DEVICE_ENV = "AUTOTUNE_AGENT_DEVICE"
+TUNE_ONLY_ENV = "AUTOTUNE_TUNE_ONLY"
+LOG_LEVEL_ENV = "AUTOTUNE_LOG_LEVEL"
+
+# Every AUTOTUNE_* variable autotune reads, and what it means (the README lists the same).
+VARIABLES: dict[str, str] = {
+    ENV["global_batch_size"]: "fit's global_batch_size",
+    ENV["memory_budget"]: "fit's memory_budget, e.g. 24GiB",
+    ENV["host_memory_budget"]: "fit's host_memory_budget, e.g. 96GiB",
+    ENV["max_length"]: "fit's max_length: the longest sequence training will see",
+    ENV["margin"]: "the share of the budget kept free, 0.10 by default",
+    ENV["device"]: "fit's device: cuda, cuda:N or cpu",
+    ENV["cache"]: "the plan cache's path, or off",
+    ENV["techniques"]: "fit's techniques, comma-separated",
+    ENV["measured_steps"]: "measured steps per trial",
+    ENV["max_micro_batch"]: "the largest micro-batch the search tries",
+    ENV["retune"]: "1: tune again even where the cache has a plan",
+    TEAM_DIR_ENV: "a shared folder of plan files the team reads and writes",
+    PROGRESS_ENV: "live, lines or off: how trials' progress is shown",
+    PEAK_ENV: "the GPU's peak TFLOP/s, where autotune's table does not know it",
+    OFFLOAD_OVERLAP_ENV: "0: the host's optimizer step never overlaps the last backward",
+    OFFLOAD_PARTITION_ENV: "0: replicated ranks do not partition the offloaded optimizer state",
+    OFFLOAD_STREAM_ENV: "0 or 1: step the host share on the GPU streamed, or never (default: where a GPU is)",
+    COMPILE_REGIONS_ENV: "blocks or model: what torch.compile wraps",
+    RESULT_FILE_ENV: "set by `autotune run`: where its job records how it ended",
+    RESTART_COUNT_ENV: "set by `autotune run`: how many times the job was restarted",
+    AGENT_STEPS_ENV: "set by `autotune run`: a zero-change trial stops after this many optimizer steps",
+    AGENT_BUDGET_ENV: "set by `autotune run`: a memory ceiling in bytes for the whole script",
+    AGENT_DEVICE_ENV: "set by `autotune run`: cuda or cpu, the kind of ceiling",
+    TUNE_ONLY_ENV: "set by `autotune run --tune-only`: the job exits once fit has its plan",
+    LOG_LEVEL_ENV: "set by `autotune run`: the verbosity of autotune's log in the job",
+}
+_OFF = ("0", "false", "no", "off")
+
+
+def read(name: str, default: str = "") -> str:
+    """The environment variable `name` (one of `VARIABLES`), stripped; `default` where it is unset or empty."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not one of autotune's variables (settings.VARIABLES)")
+    return os.environ.get(name, "").strip() or default
+
+
+def switch(name: str, default: bool = True) -> bool:
+    """An on/off variable: off for 0, false, no or off; `default` where it is unset or empty."""
+    value = read(name).lower()
+    return default if not value else value not in _OFF
 
 
 def result_file() -> str | None:
     """$AUTOTUNE_RESULT_FILE: where a job of `autotune run` records how it ended; None outside `autotune run`."""
-    return os.environ.get(RESULT_FILE_ENV) or None
+    return read(RESULT_FILE_ENV) or None

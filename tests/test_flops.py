@@ -10,6 +10,7 @@ from gpt import GPT, GPTConfig, random_batch
 from torch import nn
 
 import autotune
+from autotune import settings
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
 from autotune.cli.run import format_trials
@@ -95,11 +96,12 @@ def test_peak_table_tells_the_h100_variants_apart() -> None:
 
 def test_peak_override_and_its_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PEAK_ENV, "100")
-    assert device_peak("Some Future GPU").flops("bf16") == pytest.approx(100e12)
-    assert device_peak("cpu (simulated ceiling)", "cpu").flops("bf16") is None  # no speed to compare on the CPU
+    assert device_peak("Some Future GPU", override=settings.read(PEAK_ENV)).flops("bf16") == pytest.approx(100e12)
+    # no speed to compare on the CPU
+    assert device_peak("cpu (simulated ceiling)", "cpu", override=settings.read(PEAK_ENV)).flops("bf16") is None
     monkeypatch.setenv(PEAK_ENV, "fast")
     with pytest.raises(autotune.InvalidSetting, match=PEAK_ENV):
-        device_peak("NVIDIA H100 PCIe")
+        device_peak("NVIDIA H100 PCIe", override=settings.read(PEAK_ENV))
 
 
 def test_utilization_is_per_gpu() -> None:

@@ -24,12 +24,14 @@ from pathlib import Path
 
 import psutil
 
+from .. import settings
+
 log = logging.getLogger(__name__)
 
 APPLICATION_ID = 0x41545043  # "ATPC" in the SQLite header: this file is an autotune plan cache
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
-CACHE_ENV = "AUTOTUNE_CACHE"
-TEAM_DIR_ENV = "AUTOTUNE_TEAM_DIR"
+CACHE_ENV = settings.ENV["cache"]
+TEAM_DIR_ENV = settings.TEAM_DIR_ENV
 # SQLite's locking is unreliable on these ("WAL does not work over a network filesystem"); fuse covers
 # sshfs, s3fs, gcsfuse and friends.
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "lustre", "gpfs", "fuse", "ceph",

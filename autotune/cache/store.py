@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO, TypeVar
 
+from .. import settings
 from ..errors import InvalidSetting
 from ..evidence import Trial
 from ..plan import Plan
@@ -58,7 +59,7 @@ class ImportReport:
 
 def default_path() -> Path:
     """`$AUTOTUNE_CACHE`, else `$XDG_CACHE_HOME/autotune/plans.db`, else `~/.cache/autotune/plans.db`."""
-    env = os.environ.get(CACHE_ENV, "")
+    env = settings.read(CACHE_ENV)
     if env and env.lower() not in ("0", "false", "off", "no"):
         return expanded(env)
     xdg = os.environ.get("XDG_CACHE_HOME", "")
@@ -108,7 +109,7 @@ class PlanCache(CacheConnection):
             CacheError: only with `strict=True`, when the database cannot be used.
         """
         super().__init__(expanded(path) if path is not None else default_path(), timeout=timeout, strict=strict)
-        team = team_dir if team_dir is not None else os.environ.get(TEAM_DIR_ENV) or None
+        team = team_dir if team_dir is not None else settings.read(TEAM_DIR_ENV) or None
         self.team = TeamDir(team) if team else None
 
     def __repr__(self) -> str:

@@ -9,13 +9,12 @@ its plans no MFU; `$AUTOTUNE_PEAK_TFLOPS` names the peak where the table does no
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 from ..errors import InvalidSetting
 
-PEAK_ENV = "AUTOTUNE_PEAK_TFLOPS"
+PEAK_ENV = "AUTOTUNE_PEAK_TFLOPS"  # read by autotune.settings, the one reader of autotune's variables
 
 # (pattern searched in torch.cuda.get_device_name(), dense 16-bit TFLOP/s, FP32 TFLOP/s or None).
 # First match wins, so the variants (PCIe, NVL) come before the family.
@@ -51,25 +50,26 @@ class DevicePeak:
         return self.fp32 if precision == "fp32" else self.half
 
 
-def device_peak(device_name: str, kind: str = "cuda") -> DevicePeak:
-    """The peak of the device named `device_name`; `kind` "cpu" (the simulated ceiling) has none.
+def device_peak(device_name: str, kind: str = "cuda", override: str = "") -> DevicePeak:
+    """The peak of the device named `device_name`; `kind` "cpu" (the simulated ceiling) has none. `override` is
+    $AUTOTUNE_PEAK_TFLOPS's text (`settings.read(PEAK_ENV)`): a peak in TFLOP/s that wins over the table.
 
     Raises:
-        InvalidSetting: `$AUTOTUNE_PEAK_TFLOPS` is set but not a positive number.
+        InvalidSetting: `override` is given but not a positive number.
     """
-    override = _override()
+    peak = _override(override)
     if kind != "cuda":
         return DevicePeak(half=None, fp32=None, source="no GPU: the CPU simulates memory, not speed")
-    if override is not None:
-        return DevicePeak(half=override, fp32=override, source=PEAK_ENV)
+    if peak is not None:
+        return DevicePeak(half=peak, fp32=peak, source=PEAK_ENV)
     for pattern, half, fp32 in PEAKS:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
             return DevicePeak(half=half * 1e12, fp32=fp32 * 1e12 if fp32 else None, source=pattern)
     return DevicePeak(half=None, fp32=None, source=f"{device_name!r} is not in the table; set {PEAK_ENV}")
 
 
-def _override() -> float | None:
-    text = os.environ.get(PEAK_ENV, "").strip()
+def _override(text: str) -> float | None:
+    text = text.strip()
     if not text:
         return None
     try:

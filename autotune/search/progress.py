@@ -14,19 +14,19 @@ a supervised job writes to the same terminal. A live line needs "carriage return
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from .. import settings
 from ..configuration import Rung
 from ..evidence import Trial
 from ..sizes import format_bytes, shorten
 
 log = logging.getLogger("autotune.progress")
 
-PROGRESS_ENV = "AUTOTUNE_PROGRESS"  # "live", "lines" or "off": set by `autotune run` for the jobs it starts
+PROGRESS_ENV = settings.PROGRESS_ENV  # "live", "lines" or "off": set by `autotune run` for the jobs it starts
 _ERASE = "\r\x1b[2K"  # carriage return, then erase the whole line (ECMA-48 EL 2)
 
 Runner = Callable[..., Trial]
@@ -42,7 +42,7 @@ def progress_for(setting: bool | None, stream: TextIO | None = None) -> Progress
     stream = stream if stream is not None else sys.stderr
     if setting is False:
         return None
-    mode = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    mode = settings.read(PROGRESS_ENV).lower()
     if setting is None and mode == "off":
         return None
     tty = _is_terminal(stream)

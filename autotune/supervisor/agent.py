@@ -41,11 +41,11 @@ from .measure import PeakMeter, StepWatch, clock
 log = logging.getLogger(__name__)
 
 RESULT_FILE_ENV = settings.RESULT_FILE_ENV
-STEPS_ENV = "AUTOTUNE_AGENT_STEPS"  # zero-change trial: stop after this many optimizer steps
-BUDGET_ENV = "AUTOTUNE_AGENT_BUDGET"  # bytes: apply a memory ceiling to the whole script
-DEVICE_ENV = "AUTOTUNE_AGENT_DEVICE"  # "cuda" or "cpu": which kind of ceiling, and what to measure
-TUNE_ONLY_ENV = "AUTOTUNE_TUNE_ONLY"  # "1": exit as soon as fit reports its plan
-LOG_LEVEL_ENV = "AUTOTUNE_LOG_LEVEL"  # the supervisor's verbosity, for autotune's logger in the job
+STEPS_ENV = settings.AGENT_STEPS_ENV  # zero-change trial: stop after this many optimizer steps
+BUDGET_ENV = settings.AGENT_BUDGET_ENV  # bytes: apply a memory ceiling to the whole script
+DEVICE_ENV = settings.AGENT_DEVICE_ENV  # "cuda" or "cpu": which kind of ceiling, and what to measure
+TUNE_ONLY_ENV = settings.TUNE_ONLY_ENV  # "1": exit as soon as fit reports its plan
+LOG_LEVEL_ENV = settings.LOG_LEVEL_ENV  # the supervisor's verbosity, for autotune's logger in the job
 
 TRACEBACK_CHARS = 4000
 
@@ -105,7 +105,7 @@ def report_plan(plan: Plan) -> None:
     update_result(plan=plan.to_dict())
     if _watch is not None:
         _watch.restart()  # what counts is the plan's training, not fit's trials before it
-    if os.environ.get(TUNE_ONLY_ENV) == "1":
+    if settings.read(TUNE_ONLY_ENV) == "1":
         log.info("autotune run --tune-only: plan recorded, stopping the script")
         _exit_now(0)
 
@@ -197,17 +197,17 @@ def main(argv: list[str]) -> None:
     """Run `argv[0]` as `__main__` with `argv[1:]` as its arguments, recording how it ends."""
     if not argv:
         raise SystemExit("usage: python -m autotune.supervisor.bootstrap SCRIPT [ARGS...]")
-    if os.environ.get(LOG_LEVEL_ENV):
-        configure_logging(os.environ[LOG_LEVEL_ENV])
+    if settings.read(LOG_LEVEL_ENV):
+        configure_logging(settings.read(LOG_LEVEL_ENV))
     plain_cache_warnings()
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
-    budget = int(os.environ[BUDGET_ENV]) if os.environ.get(BUDGET_ENV) else None
-    steps = int(os.environ.get(STEPS_ENV) or 0)
+    budget = int(settings.read(BUDGET_ENV)) if settings.read(BUDGET_ENV) else None
+    steps = int(settings.read(STEPS_ENV) or 0)
     global _watch
     try:
-        device = os.environ.get(DEVICE_ENV, "cuda")
+        device = settings.read(DEVICE_ENV, "cuda")
         with memory_ceiling(device, budget) as ceiling:
             if result_path() is not None:
                 api.on_plan(report_plan)  # fit reports the plan it returns

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import torch
 
-from .. import __version__
+from .. import __version__, settings
 from ..devices import nvml
 
 _OFF = ("0", "false", "off", "no")
@@ -122,7 +122,7 @@ def _network(fstype: str) -> bool:
 
 def cache_health(path: str | None = None) -> CacheHealth:
     """The plan cache's path and state, read without writing anything (no file is created)."""
-    setting = os.environ.get("AUTOTUNE_CACHE", "")
+    setting = settings.read(settings.ENV["cache"])
     if path is None and setting.lower() in _OFF and setting:
         return CacheHealth(path="", state="off", detail=f"$AUTOTUNE_CACHE={setting}")
     path = path or _default_cache_path()

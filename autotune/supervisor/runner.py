@@ -17,24 +17,24 @@ Every job runs in a process group of its own (`process.py`); SIGINT and SIGTERM 
 The supervisor opens the plan cache once, when it first needs it, and closes it when the run ends
 (`script_cache.RunCache`).
 `run` returns a `RunResult` whose `exit_code` is the README's: 0 success, the script's own code for a
-failure that is not about memory (never retried), 3 when nothing fits or the restarts are spent,
-5 when the job ran but nothing was tuned (no `fit`, no `--map`), 128 + signal when interrupted, and 124 when a zero-change trial outlived --trial-timeout. Settings
-errors raise `InvalidSetting` (exit 2), a missing GPU `DeviceError` (exit 4), for the CLI to map.
+failure that is not about memory (never retried), 3 when nothing fits or the restarts are spent, 5 when the
+job ran but nothing was tuned (no `fit`, no `--map`), 128 + signal when interrupted, and 124 when a
+zero-change trial outlived --trial-timeout. Settings errors raise `InvalidSetting` (exit 2), a missing GPU
+`DeviceError` (exit 4), for the CLI to map.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shlex
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan
+from .. import settings
+from ..errors import InvalidSetting, NoFeasiblePlan
 from ..plan import Plan
 from ..search.progress import PROGRESS_ENV, progress_for
 from ..settings import DEFAULT_MARGIN, DEFAULT_MEASURED_STEPS, ENV, FitSettings
@@ -43,14 +43,15 @@ from ..techniques import parse_techniques
 from ..workload.batching import per_rank_batch
 from . import agent, claims
 from .flags import FlagMap, preset_maps
-from .process import Child, SignalForwarder
+from .launcher import Interrupted, Launcher
+from .process import SignalForwarder
 from .script_cache import RunCache, ScriptCache, script_parts
-from .verdict import Verdict, classify
+from .verdict import Verdict
 from .zero_change import ScriptTrials, ScriptTuner, TrialFailed, compile_searched, resolve_target, script_rungs
 
 log = logging.getLogger(__name__)
 
-RESTART_COUNT_ENV = "AUTOTUNE_RESTART_COUNT"
+RESTART_COUNT_ENV = settings.RESTART_COUNT_ENV
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_TRIAL_TIMEOUT = 600.0
 DEFAULT_GRACE = 10.0
@@ -140,12 +141,6 @@ class RunResult:
     message: str = ""  # why the run ended, when it did not succeed
 
 
-class Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by signal {signum}")
-        self.signum = signum
-
-
 def run(options: RunOptions, on_plan: Callable[[Plan], None] | None = None) -> RunResult:
     """Supervise `options.script` until it succeeds, fails for good, or is interrupted.
 
@@ -171,70 +166,6 @@ def run(options: RunOptions, on_plan: Callable[[Plan], None] | None = None) -> R
                              message=f"interrupted by {signal.Signals(exc.signum).name}; the job was stopped")
         except TrialFailed as exc:
             return RunResult(exit_code=exc.exit_code, message=str(exc))
-
-
-@dataclass(kw_only=True)
-class Launcher:
-    """Starts the script through the agent (and torchrun when asked), one job at a time."""
-
-    options: RunOptions
-    forwarder: SignalForwarder
-    plan: Plan | None = None  # the plan in force: set before a zero-change run, reported by a cooperative job
-
-    def command(self, args: list[str]) -> list[str]:
-        opts = self.options
-        entry = ["-m", "autotune.supervisor.bootstrap", opts.script, *args]
-        if opts.nproc_per_node is None:
-            return [sys.executable, *entry]
-        if importlib.util.find_spec("torch.distributed.run") is None:
-            raise DeviceError("--nproc-per-node needs torch.distributed.run, which this torch build lacks")
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={opts.nproc_per_node}", *entry]
-
-    def launch(self, args: list[str], env: dict[str, str], *, trial: bool = False) -> Verdict:
-        """Run the job once and classify how it ended; raises `Interrupted` if we were signalled."""
-        opts = self.options
-        if self.forwarder.received is not None:  # signalled between two jobs: start no other
-            raise Interrupted(self.forwarder.received)
-        with tempfile.TemporaryDirectory(prefix="autotune-run-") as tmp:
-            result_file = os.path.join(tmp, "result.json")
-            child = Child(self.command(args), env=self._environment(env, result_file),
-                          echo=not trial or opts.verbose, capture_stdout=trial, stdout_to_stderr=opts.json_output,
-                          timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
-                          name=os.path.basename(opts.script))
-            exit_ = self.forwarder.run(child)
-            host_budget = parse_bytes(opts.host_budget, "--host-budget") if opts.host_budget is not None else None
-            verdict = classify(exit_, agent.read_results(result_file), host_budget)
-        self.plan = verdict.plan or self.plan
-        if self.forwarder.received is not None:
-            raise Interrupted(self.forwarder.received)
-        if not trial:
-            _log_end(os.path.basename(opts.script), verdict)
-        elif verdict.kind == "error" and not opts.verbose:
-            _show_tail(exit_.output_tail)  # the trial's output was captured: show how it failed
-        return verdict
-
-    def _environment(self, extra: dict[str, str], result_file: str) -> dict[str, str]:
-        env = {**os.environ, **extra, agent.RESULT_FILE_ENV: result_file,
-               agent.LOG_LEVEL_ENV: logging.getLevelName(logging.getLogger("autotune").getEffectiveLevel())}
-        # The job imports autotune.supervisor.bootstrap from the same place we were imported from, even when
-        # autotune is a source checkout that is not installed; appended, so it shadows nothing.
-        home = os.path.dirname(os.path.dirname(os.path.abspath(agent.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), home) if p)
-        return env
-
-
-def _log_end(name: str, verdict: Verdict) -> None:
-    how = verdict.kind if verdict.kind != "error" else f"exit code {verdict.exit_code}"
-    peak = verdict.exit.peak_gpu_bytes
-    log.info("%s ended: %s after %.1f s%s", name, how, verdict.exit.seconds,
-             f"; GPU peak {format_bytes(peak)} (NVML, largest process)" if peak else "")
-
-
-def _show_tail(text: str, lines: int = 40) -> None:
-    tail = text.rstrip().splitlines()[-lines:]
-    if tail:
-        sys.stderr.write("\n".join(tail) + "\n")
 
 
 # -- cooperative mode -----------------------------------------------------------------------------------
@@ -388,7 +319,7 @@ def _tuner(opts: RunOptions, launcher: Launcher, cache: RunCache) -> tuple[Scrip
     per_rank = per_rank_batch(global_batch, world)
     target = resolve_target(opts.device, opts.budget)
     margin = DEFAULT_MARGIN if opts.margin is None else opts.margin
-    allowed = parse_techniques(os.environ.get(ENV["techniques"]) or None)
+    allowed = parse_techniques(settings.read(ENV["techniques"]) or None)
     rungs, notes = script_rungs(flags, allowed, target.bf16_off)
     compiled, note = compile_searched(flags, allowed, target)
     notes += [note] if note else []

@@ -62,9 +62,9 @@ def open_store(setting: str | None) -> Any:
 
     Never raises: the cache never fails a run.
     """
-    from ..settings import ENV
+    from ..settings import ENV, read
 
-    setting = setting if setting is not None else os.environ.get(ENV["cache"])
+    setting = setting if setting is not None else (read(ENV["cache"]) or None)
     if setting is not None and setting.lower() in _OFF:
         return None
     try:

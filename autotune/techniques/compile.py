@@ -27,13 +27,13 @@ a note (the search records the failed trial and goes on without compile).
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .. import settings
 from ..devices.placement import Placement
 from ..errors import InvalidSetting
 from ..workload.batch import tensors
@@ -130,7 +130,7 @@ def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
 
 def regions() -> str:
     """What is compiled when no block is recomputed: "blocks" (default) or "whole" ($AUTOTUNE_COMPILE_REGIONS)."""
-    value = os.environ.get("AUTOTUNE_COMPILE_REGIONS", "blocks").strip().lower() or "blocks"
+    value = settings.read(settings.COMPILE_REGIONS_ENV, "blocks").lower()
     if value not in ("blocks", "whole"):
         raise InvalidSetting(f"$AUTOTUNE_COMPILE_REGIONS must be 'blocks' or 'whole', got {value!r}; unset it for "
                              "'blocks' (each repeated block compiled once, shared by all)")

@@ -24,13 +24,13 @@ for comparison: benchmarks/bench_multi_gpu.py measures both).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ... import settings
 from ...parallel import broadcast_together, check_in
 
 EVERY = -1  # the owner of a parameter every rank steps
@@ -38,7 +38,7 @@ EVERY = -1  # the owner of a parameter every rank steps
 
 def wanted() -> bool:
     """$AUTOTUNE_OFFLOAD_PARTITION: unset or 1 partitions on replicated ranks, 0 steps everything on every rank."""
-    return os.environ.get("AUTOTUNE_OFFLOAD_PARTITION", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.switch(settings.OFFLOAD_PARTITION_ENV)
 
 
 def partitions(precision: str, sharded: bool) -> bool:

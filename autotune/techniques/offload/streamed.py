@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from ... import settings
 from ...devices.ceiling import host_memory
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
@@ -54,12 +54,7 @@ STREAMED = ("Adam", "AdamW")  # their state: two moments the shape of the parame
 def stream_wanted(device_type: str) -> bool:
     """$AUTOTUNE_OFFLOAD_STREAM: 0 keeps the CPU step, 1 streams wherever the optimizer allows (the CPU test
     device included), unset streams on CUDA."""
-    value = os.environ.get("AUTOTUNE_OFFLOAD_STREAM", "").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    return device_type == "cuda"
+    return settings.switch(settings.OFFLOAD_STREAM_ENV, default=device_type == "cuda")
 
 
 def streams(device_type: str, optimizer_class: str, precision: str) -> bool:

@@ -16,13 +16,13 @@ them exactly as a GPU would.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ... import settings
 from ...devices.ceiling import host_memory
 from .streamed import flat_views
 
@@ -99,7 +99,7 @@ def host_share(numels: Sequence[int], fraction: float) -> list[int]:
 def overlap_default() -> bool:
     """Whether optimizer offload overlaps with backward: on unless $AUTOTUNE_OFFLOAD_OVERLAP is 0 (the
     serial step, kept for comparison: benchmarks/bench_offload.py measures both)."""
-    return os.environ.get("AUTOTUNE_OFFLOAD_OVERLAP", "1").strip() not in ("0", "false", "no", "off")
+    return settings.switch(settings.OFFLOAD_OVERLAP_ENV)
 
 
 def leading(indices: Sequence[int], numels: Sequence[int], share: float) -> int:

@@ -1,0 +1,94 @@
+"""`Launcher`: starts the script of `autotune run` through the agent (and torchrun when asked), one job at a
+time, and classifies how each job ended (`verdict.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import DeviceError
+from ..plan import Plan
+from ..sizes import format_bytes, parse_bytes
+from . import agent
+from .process import Child, SignalForwarder
+from .verdict import Verdict, classify
+
+if TYPE_CHECKING:
+    from .runner import RunOptions
+
+log = logging.getLogger("autotune.supervisor.runner")  # the run's log, as before the launcher had its own module
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
+@dataclass(kw_only=True)
+class Launcher:
+    """Starts the script through the agent (and torchrun when asked), one job at a time."""
+
+    options: RunOptions
+    forwarder: SignalForwarder
+    plan: Plan | None = None  # the plan in force: set before a zero-change run, reported by a cooperative job
+
+    def command(self, args: list[str]) -> list[str]:
+        opts = self.options
+        entry = ["-m", "autotune.supervisor.bootstrap", opts.script, *args]
+        if opts.nproc_per_node is None:
+            return [sys.executable, *entry]
+        if importlib.util.find_spec("torch.distributed.run") is None:
+            raise DeviceError("--nproc-per-node needs torch.distributed.run, which this torch build lacks")
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={opts.nproc_per_node}", *entry]
+
+    def launch(self, args: list[str], env: dict[str, str], *, trial: bool = False) -> Verdict:
+        """Run the job once and classify how it ended; raises `Interrupted` if we were signalled."""
+        opts = self.options
+        if self.forwarder.received is not None:  # signalled between two jobs: start no other
+            raise Interrupted(self.forwarder.received)
+        with tempfile.TemporaryDirectory(prefix="autotune-run-") as tmp:
+            result_file = os.path.join(tmp, "result.json")
+            child = Child(self.command(args), env=self._environment(env, result_file),
+                          echo=not trial or opts.verbose, capture_stdout=trial, stdout_to_stderr=opts.json_output,
+                          timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
+                          name=os.path.basename(opts.script))
+            exit_ = self.forwarder.run(child)
+            host_budget = parse_bytes(opts.host_budget, "--host-budget") if opts.host_budget is not None else None
+            verdict = classify(exit_, agent.read_results(result_file), host_budget)
+        self.plan = verdict.plan or self.plan
+        if self.forwarder.received is not None:
+            raise Interrupted(self.forwarder.received)
+        if not trial:
+            _log_end(os.path.basename(opts.script), verdict)
+        elif verdict.kind == "error" and not opts.verbose:
+            _show_tail(exit_.output_tail)  # the trial's output was captured: show how it failed
+        return verdict
+
+    def _environment(self, extra: dict[str, str], result_file: str) -> dict[str, str]:
+        env = {**os.environ, **extra, agent.RESULT_FILE_ENV: result_file,
+               agent.LOG_LEVEL_ENV: logging.getLevelName(logging.getLogger("autotune").getEffectiveLevel())}
+        # The job imports autotune.supervisor.bootstrap from the same place we were imported from, even when
+        # autotune is a source checkout that is not installed; appended, so it shadows nothing.
+        home = os.path.dirname(os.path.dirname(os.path.abspath(agent.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), home) if p)
+        return env
+
+
+def _log_end(name: str, verdict: Verdict) -> None:
+    how = verdict.kind if verdict.kind != "error" else f"exit code {verdict.exit_code}"
+    peak = verdict.exit.peak_gpu_bytes
+    log.info("%s ended: %s after %.1f s%s", name, how, verdict.exit.seconds,
+             f"; GPU peak {format_bytes(peak)} (NVML, largest process)" if peak else "")
+
+
+def _show_tail(text: str, lines: int = 40) -> None:
+    tail = text.rstrip().splitlines()[-lines:]
+    if tail:
+        sys.stderr.write("\n".join(tail) + "\n")
