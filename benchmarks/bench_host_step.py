@@ -170,7 +170,7 @@ def main() -> None:
             k = round(x * len(every))
             cpu_part, gpu_part = every[:k], every[k:]
 
-            def hybrid() -> None:
+            def hybrid(cpu_part: Any = cpu_part, gpu_part: Any = gpu_part) -> None:
                 worker = threading.Thread(target=cpu_way, args=(share, cpu_part))
                 worker.start()
                 streamer.run(gpu_part)

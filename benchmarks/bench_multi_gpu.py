@@ -276,11 +276,14 @@ def run_link(args: argparse.Namespace, device: str, world: int, rank: int) -> di
         buckets = distributed._buckets(grads, distributed.BUCKET_BYTES)
 
         def bucketed() -> None:
-            works = [dist.all_reduce(g, async_op=True) for b in buckets for g in b]
+            # Called only within this iteration, before the `del` below frees the tensors (binding them as
+            # defaults would keep them alive past it).
+            works = [dist.all_reduce(g, async_op=True) for b in buckets for g in b]  # noqa: B023, F821
             for w in works:
                 w.wait()
 
-        for label, run in ((f"{name}_per_parameter", bucketed), (f"{name}_flat", lambda: dist.all_reduce(flat))):
+        flat_reduce = lambda: dist.all_reduce(flat)  # noqa: B023, E731, F821 - as `bucketed`: used before the `del`
+        for label, run in ((f"{name}_per_parameter", bucketed), (f"{name}_flat", flat_reduce)):
             times = []
             for _ in range(6):
                 _sync(device)
@@ -289,7 +292,8 @@ def run_link(args: argparse.Namespace, device: str, world: int, rank: int) -> di
                 _sync(device)
                 times.append(time.perf_counter() - t0)
             seconds = statistics.median(times[1:])
-            out[label] = {"seconds": seconds, "bus_gb_s": 2 * (world - 1) / world * numel * flat.element_size() / seconds / 1e9}
+            bus_bytes = 2 * (world - 1) / world * numel * flat.element_size()
+            out[label] = {"seconds": seconds, "bus_gb_s": bus_bytes / seconds / 1e9}
         del flat, grads, buckets
     return out
 

@@ -39,7 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
-from autotune.configuration import Rung
+from autotune.configuration import Rung  # noqa: E402
 from autotune.devices.ceiling import SimulatedCeiling  # noqa: E402
 from autotune.devices.placement import Placement, now, parse_bytes, resolve_device  # noqa: E402
 from autotune.errors import DeviceError, is_oom  # noqa: E402

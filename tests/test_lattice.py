@@ -247,7 +247,7 @@ def test_apply_recomputes_exactly_the_planned_number_of_blocks_and_stays_exact()
         plan = _with_blocks(make_plan(4, 6), k)
         wrapped: list[int] = []
 
-        def count(step):  # the blocks whose forward is wrapped while the step is in force
+        def count(step, wrapped=wrapped):  # the blocks whose forward is wrapped while the step is in force
             wrapped.append(sum("forward" in b.__dict__ for b in step.model.blocks))
 
         got, step, _ = run_plan(plan, model, [batch], before_optimizer_step=count)

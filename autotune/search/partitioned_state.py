@@ -47,7 +47,8 @@ def partitioned(rung: Rung) -> Rung:
     return dataclasses.replace(rung, offload="optimizer")
 
 
-def price(result: SearchResult, best: Trial, controller: Controller, run: Run, world: int) -> tuple[Trial | None, Trial]:
+def price(result: SearchResult, best: Trial, controller: Controller, run: Run,
+          world: int) -> tuple[Trial | None, Trial]:
     """(the partitioned trial to plan from, or None; the pick's trial it was judged against). Adds the trials
     run to `result.trials`, and a note saying what was found either way.
 

@@ -89,7 +89,8 @@ def host_limit(settings: FitSettings) -> int:
 def tune(job: Job) -> Plan:
     """The fastest plan that fits `job`, from trials on the model (or a sharded copy), which is put back after."""
     spec = OptimizerSpec.from_user(job.optimizer, job.model)
-    peak = device_peak(job.placement.name, job.placement.kind)  # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
+    # before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast
+    peak = device_peak(job.placement.name, job.placement.kind)
     limit = int((1 - job.settings.margin) * job.budget)
     plain = anchors(job.allowed, job.placement, find_blocks(job.model))[0][0]  # the first rung: nothing offloaded
     floor = resident_floor(plain, job.model, state_tensors_per_parameter(spec))

@@ -18,8 +18,9 @@ The supervisor opens the plan cache once, when it first needs it, and closes it 
 (`script_cache.RunCache`).
 `run` returns a `RunResult` whose `exit_code` is the README's: 0 success, the script's own code for a
 failure that is not about memory (never retried), 3 when nothing fits or the restarts are spent,
-5 when the job ran but nothing was tuned (no `fit`, no `--map`), 128 + signal when interrupted, and 124 when a zero-change trial outlived --trial-timeout. Settings
-errors raise `InvalidSetting` (exit 2), a missing GPU `DeviceError` (exit 4), for the CLI to map.
+5 when the job ran but nothing was tuned (no `fit`, no `--map`), 128 + signal when interrupted, and 124 when a
+zero-change trial outlived --trial-timeout. Settings errors raise `InvalidSetting` (exit 2), a missing GPU `DeviceError`
+(exit 4), for the CLI to map.
 """
 
 from __future__ import annotations

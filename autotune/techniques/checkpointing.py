@@ -54,7 +54,8 @@ def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placem
     return remove
 
 
-def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool, placement: Placement) -> Callable[..., Any]:
+def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
+                  placement: Placement) -> Callable[..., Any]:
     norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     @functools.wraps(original)

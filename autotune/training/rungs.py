@@ -88,7 +88,8 @@ class RungInForce:
         try:
             self.apply(rung, fraction=fraction)
         except BaseException:
-            self.apply(old, fraction=old_fraction, overlap=old_overlap)  # never leave the step holding a rung already removed
+            # never leave the step holding a rung already removed
+            self.apply(old, fraction=old_fraction, overlap=old_overlap)
             raise
         if stepped and self.offload.keep_stepped(stepped):
             # Rare: an OOM in the last backward at micro-batch 1 after the host had stepped some chunks.

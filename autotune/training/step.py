@@ -242,8 +242,9 @@ class TrainingStep:
             overlap = self.plan.reduce_overlap is not False
             with acc.reduction(None if failure else weights, overlap=overlap) as reduction:
                 if not failure:
+                    callback = self.before_optimizer_step is not None
                     _, failure = self._guarded(acc.last_backward, self._applied, defer=self.max_grad_norm is not None,
-                                               overlap=acc.overlap_allowed(weights, callback=self.before_optimizer_step is not None))
+                                               overlap=acc.overlap_allowed(weights, callback=callback))
             if parallel.agree_oom(bool(failure)):
                 acc.drop_last()
                 return float("nan"), failure or "another rank ran out of memory"

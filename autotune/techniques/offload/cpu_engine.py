@@ -71,7 +71,8 @@ class HostOptimizer(EngineState):
         self.fraction = sum(numels[i] for i in host_all) / max(1, sum(numels))
         # Replicated ranks each step their runs of both shares and send the weights (partition.py).
         precision = "fp16" if dtype == torch.float16 else "bf16"
-        self.partition = Partition([host_all, device_all], numels) if offload_partition.ranks(precision, sharded) > 1 else None
+        self.partition = (Partition([host_all, device_all], numels)
+                          if offload_partition.ranks(precision, sharded) > 1 else None)
         mine = self.partition.mine if self.partition is not None else list
         self.host_index, self.device_index = mine(host_all), mine(device_all)
         host = set(self.host_index)
@@ -98,7 +99,8 @@ class HostOptimizer(EngineState):
         with torch.no_grad():
             for p in self.params:
                 if id(p) not in kept:
-                    p.data = p.data.to(device_dtype(p, dtype))  # the device copy shrinks to 16 bits; its FP32 storage is freed
+                    # the device copy shrinks to 16 bits; its FP32 storage is freed
+                    p.data = p.data.to(device_dtype(p, dtype))
         self.param_groups = (self.optimizer or self.device_optimizer).param_groups
         # Gradient clipping (training/clipping.py) sets this before `step`: the host gradients are multiplied
         # by it after unscaling, in FP32, and it goes back to 1 after the step.
@@ -117,7 +119,8 @@ class HostOptimizer(EngineState):
         # so (the pipeline's worker issuing the segments was no faster). Partitioned, neither: a rank that ran
         # out of memory in its worker or hooks would leave the others waiting for its weights (the check-in
         # guards the step, not the backward).
-        self.stream_overlap = self.stepper is not None and overlap is True and overlap_default() and self.partition is None
+        self.stream_overlap = (self.stepper is not None and overlap is True and overlap_default()
+                               and self.partition is None)
         if self.stream_overlap:
             self.stepper.reserve()  # now, not in the first (timed) step: its second set of buffers is large
         self._hooks: list[Any] = []
@@ -130,7 +133,8 @@ class HostOptimizer(EngineState):
         unless $AUTOTUNE_OFFLOAD_STREAM=0 (=1 also on the CPU test device), for Adam/AdamW over contiguous
         FP32 masters, without a GradScaler (its unscale and inf check run on the host gradients) or shards."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        if not stream_wanted(device.type) or self._flat is None or self.scaler is not None or sharded or streamable(self.optimizer):
+        if (not stream_wanted(device.type) or self._flat is None or self.scaler is not None or sharded
+                or streamable(self.optimizer)):
             return None
         if not all(self.params[i].is_contiguous() for i in self.host_index):
             return None
@@ -206,7 +210,8 @@ class HostOptimizer(EngineState):
         self.gather_on_restore = True
 
     def _stage(self, i: int, grad: torch.Tensor) -> None:
-        self._staging[i].copy_(local_part(grad), non_blocking=True)  # on the side stream, in the hook (see the pipeline)
+        # on the side stream, in the hook (see the pipeline)
+        self._staging[i].copy_(local_part(grad), non_blocking=True)
 
     def _land(self, i: int) -> None:
         source = self._staging[i] if self._staging else local_part(self.params[i].grad)

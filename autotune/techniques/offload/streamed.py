@@ -125,7 +125,8 @@ class DeviceStepper:
         self._moments = {i: (m, v) for i, m, v in zip(order, m_views, v_views)}
         self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self._largest = min(SEGMENT, offset)
-        self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)] for _ in range(RING if self.cuda else 1)]
+        self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)]
+                       for _ in range(RING if self.cuda else 1)]
         self._freed: list[Any] = [None] * len(self._slots)
         self._next = 0
         self._steps: dict[int, torch.Tensor] = {}  # the step count on the device, per parameter
@@ -286,10 +287,11 @@ class DeviceStepper:
         with self._on("compute", wait=arrived, also=ready):
             self._gather_grads(grad, pieces, factor)
             for group, members in self._by_group(pieces):
-                self._kernel(group)(*self._lists(members, master, grad, m, v), [], [self._steps[p.index] for p in members],
+                self._kernel(group)(*self._lists(members, master, grad, m, v), [],
+                                    [self._steps[p.index] for p in members],
                                     amsgrad=False, lr=float(group["lr"]), beta1=float(group["betas"][0]),
-                                    beta2=float(group["betas"][1]), weight_decay=group["weight_decay"], eps=group["eps"],
-                                    maximize=group["maximize"], grad_scale=None, found_inf=None)
+                                    beta2=float(group["betas"][1]), weight_decay=group["weight_decay"],
+                                    eps=group["eps"], maximize=group["maximize"], grad_scale=None, found_inf=None)
             for p in pieces:
                 self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
             stepped = self._event("compute")
