@@ -78,7 +78,8 @@ class LatticeGPU:
         return max(rates)
 
 
-def _search(gpu: LatticeGPU, *, compile: bool = False, fitting_floors: bool = False) -> tuple[Trial, list[str], Controller]:
+def _search(gpu: LatticeGPU, *, compile: bool = False,
+            fitting_floors: bool = False) -> tuple[Trial, list[str], Controller]:
     """The lattice search over the anchors; `fitting_floors` leaves out those whose floor is over the limit,
     as fit does before searching (`drop_rungs_over`)."""
     limit = int(0.9 * gpu.budget)
