@@ -3,6 +3,7 @@ collectives, and the token-count fix-up of FSDP2's reduced gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from ..workload.accumulation import LossWeights
 from .ranks import collective_device, world_size
 
+_coalescing_manager: Callable[..., Any] | None
 try:  # private to torch.distributed (present in torch 2.11 and 2.13): one collective for a bucket of tensors
     from torch.distributed.distributed_c10d import _coalescing_manager
 except ImportError:  # pragma: no cover - older torch: one all-reduce per tensor
@@ -148,7 +150,7 @@ class _Works:
             work.wait()
 
 
-def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     """`params` in order, cut into consecutive groups of about `bucket_bytes` (each holds at least one, and one
     dtype: a bucket is all-reduced as one collective)."""
     buckets: list[list[torch.Tensor]] = [[]]

@@ -213,9 +213,20 @@ class HostOptimizer(EngineState):
         # on the side stream, in the hook (see the pipeline)
         self._staging[i].copy_(local_part(grad), non_blocking=True)
 
+    def _host_grad(self, i: int) -> torch.Tensor:
+        """The gradient of host master `i`: allocated with the master (`host_masters`), never dropped."""
+        grad = self.master[i].grad
+        assert grad is not None, f"host master {i} has no gradient buffer"
+        return grad
+
     def _land(self, i: int) -> None:
-        source = self._staging[i] if self._staging else local_part(self.params[i].grad)
-        self.master[i].grad.copy_(source)
+        if self._staging:
+            source = self._staging[i]
+        else:
+            grad = self.params[i].grad
+            assert grad is not None, f"parameter {i} landed before backward made its gradient"
+            source = local_part(grad)
+        self._host_grad(i).copy_(source)
 
     def _step_chunk(self, indices: list[int]) -> None:
         self._step_host(indices)
@@ -277,9 +288,9 @@ class HostOptimizer(EngineState):
             for i in indices:
                 grad = self.params[i].grad
                 if grad is None:
-                    self.master[i].grad.zero_()
+                    self._host_grad(i).zero_()
                 else:
-                    self.master[i].grad.copy_(local_part(grad), non_blocking=True)
+                    self._host_grad(i).copy_(local_part(grad), non_blocking=True)
 
     def _update(self, stepped: set[int]) -> None:
         """Unscale and clip what was not stepped yet, step it, and bring every host weight back."""
@@ -290,7 +301,7 @@ class HostOptimizer(EngineState):
                 return  # non-finite gradients: skip this step, as GradScaler.step would
             rest = [i for i in self.host_index if i not in stepped]
             if factor != 1.0:  # streamed, the stepper multiplies the device gradients as it widens them
-                host = [] if self.stepper is not None else [self.master[i].grad for i in rest]
+                host = [] if self.stepper is not None else [self._host_grad(i) for i in rest]
                 for g in host + device_grads:
                     g.mul_(factor)
             self._step_device()  # queued on the device, while the host steps its share
@@ -306,10 +317,13 @@ class HostOptimizer(EngineState):
         for i, master in self.device_master.items():
             p = self.params[i]
             if master is not p:
-                master.grad = p.grad.to(master.dtype) if p.grad is not None else torch.zeros_like(master)
-            elif p.grad is None:
-                p.grad = torch.zeros_like(p)  # stepped with a zero gradient, as the host share is
-            grads.append(master.grad)
+                grad = p.grad.to(master.dtype) if p.grad is not None else torch.zeros_like(master)
+                master.grad = grad
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)  # stepped with a zero gradient, as the host share is
+                grad = p.grad
+            grads.append(grad)
         return grads
 
     def _step_device(self) -> None:
@@ -373,13 +387,15 @@ class HostOptimizer(EngineState):
 
     def _unscale(self, device: list[torch.Tensor]) -> bool:
         """FP16 only: divide the gradients by the loss scale; False (and a smaller scale) on inf/NaN."""
-        scale = float(self.scaler.get_scale())
-        host = [self.master[i].grad for i in self.host_index]
+        scaler = self.scaler
+        assert scaler is not None, "unscaling without a loss scaler"
+        scale = float(scaler.get_scale())
+        host = [self._host_grad(i) for i in self.host_index]
         finite = all(math.isfinite(float(g.abs().max())) for g in host + device if g.numel())
         if finite:
             for g in host + device:
                 g.div_(scale)
-            self.scaler.update(scale)
+            scaler.update(scale)
         else:
-            self.scaler.update(scale * self.scaler.get_backoff_factor())
+            scaler.update(scale * scaler.get_backoff_factor())
         return finite

@@ -188,7 +188,9 @@ class Partition:
             layout = [{i: {k: _describe(v) for k, v in states[i].items()} for i in self.of(owner) if i in states}
                       if mine else None]
             dist.broadcast_object_list(layout, src=owner, device=self.device if self.device.type == "cuda" else None)
-            for i, entry in layout[0].items():
+            sent = layout[0]
+            assert sent is not None, "broadcast_object_list fills the layout on every rank"
+            for i, entry in sent.items():
                 got: dict[str, Any] = {}
                 for k, (kind, value) in entry.items():
                     if kind == "value":

@@ -40,7 +40,8 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,7 +90,8 @@ def flat_views(shapes: Sequence[torch.Size], *, pin: bool) -> tuple[torch.Tensor
     return flat, views
 
 
-class Piece(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Piece:
     index: int  # parameter position
     lo: int  # elements [lo, hi) of the parameter
     hi: int
@@ -171,7 +173,9 @@ class DeviceStepper:
         for a large share: `HostOptimizer` reserves them when it is built, not in a timed step)."""
         if self._spare is None:
             with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
-                self._spare = tuple(torch.empty_like(t, pin_memory=self.cuda) for t in (self.flat, self._m, self._v))
+                self._spare = (torch.empty_like(self.flat, pin_memory=self.cuda),
+                               torch.empty_like(self._m, pin_memory=self.cuda),
+                               torch.empty_like(self._v, pin_memory=self.cuda))
 
     def landed(self, i: int) -> None:
         """Parameter i's gradient is final (a hook in the last backward): issue every segment now complete."""
