@@ -45,7 +45,7 @@ def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placem
         # the bound method (restored by deleting the instance attribute), or what `inner` makes of the block
         original = inner(block) if inner is not None else block.forward
         wrapped = _checkpointed(block, original, offload_activations, placement)
-        block.forward = wrapped  # type: ignore[method-assign]
+        block.forward = wrapped
 
     def remove() -> None:
         for block in chosen:
