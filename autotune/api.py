@@ -107,7 +107,8 @@ def fit(
     refuse_meta(model)
     check_optimizer(optimizer, model)  # before the cache: a hit must not serve an optimizer that trains nothing
     settings = FitSettings.resolve(global_batch_size=global_batch_size, memory_budget=memory_budget,
-                                   host_memory_budget=host_memory_budget, max_length=max_length, margin=margin, device=device, cache=cache, techniques=techniques,
+                                   host_memory_budget=host_memory_budget, max_length=max_length, margin=margin,
+                                   device=device, cache=cache, techniques=techniques,
                                    measured_steps=trial_steps, max_trials=max_trials, retune=retune)
     placement = resolve_device(settings.device)
     batch = _at_max_length(batch, settings.max_length)

@@ -135,8 +135,9 @@ def main() -> int:
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     if args.method == "train":
-        print(f"train: {args.steps} steps, recovered={result['recovered']}, {result['samples_per_second'] * args.seq:,.0f} "
-              f"tok/s, loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}")
+        print(f"train: {args.steps} steps, recovered={result['recovered']}, "
+              f"{result['samples_per_second'] * args.seq:,.0f} tok/s, "
+              f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}")
     return 0
 
 

@@ -151,7 +151,8 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=690e6, help="host share in parameters (690e6: W1's 89%%)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--hybrid", default="0.25,0.35,0.45", help="shares of the chunks the CPU steps beside the stream")
+    parser.add_argument("--hybrid", default="0.25,0.35,0.45",
+                        help="shares of the chunks the CPU steps beside the stream")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -170,7 +171,7 @@ def main() -> None:
             k = round(x * len(every))
             cpu_part, gpu_part = every[:k], every[k:]
 
-            def hybrid() -> None:
+            def hybrid(cpu_part: Any = cpu_part, gpu_part: Any = gpu_part) -> None:
                 worker = threading.Thread(target=cpu_way, args=(share, cpu_part))
                 worker.start()
                 streamer.run(gpu_part)

@@ -147,8 +147,9 @@ def _rung(k: int, n: int, offload: str, compiled: bool) -> Rung:
 
 def _plan(rung: Rung, micro: int, args: argparse.Namespace, budget: int) -> Plan:
     steps, last = solve_accumulation(args.global_batch_size, micro)
-    return Plan.of(precision=rung.precision, checkpointing=rung.checkpointing, checkpointed_blocks=rung.checkpointed_blocks,
-                offload=rung.offload, compile=rung.compile, micro_batch_size=micro, accumulation_steps=steps,
+    return Plan.of(precision=rung.precision, checkpointing=rung.checkpointing,
+                checkpointed_blocks=rung.checkpointed_blocks, offload=rung.offload, compile=rung.compile,
+                micro_batch_size=micro, accumulation_steps=steps,
                 world_size=1, global_batch_size=args.global_batch_size, last_micro_batch_size=last,
                 peak_memory_bytes=0, memory_budget_bytes=budget, margin=0.1, samples_per_second=0.0,
                 device="cpu" if args.device == "cpu" else "cuda")

@@ -100,7 +100,8 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
            "estimate_tokens_per_second": plan.tokens_per_second,
            "plan_reduce_seconds": max((t.reduce_seconds for t in plan.trials if t.rung == plan.rung
                                        and t.micro_batch_size == plan.micro_batch_size), default=0.0),
-           "trials": len(plan.trials), "ooms": sum(t.outcome == "oom" for t in plan.trials), "ranks_agree": agreed, "ranks_differ_in": differ}
+           "trials": len(plan.trials), "ooms": sum(t.outcome == "oom" for t in plan.trials), "ranks_agree": agreed,
+           "ranks_differ_in": differ}
     if args.case == "needs-sharding" and plan.sharding != "fsdp2":
         return {**out, "error": "the plan did not shard a model whose replicated floor is over the limit"}
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
@@ -194,7 +195,8 @@ def variant_plan(plan: Any, variant: str) -> Any:
     n = len(plan.block_paths) or 10**9
     sharding = "optimizer_state" if partitioned else "none" if plan.partitioned_state else plan.sharding
     other = plan.with_config(offload_fraction=None if partitioned else float(share), micro_batch_size=micro,
-                             offload="optimizer" if float(share) > 0 else "none", sharding=sharding, checkpointed_blocks=k,
+                             offload="optimizer" if float(share) > 0 else "none", sharding=sharding,
+                             checkpointed_blocks=k,
                                 checkpointing="none" if not k else "full" if k >= n else "selective",
                                 accumulation_steps=steps, last_micro_batch_size=last)
     if "one" in rest or "buckets" in rest:
@@ -276,11 +278,14 @@ def run_link(args: argparse.Namespace, device: str, world: int, rank: int) -> di
         buckets = distributed._buckets(grads, distributed.BUCKET_BYTES)
 
         def bucketed() -> None:
-            works = [dist.all_reduce(g, async_op=True) for b in buckets for g in b]
+            # Called only within this iteration, before the `del` below frees the tensors (binding them as
+            # defaults would keep them alive past it).
+            works = [dist.all_reduce(g, async_op=True) for b in buckets for g in b]  # noqa: B023, F821
             for w in works:
                 w.wait()
 
-        for label, run in ((f"{name}_per_parameter", bucketed), (f"{name}_flat", lambda: dist.all_reduce(flat))):
+        flat_reduce = lambda: dist.all_reduce(flat)  # noqa: B023, E731, F821 - as `bucketed`: used before the `del`
+        for label, run in ((f"{name}_per_parameter", bucketed), (f"{name}_flat", flat_reduce)):
             times = []
             for _ in range(6):
                 _sync(device)
@@ -289,7 +294,8 @@ def run_link(args: argparse.Namespace, device: str, world: int, rank: int) -> di
                 _sync(device)
                 times.append(time.perf_counter() - t0)
             seconds = statistics.median(times[1:])
-            out[label] = {"seconds": seconds, "bus_gb_s": 2 * (world - 1) / world * numel * flat.element_size() / seconds / 1e9}
+            bus_bytes = 2 * (world - 1) / world * numel * flat.element_size()
+            out[label] = {"seconds": seconds, "bus_gb_s": bus_bytes / seconds / 1e9}
         del flat, grads, buckets
     return out
 
@@ -311,7 +317,8 @@ def _train(step: Any, args: argparse.Namespace, device: str, rank: int, world: i
             times.append(time.perf_counter() - t0)
     measured = times[1:] or times  # the first step builds the optimizer state
     seconds = statistics.median(measured)
-    return {"steps": args.steps, "step_seconds": seconds, "tokens_per_second": args.global_batch_size * args.seq / seconds,
+    return {"steps": args.steps, "step_seconds": seconds,
+            "tokens_per_second": args.global_batch_size * args.seq / seconds,
             "mean_tokens_per_second": args.global_batch_size * args.seq / statistics.mean(measured),
             "last_loss": losses[-1], "recoveries": len(step.recoveries), "final_plan": step.plan.summary(),
             "alloc_retries": _alloc_retries(device) - retries, "step_times": times, "gc_pauses": pauses.by_generation}
@@ -404,11 +411,13 @@ def _parse() -> Args:
                    help="replicated: train the plan again with the gradient all-reduce the other way from fit's "
                    "choice (plan.reduce_overlap: in buckets during backward, or in one after it), same process")
     p.add_argument("--shares", default="", help="replicated, under optimizer offload: after the plan, train it again "
-                   "with each of these host shares, comma-separated: SHARE[@MICRO][@one|@buckets][@kBLOCKS] (another micro-batch; "
-                   "one gradient bucket after backward, or buckets during it; blocks recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload; z: optimizer offload with "
+                   "with each of these host shares, comma-separated: SHARE[@MICRO][@one|@buckets][@kBLOCKS] "
+                   "(another micro-batch; one gradient bucket after backward, or buckets during it; blocks "
+                   "recomputed), e.g. 0.3,0.01@5,1@7@one,0@8@k12 (0: no offload; z: optimizer offload with "
                    "nothing on the host, the state partitioned over the ranks); same process")
     p.add_argument("--trials", default="", help="replicated: after the plan, each of these variants (the --shares "
-                   "form) through the search's trial runner (default and 4x measured steps), then trained; same process")
+                   "form) through the search's trial runner (default and 4x measured steps), then trained; "
+                   "same process")
     p.add_argument("--out", default="", help="append the JSON lines here")
     a = p.parse_args()
     return Args(case=a.case, model=a.model, budget=a.budget, device=a.device, seq=a.seq,

@@ -57,7 +57,8 @@ WORKLOADS = {  # model, sequence, budget, global batch, device
 def config_parser(doc: str, *, workload: str, config: str, steps: int, warmup: int) -> argparse.ArgumentParser:
     """The options this script, bench_trial_accuracy.py and profile_step.py share: a workload, a
     hand-built configuration (`make_plan`), steps to time after a warm-up, a JSON-lines file."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default=workload)
     parser.add_argument("--config", default=config, help="BLOCKS,MICRO[,FRACTION]: blocks recomputed, micro-batch, "
                         f"host share (default {config})")
@@ -170,7 +171,8 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
             "tail_share": tail / total, "tok_s": plan.global_batch_size * seq / total,
             "chunks_before_tail": statistics.median(befores), "chunks": record["chunks_total"][-1],
             "peak_reserved_gib": peak / 2**30, "peak_allocated_gib": allocated / 2**30,
-            "reserved_by_stream_mib": {k: v / 2**20 for k, v in by_stream.items()}, "recoveries": len(step.recoveries), "steps": len(totals)}
+            "reserved_by_stream_mib": {k: v / 2**20 for k, v in by_stream.items()}, "recoveries": len(step.recoveries),
+            "steps": len(totals)}
 
 
 def main() -> None:
@@ -204,12 +206,13 @@ def main() -> None:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         rows.append(row)
-        print(f"  {mode:14} step {row['step_s']:7.3f} s = backward {row['backward_s']:7.3f} + tail {row['tail_s']:7.3f} s "
-              f"({row['tail_share']:5.1%});  {row['tok_s']:9,.0f} tok/s;  worker stepped "
+        print(f"  {mode:14} step {row['step_s']:7.3f} s = backward {row['backward_s']:7.3f} "
+              f"+ tail {row['tail_s']:7.3f} s ({row['tail_share']:5.1%});  {row['tok_s']:9,.0f} tok/s;  worker stepped "
               f"{row['chunks_before_tail']:.0f}/{row['chunks']} chunks before the tail;  peak "
               f"{row['peak_reserved_gib']:.2f} GiB", flush=True)
     for row in rows[1:]:
-        print(f"  {row['mode']} against {rows[0]['mode']}: tail cut {rows[0]['tail_s'] / max(row['tail_s'], 1e-9):.2f}x, "
+        print(f"  {row['mode']} against {rows[0]['mode']}: "
+              f"tail cut {rows[0]['tail_s'] / max(row['tail_s'], 1e-9):.2f}x, "
               f"tail share cut {rows[0]['tail_share'] / max(row['tail_share'], 1e-9):.2f}x, tok/s "
               f"{row['tok_s'] / rows[0]['tok_s']:.2f}x", flush=True)
     if args.out:

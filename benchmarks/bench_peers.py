@@ -101,7 +101,8 @@ def tune_peer(spec: wl.Spec, args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     answer, note = found["answer"], ""
     if answer is not None and answer > spec.global_batch_size:
-        note = f"answered {answer}, above the global batch {spec.global_batch_size}: trained at {spec.global_batch_size}"
+        note = (f"answered {answer}, above the global batch {spec.global_batch_size}: "
+                f"trained at {spec.global_batch_size}")
     tries = found["tries"]
     return {"trials": len(tries), "ooms": sum(t["outcome"].startswith("oom") for t in tries), "tune_seconds": seconds,
             "answer": answer, "error": found["error"], "tries": tries, "note": note,
@@ -195,7 +196,8 @@ class Driver:
         if remaining is not None and remaining < 2 * CHILD_SLACK:
             print(f"[{spec.name}] {label}: not started, the command deadline is near", flush=True)
             self.record(spec, {"kind": "skip", "stage": stage, "label": label, **which, "reason":
-                               f"not started: under {2 * CHILD_SLACK:.0f} s left of --deadline {self.args.deadline:.0f}"})
+                               f"not started: under {2 * CHILD_SLACK:.0f} s left of "
+                               f"--deadline {self.args.deadline:.0f}"})
             return
         cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--workload", spec.name,
                "--out", self.args.out, "--run-id", self.run_id, "--command", self.command,
@@ -254,10 +256,12 @@ class Driver:
         configs = {config_key(r["config"]): r["config"] for r in mine if r["kind"] == "tune" and r.get("config")}
         for key, methods in answers.items():
             if key in done:
-                print(f"[{spec.name}] verify {configs[key]['name']} @ {configs[key]['micro_batch_size']}: already in --known, skipped", flush=True)
+                print(f"[{spec.name}] verify {configs[key]['name']} @ {configs[key]['micro_batch_size']}: "
+                      "already in --known, skipped", flush=True)
                 continue
             self.spawn(spec, "verify", ["--config", json.dumps(configs[key]), "--for-methods", ",".join(methods)],
-                       f"verify {configs[key]['name']} micro-batch {configs[key]['micro_batch_size']} (for {', '.join(methods)})")
+                       f"verify {configs[key]['name']} micro-batch {configs[key]['micro_batch_size']} "
+                       f"(for {', '.join(methods)})")
 
 
 def main() -> int:

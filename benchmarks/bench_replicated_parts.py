@@ -72,7 +72,8 @@ def main() -> None:
     if plan.summary() != out["plan"]:
         out["plan"] = f"{plan.summary()} (fit's: {out['plan']})"
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
-    for name in a.variants.split(",") if a.variants else VARIANTS if world > 1 else ("as-planned", "parts", "as-planned"):
+    names = a.variants.split(",") if a.variants else VARIANTS if world > 1 else ("as-planned", "parts", "as-planned")
+    for name in names:
         with _variant(name) as parts:
             trained = _train(step, a, device, rank, world)
         seconds = trained["step_seconds"]

@@ -49,8 +49,10 @@ def main() -> None:
     plan = setup.plan(args)
     work = Workload(model=model, batch=setup.example, loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
                     placement=resolve_device(device), budget_bytes=parse_bytes(budget),
-                    limit_bytes=int(0.9 * parse_bytes(budget)), per_rank=plan.global_batch_size, blocks=find_blocks(model))
-    print(f"{args.workload}: {plan.rung.name} at micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}", flush=True)
+                    limit_bytes=int(0.9 * parse_bytes(budget)), per_rank=plan.global_batch_size,
+                    blocks=find_blocks(model))
+    print(f"{args.workload}: {plan.rung.name} at micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}",
+          flush=True)
     row = {"workload": args.workload, "config": args.config, "compile": args.compile}
     for overlapped in (True, False):
         row[f"estimate_armed_{overlapped}"] = trial_estimate(work, plan, overlapped) * seq

@@ -37,7 +37,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W3", choices=sorted({**wl.WORKLOADS, **wl.EXTRA}))
     p.add_argument("--config", action="append", default=[],
-                   help="RUNG_JSON@MICRO[@SHARE], e.g. '{\"compile\": true}@64' or '{\"offload\": \"optimizer\"}@6@0.65'")
+                   help="RUNG_JSON@MICRO[@SHARE], e.g. '{\"compile\": true}@64' "
+                   "or '{\"offload\": \"optimizer\"}@6@0.65'")
     p.add_argument("--steps-pair", action="append", default=[], help="WARMUP,MEASURED (default 1,3 and 3,10)")
     p.add_argument("--train", type=int, default=20, help="training steps after the trials (the first is not timed)")
     p.add_argument("--smoke", action="store_true", help="the CPU stand-in of the workload (to try the script)")
@@ -58,7 +59,8 @@ def main() -> None:
             row["trials"].append({"warmup": warmup, "measured": measured, "outcome": t.outcome,
                                   "rate": t.samples_per_second * spec.per_sample, "step_s": t.step_seconds,
                                   "optimizer_s": t.optimizer_seconds, "peak_gib": t.peak_bytes / 2**30})
-        train = wl.train_steps(spec, model, batch, loss_fn, spec.device, rung, micro, args.train, offload_fraction=share)
+        train = wl.train_steps(spec, model, batch, loss_fn, spec.device, rung, micro, args.train,
+                               offload_fraction=share)
         row["trained"] = train["samples_per_second"] * spec.per_sample
         row["train_oom"] = train["oom"]
         ratios = ", ".join(f"({t['warmup']},{t['measured']}) {t['rate']:,.0f} = {t['rate'] / row['trained']:.3f}x"

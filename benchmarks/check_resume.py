@@ -1,8 +1,8 @@
 """A checkpoint saved mid-training and resumed in a new process ends bitwise equal to the uninterrupted run.
 
 For each plan variant: `whole` trains STEPS global steps through `plan.apply`, saving `model.state_dict()` and
-`optimizer.state_dict()` and the random streams (dropout's) after SAVED_AT of them, as a training script does; `again` repeats it (the
-reference's own reproducibility: a kernel that is not deterministic shows there, not as a resume error);
+`optimizer.state_dict()` and the random streams (dropout's) after SAVED_AT of them, as a training script does; `again`
+repeats it (the reference's own reproducibility: a kernel that is not deterministic shows there, not as a resume error);
 `resume` starts a new process from the checkpoint, loading it before or after `plan.apply`, and trains the
 rest. Each phase is its own process, run under `torch.use_deterministic_algorithms`. The final FP32 weights
 are compared tensor by tensor.

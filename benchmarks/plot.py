@@ -9,8 +9,9 @@ from typing import Any
 
 from render import SHORT, Workload, rung_name
 
-MARKERS = {"autotune-cold": ("*", "black", 16), "autotune-warm": ("P", "dimgray", 10), "accelerate": ("v", "tab:red", 10),
-           "lightning-power": ("^", "tab:purple", 10), "lightning-binsearch": ("D", "tab:brown", 8)}
+MARKERS = {"autotune-cold": ("*", "black", 16), "autotune-warm": ("P", "dimgray", 10),
+           "accelerate": ("v", "tab:red", 10), "lightning-power": ("^", "tab:purple", 10),
+           "lightning-binsearch": ("D", "tab:brown", 8)}
 
 
 def plot(ws: list[Workload], path: str) -> bool:

@@ -70,7 +70,8 @@ def profiled(step: Any, batch: Any, steps: int) -> dict[str, Any]:
         sync()
         wall = (time.perf_counter() - started) / steps
     events = prof.key_averages()
-    device_time = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / 1e6 / steps
+    device_time = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                      for e in events) / 1e6 / steps
     cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]
     return {"wall_s": wall, "device_busy_s": device_time, "idle_share": max(0.0, 1 - device_time / wall),
             "cpu_top": [(e.key, e.count // steps, e.self_cpu_time_total / 1e6 / steps) for e in cpu]}

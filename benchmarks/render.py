@@ -25,7 +25,8 @@ BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 METHODS = ("autotune-cold", "autotune-warm", "accelerate", "lightning-power", "lightning-binsearch", "grid")
 AUTOTUNE = ("autotune-cold", "autotune-warm")
 LABELS = {"autotune-cold": "autotune, cold cache", "autotune-warm": "autotune, warm cache",
-          "accelerate": "Accelerate `find_executable_batch_size`", "lightning-power": "Lightning `scale_batch_size` power",
+          "accelerate": "Accelerate `find_executable_batch_size`",
+          "lightning-power": "Lightning `scale_batch_size` power",
           "lightning-binsearch": "Lightning `scale_batch_size` binsearch", "grid": "exhaustive grid (reference)"}
 SHORT = {"autotune-cold": "autotune (cold)", "autotune-warm": "autotune (warm)", "accelerate": "Accelerate",
          "lightning-power": "Lightning power", "lightning-binsearch": "Lightning binsearch", "grid": "the grid"}
@@ -348,7 +349,8 @@ def section(ws: list[Workload], files: list[str], plot: str | None, command: str
     if plot:
         out += [f"![{', '.join(w.name for w in ws)}: throughput against micro-batch]({plot})", ""]
     for w in ws:
-        out += [f"### {w.name}: {w.spec['title']}; {w.spec['budget']} ceiling, global batch {w.spec['global_batch_size']}",
+        out += [f"### {w.name}: {w.spec['title']}; {w.spec['budget']} ceiling, "
+                f"global batch {w.spec['global_batch_size']}",
                 "", facts(w), "", table(w), ""]
         lost = behind(w)
         out += ["**Where autotune is behind:**", ""]

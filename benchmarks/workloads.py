@@ -39,7 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
-from autotune.configuration import Rung
+from autotune.configuration import Rung  # noqa: E402
 from autotune.devices.ceiling import SimulatedCeiling  # noqa: E402
 from autotune.devices.placement import Placement, now, parse_bytes, resolve_device  # noqa: E402
 from autotune.errors import DeviceError, is_oom  # noqa: E402
@@ -53,7 +53,9 @@ from autotune.workload.optimizers import OptimizerSpec  # noqa: E402
 
 GRID_MICRO = (1, 2, 4, 8, 16, 32, 64)
 EXAMPLE_ROWS = 8  # rows in the example batch; trials repeat them cyclically up to any micro-batch
-GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25)}  # layers, width, heads
+# layers, width, heads
+GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
+              "gpt2-xl": (48, 1600, 25)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -348,7 +350,8 @@ def train_steps(spec: Spec, model: nn.Module, batch: Any, loss_fn: Any, device: 
         peak = ceiling.peak_bytes if ceiling is not None else torch.cuda.max_memory_reserved(placement.index)
     steady = times[1:] or times  # the first step builds the optimizer state: time from the second on
     seconds = statistics.median(steady) if steady else 0.0
-    return {"steps_requested": steps, "steps_done": len(times), "oom": bool(failure), "oom_at_step": len(times) if failure else None,
+    return {"steps_requested": steps, "steps_done": len(times), "oom": bool(failure),
+            "oom_at_step": len(times) if failure else None,
             "error": failure, "stopped": stopped, "median_step_seconds": seconds,
             "samples_per_second": global_batch / seconds if seconds else 0.0, "peak_bytes": int(peak),
             "micro_batches": sizes, "loss_first": losses[0] if losses else None,

@@ -133,8 +133,9 @@ def test_blocks_held_as_attributes_get_checkpointing():
 def test_block_paths_survive_json_and_a_model_that_lacks_them_is_searched_again(caplog):
     torch.manual_seed(0)
     model = AttributeBlocks()
-    plan = Plan.of(precision="fp32", checkpointing="selective", checkpointed_blocks=2, offload="none", micro_batch_size=4,
-                accumulation_steps=1, world_size=1, global_batch_size=4, last_micro_batch_size=4, peak_memory_bytes=0,
+    plan = Plan.of(precision="fp32", checkpointing="selective", checkpointed_blocks=2, offload="none",
+                micro_batch_size=4, accumulation_steps=1, world_size=1, global_batch_size=4, last_micro_batch_size=4,
+                peak_memory_bytes=0,
                 memory_budget_bytes=2**30, margin=0.1, samples_per_second=1.0, device="cpu",
                 block_paths=("b4", "b1", "b2", "b3"))
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))

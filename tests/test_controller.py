@@ -87,7 +87,8 @@ def test_prediction_is_verified_and_bisected_after_a_miss():
 
 def test_nothing_fits_raises_with_what_was_tried():
     gpu = FakeGPU(8 * GiB, 8, {BF16: (9 * GiB, 1 * GiB, 0, 0.01), FULL: (8.5 * GiB, 0.1 * GiB, 0, 0.01)})
-    with pytest.raises(NoFeasiblePlan, match=r"even at micro-batch 1 on the top rung \(bf16\+full ckpt\).*Tried: bf16 @ 1: oom") as err:
+    with pytest.raises(NoFeasiblePlan,
+                       match=r"even at micro-batch 1 on the top rung \(bf16\+full ckpt\).*Tried: bf16 @ 1: oom") as err:
         _search(gpu, [BF16, FULL])
     assert len(err.value.trials) == 2
 

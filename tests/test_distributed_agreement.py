@@ -50,7 +50,8 @@ def test_noisy_timings_on_one_rank_are_counted_on_every_rank():
     agreed = [max(a, b) for a, b in zip(distributed.trial_figures(mine), distributed.trial_figures(theirs))]
     merged = distributed.merged_trial(mine, agreed)
     assert merged.noisy and NOISY in merged.note
-    assert distributed.merged_trial(theirs, agreed).noisy and distributed.merged_trial(theirs, agreed).note == theirs.note
+    assert (distributed.merged_trial(theirs, agreed).noisy
+            and distributed.merged_trial(theirs, agreed).note == theirs.note)
 
 
 @pytest.fixture

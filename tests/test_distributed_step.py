@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 
-SCENARIOS = ("mean-uneven", "tokens-uneven", "parts-uneven", "oom-on-one-rank", "oom-at-last-micro-batch", "longer-input-on-one-rank",
-             "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven", "partitioned-oom-on-one-rank")
+SCENARIOS = ("mean-uneven", "tokens-uneven", "parts-uneven", "oom-on-one-rank", "oom-at-last-micro-batch",
+             "longer-input-on-one-rank", "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven",
+             "partitioned-oom-on-one-rank")
 # Gradient clipping over the global batch (test_clipping.py has one process): two ranks only.
 CLIP_SCENARIOS = ("clip-mean-uneven", "clip-tokens-uneven", "sharded-clip-mean-uneven", "sharded-clip-tokens-uneven")
 # `plan.reduce_overlap` False: the gradients in one all-reduce after backward (search/reduce_timing.py)
@@ -229,7 +230,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     assert_same_training(model, got, want)
     assert step.plan.reduce_overlap is (False if after else None), step.plan  # kept through recovery
     if partitioned:
-        assert step.plan.sharding == "optimizer_state" and step.plan.partitioned_state, step.plan  # kept through recovery
+        # kept through recovery
+        assert step.plan.sharding == "optimizer_state" and step.plan.partitioned_state, step.plan
     assert math.isclose(loss, want_loss, rel_tol=1e-10), (loss, want_loss)
     if max_norm is not None:
         assert want_norm > max_norm, want_norm  # the clipping is real
@@ -297,7 +299,8 @@ def test_oom_on_one_rank_under_the_partitioned_optimizer_state_is_recovered_exac
     results = _check(two_ranks, "partitioned-oom-on-one-rank")
     assert [r["micro"] for r in results] == [1, 1] and [len(r["recoveries"]) for r in results] == [1, 1]
     assert [r["recoveries"][0]["micro_step"] >= 0 for r in results] == [False, True]
-    assert all(r["recoveries"][0]["now"].startswith("fp32, optimizer state sharded over the ranks") for r in results), results
+    assert all(r["recoveries"][0]["now"].startswith("fp32, optimizer state sharded over the ranks")
+               for r in results), results
 
 
 def test_one_all_reduce_after_backward_steps_exactly_and_recovers_an_oom_in_the_last_backward(two_ranks):

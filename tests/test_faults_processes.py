@@ -97,7 +97,8 @@ def ctrl_c_raises():
     signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_during_the_trials_stops_fit_restores_the_model_and_caches_nothing(tmp_path: Path, ctrl_c_raises) -> None:
+def test_ctrl_c_during_the_trials_stops_fit_restores_the_model_and_caches_nothing(tmp_path: Path,
+                                                                                  ctrl_c_raises) -> None:
     model = InterruptedAt(at=4)  # the FLOP count runs one forward; the first trial's later steps are interrupted
     _, batch = tiny_workload()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

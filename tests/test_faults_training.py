@@ -178,7 +178,8 @@ def test_a_plan_from_fit_holds_no_cache_handle_and_can_be_copied_and_pickled(tmp
 
     model, batch = tiny_workload()
     plan = fit_tiny(model, batch, tmp_path / "plans.db", max_trials=1)
-    assert not hasattr(plan, "cache")  # a plan is a configuration; a recovery reaches fit's cache through the callback fit registered, by key
+    # a plan is a configuration; a recovery reaches fit's cache through the callback fit registered, by key
+    assert not hasattr(plan, "cache")
     for twin in (copy.deepcopy(plan), pickle.loads(pickle.dumps(plan))):
         assert twin == plan and twin.key == plan.key
         assert PlanCache(tmp_path / "plans.db").get(plan.key) == plan.with_provenance(source="tuned")

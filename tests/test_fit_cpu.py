@@ -184,7 +184,8 @@ def test_batchnorm_and_dropout_train_identically_with_and_without_checkpointing(
     x = torch.randn(32, 16, dtype=torch.float64)
     blocks = find_blocks(ckpt)
     assert blocks is not None and len(blocks.blocks) == 4
-    remove = checkpointing.install(blocks, len(blocks.blocks), offload_activations=False, placement=resolve_device("cpu"))
+    remove = checkpointing.install(blocks, len(blocks.blocks), offload_activations=False,
+                                   placement=resolve_device("cpu"))
     try:
         g1, s1 = _grads_and_stats(plain, x, seed=7)
         g2, s2 = _grads_and_stats(ckpt, x, seed=7)

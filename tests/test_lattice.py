@@ -78,7 +78,8 @@ class LatticeGPU:
         return max(rates)
 
 
-def _search(gpu: LatticeGPU, *, compile: bool = False, fitting_floors: bool = False) -> tuple[Trial, list[str], Controller]:
+def _search(gpu: LatticeGPU, *, compile: bool = False,
+            fitting_floors: bool = False) -> tuple[Trial, list[str], Controller]:
     """The lattice search over the anchors; `fitting_floors` leaves out those whose floor is over the limit,
     as fit does before searching (`drop_rungs_over`)."""
     limit = int(0.9 * gpu.budget)
@@ -247,7 +248,7 @@ def test_apply_recomputes_exactly_the_planned_number_of_blocks_and_stays_exact()
         plan = _with_blocks(make_plan(4, 6), k)
         wrapped: list[int] = []
 
-        def count(step):  # the blocks whose forward is wrapped while the step is in force
+        def count(step, wrapped=wrapped):  # the blocks whose forward is wrapped while the step is in force
             wrapped.append(sum("forward" in b.__dict__ for b in step.model.blocks))
 
         got, step, _ = run_plan(plan, model, [batch], before_optimizer_step=count)

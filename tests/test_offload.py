@@ -254,8 +254,10 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
     assert "offload fraction" in share.note and share.fits
     # Then the same configuration with its measured steps overlapped, against the serial one: the plan keeps
     # the faster, and says by how much.
-    assert OVERLAPPED in overlapped.note and (overlapped.rung, overlapped.micro_batch_size) == (share.rung, share.micro_batch_size)
-    serial_s, overlapped_s = share.step_seconds + share.optimizer_seconds, overlapped.step_seconds + overlapped.optimizer_seconds
+    assert OVERLAPPED in overlapped.note
+    assert (overlapped.rung, overlapped.micro_batch_size) == (share.rung, share.micro_batch_size)
+    serial_s = share.step_seconds + share.optimizer_seconds
+    overlapped_s = overlapped.step_seconds + overlapped.optimizer_seconds
     assert plan.offload_overlap is (overlapped.fits and overlapped_s < serial_s)
     assert ("overlapped optimizer offload:" if plan.offload_overlap else "serial optimizer offload:") in plan.reason
     # The estimate is of the step the plan trains: overlapped, the once-a-step part shortened by what it saved
@@ -346,8 +348,9 @@ def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(mon
     original = HostOptimizer.arm
     monkeypatch.setattr(HostOptimizer, "arm", lambda self, defer=False: (armed.append(1), original(self, defer))[1])
     model = Net()
-    work = Workload(model=model, batch=batches(4, 1)[0], loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
-                    placement=resolve_device("cpu"), budget_bytes=HUGE, limit_bytes=int(0.9 * HUGE), per_rank=8,
+    work = Workload(model=model, batch=batches(4, 1)[0], loss_fn=resolve(None),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=HUGE,
+                    limit_bytes=int(0.9 * HUGE), per_rank=8,
                     warmup_steps=1, measured_steps=3)
     rung = Rung(precision="bf16", offload="optimizer")
     for overlap in (False, True):
@@ -383,7 +386,8 @@ def test_optimizer_8bit_allowed_but_not_installed_names_the_packages(monkeypatch
     for name in ("torchao", "torchao.optim", "bitsandbytes", "bitsandbytes.optim"):
         monkeypatch.setitem(sys.modules, name, None)  # what an absent package looks like to `import`
     model, batch = Wide(), torch.randn(4, 96)
-    with pytest.raises(InvalidSetting, match=r"'optimizer_8bit' needs torchao or bitsandbytes.*pip install torchao.*'optim8bit' extra"):
+    with pytest.raises(InvalidSetting,
+                       match=r"'optimizer_8bit' needs torchao or bitsandbytes.*pip install torchao.*'optim8bit' extra"):
         autotune.fit(model, batch, global_batch_size=4, memory_budget=2**30, device="cpu", cache=False,
                      techniques=("bf16", "optimizer_8bit"))
     autotune.fit(model, batch, global_batch_size=4, memory_budget=2**30, device="cpu", cache=False,
@@ -480,7 +484,8 @@ def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
     # The CUDA path: pinned 16-bit staging, the side stream, events, copies back after backward.
     data = [tuple(t.cuda() for t in b) for b in batches(8, 3)]
 
-    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")  # the CPU step's pipeline (streamed has none: test_offload_stream.py)
+    # the CPU step's pipeline (streamed has none: test_offload_stream.py)
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
 
     def run(overlap: bool) -> nn.Module:
         monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
@@ -623,8 +628,10 @@ def test_the_rival_at_its_share_replaces_the_pick_only_when_faster_by_more_than_
     for shared, wins in ((_priced("optimizer", 6, 0.068, 0.12), True), (_priced("optimizer", 6, 0.068, 0.2), False)):
         state = SearchState(best=plain, trials=[plain, shared], head="pick", notes=[])
         rival_or_pick(state, shared, 0.65)
-        assert (state.best is shared, state.fraction) == ((True, 0.65) if wins else (False, None)), shared.samples_per_second
-        assert state.account().endswith("pick") and ("65% of the parameters' optimizer on the host" in state.account()) == wins
+        assert (state.best is shared, state.fraction) == ((True, 0.65) if wins else (False, None)), \
+            shared.samples_per_second
+        assert state.account().endswith("pick")
+        assert ("65% of the parameters' optimizer on the host" in state.account()) == wins
         assert any("not faster than the pick" in n for n in state.notes) != wins
     state = SearchState(best=plain, trials=[plain], head="pick", notes=[])
     rival_or_pick(state, None, 1.0)

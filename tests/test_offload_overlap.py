@@ -56,5 +56,6 @@ def test_an_overlapped_trial_over_the_limit_counts_only_when_streamed():
     chosen, overlap, clause = offload_overlap.choose(serial, over, PER_RANK, streamed=False)
     assert overlap is False and chosen is serial
     assert clause == "serial optimizer offload: the overlapped trial: over_budget"
-    chosen, overlap, clause = offload_overlap.choose(serial, _overlapped(0.0, 0.0, outcome="oom"), PER_RANK, streamed=True)
+    chosen, overlap, clause = offload_overlap.choose(serial, _overlapped(0.0, 0.0, outcome="oom"), PER_RANK,
+                                                     streamed=True)
     assert overlap is False and chosen is serial and clause.endswith("the overlapped trial: oom")

@@ -3,8 +3,8 @@
 Each rank steps its runs of the host and device shares and broadcasts the weights; the result must be
 bitwise the unpartitioned one (every rank stepping everything) for the parameters during training, the
 optimizer state the user's optimizer reports (gathered from both ranks), the FP32 weights after `close()`,
-and a step after that state was loaded into a fresh optimizer, with the CPU step and with the streamed one, whole share and half, clipped or not. The device
-share's state, split over the ranks, must lower each rank's peak.
+and a step after that state was loaded into a fresh optimizer, with the CPU step and with the streamed one, whole share
+and half, clipped or not. The device share's state, split over the ranks, must lower each rank's peak.
 """
 
 from __future__ import annotations

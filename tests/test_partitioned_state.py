@@ -67,7 +67,8 @@ def test_the_room_partitioning_frees_buys_fewer_recomputed_blocks():
     winner, judged = partitioned_state.price(result, pick, controller, run, 2)
     assert ran[0] == (partitioned_state.partitioned(pick.rung), pick.micro_batch_size)  # measures what it frees
     assert winner is not None and winner.rung.offload == "optimizer" and winner.fits
-    assert winner.rung.checkpointed_blocks < pick.rung.checkpointed_blocks or winner.micro_batch_size > pick.micro_batch_size
+    assert (winner.rung.checkpointed_blocks < pick.rung.checkpointed_blocks
+            or winner.micro_batch_size > pick.micro_batch_size)
     assert winner.samples_per_second > 1.03 * judged.samples_per_second
     # judged against the pick measured again, as long as the partitioned trials
     assert ran[-1] == (pick.rung, pick.micro_batch_size)
@@ -95,7 +96,8 @@ def test_without_room_freed_no_other_configuration_is_tried_and_the_pick_stays()
     winner, judged = partitioned_state.price(result, pick, controller, run, 2)
     assert winner is None and judged == pick
     # no other configuration tried: the same one partitioned, then the pick again beside it
-    assert ran == [(partitioned_state.partitioned(pick.rung), pick.micro_batch_size), (pick.rung, pick.micro_batch_size)]
+    assert ran == [(partitioned_state.partitioned(pick.rung), pick.micro_batch_size),
+                   (pick.rung, pick.micro_batch_size)]
     assert "not faster than the pick" in result.notes[-1]
 
 

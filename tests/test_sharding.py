@@ -16,7 +16,9 @@ import pytest
 import torch
 
 SCENARIOS = ("presharded-fit", "one-rank-oom", "rungs-on-shards", "sharded-when-needed", "hf-chunked-loss")
-TIMEOUT_S = 600  # a guard against a hang outside a collective (those time out on the ranks: ranks.py); 4 ranks take ~80 s on a busy 2-core machine
+# a guard against a hang outside a collective (those time out on the ranks: ranks.py); 4 ranks take ~80 s on a busy
+# 2-core machine
+TIMEOUT_S = 600
 WIDTH = 64  # Net(width=64, depth=4): 132k parameters, each block 33k, so the budgets are about the weights
 
 
@@ -63,7 +65,8 @@ def _presharded_fit(rank: int, world: int) -> dict:
     return {"tight": tight.rung.name, "loss": tight_losses[-1], "recovered": losses,
             "tried": sorted({t.rung.name for t in (*roomy.trials, *tight.trials)}),
             "outcomes": [t.outcome for t in tight.trials], "params": [],
-            "trials": [[t.rung.name, t.micro_batch_size, t.outcome, t.peak_bytes] for t in (*roomy.trials, *tight.trials)]}
+            "trials": [[t.rung.name, t.micro_batch_size, t.outcome, t.peak_bytes]
+                       for t in (*roomy.trials, *tight.trials)]}
 
 
 def _rungs_on_shards(rank: int, world: int) -> dict:
@@ -159,7 +162,8 @@ def _sharded_when_needed(rank: int, world: int) -> dict:
         for p, q in zip(full.parameters(), model.parameters()):
             p.copy_(q.full_tensor())
     assert_same_training(start, full, ref)
-    return {"loss": loss, "micro": plan.micro_batch_size, "params": [float(p.detach().sum()) for p in full.parameters()]}
+    return {"loss": loss, "micro": plan.micro_batch_size,
+            "params": [float(p.detach().sum()) for p in full.parameters()]}
 
 
 def _one_rank_out_of_memory(rank: int, world: int) -> dict:

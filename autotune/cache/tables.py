@@ -68,7 +68,8 @@ def replace_plan(db: Database, key: str, plan: Plan) -> int:
     with immediate(db):
         if not db.table("plans").count_where("key = ?", [key]):
             return 0
-        db.table("plans").update(key, {"plan": json.dumps(plan.to_dict()), "origin": "replaced", "updated": time.time()})
+        db.table("plans").update(key, {"plan": json.dumps(plan.to_dict()), "origin": "replaced",
+                                       "updated": time.time()})
     return 1
 
 

@@ -8,10 +8,11 @@ to report (exit code 4, an environment error), not something to carry on without
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TextIO, TypeVar
 
 import click
 
@@ -61,7 +62,8 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
     store = _open(cache_path)
     found, refused = _call(lambda: (store.entries(team=team), store.nothing_fits_entries(team=team)))
     if as_json:
-        click.echo(json.dumps([e.to_dict() for e in [*found, *refused]], indent=2))
+        rows: list[CacheEntry | NothingFits] = [*found, *refused]
+        click.echo(json.dumps([e.to_dict() for e in rows], indent=2))
         return
     if found:
         headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "THROUGHPUT", "MFU", "AGE", "STATUS"]
@@ -106,7 +108,8 @@ def export_(cache_path: Path | None, file: Path) -> None:
     """
     store = _open(cache_path)
     to_stdout = str(file) == "-"
-    target = click.get_text_stream("stdout") if to_stdout else file
+    # sys.stdout at call time, as click's get_text_stream gave (deprecated in click 8.5, typed `object` there)
+    target: TextIO | Path = sys.stdout if to_stdout else file
     try:
         count = _call(lambda: store.export(target))
     except OSError as exc:
@@ -134,7 +137,7 @@ def import_(cache_path: Path | None, file: Path) -> None:
       ssh gpu-box autotune cache export - | autotune cache import -
     """
     store = _open(cache_path)
-    source = click.get_binary_stream("stdin") if str(file) == "-" else file
+    source: BinaryIO | Path = sys.stdin.buffer if str(file) == "-" else file  # as export's stdout
     try:
         report = _call(lambda: store.import_(source))
     except OSError as exc:
@@ -212,7 +215,8 @@ def _call(action: Callable[[], T]) -> T:
 
 
 def _one(store: PlanCache, key: str, *, team: bool) -> CacheEntry | NothingFits:
-    matches = _call(lambda: [*store.entries(key, team=team), *store.nothing_fits_entries(key, team=team)])
+    matches: list[CacheEntry | NothingFits] = _call(
+        lambda: [*store.entries(key, team=team), *store.nothing_fits_entries(key, team=team)])
     if not matches:
         raise click.ClickException(f"no cached plan or 'nothing fits' record has a key starting with {key!r}; run "
                                    "`autotune cache list` to see the keys")

@@ -1,4 +1,7 @@
-"""`autotune run [OPTIONS] SCRIPT [SCRIPT_ARGS]...`: wrap an existing training script (see `autotune.supervisor.runner`)."""
+"""`autotune run [OPTIONS] SCRIPT [SCRIPT_ARGS]...`: wrap an existing training script.
+
+See `autotune.supervisor.runner`.
+"""
 
 from __future__ import annotations
 

@@ -104,9 +104,10 @@ def guard_collectives(model: torch.nn.Module) -> bool:
             continue  # a unit without parameters runs no collective; several groups cannot take a custom comm
         group = groups[0]
         if not isinstance(group._all_gather_comm, _CheckedIn):
-            unit.set_custom_all_gather(_CheckedIn(group._all_gather_comm))
+            # torch's AllGather / ReduceScatter are private ABCs: _CheckedIn wraps either by duck typing
+            unit.set_custom_all_gather(_CheckedIn(group._all_gather_comm))  # type: ignore[arg-type]
         if not isinstance(group._reduce_scatter_comm, _CheckedIn):
-            unit.set_custom_reduce_scatter(_CheckedIn(group._reduce_scatter_comm))
+            unit.set_custom_reduce_scatter(_CheckedIn(group._reduce_scatter_comm))  # type: ignore[arg-type]
     return True
 
 

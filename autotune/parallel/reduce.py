@@ -3,6 +3,7 @@ collectives, and the token-count fix-up of FSDP2's reduced gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from ..workload.accumulation import LossWeights
 from .ranks import collective_device, world_size
 
+_coalescing_manager: Callable[..., Any] | None
 try:  # private to torch.distributed (present in torch 2.11 and 2.13): one collective for a bucket of tensors
     from torch.distributed.distributed_c10d import _coalescing_manager
 except ImportError:  # pragma: no cover - older torch: one all-reduce per tensor
@@ -37,8 +39,8 @@ class OverlappedReduce:
     otherwise, a read that waits for the device. Its exit starts every bucket this rank has not started:
     those of parameters backward never reached, or all of them on a rank that ran out of memory, so no rank
     is left waiting in an all-reduce; the ranks then agree on the OOM before anyone uses a gradient. (The
-    exit's buckets make an agreement before the last backward, a wait for the device, unnecessary.) An exception that is not an OOM only removes
-    the hooks. `wait` finishes the all-reduces and returns the global mean loss.
+    exit's buckets make an agreement before the last backward, a wait for the device, unnecessary.) An exception that is
+    not an OOM only removes the hooks. `wait` finishes the all-reduces and returns the global mean loss.
 
     With `overlap` False (`Plan.reduce_overlap`) the gradients go in one bucket, all-reduced once backward has
     made the last of them: nothing runs beside the backward, which can be faster where the
@@ -49,7 +51,8 @@ class OverlappedReduce:
         device = collective_device()
         # (samples, tokens, loss total, means total) of this rank; zeros from a rank that ran out of memory before
         # the last backward (`weights` None), which only joins the all-reduces: every rank re-runs the batch after.
-        self.totals = weights.totals(device) if weights is not None else torch.zeros(4, dtype=torch.float64, device=device)
+        self.totals = (weights.totals(device) if weights is not None
+                       else torch.zeros(4, dtype=torch.float64, device=device))
         self._summed = dist.all_reduce(self.totals, async_op=True)
         # Each rank's share factor: 1 when the counts were summed before the first micro-batch (`share_known`),
         # without waiting here for the device and the other ranks; else from the summed totals.
@@ -107,8 +110,8 @@ def all_reduce_together(tensors: list[torch.Tensor]) -> Any:
 
     One collective for the whole bucket, as DDP's flat bucket is, without copying into a flat buffer: the
     tensors go to the backend together (NCCL: one group, launched once; gloo: flattened by the backend). One
-    all-reduce per tensor is one launch per parameter, each a host call in the middle of the last backward. Per tensor where torch lacks the
-    coalescing manager (it is private to torch.distributed, present in torch 2.11 and 2.13).
+    all-reduce per tensor is one launch per parameter, each a host call in the middle of the last backward. Per tensor
+    where torch lacks the coalescing manager (it is private to torch.distributed, present in torch 2.11 and 2.13).
     """
     if len(tensors) == 1 or _coalescing_manager is None:
         works = [dist.all_reduce(t, async_op=True) for t in tensors]
@@ -147,7 +150,7 @@ class _Works:
             work.wait()
 
 
-def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     """`params` in order, cut into consecutive groups of about `bucket_bytes` (each holds at least one, and one
     dtype: a bucket is all-reduced as one collective)."""
     buckets: list[list[torch.Tensor]] = [[]]

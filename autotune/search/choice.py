@@ -73,7 +73,8 @@ class Choice(Lines):
         # (recompute, plain) pairs where the recompute trial ran at a micro-batch no larger and still won
         pairs = [(c, p) for c in ok if c.rung.checkpointing != "none" for p in ok if p.rung.checkpointing == "none"
                  and (p.rung.offload, p.rung.compile) == (c.rung.offload, c.rung.compile)
-                 and c.micro_batch_size <= p.micro_batch_size and c.samples_per_second > p.samples_per_second * (1 + NOISE)]
+                 and c.micro_batch_size <= p.micro_batch_size
+                 and c.samples_per_second > p.samples_per_second * (1 + NOISE)]
         if not pairs:
             return best
         ckpt, plain = max(pairs, key=lambda cp: cp[0].samples_per_second / cp[1].samples_per_second)
@@ -105,7 +106,8 @@ class Choice(Lines):
         opt = self._optimizer_seconds(rung.offload) or min(t.optimizer_seconds for t in state.ok)
         extra = MIN_OVERHEAD[rung.offload if rung.offload != "none" else rung.checkpointing]
         base_extra = MIN_OVERHEAD[best.rung.offload if best.rung.offload != "none" else best.rung.checkpointing]
-        micro_seconds = (top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size)) * (1 + extra) / (1 + base_extra)
+        micro_seconds = ((top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size))
+                         * (1 + extra) / (1 + base_extra))
         per_step = global_step_seconds(micro_seconds, opt, self.per_rank, self.cap)
         return self.per_rank * self.world_size / per_step
 
@@ -138,7 +140,8 @@ class Choice(Lines):
         smallest = min(ran, key=lambda t: t.peak_bytes) if ran else None
         tried = "; ".join(f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}" for t in self.trials)
         seen = (f"the smallest peak seen was {format_bytes(smallest.peak_bytes)} ({smallest.rung.name} at "
-                f"micro-batch {smallest.micro_batch_size})" if smallest else "no trial got far enough to measure a peak")
+                f"micro-batch {smallest.micro_batch_size})" if smallest
+                else "no trial got far enough to measure a peak")
         skipped = "".join(f" {n}." for n in self.notes)  # why rungs were left out, or the trial budget ran out
         return (f"no configuration fits under {format_bytes(self.limit)} (the budget less the margin) even at "
                 f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. "

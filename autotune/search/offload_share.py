@@ -68,7 +68,8 @@ def _costs(params: Sequence[nn.Parameter], state_tensors: int, keep_fp32: Collec
 def _dearest_run(costs: Sequence[int], numels: Sequence[int], kept: int, ranks: int) -> int:
     """What keeping the first `kept` parameters on the device costs the rank whose run of them costs most (the
     only rank, unpartitioned): the runs `HostOptimizer`'s partition cuts, balanced by elements."""
-    if ranks <= 1 or kept < ranks:  # fewer than the ranks: every rank steps all of them (techniques/offload/partition.py)
+    # fewer than the ranks: every rank steps all of them (techniques/offload/partition.py)
+    if ranks <= 1 or kept < ranks:
         return sum(costs[:kept])
     return max(sum(costs[i] for i in run) for run in runs(range(kept), numels, ranks))
 
@@ -144,7 +145,8 @@ def _refine(best: Trial, trial: Trial, fraction: float, run: Callable[[float], T
         return trial, fraction, ""
     other = run(smaller)
     ran.append(other)
-    measured = f"{fraction:.0%} on the host grew the peak by {format_bytes(grew)} of {format_bytes(int(predicted))} predicted"
+    measured = (f"{fraction:.0%} on the host grew the peak by {format_bytes(grew)} "
+                f"of {format_bytes(int(predicted))} predicted")
     if other.fits and other.samples_per_second >= trial.samples_per_second:
         return other, smaller, f" ({measured}, so {smaller:.0%} was tried and kept)"
     return trial, fraction, f" ({measured}; {smaller:.0%}: {'slower' if other.fits else other.outcome})"

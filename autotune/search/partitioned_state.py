@@ -25,6 +25,7 @@ from ..configuration import Rung
 from ..evidence import Trial
 from ..techniques.offload import partition as offload_partition
 from .controller import NOISE, Controller, SearchResult, _ruled_out
+from .state import SearchState
 
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it
 LONGER = 4  # times the search's measured steps, for every trial here (see `price`)
@@ -47,7 +48,8 @@ def partitioned(rung: Rung) -> Rung:
     return dataclasses.replace(rung, offload="optimizer")
 
 
-def price(result: SearchResult, best: Trial, controller: Controller, run: Run, world: int) -> tuple[Trial | None, Trial]:
+def price(result: SearchResult | SearchState, best: Trial, controller: Controller, run: Run,
+          world: int) -> tuple[Trial | None, Trial]:
     """(the partitioned trial to plan from, or None; the pick's trial it was judged against). Adds the trials
     run to `result.trials`, and a note saying what was found either way.
 

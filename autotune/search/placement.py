@@ -29,7 +29,8 @@ class Placing(Climb):
         for offload in ("none", "optimizer"):
             if not any(s.rung.offload == offload and not s.rung.compile for s in self.states):
                 continue
-            candidates = [c for c in self._candidates(offload, compiled=None) if 0 < c[0].checkpointed_blocks < n]
+            candidates = [c for c in self._candidates(offload, compiled=None)
+                          if 0 < (c[0].checkpointed_blocks or 0) < n]
             self._try_best(candidates, f"{offload} offload, blocks recomputed")
 
     def _place_compile(self) -> None:
@@ -105,7 +106,7 @@ class Placing(Climb):
             slope = self._slope(base.rung)
             over = first.peak_bytes - self.limit if first.outcome == "over_budget" and slope else 0
             smaller = [m for m in self._sizes() if m < first.micro_batch_size and not self._one_sample_left(m)
-                       and (not over or m <= first.micro_batch_size - over / slope)]
+                       and (not over or not slope or m <= first.micro_batch_size - over / slope)]
             if smaller:
                 first = self._run(state, max(smaller))
         line = self._step_line(base.rung)
@@ -195,7 +196,7 @@ class Placing(Climb):
             own_slope, own_line = self._slope(lo_c), self._step_line(lo_c)
             if own_slope is not None and own_line is not None:
                 s0, t0, memory, time0 = own_slope, own_line, 1.0, 1.0
-        if None in (s0, floor, opt, t0):
+        if s0 is None or floor is None or opt is None or t0 is None:
             return []
         if sn is None or tn is None:  # recompute not measured yet: only configurations without it
             n, sn, tn = 0, s0, t0

@@ -33,7 +33,8 @@ def choose(best: Trial, timed: Trial, per_rank: int, world: int) -> tuple[Trial,
     Kept in buckets, `best` is as it was. After backward, `best` with the all-reduce's cost moved by what the
     timing trial measured between the two ways, and its rate estimated again from that."""
     if not timed.fits:
-        return best, True, f"gradient all-reduce in buckets during backward (the trial timing both ways: {timed.outcome})"
+        return best, True, ("gradient all-reduce in buckets during backward "
+                            f"(the trial timing both ways: {timed.outcome})")
     bucketed = timed.step_seconds + timed.reduce_seconds
     after = timed.step_seconds + timed.reduce_after_seconds
     measured = f"an all-reduced micro-step took {after:.4f} s with one after backward, {bucketed:.4f} s in buckets"

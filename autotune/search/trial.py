@@ -168,7 +168,8 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     times = [step(overlap) for _ in range(measured)]
     # Not under torch.distributed: each rank would judge its own spread and run its own number of steps (a
     # sharded model's steps are collectives); the ranks' MAX of the step time is the agreed figure there.
-    while work.placement.simulated and not distributed.active() and spread(times) > NOISY_SPREAD and len(times) < MAX_STEPS_FACTOR * measured:
+    while (work.placement.simulated and not distributed.active() and spread(times) > NOISY_SPREAD
+           and len(times) < MAX_STEPS_FACTOR * measured):
         times.append(step(overlap))
     step_s, opt_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
     noisy = spread(times) > NOISY_SPREAD

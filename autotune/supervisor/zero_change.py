@@ -2,10 +2,11 @@
 
 `--map micro_batch=--per_device_train_batch_size --map accumulation=--gradient_accumulation_steps`
 (optionally `checkpointing=FLAG`, `bf16=FLAG`, `compile=FLAG`, each with an optional value template), or
-a `--preset`, says which of the script's flags carry the plan's knobs (`flags.py`). Each trial runs the script in a fresh process through the agent (`agent.py`), with accumulation 1, for
-one warm-up and `trial_steps` measured optimizer steps; the controller's predict / verify / bisect /
-score-by-throughput search decides which trial comes next, restricted to micro-batches that divide the
-per-rank batch (the script batches its own data, so only an exact split keeps the global batch).
+a `--preset`, says which of the script's flags carry the plan's knobs (`flags.py`). Each trial runs the script in a
+fresh process through the agent (`agent.py`), with accumulation 1, for one warm-up and `trial_steps` measured optimizer
+steps; the controller's predict / verify / bisect / score-by-throughput search decides which trial comes next,
+restricted to micro-batches that divide the per-rank batch (the script batches its own data, so only an exact split
+keeps the global batch).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ A technique that is off is a null context or a no-op, so the training step has o
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ class AppliedRung:
     rung: Rung
     model: nn.Module
     optimizer: Any  # torch.optim.Optimizer, or HostOptimizer under optimizer offload
-    autocast: Callable[[], ContextManager[object]]
+    autocast: Callable[[], AbstractContextManager[object]]
     scaler: torch.amp.GradScaler | None
     _undo: list[Callable[[], None]]
 

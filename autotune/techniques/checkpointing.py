@@ -45,7 +45,7 @@ def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placem
         # the bound method (restored by deleting the instance attribute), or what `inner` makes of the block
         original = inner(block) if inner is not None else block.forward
         wrapped = _checkpointed(block, original, offload_activations, placement)
-        block.forward = wrapped  # type: ignore[method-assign]
+        block.forward = wrapped
 
     def remove() -> None:
         for block in chosen:
@@ -54,7 +54,8 @@ def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placem
     return remove
 
 
-def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool, placement: Placement) -> Callable[..., Any]:
+def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
+                  placement: Placement) -> Callable[..., Any]:
     norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     @functools.wraps(original)

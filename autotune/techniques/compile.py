@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -117,7 +118,7 @@ def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
     it, and every block compiles a graph of its own (36 compiles for GPT-2 large instead of one). Hugging
     Face turns it off the same way under gradient checkpointing.
     """
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if not getattr(config, "use_cache", False):
         return lambda: None
     config.use_cache = False

@@ -74,8 +74,9 @@ def dtype_conflict(rung: Rung, model: nn.Module) -> str | None:
     if rung.precision != "fp16" or rung.offload == "optimizer":
         return None
     if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
-        return ("fp16 without optimizer offload skipped: fp16 loss scaling cannot unscale the float16 gradients of a float16 "
-                "model (torch's GradScaler refuses them); optimizer offload keeps FP32 copies on the host and can")
+        return ("fp16 without optimizer offload skipped: fp16 loss scaling cannot unscale the float16 gradients "
+                "of a float16 model (torch's GradScaler refuses them); optimizer offload keeps FP32 copies on the "
+                "host and can")
     return None
 
 

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from ..errors import InvalidSetting
 
 TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss")
-DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "chunked_loss")  # 8-bit state changes the numerics: opt-in
+# 8-bit state changes the numerics: opt-in
+DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "chunked_loss")
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:

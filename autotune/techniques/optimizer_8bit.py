@@ -102,7 +102,7 @@ def _builder(klass: type, *, eager: bool) -> Callable[[list[dict[str, Any]]], to
         groups = [{k: v for k, v in g.items() if k == "params" or k in allowed} for g in groups]
         opt = klass(groups)
         if eager:
-            opt.step = _eager(opt.step)  # type: ignore[method-assign]
+            opt.step = _eager(opt.step)
         return opt
 
     return build

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager
 
 import torch
 
@@ -26,7 +25,7 @@ def choose_precision(allow_16bit: bool, placement: Placement) -> tuple[str, str]
     return "fp16", f"fp16 with loss scaling: {placement.name} has no bf16 support"
 
 
-def autocast_factory(precision: str, placement: Placement) -> Callable[[], ContextManager[object]]:
+def autocast_factory(precision: str, placement: Placement) -> Callable[[], contextlib.AbstractContextManager[object]]:
     """A zero-argument callable returning the autocast context for one forward (a null context for FP32)."""
     if precision == "fp32":
         return contextlib.nullcontext

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..sizes import format_bytes
 from .blocks import BlockGroup, find_blocks
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -99,7 +103,7 @@ def param_groups(state: object) -> list:
     return list(groups)
 
 
-def _reset_iter_state(root: nn.Module) -> None:
+def _reset_iter_state(root: FSDPModule) -> None:
     """`reset_iter_state` for torch before 2.13: the same fields, after the device has synchronized."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
@@ -170,7 +174,7 @@ def _repoint(optimizer: torch.optim.Optimizer, names: dict[int, str], shards: di
     from torch.distributed.tensor import distribute_tensor
 
     state = optimizer.state
-    moved: dict[nn.Parameter, dict[str, object]] = {}
+    moved: dict[torch.Tensor, dict[str, object]] = {}
     for group in optimizer.param_groups:
         params: Sequence[nn.Parameter] = group["params"]
         new = [shards[names[id(p)]] if id(p) in names else p for p in params]
@@ -184,7 +188,8 @@ def _repoint(optimizer: torch.optim.Optimizer, names: dict[int, str], shards: di
 
 def _shard_like(value: object, param: nn.Parameter, distribute) -> object:  # torch's function
     """A parameter-shaped state tensor cut to this rank's shard, laid out as the parameter; else as it is."""
-    if isinstance(value, torch.Tensor) and value.shape == param.shape and hasattr(param, "device_mesh"):
+    if (isinstance(value, torch.Tensor) and value.shape == param.shape and hasattr(param, "device_mesh")
+            and hasattr(param, "placements")):  # a DTensor parameter has both
         local = value.detach().to(param.device)
         return distribute(local, param.device_mesh, param.placements, src_data_rank=None)
     return value

@@ -9,7 +9,7 @@ all-reduce beside it and optimizer offload steps during it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,7 +89,7 @@ class Accumulator:
         host applies them to its own copies, after backward (`defer`)."""
         return not parallel.active() and not self.sharded and not callback and not weights.needs_correction()
 
-    def reduction(self, weights: LossWeights | None, *, overlap: bool) -> ContextManager[Any]:
+    def reduction(self, weights: LossWeights | None, *, overlap: bool) -> contextlib.AbstractContextManager[Any]:
         """Replicated on several ranks: the all-reduce that overlaps the last backward (None: this rank ran out
         of memory before it, and only joins the all-reduces); else nothing to do."""
         if not self.replicated:

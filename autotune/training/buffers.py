@@ -2,9 +2,9 @@
 in training, and the random streams.
 
 An attempt that runs out of memory half-way has already run some micro-batches forward: BatchNorm has folded
-their statistics into `running_mean` / `running_var` and counted them in `num_batches_tracked`. The re-run must start from the state the failed attempt
-started from, so a recovered step equals a clean one at the new micro-batch. `fit` snapshots every
-parameter and buffer to the host once per tune (`search/snapshot.py`); a training step cannot pay that
+their statistics into `running_mean` / `running_var` and counted them in `num_batches_tracked`. The re-run must start
+from the state the failed attempt started from, so a recovered step equals a clean one at the new micro-batch. `fit`
+snapshots every parameter and buffer to the host once per tune (`search/snapshot.py`); a training step cannot pay that
 every step, so it copies, on the device, only the buffers that change in training:
 
 - those of normalization layers that track running statistics (BatchNorm, InstanceNorm with

@@ -61,5 +61,6 @@ class ModelLink:
                  *args: Any) -> None:
         for name, i in owned:
             value = state_dict.get(prefix + name)
-            if value is not None and tuple(value.shape) == tuple(module._parameters[name].shape):
+            param = module._parameters[name]  # registered: one of the module's own parameters
+            if value is not None and param is not None and tuple(value.shape) == tuple(param.shape):
                 self.host.load_weight(i, value)  # a mismatched shape is left to torch's own error

@@ -60,8 +60,8 @@ class OffloadLink:
     def mirror(self) -> None:
         """The user's `optimizer.state` holds the host state itself (the same dicts, no copy): what it reports
         is what trains, and code that reads it to see whether the state exists (torch's distributed checkpoint
-        API steps an optimizer whose state is empty to build one, which the offload refuses) sees that it does. Called after each step and
-        each load, which may create or replace the host's entries."""
+        API steps an optimizer whose state is empty to build one, which the offload refuses) sees that it does. Called
+        after each step and each load, which may create or replace the host's entries."""
         self.user.state.clear()
         for _, p, opt, key in self.pairs:
             if isinstance(opt, torch.optim.Optimizer):  # not another rank's, gathered only for a state dict

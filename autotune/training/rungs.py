@@ -47,6 +47,11 @@ class RungInForce:
         self._offload_link: OffloadLink | None = None
         self._setting: tuple[float, bool | None] = (1.0, None)  # the offload's host share and overlap in force
 
+    def _in_force(self) -> AppliedRung:
+        """`applied`, which every method but `apply` needs there."""
+        assert self.applied is not None, "no rung applied yet"
+        return self.applied
+
     def apply(self, rung: Rung, *, fraction: float = 1.0, overlap: bool | None = None) -> None:
         """Put `rung` on the model, with the optimizer state carried over."""
         self._setting = (fraction, overlap)
@@ -73,29 +78,31 @@ class RungInForce:
         offload_link, self._offload_link = self._offload_link, None
         for link in reversed(links):
             link.close()  # the model's link before the weights come back: the parameters are the truth again
-        self.applied.remove()  # under optimizer offload: FP32 weights back on the device
+        self._in_force().remove()  # under optimizer offload: FP32 weights back on the device
         drop_gradients()
         if offload_link is not None:
             offload_link.close()
 
     def switch(self, rung: Rung, fraction: float, drop_gradients: Any) -> None:
         """Move to `rung` (recovery), the loss scale and the updates an aborted attempt made kept."""
-        scaler = self.applied.scaler
+        scaler = self._in_force().scaler
         scaler_state = scaler.state_dict() if scaler is not None else None
-        old, (old_fraction, old_overlap) = self.applied.rung, self._setting
+        old, (old_fraction, old_overlap) = self._in_force().rung, self._setting
         stepped, self.stepped = self.stepped, set()
         self.remove(drop_gradients)
         try:
             self.apply(rung, fraction=fraction)
         except BaseException:
-            self.apply(old, fraction=old_fraction, overlap=old_overlap)  # never leave the step holding a rung already removed
+            # never leave the step holding a rung already removed
+            self.apply(old, fraction=old_fraction, overlap=old_overlap)
             raise
         if stepped and self.offload.keep_stepped(stepped):
             # Rare: an OOM in the last backward at micro-batch 1 after the host had stepped some chunks.
             log.warning("autotune: %d parameter tensors were updated before the out-of-memory error and keep "
                         "that update on %s", len(stepped), rung.name)
-        if scaler_state and self.applied.scaler is not None:
-            self.applied.scaler.load_state_dict(scaler_state)  # the loss scale carries over
+        new_scaler = self._in_force().scaler
+        if scaler_state and new_scaler is not None:
+            new_scaler.load_state_dict(scaler_state)  # the loss scale carries over
 
     def abort(self) -> None:
         """The attempt failed and the batch is re-run: what the offload stepped already stays stepped."""
@@ -105,15 +112,15 @@ class RungInForce:
         """The user's hyperparameters (an LR scheduler's) into the optimizer actually stepped."""
         if self._offload_link is not None:
             self._offload_link.sync_hyperparameters()  # before backward: overlapped offload steps during the last one
-        elif self.applied.rung.optimizer_8bit and self.device_optimizer is not None:
-            optimizer_8bit.sync_hyperparameters(self.device_optimizer, self.applied.optimizer, self.spec)
+        elif self._in_force().rung.optimizer_8bit and self.device_optimizer is not None:
+            optimizer_8bit.sync_hyperparameters(self.device_optimizer, self._in_force().optimizer, self.spec)
 
     def step(self) -> None:
         """The optimizer step, with the user's optimizer showing the state it created."""
         if self._offload_link is not None:
             self._offload_link.sync_hyperparameters()
         try:
-            self.applied.optimizer_step()
+            self._in_force().optimizer_step()
         finally:
             self.stepped = set()  # the engine let go of them too
         if self._offload_link is not None:

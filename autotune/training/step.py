@@ -214,6 +214,11 @@ class TrainingStep:
             self._in_force = None
             checks.closed(self.model, self)
 
+    def _open(self) -> RungInForce:
+        """The rung in force: every attempt runs inside `step`, which refuses a closed TrainingStep first."""
+        assert self._in_force is not None, "this TrainingStep was closed"
+        return self._in_force
+
     def __enter__(self) -> TrainingStep:
         return self
 
@@ -224,7 +229,7 @@ class TrainingStep:
     def _attempt(self, batch: Any, n: int) -> tuple[float, str]:
         """Run the whole batch and step: (mean loss, "") on success, else (nan, the OOM's first line)."""
         acc = self._accumulator
-        self._in_force.before_attempt()
+        self._open().before_attempt()
         with self._memory_guard(batch), parallel.armed(self._sharded and self._oom_likely()):
             weights, failure = self._guarded(acc.forward, self._applied, self.plan, batch, n)
             # Every rank learns of an OOM on any rank before anyone steps. Under FSDP no collective of
@@ -242,8 +247,9 @@ class TrainingStep:
             overlap = self.plan.reduce_overlap is not False
             with acc.reduction(None if failure else weights, overlap=overlap) as reduction:
                 if not failure:
+                    callback = self.before_optimizer_step is not None
                     _, failure = self._guarded(acc.last_backward, self._applied, defer=self.max_grad_norm is not None,
-                                               overlap=acc.overlap_allowed(weights, callback=self.before_optimizer_step is not None))
+                                               overlap=acc.overlap_allowed(weights, callback=callback))
             if parallel.agree_oom(bool(failure)):
                 acc.drop_last()
                 return float("nan"), failure or "another rank ran out of memory"
@@ -293,7 +299,7 @@ class TrainingStep:
 
     def _clip(self) -> None:
         """Unscale (FP16) and clip the whole batch's gradient; see `clipping.py` for where each path does it."""
-        applied, offload = self._applied, self._in_force.offload
+        applied, offload = self._applied, self._open().offload
         if applied.scaler is not None and not offload.engaged:
             applied.scaler.unscale_(applied.optimizer)  # scaler.step sees it was unscaled and does not repeat it
         if self.max_grad_norm is None:
@@ -308,7 +314,7 @@ class TrainingStep:
 
     def _optimizer_step(self) -> None:
         try:
-            self._in_force.step()
+            self._open().step()
         except Exception as exc:
             if is_oom(exc):
                 # Not retried: the micro-batch does not change the optimizer's memory, and a step that died
@@ -368,7 +374,7 @@ class TrainingStep:
             recovery.report(old, None, shapes, failure)
             raise NoFeasiblePlan(recovery.exhausted(failed, shapes, old), trials=tuple(failed))
         if new.rung != old.rung:
-            self._in_force.switch(*recovery.engine_rung(new), self._drop_gradients)
+            self._open().switch(*recovery.engine_rung(new), self._drop_gradients)
         self.plan = new
         recovery.report(old, new, shapes, failure)
         self.recoveries.append(Recovery(step=self.steps_taken, failed=recovery.describe(old),

@@ -207,7 +207,8 @@ class LossWeights:
 
         `totals` is `totals()` summed over ranks. Mean losses were weighted by n_i / divisor, so divisor / N
         (all ranks' samples) rescales them: 1 when the divisor was N already. Token losses were divided by
-        the estimate, so estimate / (all ranks' tokens): 1 when the total was known up front. Summing the rescaled gradients over ranks gives the full-batch one.
+        the estimate, so estimate / (all ranks' tokens): 1 when the total was known up front. Summing the rescaled
+        gradients over ranks gives the full-batch one.
         """
         samples, tokens = totals.tolist()[:2]
         if self.by_tokens and self.estimate is not None:

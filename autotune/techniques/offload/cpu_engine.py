@@ -71,7 +71,8 @@ class HostOptimizer(EngineState):
         self.fraction = sum(numels[i] for i in host_all) / max(1, sum(numels))
         # Replicated ranks each step their runs of both shares and send the weights (partition.py).
         precision = "fp16" if dtype == torch.float16 else "bf16"
-        self.partition = Partition([host_all, device_all], numels) if offload_partition.ranks(precision, sharded) > 1 else None
+        self.partition = (Partition([host_all, device_all], numels)
+                          if offload_partition.ranks(precision, sharded) > 1 else None)
         mine = self.partition.mine if self.partition is not None else list
         self.host_index, self.device_index = mine(host_all), mine(device_all)
         host = set(self.host_index)
@@ -98,7 +99,8 @@ class HostOptimizer(EngineState):
         with torch.no_grad():
             for p in self.params:
                 if id(p) not in kept:
-                    p.data = p.data.to(device_dtype(p, dtype))  # the device copy shrinks to 16 bits; its FP32 storage is freed
+                    # the device copy shrinks to 16 bits; its FP32 storage is freed
+                    p.data = p.data.to(device_dtype(p, dtype))
         self.param_groups = (self.optimizer or self.device_optimizer).param_groups
         # Gradient clipping (training/clipping.py) sets this before `step`: the host gradients are multiplied
         # by it after unscaling, in FP32, and it goes back to 1 after the step.
@@ -117,7 +119,8 @@ class HostOptimizer(EngineState):
         # so (the pipeline's worker issuing the segments was no faster). Partitioned, neither: a rank that ran
         # out of memory in its worker or hooks would leave the others waiting for its weights (the check-in
         # guards the step, not the backward).
-        self.stream_overlap = self.stepper is not None and overlap is True and overlap_default() and self.partition is None
+        self.stream_overlap = (self.stepper is not None and overlap is True and overlap_default()
+                               and self.partition is None)
         if self.stream_overlap:
             self.stepper.reserve()  # now, not in the first (timed) step: its second set of buffers is large
         self._hooks: list[Any] = []
@@ -130,7 +133,8 @@ class HostOptimizer(EngineState):
         unless $AUTOTUNE_OFFLOAD_STREAM=0 (=1 also on the CPU test device), for Adam/AdamW over contiguous
         FP32 masters, without a GradScaler (its unscale and inf check run on the host gradients) or shards."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        if not stream_wanted(device.type) or self._flat is None or self.scaler is not None or sharded or streamable(self.optimizer):
+        if (not stream_wanted(device.type) or self._flat is None or self.scaler is not None or sharded
+                or streamable(self.optimizer)):
             return None
         if not all(self.params[i].is_contiguous() for i in self.host_index):
             return None
@@ -206,11 +210,23 @@ class HostOptimizer(EngineState):
         self.gather_on_restore = True
 
     def _stage(self, i: int, grad: torch.Tensor) -> None:
-        self._staging[i].copy_(local_part(grad), non_blocking=True)  # on the side stream, in the hook (see the pipeline)
+        # on the side stream, in the hook (see the pipeline)
+        self._staging[i].copy_(local_part(grad), non_blocking=True)
+
+    def _host_grad(self, i: int) -> torch.Tensor:
+        """The gradient of host master `i`: allocated with the master (`host_masters`), never dropped."""
+        grad = self.master[i].grad
+        assert grad is not None, f"host master {i} has no gradient buffer"
+        return grad
 
     def _land(self, i: int) -> None:
-        source = self._staging[i] if self._staging else local_part(self.params[i].grad)
-        self.master[i].grad.copy_(source)
+        if self._staging:
+            source = self._staging[i]
+        else:
+            grad = self.params[i].grad
+            assert grad is not None, f"parameter {i} landed before backward made its gradient"
+            source = local_part(grad)
+        self._host_grad(i).copy_(source)
 
     def _step_chunk(self, indices: list[int]) -> None:
         self._step_host(indices)
@@ -272,9 +288,9 @@ class HostOptimizer(EngineState):
             for i in indices:
                 grad = self.params[i].grad
                 if grad is None:
-                    self.master[i].grad.zero_()
+                    self._host_grad(i).zero_()
                 else:
-                    self.master[i].grad.copy_(local_part(grad), non_blocking=True)
+                    self._host_grad(i).copy_(local_part(grad), non_blocking=True)
 
     def _update(self, stepped: set[int]) -> None:
         """Unscale and clip what was not stepped yet, step it, and bring every host weight back."""
@@ -285,7 +301,7 @@ class HostOptimizer(EngineState):
                 return  # non-finite gradients: skip this step, as GradScaler.step would
             rest = [i for i in self.host_index if i not in stepped]
             if factor != 1.0:  # streamed, the stepper multiplies the device gradients as it widens them
-                host = [] if self.stepper is not None else [self.master[i].grad for i in rest]
+                host = [] if self.stepper is not None else [self._host_grad(i) for i in rest]
                 for g in host + device_grads:
                     g.mul_(factor)
             self._step_device()  # queued on the device, while the host steps its share
@@ -301,10 +317,13 @@ class HostOptimizer(EngineState):
         for i, master in self.device_master.items():
             p = self.params[i]
             if master is not p:
-                master.grad = p.grad.to(master.dtype) if p.grad is not None else torch.zeros_like(master)
-            elif p.grad is None:
-                p.grad = torch.zeros_like(p)  # stepped with a zero gradient, as the host share is
-            grads.append(master.grad)
+                grad = p.grad.to(master.dtype) if p.grad is not None else torch.zeros_like(master)
+                master.grad = grad
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)  # stepped with a zero gradient, as the host share is
+                grad = p.grad
+            grads.append(grad)
         return grads
 
     def _step_device(self) -> None:
@@ -368,13 +387,15 @@ class HostOptimizer(EngineState):
 
     def _unscale(self, device: list[torch.Tensor]) -> bool:
         """FP16 only: divide the gradients by the loss scale; False (and a smaller scale) on inf/NaN."""
-        scale = float(self.scaler.get_scale())
-        host = [self.master[i].grad for i in self.host_index]
+        scaler = self.scaler
+        assert scaler is not None, "unscaling without a loss scaler"
+        scale = float(scaler.get_scale())
+        host = [self._host_grad(i) for i in self.host_index]
         finite = all(math.isfinite(float(g.abs().max())) for g in host + device if g.numel())
         if finite:
             for g in host + device:
                 g.div_(scale)
-            self.scaler.update(scale)
+            scaler.update(scale)
         else:
-            self.scaler.update(scale * self.scaler.get_backoff_factor())
+            scaler.update(scale * scaler.get_backoff_factor())
         return finite

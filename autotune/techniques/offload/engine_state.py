@@ -55,6 +55,7 @@ class EngineState:
         model's own weights back when it ends)."""
         if self.gather_on_restore:
             current = [i for i, p in enumerate(self.params) if id(p) in self._kept]
+            assert self.partition is not None, "restore() reaches here only partitioned"
             self.partition.gather_weights(self.params, self.dtypes, current)
             return
         for i in self.foreign:
@@ -209,5 +210,5 @@ class EngineState:
         self._views = {}
         self._flat = None
         self.stepper = None
-        self.optimizer = None  # type: ignore[assignment]
+        self.optimizer = None
         self.device_optimizer = None

@@ -2,9 +2,9 @@
 
 Replicated, every rank holds the same summed gradients after the all-reduce, so every rank stepping every
 parameter repeats one update world times: each rank would stream the same FP32 state over its own link
-every step and keep the same FP32 masters and moments of the device share. Partitioned, each share of `HostOptimizer` (host and device)
-is cut into `world` contiguous runs of parameters, balanced by elements; rank r keeps masters and state for
-its runs only and steps them; then each rank broadcasts the weights it updated to the others (16 bits a
+every step and keep the same FP32 masters and moments of the device share. Partitioned, each share of `HostOptimizer`
+(host and device) is cut into `world` contiguous runs of parameters, balanced by elements; rank r keeps masters and
+state for its runs only and steps them; then each rank broadcasts the weights it updated to the others (16 bits a
 parameter: what DDP's all-reduce moves, over NVLink, against 24 bytes a parameter over each rank's PCIe link
 for the streamed state). The host work, host memory and device-share state per rank fall to 1/world.
 
@@ -99,7 +99,8 @@ class Partition:
                 continue
             for r, run in enumerate(runs(share, numels, self.world)):
                 self.owner.update({i: r for i in run})
-        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                       else torch.device("cpu"))
 
     def mine(self, indices: Sequence[int]) -> list[int]:
         """Those of `indices` this rank steps."""
@@ -187,7 +188,9 @@ class Partition:
             layout = [{i: {k: _describe(v) for k, v in states[i].items()} for i in self.of(owner) if i in states}
                       if mine else None]
             dist.broadcast_object_list(layout, src=owner, device=self.device if self.device.type == "cuda" else None)
-            for i, entry in layout[0].items():
+            sent = layout[0]
+            assert sent is not None, "broadcast_object_list fills the layout on every rank"
+            for i, entry in sent.items():
                 got: dict[str, Any] = {}
                 for k, (kind, value) in entry.items():
                     if kind == "value":

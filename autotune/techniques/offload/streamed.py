@@ -39,7 +39,8 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -84,7 +85,8 @@ def flat_views(shapes: Sequence[torch.Size], *, pin: bool) -> tuple[torch.Tensor
     return flat, views
 
 
-class Piece(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Piece:
     index: int  # parameter position
     lo: int  # elements [lo, hi) of the parameter
     hi: int
@@ -120,7 +122,8 @@ class DeviceStepper:
         self._moments = {i: (m, v) for i, m, v in zip(order, m_views, v_views)}
         self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self._largest = min(SEGMENT, offset)
-        self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)] for _ in range(RING if self.cuda else 1)]
+        self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)]
+                       for _ in range(RING if self.cuda else 1)]
         self._freed: list[Any] = [None] * len(self._slots)
         self._next = 0
         self._steps: dict[int, torch.Tensor] = {}  # the step count on the device, per parameter
@@ -165,7 +168,9 @@ class DeviceStepper:
         for a large share: `HostOptimizer` reserves them when it is built, not in a timed step)."""
         if self._spare is None:
             with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
-                self._spare = tuple(torch.empty_like(t, pin_memory=self.cuda) for t in (self.flat, self._m, self._v))
+                self._spare = (torch.empty_like(self.flat, pin_memory=self.cuda),
+                               torch.empty_like(self._m, pin_memory=self.cuda),
+                               torch.empty_like(self._v, pin_memory=self.cuda))
 
     def landed(self, i: int) -> None:
         """Parameter i's gradient is final (a hook in the last backward): issue every segment now complete."""
@@ -281,10 +286,11 @@ class DeviceStepper:
         with self._on("compute", wait=arrived, also=ready):
             self._gather_grads(grad, pieces, factor)
             for group, members in self._by_group(pieces):
-                self._kernel(group)(*self._lists(members, master, grad, m, v), [], [self._steps[p.index] for p in members],
+                self._kernel(group)(*self._lists(members, master, grad, m, v), [],
+                                    [self._steps[p.index] for p in members],
                                     amsgrad=False, lr=float(group["lr"]), beta1=float(group["betas"][0]),
-                                    beta2=float(group["betas"][1]), weight_decay=group["weight_decay"], eps=group["eps"],
-                                    maximize=group["maximize"], grad_scale=None, found_inf=None)
+                                    beta2=float(group["betas"][1]), weight_decay=group["weight_decay"],
+                                    eps=group["eps"], maximize=group["maximize"], grad_scale=None, found_inf=None)
             for p in pieces:
                 self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
             stepped = self._event("compute")
