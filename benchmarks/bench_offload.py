@@ -180,7 +180,8 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="tune the plan with autotune.fit instead of --config")
     parser.add_argument("--modes", default="serial,overlap,stream-serial,stream-overlap",
                         help="serial/overlap: the host share stepped by the CPU; stream-*: on the GPU, its state "
-                        "streamed (techniques/offload/streamed.py), after backward or issued from the last backward's hooks; "
+                        "streamed (techniques/offload/streamed.py), after backward or issued from the last "
+                        "backward's hooks; "
                         "MODE@N streams segments of N Mi elements; comma-separated, run in this order")
     args = parser.parse_args()
     setup = set_up(args)
