@@ -1,10 +1,6 @@
 """`plan.apply()`: the training step, with exact gradient accumulation and recovery from OOM mid-training.
-
-    step = plan.apply(model, optimizer)
-    loss = step(batch)      # one optimizer step over this rank's share of a global batch
-    step.plan               # the plan in force (a smaller micro-batch, or a higher rung, after a recovery)
-    step = plan.apply(model, optimizer, max_grad_norm=1.0)   # clip the whole batch's gradient norm
-    step.last_grad_norm     # the norm before clipping, of the last step
+`step = plan.apply(model, optimizer)`; `loss = step(batch)` takes one optimizer step over this rank's share of a
+global batch; `step.plan` is the plan in force (smaller, or a higher rung, after a recovery).
 
 One call splits the batch into micro-batches and accumulates them exactly (`accumulate.py`), clips the
 whole batch's gradient once when asked (`clipping.py`), runs the `before_optimizer_step` /
@@ -52,9 +48,7 @@ from .rungs import RungInForce
 log = logging.getLogger(__name__)
 
 ARMED_STEPS = 3  # sharded: steps of a plan (or after an OOM) that check in before each FSDP collective
-
 StepHook = Callable[["TrainingStep"], Any]  # before_optimizer_step / after_optimizer_step: fn(step)
-
 __all__ = ["Recovery", "TrainingStep"]
 
 

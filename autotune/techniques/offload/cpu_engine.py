@@ -1,8 +1,7 @@
 """The CPU engine of optimizer offload: FP32 masters and optimizer state on the host, stepped by a fused CPU
 optimizer (during the last backward by a worker thread, `pipeline.py`), or by the GPU with the state streamed
 (`streamed.py`); partitioned over replicated ranks (`partition.py`). Its state dict and weights, as the
-user's optimizer and model read them, are in `engine_state.py`.
-"""
+user's optimizer and model read them, are in `engine_state.py`."""
 
 from __future__ import annotations
 
