@@ -24,14 +24,8 @@ from ..plotting import PlotUnavailable, draw_search, require_matplotlib
 from ..sizes import format_bytes, shorten
 from ..supervisor.agent import configure_logging
 from ..supervisor.flags import PRESETS
-from ..supervisor.runner import (
-    DEFAULT_GRACE,
-    DEFAULT_MAX_RESTARTS,
-    DEFAULT_TRIAL_TIMEOUT,
-    Attempt,
-    RunOptions,
-    RunResult,
-)
+from ..supervisor.options import DEFAULT_GRACE, DEFAULT_MAX_RESTARTS, DEFAULT_TRIAL_TIMEOUT, RunOptions
+from ..supervisor.runner import Attempt, RunResult
 from ..supervisor.runner import run as run_script
 from ..workload.batching import check_global_batch_size
 

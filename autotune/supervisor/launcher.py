@@ -9,17 +9,14 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import DeviceError
 from ..plan import Plan
 from ..sizes import format_bytes, parse_bytes
 from . import agent
+from .options import RunOptions
 from .process import Child, SignalForwarder
 from .verdict import Verdict, classify
-
-if TYPE_CHECKING:
-    from .runner import RunOptions
 
 log = logging.getLogger("autotune.supervisor.runner")  # the run's log, as before the launcher had its own module
 
