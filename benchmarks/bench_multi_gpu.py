@@ -107,7 +107,7 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     out.update(_train(step, args, device, rank, world))
     out["sharded_after_apply"] = is_sharded(model)
-    if args.compare_reduce and plan.sharding == "none" and world > 1:
+    if args.compare_reduce and plan.sharding != "fsdp2" and world > 1:  # replicated ranks all-reduce
         # The same plan and process with the all-reduce the other way from fit's choice (plan.reduce_overlap):
         # in one bucket after backward where fit kept the buckets, in buckets where it chose one. Beside the
         # steps above, what fit's choice gained or lost.

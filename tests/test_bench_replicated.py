@@ -36,7 +36,9 @@ def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
     assert out["reduce_overlap"] in (True, False)
     assert out["reduce_other_way"]["reduce_overlap"] is not out["reduce_overlap"]
     assert out["reduce_other_way"]["tokens_per_second"] > 0
-    assert out["world_size"] == 2 and out["sharding"] == "none" and "optimizer offload" in out["plan"]
+    # replicated: optimizer offload, or the optimizer state sharded over the ranks (its own sharding choice)
+    assert out["world_size"] == 2 and out["sharding"] in ("none", "optimizer_state")
+    assert "optimizer offload" in out["plan"] or "optimizer state sharded" in out["plan"]
     assert out["ranks_agree"] and out["weights_agree_after_close"]
     first, second, third = out["shares"]
     assert first["variant"] == "0.5" and first["offload_fraction"] == 0.5
