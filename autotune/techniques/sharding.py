@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..parallel.oom import param_groups  # the FSDP2 state's parameter groups, read the same way there
 from ..sizes import format_bytes
 from .blocks import BlockGroup, find_blocks
 
@@ -92,15 +93,6 @@ def reset_after_failure(model: nn.Module) -> None:
         root.reset_iter_state()
     else:
         _reset_iter_state(root)
-
-
-def param_groups(state: object) -> list:
-    """An FSDP2 state's parameter groups: `_fsdp_param_groups`, or torch <2.9's one `_fsdp_param_group`."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
 
 
 def _reset_iter_state(root: FSDPModule) -> None:
