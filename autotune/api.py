@@ -167,7 +167,8 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     parts = plan_cache.key_parts(model=model, batch=batch, global_batch_size=global_batch, world_size=world,
                                  placement=placement, budget_bytes=budget, techniques=allowed,
                                  margin=settings.margin, optimizer=optimizer, loss_fn=loss_fn,
-                                 max_micro_batch=settings.max_micro_batch)
+                                 max_micro_batch=settings.max_micro_batch,
+                                 host_budget_bytes=_explicit_host_budget(settings))
     key = plan_cache.plan_key(parts)
 
     job = Job(model=model, batch=batch, optimizer=optimizer, loss_fn=loss_fn, settings=settings, placement=placement,
@@ -196,6 +197,12 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
     return plan
+
+
+def _explicit_host_budget(settings: FitSettings) -> int | None:
+    if settings.host_memory_budget is None:
+        return None
+    return parse_bytes(settings.host_memory_budget, "host_memory_budget")
 
 
 def _at_max_length(batch: Any, max_length: int | None) -> Any:

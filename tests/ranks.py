@@ -7,6 +7,12 @@ Every multi-rank test spawns its ranks on a 2-core CI machine. Two settings keep
   the others waited in FSDP's all-gather: a hang that held CI past its limit;
 - a collective timeout well under the parent's join deadline, so a collective left waiting fails on the ranks
   with gloo's own error (reported to the parent) instead of hanging until the parent kills them.
+
+A rank also leaves through `leave`: it writes its result, waits until every rank has written one (so no rank
+closes its connections while another still waits on it in the last collective: gloo's sends are asynchronous,
+and a rank that returns from a barrier first can tear the group down under a slower one's feet), then exits
+with `os._exit`, skipping the interpreter's teardown, where gloo's worker threads can still hold tensors and
+abort the process ("terminate called without an active exception") after its work is done.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVE_TIMEOUT_S = 120  # under test_distributed_step's 180 s join deadline
+LEAVE_WAIT_S = 60  # how long a finished rank waits for the others' results before it leaves anyway
 
 
 def join(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
@@ -29,9 +36,8 @@ def join(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
 
 
 def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios, run, backend: str = "gloo") -> None:
-    """A spawned rank's body: join, run each scenario (`run(name, rank, world)` -> dict), and write
-    rank<N>.json with {"ok": ..., **result} or the traceback, a barrier after each scenario."""
-    import json
+    """A spawned rank's body: join, run each scenario (`run(name, rank, world)` -> dict), and `leave` with
+    rank<N>.json holding {"ok": ..., **result} or the traceback per scenario, a barrier after each scenario."""
     import os
     import traceback
 
@@ -46,9 +52,30 @@ def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios
                 results[name] = {"ok": False, "error": traceback.format_exc()}
             dist.barrier()  # a scenario that failed on one rank must not leave the next one out of step
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+        leave(rank, world, out_dir, results)
+
+
+def leave(rank: int, world: int, out_dir: str, result) -> None:
+    """Write `result` to rank<N>.json, wait for every rank's file, tear the group down and exit the process."""
+    import json
+    import os
+    import sys
+    import time
+
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".part", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".part", path)  # the others and the parent only ever see a whole file
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(out_dir, f"rank{r}.json")) for r in range(world)):
+            break
+        time.sleep(0.05)
+    if dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(rank_main, world: int, timeout_s: int, *args) -> list[dict]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import traceback
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
@@ -27,7 +27,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> N
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpt import GPT, GPTConfig, random_batch
-    from ranks import join
+    from ranks import join, leave
 
     import autotune
 
@@ -45,10 +45,10 @@ def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> N
 
         plan = autotune.fit(model, random_batch(cfg, 4), global_batch_size=16, memory_budget=budgets[rank],
                             device="cpu", cache=False, trial_steps=1, loss_fn=loss_fn)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(_flat(plan), f)
-    finally:
-        dist.destroy_process_group()
+        result = _flat(plan)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result = {"error": traceback.format_exc()}
+    leave(rank, WORLD, out_dir, result)
 
 
 def test_ranks_with_different_ceilings_agree_on_one_plan():
@@ -66,6 +66,8 @@ def test_ranks_with_different_ceilings_agree_on_one_plan():
                 p.kill()
             pytest.fail("ranks did not finish within 300 s (a collective left waiting?)")
         plans = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
+    for rank, p in enumerate(plans):
+        assert "error" not in p, f"rank {rank}:\n{p['error']}"
     notes = [[t.pop("note") for t in p["trials"]] for p in plans]
     assert plans[0] == plans[1]  # same plan, same trials, same figures on both ranks
     plan = plans[0]
@@ -93,7 +95,7 @@ def _share_main(rank: int, world: int, init_file: str, out_dir: str, budget: int
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ranks import join
+    from ranks import join, leave
     from test_offload import Wide
 
     import autotune
@@ -103,10 +105,10 @@ def _share_main(rank: int, world: int, init_file: str, out_dir: str, budget: int
         torch.manual_seed(0)
         plan = autotune.fit(Wide(), torch.randn(4, 96), global_batch_size=8, memory_budget=budget, device="cpu",
                             cache=False, techniques=("bf16", "offload"), max_trials=8)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(_flat(plan), f)
-    finally:
-        dist.destroy_process_group()
+        result = _flat(plan)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result = {"error": traceback.format_exc()}
+    leave(rank, world, out_dir, result)
 
 
 def test_replicated_ranks_choose_one_partial_offload_share():
@@ -121,6 +123,8 @@ def test_replicated_ranks_choose_one_partial_offload_share():
     # offload leaves room for a share of the state on the device.
     budget = int(16 * numel * 1.03 / 0.9)
     plans = spawn(_share_main, WORLD, 300, budget)
+    for rank, p in enumerate(plans):
+        assert "error" not in p, f"rank {rank}:\n{p['error']}"
     for p in plans:
         for t in p["trials"]:
             t.pop("note")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import pytest
 import torch
 from gpt import GPT, GPTConfig, random_batch
@@ -61,6 +62,32 @@ def test_a_host_budget_that_holds_offload_gives_a_plan_under_it(gpt, tmp_path):
     # A host with less room than the plan allocates: not served from the cache; tuned, and nothing fits there.
     with pytest.raises(autotune.NoFeasiblePlan, match="host memory"):
         _fit(model, batch, host_memory_budget=plan.host_peak_bytes - 1, cache=cache)
+
+
+def test_the_host_is_in_the_cache_key_where_offload_may_spend_it(gpt, tmp_path):
+    from autotune.cache.key import key_parts, plan_key
+    from autotune.devices import host
+    from autotune.devices.placement import resolve_device
+
+    model, batch = gpt
+    need = _need(model)
+    cache = str(tmp_path / "plans.db")
+    small = _fit(model, batch, host_memory_budget=need + 2**20, cache=cache)
+    assert small.source == "tuned"
+    # A host budget with more room may keep more of the state on the host: another key, tuned again.
+    roomy = _fit(model, batch, host_memory_budget=need + 2**30, cache=cache)
+    assert roomy.source == "tuned" and roomy.key != small.key
+
+    common = dict(model=model, batch=batch, global_batch_size=8, world_size=1, placement=resolve_device("cpu"),
+                  budget_bytes=2**30, margin=0.1)
+    offload = key_parts(techniques=frozenset({"bf16", "offload"}), **common)
+    assert offload["host"] == {"total_gib": host.total_bytes() // 2**30, "budget_bytes": None}
+    assert host.total_bytes() <= psutil.virtual_memory().total
+    # Without offload the host does not change the plan, and a plan serves every host.
+    plain = key_parts(techniques=frozenset({"bf16"}), **common)
+    assert plain["host"] is None
+    bigger = key_parts(techniques=frozenset({"bf16", "offload"}), host_budget_bytes=2**34, **common)
+    assert plan_key(bigger) != plan_key(offload)
 
 
 def test_rungs_over_the_host_budget_are_skipped_with_both_figures(gpt):

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_step import TOL, adamw, make_plan, sgd
 from torch import nn
@@ -189,7 +188,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ["AUTOTUNE_CACHE"] = "off"
-    from ranks import join
+    from ranks import join, leave
 
     join(rank, world, init_file)
     try:
@@ -203,10 +202,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str) -> None:
         result = {"ok": True, "gap": gap}
     except Exception:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": traceback.format_exc()}
-    finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.destroy_process_group()
+    leave(rank, world, out, result)
 
 
 def test_default_loss_on_two_ranks_equals_a_full_batch_step():

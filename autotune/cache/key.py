@@ -1,9 +1,10 @@
 """The plan cache's key: everything about a workload that changes which plan is right, hashed.
 
 `key_parts` describes a workload as plain JSON (model fingerprint, batch signature, batch sizes, device,
-budget, margin, techniques, optimizer, loss, runtime versions, plan format); `plan_key` hashes it. The
-parts are stored beside each plan, so a row from a teammate's export is checked by hashing its parts
-again (`check_parts` validates their shape first): a row whose key does not match is rejected.
+budget, margin, techniques, optimizer, loss, runtime versions, the host where offload may spend it, plan
+format); `plan_key` hashes it. The parts are stored beside each plan, so a row from a teammate's export is
+checked by hashing its parts again (`check_parts` validates their shape first): a row whose key does not
+match is rejected.
 
 The model enters through a digest of its structure, not its weights' values: module classes and their
 plain settings (`n_head`, `eps`, `p`...), parameter names, shapes, dtypes and `requires_grad` (frozen
@@ -24,12 +25,14 @@ from typing import Any
 
 import torch
 
+from ..devices import host as host_memory
 from ..plan import PLAN_FORMAT_VERSION
 from ..techniques import TECHNIQUES as TECHNIQUE_NAMES
 from ..workload import batch as batches
 
 PART_FIELDS = ("format", "model", "batch", "global_batch_size", "world_size", "device", "budget_bytes", "margin",
-               "techniques", "max_micro_batch", "optimizer", "loss", "runtime")
+               "techniques", "max_micro_batch", "optimizer", "loss", "runtime", "host")
+_GIB = 1 << 30
 
 # Optimizer hyperparameters that change how much state or scratch memory a step needs; the others
 # (lr, betas, weight_decay) change the numbers, not the bytes, and a schedule moves them constantly.
@@ -40,7 +43,8 @@ _MAX_SEQUENCE = 16  # tuples longer than this are data, not settings
 
 def key_parts(*, model: torch.nn.Module, batch: Any, global_batch_size: int, world_size: int, placement: Any,
               budget_bytes: int, techniques: frozenset[str], margin: float, optimizer: Any = None,
-              loss_fn: Any = None, max_micro_batch: int | None = None) -> dict[str, Any]:
+              loss_fn: Any = None, max_micro_batch: int | None = None,
+              host_budget_bytes: int | None = None) -> dict[str, Any]:
     """Describe a workload as JSON-ready parts of its cache key.
 
     Args:
@@ -55,6 +59,7 @@ def key_parts(*, model: torch.nn.Module, batch: Any, global_batch_size: int, wor
         optimizer: what `fit` got: None (AdamW), an optimizer, or a factory.
         loss_fn: what `fit` got: None (the model's own loss) or a callable.
         max_micro_batch: an explicit cap on the micro-batch, if any.
+        host_budget_bytes: an explicit `host_memory_budget` in bytes, if any.
 
     Returns:
         A dict of JSON values; `plan_key(parts)` is the key.
@@ -73,7 +78,18 @@ def key_parts(*, model: torch.nn.Module, batch: Any, global_batch_size: int, wor
         "optimizer": optimizer_fingerprint(optimizer),
         "loss": callable_name(loss_fn),
         "runtime": runtime_versions(placement.kind),
+        "host": host_part(techniques, host_budget_bytes),
     }
+
+
+def host_part(techniques: frozenset[str], host_budget_bytes: int | None) -> dict[str, Any] | None:
+    """The host's memory where offload may spend it: None where offload is not allowed (the host does not
+    change the plan), else the machine's memory in whole GiB and an explicit host budget. A plan tuned on a
+    512 GiB host may keep more on the host than a 64 GiB one holds; the default budget (what is available
+    now) moves with other work, so the machine's size stands for it and `fit` checks what is free when serving."""
+    if "offload" not in techniques:
+        return None
+    return {"total_gib": host_memory.total_bytes() // _GIB, "budget_bytes": host_budget_bytes}
 
 
 def plan_key(parts: dict[str, Any]) -> str:
@@ -225,6 +241,11 @@ def check_parts(parts: Any) -> None:
     _check_str("parts.optimizer.class", parts["optimizer"]["class"])
     _check_str("parts.loss", parts["loss"])
     _check_fields("parts.runtime", parts["runtime"], ("torch", "cuda", "alloc_conf"))
+    if parts["host"] is not None:
+        _check_fields("parts.host", parts["host"], ("total_gib", "budget_bytes"))
+        _check_int("parts.host.total_gib", parts["host"]["total_gib"], minimum=0)
+        if parts["host"]["budget_bytes"] is not None:
+            _check_int("parts.host.budget_bytes", parts["host"]["budget_bytes"], minimum=1)
 
 
 def _check_batch(batch: Any) -> None:

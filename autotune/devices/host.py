@@ -46,6 +46,13 @@ def cgroup_room(root_v2: Path = _CGROUP_V2, root_v1: Path = _CGROUP_V1) -> int |
     return max(0, limit - (used or 0))
 
 
+def total_bytes() -> int:
+    """The machine's memory as this process sees it: physical RAM, capped by its cgroup's limit."""
+    limit = _read_int(_CGROUP_V2 / "memory.max") or _read_int(_CGROUP_V1 / "memory.limit_in_bytes")
+    total = psutil.virtual_memory().total
+    return total if limit is None else min(total, limit)
+
+
 def available_bytes() -> int:
     """Host memory this process could still allocate: the machine's available memory, capped by the cgroup."""
     room = cgroup_room()

@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..cache.key import canonical_json, runtime_versions
+from ..cache.key import canonical_json, host_part, runtime_versions
 from ..plan import PLAN_FORMAT_VERSION, Plan
 from ..sizes import shorten
 from . import claims
@@ -33,7 +33,8 @@ _OFF = ("0", "false", "off", "no")
 
 def script_parts(*, script: str, script_args: Sequence[str], flags: FlagMap, global_batch_size: int,
                  world_size: int, device_kind: str, device_name: str, total_bytes: int, budget_bytes: int,
-                 margin: float, techniques: frozenset[str], max_micro_batch: int | None = None) -> dict[str, Any]:
+                 margin: float, techniques: frozenset[str], max_micro_batch: int | None = None,
+                 host_budget_bytes: int | None = None) -> dict[str, Any]:
     """The cache key's parts for a script run in zero-change mode (the shape `cache.key.check_parts` accepts)."""
     with open(script, "rb") as f:
         source = hashlib.sha256(f.read()).hexdigest()
@@ -54,6 +55,7 @@ def script_parts(*, script: str, script_args: Sequence[str], flags: FlagMap, glo
         "optimizer": {"class": "the script's own", "groups": []},
         "loss": "the script's own",
         "runtime": runtime_versions(device_kind),
+        "host": host_part(techniques, host_budget_bytes),
     }
 
 
