@@ -39,20 +39,24 @@ def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios
     """A spawned rank's body: join, run each scenario (`run(name, rank, world)` -> dict), and `leave` with
     rank<N>.json holding {"ok": ..., **result} or the traceback per scenario, a barrier after each scenario."""
     import os
+    import time
     import traceback
 
     os.environ["AUTOTUNE_CACHE"] = "off"  # recovery writes to the default cache: keep the tests off it
     join(rank, world, init_file, backend)
-    results = {}
+    results: dict = {}
+    seconds: dict = {}
     try:
         for name in scenarios:
+            start = time.perf_counter()
             try:
                 results[name] = {"ok": True, **run(name, rank, world)}
             except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
                 results[name] = {"ok": False, "error": traceback.format_exc()}
+            seconds[name] = round(time.perf_counter() - start, 2)  # which scenario is slow, for whoever tunes them
             dist.barrier()  # a scenario that failed on one rank must not leave the next one out of step
     finally:
-        leave(rank, world, out_dir, results)
+        leave(rank, world, out_dir, {**results, "_seconds": seconds})
 
 
 def leave(rank: int, world: int, out_dir: str, result) -> None:

@@ -140,13 +140,13 @@ def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Pa
 
 def test_a_hung_trial_is_stopped_at_the_trial_timeout(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    proc = start_run(tmp_path, "--global-batch-size", "8", "--trial-timeout", "20", "--grace-period", "1",
+    proc = start_run(tmp_path, "--global-batch-size", "8", "--trial-timeout", "5", "--grace-period", "1",
                      *ZERO_CHANGE_MAPS, str(SCRIPTS / "hang.py"), str(pid_file))
     job = [psutil.Process(int(wait_for_file(pid_file, proc)))]
     try:
         _, stderr = proc.communicate(timeout=TIMEOUT)
         assert proc.returncode == 124, stderr
-        assert "still running after 20 s" in stderr and "--trial-timeout" in stderr
+        assert "still running after 5 s" in stderr and "--trial-timeout" in stderr
         assert all(gone(p) for p in job)
     finally:
         stop_all(proc, job)

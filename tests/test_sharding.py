@@ -1,5 +1,5 @@
-"""FSDP2 under autotune (gloo, CPU processes, 2 and 4 ranks): every rung on a sharded model, and sharding chosen
-by `fit` when the replicated model cannot hold its own state, applied by `plan.apply`.
+"""FSDP2 under autotune (gloo, CPU processes, 2 ranks and 4 for some scenarios): every rung on a sharded model,
+and sharding chosen by `fit` when the replicated model cannot hold its own state, applied by `plan.apply`.
 
 The ranks are spawned once per world size and run every scenario in turn, as in test_distributed_step.py; each
 scenario checks itself on every rank and reports to a JSON file. A spawn that does not finish in time is killed
@@ -16,8 +16,10 @@ import pytest
 import torch
 
 SCENARIOS = ("presharded-fit", "one-rank-oom", "rungs-on-shards", "sharded-when-needed", "hf-chunked-loss")
-# a guard against a hang outside a collective (those time out on the ranks: ranks.py); 4 ranks take ~80 s on a busy
-# 2-core machine
+# Four ranks run the scenarios where their number changes what is checked (one OOM among more ranks, shards of
+# another size, labels spread over more ranks); the two whole `fit` runs, most of the time, run on two ranks.
+FOUR_RANK_SCENARIOS = ("one-rank-oom", "rungs-on-shards", "hf-chunked-loss")
+# a guard against a hang outside a collective (those time out on the ranks: ranks.py)
 TIMEOUT_S = 600
 WIDTH = 64  # Net(width=64, depth=4): 132k parameters, each block 33k, so the budgets are about the weights
 
@@ -232,24 +234,35 @@ _RUN = {"presharded-fit": _presharded_fit, "one-rank-oom": _one_rank_out_of_memo
         "sharded-when-needed": _sharded_when_needed, "hf-chunked-loss": _hf_chunked_loss}
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, scenarios: tuple[str, ...]) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ranks import run_scenarios
 
-    run_scenarios(rank, world, init_file, out_dir, SCENARIOS, lambda name, r, w: _RUN[name](r, w))
+    run_scenarios(rank, world, init_file, out_dir, scenarios, lambda name, r, w: _RUN[name](r, w))
 
 
-def _spawn(world: int) -> list[dict]:
+def _spawn(world: int, scenarios: tuple[str, ...]) -> list[dict]:
     from ranks import spawn
 
-    return spawn(_rank_main, world, TIMEOUT_S)
+    return spawn(_rank_main, world, TIMEOUT_S, scenarios)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return _spawn(2, SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return _spawn(4, FOUR_RANK_SCENARIOS)
+
+
+@pytest.fixture(params=["2-ranks", "4-ranks"])
 def ranks(request) -> list[dict]:
-    return _spawn(request.param)
+    """Both spawns, for the scenarios that run on both."""
+    return request.getfixturevalue("two_ranks" if request.param == "2-ranks" else "four_ranks")
 
 
 def _check(ranks: list[dict], name: str) -> list[dict]:
@@ -261,8 +274,8 @@ def _check(ranks: list[dict], name: str) -> list[dict]:
     return results
 
 
-def test_presharded_model_fits_and_steps_at_a_roomy_and_a_tight_budget(ranks):
-    results = _check(ranks, "presharded-fit")
+def test_presharded_model_fits_and_steps_at_a_roomy_and_a_tight_budget(two_ranks):
+    results = _check(two_ranks, "presharded-fit")
     assert all(r == results[0] for r in results), "ranks ended with different plans"
     tight = results[0]
     # The budget binds: a configuration that fitted at the roomy budget does not (which rung the search then
@@ -286,6 +299,6 @@ def test_the_chunked_lm_loss_on_a_sharded_hugging_face_model_gives_the_full_batc
     _check(ranks, "hf-chunked-loss")
 
 
-def test_fit_shards_when_the_replicated_floor_is_over_the_limit_and_apply_shards_the_model(ranks):
-    results = _check(ranks, "sharded-when-needed")
+def test_fit_shards_when_the_replicated_floor_is_over_the_limit_and_apply_shards_the_model(two_ranks):
+    results = _check(two_ranks, "sharded-when-needed")
     assert all(r["micro"] == results[0]["micro"] for r in results)
