@@ -41,6 +41,7 @@ class Trial:
     # The same, with every gradient in one all-reduce after backward (`Plan.reduce_overlap` False); measured
     # only by the trial that times both (`search/reduce_timing.py`), else 0.
     reduce_after_seconds: float = 0.0
+    host_peak_bytes: int = 0  # how far the process's resident host memory rose during the trial (measured)
     noisy: bool = False  # its step times spread wide (on this rank or another): the plan's reason counts these
     overlapped: bool = False  # its measured steps overlapped the host optimizer with the last backward
     note: str = ""  # for people: what happened, in words; decisions read the fields above
@@ -50,7 +51,7 @@ class Trial:
             raise ValueError(f"Trial.rung must be a Rung, got {type(self.rung).__name__}")
         check_positive_int("Trial.micro_batch_size", self.micro_batch_size)
         check_choice("Trial.outcome", self.outcome, OUTCOMES)
-        for name in ("peak_bytes", "alloc_retries"):
+        for name in ("peak_bytes", "alloc_retries", "host_peak_bytes"):
             check_non_negative_int(f"Trial.{name}", getattr(self, name))
         for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds",
                      "reduce_seconds", "reduce_after_seconds"):

@@ -31,11 +31,13 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def filled(tmp_path: Path) -> Path:
-    """A cache with three plans, one of them seen to run out of memory at its micro-batch."""
+    """A cache with three plans, one of them seen to run out of memory at its micro-batch and one holding
+    3 GiB on the host."""
     path = tmp_path / "plans.db"
     store = PlanCache(path)
     for i in range(3):
-        store.put(*sample(i))
+        plan, parts = sample(i)
+        store.put(plan.with_evidence(host_peak_bytes=3 * 2**30) if i == 1 else plan, parts)
     store.mark_unsafe(sample(2)[0].key, micro_batch_size=4, shapes={"x": [4, 4]}, note="CUDA out of memory")
     return path
 
@@ -55,8 +57,9 @@ def test_list_prints_a_table_and_json(filled: Path) -> None:
     result = run("--cache", str(filled), "list")
     assert result.exit_code == 0
     header, *rows = result.output.splitlines()
-    assert header.split() == ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "THROUGHPUT", "MFU", "AGE", "STATUS"]
+    assert header.split() == ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "HOST", "THROUGHPUT", "MFU", "AGE", "STATUS"]
     assert len(rows) == 3
+    assert sum("3.00 GiB" in r for r in rows) == 1  # the host memory of the plan that keeps some there
     assert sum("unsafe: OOM at micro-batch 4" in r for r in rows) == 1
     assert all("Linear (20)" in r and "bf16, 4x2" in r for r in rows)
 
@@ -80,6 +83,10 @@ def test_show_takes_a_key_prefix(filled: Path) -> None:
 
     shown = json.loads(run("--cache", str(filled), "show", plan.key[:8], "--json").output)
     assert shown["plan"]["config"]["micro_batch_size"] == 4 and shown["failures"][0]["shapes"] == {"x": [4, 4]}
+    assert "host      nothing beyond the model's own copy" in result.output
+    assert "HOST RISE" in result.output  # each trial's measured rise of the process's host memory
+    host = run("--cache", str(filled), "show", sample(1)[0].key[:8]).output
+    assert "host      3.00 GiB for its offload's buffers" in host
 
     missing = run("--cache", str(filled), "show", "zzzz")
     assert missing.exit_code == 1 and "autotune cache list" in missing.output

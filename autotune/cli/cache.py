@@ -66,7 +66,7 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
         click.echo(json.dumps([e.to_dict() for e in rows], indent=2))
         return
     if found:
-        headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "THROUGHPUT", "MFU", "AGE", "STATUS"]
+        headers = ["KEY", "MODEL", "GPU", "BUDGET", "PLAN", "HOST", "THROUGHPUT", "MFU", "AGE", "STATUS"]
         click.echo(_table(headers, [_list_row(e) for e in found]))
     else:
         click.echo(f"no cached plans in {store.path}")
@@ -232,8 +232,14 @@ def _one(store: PlanCache, key: str, *, team: bool) -> CacheEntry | NothingFits:
 def _list_row(entry: CacheEntry) -> list[str]:
     plan = entry.plan
     return [entry.key[:12], _model(entry.parts), _gpu(entry.parts), format_bytes(entry.parts.get("budget_bytes", 0)),
-            _plan_cell(plan) if plan else "-", _rate(plan) if plan else "-", _mfu(plan.mfu if plan else None),
+            _plan_cell(plan) if plan else "-", _host(plan), _rate(plan) if plan else "-",
+            _mfu(plan.mfu if plan else None),
             _age(entry.updated), _status(entry)]
+
+
+def _host(plan: Plan | None) -> str:
+    """The host memory the plan allocates (offload's buffers); "-" where it keeps nothing there."""
+    return format_bytes(plan.host_peak_bytes) if plan is not None and plan.host_peak_bytes else "-"
 
 
 def _refusal_row(record: NothingFits) -> list[str]:
@@ -290,11 +296,15 @@ def _describe_parts(parts: dict[str, Any]) -> list[str]:
 
 def _describe_plan(plan: Plan) -> list[str]:
     trials = [[t.rung.name, str(t.micro_batch_size), t.outcome, format_bytes(t.peak_bytes),
+               format_bytes(t.host_peak_bytes) if t.host_peak_bytes else "-",
                f"{t.samples_per_second:,.1f}" if t.fits else t.note, _mfu(plan.trial_mfu(t))] for t in plan.trials]
     flops = f"{plan.flops_per_sample / 1e9:,.1f} GFLOPs" if plan.flops_per_sample is not None else "not counted"
-    return [f"plan      {plan.summary()}", f"why       {plan.reason}",
+    host = (f"{format_bytes(plan.host_peak_bytes)} for its offload's buffers" if plan.host_peak_bytes
+            else "nothing beyond the model's own copy")
+    return [f"plan      {plan.summary()}", f"why       {plan.reason}", f"host      {host}",
             f"compute   {flops} per sample (forward+backward); MFU {_mfu(plan.mfu)}", "", "trials:",
-            *_indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "SAMPLES/S", "MFU"], trials)).split("\n")]
+            *_indent(_table(["RUNG", "MICRO", "OUTCOME", "PEAK", "HOST RISE", "SAMPLES/S", "MFU"],
+                            trials)).split("\n")]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:

@@ -9,8 +9,12 @@ still allows, less a margin the page cache and the interpreter need.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -68,3 +72,60 @@ def resident_bytes() -> int:
 def default_budget() -> int:
     """What a plan may add to this process's host memory by default: what is available, less `HOST_MARGIN`."""
     return int(available_bytes() * (1 - HOST_MARGIN))
+
+
+def give_back() -> None:
+    """Return the C heap's free memory to the OS (glibc's `malloc_trim`; nothing where there is none).
+
+    After a trial frees its host buffers, glibc keeps large freed blocks in the heap for reuse (its mmap
+    threshold grows with the sizes it has seen), so the process would stay as large as its largest trial
+    and the next trial's rise would not show its own buffers."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:  # a ctypes function, or None where the C library has none
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+class ResidentPeak:
+    """How far this process's resident memory rose over a stretch of work, as the kernel measured it.
+
+    Linux keeps a high-water mark of the resident set (`VmHWM`), which writing 5 to /proc/self/clear_refs
+    resets to the current size; the peak is then exact however briefly it lasted (pinned host buffers are
+    resident too). Where that file cannot be written, the resident size at the end stands in for the peak."""
+
+    def __init__(self) -> None:
+        self.start = resident_bytes()
+        self.exact = _reset_high_water()
+
+    def grown(self) -> int:
+        """Bytes the peak rose above the resident size at the start (0 where it did not)."""
+        peak = _high_water() if self.exact else None
+        return max(0, (peak if peak is not None else resident_bytes()) - self.start)
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _high_water() is not None
+
+
+def _high_water() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

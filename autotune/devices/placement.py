@@ -19,6 +19,7 @@ import torch
 
 from ..errors import DeviceError, InvalidSetting
 from ..sizes import format_bytes, parse_bytes  # noqa: F401 - re-exported: where callers found them first
+from . import host as host_memory
 from .ceiling import SimulatedCeiling
 
 log = logging.getLogger(__name__)
@@ -221,9 +222,11 @@ def _nvml_index(index: int) -> int:
 def release_memory(placement: Placement, *, reset_peak: bool = False) -> None:
     """Wait for queued work and give the allocator's cached blocks back (after a trial or a failed step).
 
-    A no-op on the simulated device. Never call it after a device-side assert or an illegal address: on a
-    poisoned context every CUDA call fails again, and its error would hide the first one.
+    On the simulated device only the host's part: freed heap memory back to the OS. Never call it after a
+    device-side assert or an illegal address: on a poisoned context every CUDA call fails again, and its
+    error would hide the first one.
     """
+    host_memory.give_back()
     if placement.simulated:
         return
     torch.cuda.synchronize(placement.index)

@@ -42,12 +42,13 @@ def trial_figures(trial: Trial) -> list[float]:
     """What `agree_trial` all-reduces with MAX; the rate goes in negated, so MAX gives the slowest rank's."""
     return [float(_OUTCOME_CODE[trial.outcome]), float(trial.peak_bytes), trial.step_seconds,
             trial.optimizer_seconds, float(trial.alloc_retries), -trial.samples_per_second, trial.seconds,
-            trial.compile_seconds, float(trial.noisy), trial.reduce_seconds, trial.reduce_after_seconds]
+            trial.compile_seconds, float(trial.noisy), trial.reduce_seconds, trial.reduce_after_seconds,
+            float(trial.host_peak_bytes)]
 
 
 def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
     """This rank's `trial` with the figures agreed over ranks (`trial_figures`, MAX over ranks)."""
-    code, peak, step_s, opt_s, retries, neg_rate, seconds, compile_s, noisy, reduce_s, after_s = agreed
+    code, peak, step_s, opt_s, retries, neg_rate, seconds, compile_s, noisy, reduce_s, after_s, host = agreed
     outcome = next(k for k, v in _OUTCOME_CODE.items() if v == int(code))
     ran = outcome in ("ok", "over_budget")
     note = trial.note if outcome == trial.outcome else _ANOTHER_RANK[outcome]
@@ -57,5 +58,5 @@ def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
                                optimizer_seconds=opt_s if ran else 0.0, alloc_retries=int(retries),
                                samples_per_second=-neg_rate if ran else 0.0, seconds=seconds,
                                compile_seconds=compile_s, reduce_seconds=reduce_s if ran else 0.0,
-                               reduce_after_seconds=after_s if ran else 0.0,
+                               reduce_after_seconds=after_s if ran else 0.0, host_peak_bytes=int(host),
                                noisy=bool(noisy), note=note)  # every rank counts the same noisy trials

@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import parallel as distributed
 from ..configuration import Rung, none_on_the_host
+from ..devices.host import ResidentPeak
 from ..devices.placement import MemoryMeter, Placement, now, release_memory
 from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
 from ..evidence import NOISY, Trial
@@ -92,6 +93,7 @@ class TrialRunner:
         held = batches.resize(work.batch, work.per_rank)
         micro_batch = batches.take(held, 0, micro)
         meter = MemoryMeter(work.placement, work.budget_bytes)
+        host = ResidentPeak()  # the host memory the configuration adds: offload's buffers, pinned copies
         applied: AppliedRung | None = None
         timings: tuple[float, float, float, float, float, str] | None = None
         failure = ""
@@ -127,6 +129,7 @@ class TrialRunner:
         del micro_batch, held
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
                             time.perf_counter() - started, compile_failed)
+        trial = dataclasses.replace(trial, host_peak_bytes=host.grown())
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
                 [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
                 [f"offload fraction {offload_fraction:.2f}"])

@@ -128,9 +128,18 @@ def tune(job: Job) -> Plan:
                 reduce_overlap=state.reduce_overlap,
                 mfu=utilization(flops, best.samples_per_second, job.world, peak, best.rung.precision),
                 min_micro_batch_size=state.smallest, techniques=tuple(sorted(job.allowed)), max_length=tokens,
-                host_peak_bytes=host_budget.need(best.rung, job.model, spec, job.placement.kind,
-                                                 fraction=host_fraction, overlap=state.overlap,
-                                                 snapshot=False).total)
+                host_peak_bytes=_host_peak(best, host_budget.need(best.rung, job.model, spec, job.placement.kind,
+                                                                  fraction=host_fraction, overlap=state.overlap,
+                                                                  snapshot=False).total, job.placement.kind))
+
+
+def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
+    """The host bytes the plan adds: where it offloads to a GPU's host, the larger of what its buffers need and
+    how far its trial raised the process's resident memory (measured). Elsewhere the arithmetic alone: with
+    nothing offloaded a trial's rise is CUDA's own start-up, and on the CPU the simulated device's memory is
+    host memory too, which the rise would count."""
+    offloads = best.rung.offload != "none"
+    return max(arithmetic, best.host_peak_bytes) if device_type == "cuda" and offloads else arithmetic
 
 
 def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
