@@ -36,15 +36,15 @@ def _fit(model, batch, **kw):
                         techniques=("bf16", "checkpointing", "offload"), **kw)
 
 
-def _need(model) -> int:
-    return host_budget.need(OFFLOAD, model, OptimizerSpec.from_user(None, model), "cpu").total
+def _need(model, fraction: float = 1.0) -> int:
+    return host_budget.need(OFFLOAD, model, OptimizerSpec.from_user(None, model), "cpu", fraction=fraction).total
 
 
-def test_a_host_budget_under_offloads_need_names_the_host(gpt):
+def test_a_host_budget_under_offloads_least_share_names_the_host(gpt):
     model, batch = gpt
-    need = _need(model)
+    least = _need(model, host_budget.MIN_HOST_SHARE)
     with pytest.raises(autotune.NoFeasiblePlan, match=r"nothing fits in host memory.*host budget of") as err:
-        _fit(model, batch, host_memory_budget=need - 1, cache=False)
+        _fit(model, batch, host_memory_budget=least - 1, cache=False)
     assert "host_memory_budget" in str(err.value) and "--host-budget" in str(err.value)
 
 
@@ -59,25 +59,19 @@ def test_a_host_budget_that_holds_offload_gives_a_plan_under_it(gpt, tmp_path):
     assert " on the host" in plan.summary()
     again = _fit(model, batch, host_memory_budget=need + 2**20, cache=cache)
     assert again.source == "cache" and again.host_peak_bytes == plan.host_peak_bytes  # through the cache
-    # A host with less room than the plan allocates: not served from the cache; tuned, and nothing fits there.
-    with pytest.raises(autotune.NoFeasiblePlan, match="host memory"):
-        _fit(model, batch, host_memory_budget=plan.host_peak_bytes - 1, cache=cache)
+    # A host with less room than the plan allocates: not served from the cache; tuned, at a smaller host share.
+    smaller = _fit(model, batch, host_memory_budget=plan.host_peak_bytes - 1, cache=cache)
+    assert smaller.source == "tuned" and smaller.host_peak_bytes <= plan.host_peak_bytes - 1
+    assert smaller.offload_fraction is not None and smaller.offload_fraction < 1, smaller.reason
 
 
-def test_the_host_is_in_the_cache_key_where_offload_may_spend_it(gpt, tmp_path):
+def test_the_host_is_in_the_cache_key_where_offload_may_spend_it(gpt):
     from autotune.cache.key import key_parts, plan_key
     from autotune.devices import host
     from autotune.devices.placement import resolve_device
 
+    # (`fit` under another explicit host budget tunes again: the test above.)
     model, batch = gpt
-    need = _need(model)
-    cache = str(tmp_path / "plans.db")
-    small = _fit(model, batch, host_memory_budget=need + 2**20, cache=cache)
-    assert small.source == "tuned"
-    # A host budget with more room may keep more of the state on the host: another key, tuned again.
-    roomy = _fit(model, batch, host_memory_budget=need + 2**30, cache=cache)
-    assert roomy.source == "tuned" and roomy.key != small.key
-
     common = dict(model=model, batch=batch, global_batch_size=8, world_size=1, placement=resolve_device("cpu"),
                   budget_bytes=2**30, margin=0.1)
     offload = key_parts(techniques=frozenset({"bf16", "offload"}), **common)
@@ -95,10 +89,32 @@ def test_rungs_over_the_host_budget_are_skipped_with_both_figures(gpt):
     need = _need(model)
     plain = host_budget.need(Rung(), model, OptimizerSpec.from_user(None, model), "cpu").total
     assert plain < need  # without offload the host holds only fit's copy of the model
-    rungs, notes = host_budget.keep_within([Rung(), OFFLOAD], model, OptimizerSpec.from_user(None, model), "cpu",
-                                           need - 1)
-    assert rungs == [Rung()]
+    spec = OptimizerSpec.from_user(None, model)
+    least = _need(model, host_budget.MIN_HOST_SHARE)
+    rungs, notes, shares = host_budget.keep_within([Rung(), OFFLOAD], model, spec, "cpu", least - 1)
+    assert rungs == [Rung()] and shares == {}
     assert "bf16+full ckpt+optimizer offload skipped: host memory" in notes[0] and "over the host budget" in notes[0]
+    # Just under the whole optimizer's need: kept, at the largest host share that fits.
+    rungs, notes, shares = host_budget.keep_within([Rung(), OFFLOAD], model, spec, "cpu", need - 1)
+    assert rungs == [Rung(), OFFLOAD] and 0.9 < shares[OFFLOAD] < 1
+    assert _need(model, shares[OFFLOAD]) <= need - 1
+    assert "at a host share of" in notes[0] and "over the host budget" in notes[0]
+
+
+def test_a_host_budget_under_the_whole_optimizer_splits_it_between_host_and_device(gpt):
+    # The 8B case in small: the state fits neither the device (its limit is under the plain floor) nor the
+    # host alone; the plan keeps as much on the host as the host budget holds and steps the rest on the device.
+    model, batch = gpt
+    full, least = _need(model), _need(model, host_budget.MIN_HOST_SHARE)
+    budget = (full + least) // 2
+    plan = _fit(model, batch, host_memory_budget=budget, cache=False)
+    assert plan.offload == "optimizer" and plan.offload_fraction is not None, plan.reason
+    assert host_budget.MIN_HOST_SHARE <= plan.offload_fraction < 1, plan.reason
+    assert plan.host_peak_bytes <= budget
+    assert "at a host share of" in plan.reason
+    # Every trial of optimizer offload ran at that share, never at the whole optimizer the host cannot hold.
+    offloaded = [t for t in plan.trials if t.rung.offload == "optimizer"]
+    assert offloaded and all("offload fraction" in t.note for t in offloaded), [t.note for t in offloaded]
 
 
 def test_a_bad_host_budget_is_refused_naming_the_setting(gpt):

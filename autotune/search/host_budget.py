@@ -3,8 +3,11 @@
 Each rung's host need is computed before any trial (`techniques/host_need.py`: what optimizer offload
 allocates there, and fit's copy of the model); a rung over `host_memory_budget` is left out with a note that
 gives both figures, so a trial never allocates past the budget and the process is never left to the kernel's
-OOM killer. When no rung fits the host, `NoFeasiblePlan` says it is the host. The plan records the host memory
-its own configuration allocates (`plan.host_peak_bytes`), which `plan.apply` checks against what is free.
+OOM killer. An optimizer-offload rung whose whole optimizer would not fit the host is kept at the largest host
+share that does (the rest stepped on the device, as a partial offload), so a model whose state fits neither
+memory alone is split between them. When no rung fits the host, `NoFeasiblePlan` says it is the host. The plan
+records the host memory its own configuration allocates (`plan.host_peak_bytes`), which `plan.apply` checks
+against what is free.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from ..techniques.offload import partition as offload_partition
 from ..techniques.offload.streamed import streams
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 
+MIN_HOST_SHARE = 0.05  # below this share the host saves the device too little to be worth its step
+SHARE_STEPS = 12  # bisection steps for the largest share that fits: within 1/4096 of it
 ADVICE = ("raise host_memory_budget (autotune run --host-budget), free host memory, or allow a rung that keeps "
           "the optimizer state on the device (more blocks recomputed, a smaller micro-batch, 8-bit state)")
 
@@ -43,17 +48,39 @@ def need(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str, *,
     return with_snapshot(offload, model) if snapshot else offload
 
 
+def largest_share(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str,
+                  limit_bytes: int) -> float | None:
+    """The largest host share of `rung`'s offloaded optimizer (at least `MIN_HOST_SHARE`) whose host need fits
+    `limit_bytes`; None when not even that share fits, or the rung offloads no optimizer."""
+    if rung.offload != "optimizer":
+        return None
+    fits = lambda f: need(rung, model, spec, device_type, fraction=f).total <= limit_bytes  # noqa: E731
+    if not fits(MIN_HOST_SHARE):
+        return None
+    low, high = MIN_HOST_SHARE, 1.0
+    for _ in range(SHARE_STEPS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def keep_within(rungs: list[Rung], model: nn.Module, spec: OptimizerSpec, device_type: str,
-                limit_bytes: int) -> tuple[list[Rung], list[str]]:
-    """The rungs whose host need fits `limit_bytes`, and a note naming those left out with both figures.
+                limit_bytes: int) -> tuple[list[Rung], list[str], dict[Rung, float]]:
+    """The rungs whose host need fits `limit_bytes`, notes on those left out or capped with both figures, and
+    the host share each capped optimizer-offload rung runs at (its whole optimizer would not fit the host).
 
     Raises:
         NoFeasiblePlan: no rung fits the host (the message names the host and each figure).
     """
     needs = {r: need(r, model, spec, device_type) for r in rungs}
     over = [r for r in rungs if needs[r].total > limit_bytes]
+    caps = {r: share for r in over if (share := largest_share(r, model, spec, device_type, limit_bytes)) is not None}
+    notes = [f"{r.name} at a host share of {share:.1%}: its whole optimizer on the host would need "
+             f"{format_bytes(needs[r].total)}, over the host budget of {format_bytes(limit_bytes)}"
+             for r, share in caps.items()]
+    over = [r for r in over if r not in caps]
     if not over:
-        return list(rungs), []
+        return list(rungs), notes, caps
     if len(over) == len(rungs):
         least = min(over, key=lambda r: needs[r].total)
         raise NoFeasiblePlan(f"nothing fits in host memory: the least any allowed configuration needs there is "
@@ -61,6 +88,6 @@ def keep_within(rungs: list[Rung], model: nn.Module, spec: OptimizerSpec, device
                              f"the host budget of {format_bytes(limit_bytes)}; {ADVICE}")
     least = min(over, key=lambda r: needs[r].total)
     names = ", ".join(sorted({r.name for r in over}))
-    note = (f"{names} skipped: host memory {format_bytes(needs[least].total)} or more "
-            f"({needs[least].describe()}), over the host budget of {format_bytes(limit_bytes)}")
-    return [r for r in rungs if r not in over], [note]
+    notes.append(f"{names} skipped: host memory {format_bytes(needs[least].total)} or more "
+                 f"({needs[least].describe()}), over the host budget of {format_bytes(limit_bytes)}")
+    return [r for r in rungs if r not in over], notes, caps

@@ -5,7 +5,7 @@ host optimizer overlaps the last backward, and when the gradient all-reduce runs
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..configuration import Rung
 from ..evidence import Trial
@@ -31,6 +31,7 @@ class PhaseContext:
     work: Workload
     sharded: bool
     allowed: frozenset[str]
+    host_shares: dict[Rung, float] = field(default_factory=dict)  # rungs whose whole optimizer the host cannot hold
 
 
 Phase = Callable[[SearchState, PhaseContext], None]
@@ -51,6 +52,10 @@ def offload_share(state: SearchState, ctx: PhaseContext) -> None:
         return
     candidate = best if best.rung.offload == "optimizer" else offload_rival(state.trials, best, work.per_rank, NOISE)
     if candidate is None:
+        return
+    if candidate.rung in ctx.host_shares:  # the host holds all it can already: its trials ran at that share
+        if candidate is best:
+            state.fraction = ctx.host_shares[candidate.rung]
         return
     trainable = [p for p in work.model.parameters() if p.requires_grad]
     params = [trainable[i] for i in work.spec.held()]  # what the host optimizer splits: the parameters it trains

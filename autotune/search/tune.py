@@ -4,6 +4,7 @@ and `verify`, one trial of a plan from elsewhere before it is served."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,24 +152,38 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
     loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
     setup = _setup(job, tuned, spec, limit, example, loss)
     host = host_limit(job.settings)  # read once: the default follows the machine's free memory
-    rungs, host_notes = host_budget.keep_within(setup.rungs, tuned, spec, job.placement.kind, host)
+    rungs, host_notes, host_shares = host_budget.keep_within(setup.rungs, tuned, spec, job.placement.kind, host)
     work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=job.placement,
                     budget_bytes=job.budget, limit_bytes=limit, per_rank=job.per_rank, world_size=job.world,
                     blocks=setup.blocks, warmup_steps=job.settings.warmup_steps,
                     measured_steps=job.settings.measured_steps, host_limit_bytes=host)
     flops = flops_per_sample(tuned, work.batch, work.loss_fn, job.placement)
-    runner = TrialRunner(work, agree=distributed.agree_trial)
+    runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial), host_shares)
     longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
     if job.progress is not None:
-        runner, longer = job.progress.watch(runner), job.progress.watch(longer, "re-measure")  # type: ignore[assignment]
+        runner, longer = job.progress.watch(runner), job.progress.watch(longer, "re-measure")
     controller = Controller(runner, per_rank=job.per_rank, limit_bytes=limit, max_micro=job.bound,
                             max_trials=job.settings.max_trials, world_size=job.world, remeasure=longer,
                             advice=RUN_ADVICE if result_file() is not None else FIT_ADVICE)
     controller.notes.extend(setup.dropped + host_notes)  # in the plan's reason, and in the error if nothing fits
     state = SearchState.of(controller.search(rungs, setup.lattice))
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
-                                   allowed=job.allowed))
+                                   allowed=job.allowed, host_shares=host_shares))
     return state, setup, work, flops
+
+
+def _at_host_shares(runner: Callable[..., Trial], shares: dict[Rung, float]) -> Callable[..., Trial]:
+    """`runner`, with each rung in `shares` run at its host share unless the call names one: the search's
+    trials of a rung whose whole optimizer would not fit the host measure it as it would train."""
+    if not shares:
+        return runner
+
+    def run(rung: Rung, micro: int, **kw: Any) -> Trial:
+        if rung in shares and "offload_fraction" not in kw:
+            kw["offload_fraction"] = shares[rung]
+        return runner(rung, micro, **kw)
+
+    return run
 
 
 def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example: Any, loss: Any) -> _Setup:
