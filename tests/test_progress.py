@@ -107,6 +107,25 @@ def test_plain_lines_say_configuration_outcome_throughput_count_and_time() -> No
     assert "(1 trial(s), " in line and line.endswith(" s)\n")
 
 
+def test_the_live_line_says_when_a_trial_waits_on_pinning_host_memory_and_the_end_says_what_it_raised() -> None:
+    stream = io.StringIO()
+    progress = Progress(stream, live=True)
+    offload = Rung(offload="optimizer")
+    drawn: list[str] = []
+
+    def run(rung: Rung, micro: int, **kw: object) -> Trial:
+        drawn.append(stream.getvalue())  # what the terminal shows while the trial runs
+        return Trial(rung=rung, micro_batch_size=micro, outcome="ok", peak_bytes=2**30, samples_per_second=9.0,
+                     host_peak_bytes=5 * 2**30 if rung.offload != "none" else 0)
+
+    runner = progress.watch(run, host_bytes=lambda rung, kw: 4 * 2**30 if rung.offload != "none" else 0)
+    runner(offload, 2)
+    runner(Rung(), 2)
+    assert "allocating 4.00 GiB of host memory for the offloaded optimizer, then running..." in drawn[0]
+    assert "allocating" not in drawn[1].split(ERASE)[-1]  # nothing to pin: plainly running
+    assert "optimizer offload at micro-batch 2: ok, peak 1.00 GiB, host +5.00 GiB, 9.0 samples/s" in stream.getvalue()
+
+
 def test_progress_false_is_off_and_the_environment_can_ask_for_a_live_line(monkeypatch) -> None:
     assert progress_for(False) is None
     monkeypatch.setenv("AUTOTUNE_PROGRESS", "live")

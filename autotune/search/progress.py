@@ -28,6 +28,7 @@ log = logging.getLogger("autotune.progress")
 
 PROGRESS_ENV = settings.PROGRESS_ENV  # "live", "lines" or "off": set by `autotune run` for the jobs it starts
 _ERASE = "\r\x1b[2K"  # carriage return, then erase the whole line (ECMA-48 EL 2)
+PINNING_SAID = 1 << 30  # host buffers from this size on are said in the live line: allocating them takes a while
 
 Runner = Callable[..., Trial]
 
@@ -70,19 +71,24 @@ class Progress:
         self.ooms = 0
         self._drawn = False
 
-    def watch(self, runner: Runner, what: str = "trial") -> Runner:
-        """`runner` reporting each call: `what` names it ("trial", or "runoff" for a re-measurement)."""
+    def watch(self, runner: Runner, what: str = "trial",
+              host_bytes: Callable[[Rung, dict[str, Any]], int] | None = None) -> Runner:
+        """`runner` reporting each call: `what` names it ("trial", or "re-measure" for a re-measurement);
+        `host_bytes(rung, kwargs)`, the host memory a trial allocates before it runs (offload's buffers):
+        pinning gigabytes takes seconds to minutes, and the line then says that is what the trial waits on."""
         def watched(rung: Rung, micro: int, **kwargs: Any) -> Trial:
-            self.begin(rung, micro, what)
+            self.begin(rung, micro, what, host_bytes(rung, kwargs) if host_bytes is not None else 0)
             trial = runner(rung, micro, **kwargs)
             self.end(trial, what)
             return trial
 
         return watched
 
-    def begin(self, rung: Rung, micro: int, what: str = "trial") -> None:
+    def begin(self, rung: Rung, micro: int, what: str = "trial", host_bytes: int = 0) -> None:
         if self.live:
-            self._draw(f"autotune: {what} {self.count + 1}: {rung.name} at micro-batch {micro}, running... "
+            doing = (f"allocating {format_bytes(host_bytes)} of host memory for the offloaded optimizer, then running"
+                     if host_bytes >= PINNING_SAID else "running")
+            self._draw(f"autotune: {what} {self.count + 1}: {rung.name} at micro-batch {micro}, {doing}... "
                        f"({self._so_far()})")
 
     def end(self, trial: Trial, what: str = "trial") -> None:
@@ -120,9 +126,12 @@ class Progress:
 
 
 def describe(trial: Trial) -> str:
-    """One trial in a line: configuration, micro-batch, outcome, peak and throughput (or why it failed)."""
+    """One trial in a line: configuration, micro-batch, outcome, peak (and the host memory it raised, under
+    offload) and throughput, or why it failed."""
     head = f"{trial.rung.name} at micro-batch {trial.micro_batch_size}: {trial.outcome}"
     if trial.outcome == "ok":
-        return f"{head}, peak {format_bytes(trial.peak_bytes)}, {trial.samples_per_second:,.1f} samples/s"
+        host = (f", host +{format_bytes(trial.host_peak_bytes)}" if trial.rung.offload != "none"
+                and trial.host_peak_bytes else "")
+        return f"{head}, peak {format_bytes(trial.peak_bytes)}{host}, {trial.samples_per_second:,.1f} samples/s"
     note = shorten(trial.note, 90)
     return f"{head}{', ' + note if note else ''}"

@@ -161,7 +161,8 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
     runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial), host_shares)
     longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
     if job.progress is not None:
-        runner, longer = job.progress.watch(runner), job.progress.watch(longer, "re-measure")
+        pinned = _pinned_bytes(tuned, spec, job.placement.kind, host_shares)
+        runner, longer = job.progress.watch(runner, host_bytes=pinned), job.progress.watch(longer, "re-measure")
     controller = Controller(runner, per_rank=job.per_rank, limit_bytes=limit, max_micro=job.bound,
                             max_trials=job.settings.max_trials, world_size=job.world, remeasure=longer,
                             advice=RUN_ADVICE if result_file() is not None else FIT_ADVICE)
@@ -170,6 +171,18 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
     return state, setup, work, flops
+
+
+def _pinned_bytes(model: nn.Module, spec: OptimizerSpec, device_type: str,
+                  shares: dict[Rung, float]) -> Callable[[Rung, dict[str, Any]], int]:
+    """The host bytes a trial's optimizer offload allocates before it runs, for the progress line."""
+    def pinned(rung: Rung, kwargs: dict[str, Any]) -> int:
+        if rung.offload != "optimizer":
+            return 0
+        fraction = kwargs.get("offload_fraction", shares.get(rung, 1.0))
+        return host_budget.need(rung, model, spec, device_type, fraction=fraction, snapshot=False).total
+
+    return pinned
 
 
 def _at_host_shares(runner: Callable[..., Trial], shares: dict[Rung, float]) -> Callable[..., Trial]:
