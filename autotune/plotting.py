@@ -1,7 +1,8 @@
 """A picture of one search: what was tried, what it measured, and which plan won.
 
 Left, throughput against micro-batch, one line per configuration tried; right, peak memory against
-micro-batch with the budget and the limit (budget less margin) drawn across. The chosen plan is a star
+micro-batch with the budget and the limit (budget less margin) drawn across, and under offload the host memory
+each trial raised as a dotted line of squares. The chosen plan is a star
 on both; an out-of-memory trial is a cross (on the axis for throughput, which it never measured); a trial
 that ran but left too little headroom is a hollow circle. Everything comes from the plan itself, so a
 plan from the cache, from `autotune run --json` or from a benchmark's log draws the same.
@@ -57,7 +58,8 @@ def draw_search(plan: Plan, path: str | Path, *, title: str = "") -> Path:
 
 
 def search_figure(plan: Plan, *, title: str = "") -> Any:
-    """The `matplotlib.figure.Figure` that `draw_search` writes: axes[0] throughput, axes[1] peak memory."""
+    """The `matplotlib.figure.Figure` that `draw_search` writes: axes[0] throughput, axes[1] peak memory (and,
+    under offload, the host memory each trial raised)."""
     require_matplotlib()
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
 
@@ -72,6 +74,7 @@ def search_figure(plan: Plan, *, title: str = "") -> Any:
         tried = [t for t in plan.trials if t.rung.name == rung]
         _draw_rung(speed, tried, color, rung, lambda t: t.samples_per_second * scale)
         _draw_rung(memory, tried, color, rung, lambda t: t.peak_bytes / size)
+        _draw_host(memory, tried, color, rung, size)
     _mark_ooms(speed, memory, plan, colors, size)
     _mark_choice(speed, memory, plan, scale, size)
     _limits(memory, plan, size_unit, size)
@@ -113,6 +116,14 @@ def _draw_rung(ax: Any, trials: Sequence[Trial], color: str, label: str, y: Any)
                 ms=8, label=None if fits else label)
 
 
+def _draw_host(ax: Any, trials: Sequence[Trial], color: str, label: str, size: int) -> None:
+    """Under offload, the host memory each trial raised, as a dotted line beside the device's peak."""
+    host = [t for t in _measured(trials) if t.rung.offload != "none" and t.host_peak_bytes]
+    if host:
+        ax.plot([t.micro_batch_size for t in host], [t.host_peak_bytes / size for t in host], ":s", color=color,
+                label=f"{label}: host memory raised", ms=5)
+
+
 def _mark_ooms(speed: Any, memory: Any, plan: Plan, colors: dict[str, str], size: int) -> None:
     """OOMs (and failed compiles) measured no throughput: crosses on the micro-batch axis, and on the memory
     side at the peak seen before the failure, or at the budget when none was read."""
@@ -138,7 +149,7 @@ def _limits(memory: Any, plan: Plan, unit: str, size: int) -> None:
     memory.axhline(budget, color="gray", linestyle=":", label=f"budget {budget:,.1f} {unit}")
     memory.axhline(budget * (1 - plan.margin), color="red", linestyle="--",
                    label=f"limit: budget less {plan.margin:.0%} margin")
-    highest = max([plan.peak_memory_bytes, *(t.peak_bytes for t in plan.trials)]) / size
+    highest = max([plan.peak_memory_bytes, *(max(t.peak_bytes, t.host_peak_bytes) for t in plan.trials)]) / size
     memory.set_ylim(0, max(budget, highest) * 1.08)
 
 

@@ -115,6 +115,19 @@ def test_the_picture_marks_the_choice_the_ooms_and_the_limit() -> None:
     assert "MFU 38.0%" in search_figure(plan)._suptitle.get_text()
 
 
+def test_offload_trials_draw_the_host_memory_they_raised() -> None:
+    plan = w1_like()
+    offload = Rung(checkpointing="full", offload="optimizer")
+    host = tuple(Trial(rung=offload, micro_batch_size=m, outcome="ok", peak_bytes=10 * GIB, seconds=3.0,
+                       samples_per_second=20.0 + m, host_peak_bytes=(30 + m) * GIB) for m in (8, 16))
+    plan = plan.with_evidence(trials=plan.trials + host)
+    memory = search_figure(plan).axes[1]
+    squares = [line for line in memory.get_lines() if line.get_marker() == "s"]
+    assert len(squares) == 1 and squares[0].get_linestyle() == ":"
+    assert list(squares[0].get_xdata()) == [8, 16] and list(squares[0].get_ydata()) == [38.0, 46.0]
+    assert memory.get_ylim()[1] >= 46.0  # the host line is inside the axes
+
+
 def test_a_plan_without_trials_is_refused_with_a_reason(tmp_path: Path) -> None:
     bare = sample(0)[0].with_evidence(trials=())
     with pytest.raises(ValueError, match="no trials"):
