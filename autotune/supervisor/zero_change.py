@@ -170,6 +170,10 @@ class ScriptTrials:
             self._memo[key] = self._run(rung, micro)
         return self._memo[key]
 
+    def again(self, rung: Rung, micro: int) -> Trial:
+        """A fresh trial of `rung` at `micro`, for a reading in doubt (search/noise.py); the remembered one stays."""
+        return self._run(rung, micro)
+
     def _run(self, rung: Rung, micro: int) -> Trial:
         args = self.flags.apply(self.script_args, micro=micro, accumulation=1, rung=rung)
         log.debug("trial %d: %s at micro-batch %d (%d optimizer steps)...", len(self._memo) + 1, rung.name, micro,
@@ -230,17 +234,21 @@ class ScriptTuner:
 
     def tune(self, max_micro: int | None = None) -> Plan:
         """The best plan with micro-batch at most `max_micro`; raises `NoFeasiblePlan` when nothing fits."""
-        t = self.trials
+        t, progress = self.trials, self.progress
+        # On the CPU another process can take the cores mid-trial: a reading in doubt is measured again.
+        retry = t.again if self.device == "cpu" else None
         try:
-            return self._tune(self.progress.watch(t) if self.progress else t, max_micro)
+            return self._tune(progress.watch(t) if progress else t,
+                              progress.watch(retry, "re-measure") if progress and retry else retry, max_micro)
         finally:
-            if self.progress is not None:
-                self.progress.close()
+            if progress is not None:
+                progress.close()
 
-    def _tune(self, runner: Callable[[Rung, int], Trial], max_micro: int | None) -> Plan:
+    def _tune(self, runner: Callable[[Rung, int], Trial], retry: Callable[[Rung, int], Trial] | None,
+              max_micro: int | None) -> Plan:
         t = self.trials
         controller = Controller(runner, per_rank=t.per_rank, limit_bytes=t.limit_bytes, max_micro=max_micro,
-                                world_size=t.world_size, sizes=divisors(t.per_rank),
+                                world_size=t.world_size, sizes=divisors(t.per_rank), retry=retry,
                                 advice=nothing_fits_advice(t.flags))
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.best
