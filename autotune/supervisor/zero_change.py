@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import shlex
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +126,23 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
         check_budget(given, total, name, "--budget")
     return Target(kind="cuda", name=name, budget_bytes=given or free, apply_budget=given is not None,
                   bf16_off="" if bf16 else f"{name} has no bf16 support", total_bytes=int(total))
+
+
+THREADS_ENV = "OMP_NUM_THREADS"  # torch's intra-op threads in the job, read when it imports torch
+
+
+def job_threads(target: Target, environ: Mapping[str, str]) -> dict[str, str]:
+    """On the CPU, one intra-op thread for the job, its trials and its real run alike, unless `environ` (the
+    supervisor's environment, which the job inherits) sets OMP_NUM_THREADS; else nothing.
+
+    The simulated device times steps in the job's CPU time so that neighbours' work is not charged to the plan.
+    With several intra-op threads it is: on cores that other processes hold, torch's OpenMP threads spin while
+    they wait for each other, a step's CPU time grows with the machine's load, and which micro-batch measures
+    fastest changes with it. One thread measures the work alone, the same in trials and in the run.
+    """
+    if target.kind != "cpu" or THREADS_ENV in environ:
+        return {}
+    return {THREADS_ENV: "1"}
 
 
 def divisors(n: int) -> list[int]:
