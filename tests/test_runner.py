@@ -339,6 +339,32 @@ def test_zero_change_real_run_oom_retunes_below_the_failed_micro_batch(monkeypat
     assert (entry.smallest_failure, entry.plan.micro_batch_size) == (8, 4)
 
 
+@pytest.mark.parametrize("given", [None, "3"], ids=["unset", "the user's"])
+def test_on_the_cpu_the_zero_change_job_runs_one_intra_op_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                 given: str | None) -> None:
+    # Several OpenMP threads on cores other processes hold spin in the job's CPU time, the simulated device's
+    # clock: trials and the real run get one thread, unless the user chose a number (which the job inherits).
+    envs: list[dict[str, str]] = []
+
+    def launch(self: runner.Launcher, args: list[str], env: dict[str, str], *, trial: bool = False):
+        envs.append(env)
+        record = {"outcome": "ok", "trial": {"step_seconds": [0.01], "optimizer_seconds": [0.001],
+                                             "peak_bytes": 2**20}} if trial else {"outcome": "ok"}
+        return classify(_exit(0), [record])
+
+    monkeypatch.setattr(runner.Launcher, "launch", launch)
+    if given is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = runner.run(runner.RunOptions(script=str(script), maps=("micro_batch=--bs", "accumulation=--acc"),
+                                          global_batch_size=4, device="cpu", budget="1GiB"))
+    assert result.exit_code == 0, result.message
+    assert len(envs) > 1 and all(env.get("OMP_NUM_THREADS") == ("1" if given is None else None) for env in envs)
+
+
 def test_restarts_stop_at_max_restarts_with_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     calls = _fake_launches(monkeypatch, tmp_path, fits_in_trials=32, fits_for_real=0)
     script = tmp_path / "train.py"

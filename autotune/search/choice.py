@@ -78,15 +78,17 @@ class Choice(Lines):
         if not pairs:
             return best
         ckpt, plain = max(pairs, key=lambda cp: cp[0].samples_per_second / cp[1].samples_per_second)
-        self.notes.append(
-            f"{ckpt.rung.name} at micro-batch {ckpt.micro_batch_size} measured "
-            f"{ckpt.samples_per_second / plain.samples_per_second:.2f}x {plain.rung.name} at micro-batch "
-            f"{plain.micro_batch_size}, more than recompute can explain: both re-measured")
+        now = []
         for first in (ckpt, plain):
             again = self.remeasure(first.rung, first.micro_batch_size)
             note = f"re-measured; first {first.samples_per_second:,.1f} samples/s"
-            self.trials[self.trials.index(first)] = dataclasses.replace(
-                again, note=f"{again.note}; {note}" if again.note else note)
+            now.append(dataclasses.replace(again, note=f"{again.note}; {note}" if again.note else note))
+            self.trials[self.trials.index(first)] = now[-1]
+        # Said with the figures the pick is then made on: the first ones are in the re-measured trials' notes.
+        factor = now[0].samples_per_second / now[1].samples_per_second if now[1].samples_per_second else 0.0
+        self.notes.append(
+            f"{ckpt.rung.name} at micro-batch {ckpt.micro_batch_size} beat {plain.rung.name} at micro-batch "
+            f"{plain.micro_batch_size} by more than recompute can explain: both re-measured, now {factor:.2f}x")
         return self._best() or best
 
     def _upper_bound(self, rung: Rung, states: list[RungState]) -> float | None:
@@ -112,11 +114,14 @@ class Choice(Lines):
         return self.per_rank * self.world_size / per_step
 
     def _reason(self, best: Trial) -> str:
-        plain = [t for t in self.trials if t.fits and t.rung.checkpointing == "none" and t.rung.offload == "none"
+        """The account of the pick, its factors from the trials the pick was made on: a runoff's re-measurement
+        in place of the configuration's first reading."""
+        latest = {(t.rung, t.micro_batch_size): t for t in self.trials if t.fits}  # a later reading wins
+        plain = [t for t in latest.values() if t.rung.checkpointing == "none" and t.rung.offload == "none"
                  and not t.rung.compile]
         head = f"{best.rung.name} at micro-batch {best.micro_batch_size}"
-        fitting = len({(t.rung, t.micro_batch_size) for t in self.trials if t.fits})
-        others = [t for t in self.trials if t.fits and t.rung != best.rung]
+        fitting = len(latest)
+        others = [t for t in latest.values() if t.rung != best.rung]
         runner_up = max(others, key=lambda t: t.samples_per_second, default=None)
         second = ""
         if runner_up is not None:

@@ -3,6 +3,7 @@ only after a miss), skipped where the time model says it cannot beat the best me
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from ..workload.batching import (
     smallest_micro_batch,
 )
 from .lines import MAX_BISECT, NOISE, Lines, RungState, Runner, balanced
+from .noise import doubtful, settle
 
 log = logging.getLogger("autotune.search.controller")
 
@@ -28,8 +30,10 @@ class Climb(Lines):
     """Exploring rungs one at a time (a part of `Controller`)."""
 
     runner: Runner
+    retry: Runner | None
     max_trials: int
     notes: list[str]
+    _settled: set[tuple[Rung, int]]  # (rung, micro-batch) already measured again: each is, once
     smallest: int
     floor: int
     floor_note: str
@@ -121,8 +125,13 @@ class Climb(Lines):
         first two points can make the slope far too steep (on a ResNet, micro-batch 1 and 2 can predict a
         third of what fits). Re-predict from the two largest points, the local slope near the edge, while that
         saves accumulation steps.
+
+        Where memory does not grow with the micro-batch (the line is flat: fixed costs swamp the activations),
+        the line predicts nothing and each step doubles the micro-batch; such steps are growth, not refinement,
+        and go on while the time line says they pay (`_worth_trying`), up to the per-rank batch.
         """
-        for _ in range(MAX_BISECT):
+        refined = 0
+        while refined < MAX_BISECT:
             lo = state.largest_ok
             if lo is None or lo >= self.cap or not self._budget_left():
                 return
@@ -135,6 +144,7 @@ class Climb(Lines):
             if not self._run(state, guess).fits:
                 self._bisect(state)
                 return
+            refined += fit_line(points)[1] > 0  # a doubling on a flat line is not a refinement
 
     def _bisect(self, state: RungState) -> None:
         """Narrow the gap between the largest micro-batch that fits and the smallest that does not.
@@ -217,7 +227,26 @@ class Climb(Lines):
                  f"{trial.samples_per_second:,.1f} samples/s" if trial.fits else trial.note)
         state.trials.append(trial)
         self.trials.append(trial)
-        return trial
+        self._settle(state)
+        return next(t for t in state.trials if t.micro_batch_size == micro)
+
+    def _settle(self, state: RungState) -> None:
+        """Measure again each of the rung's trials whose timing is in doubt (`noise.doubtful`: noisy, or slower
+        than its siblings allow), once each, before it can end growth or decide the pick; the reading kept
+        (`noise.settle`) takes the first one's place. Without `retry` (on a GPU) readings stand as measured."""
+        if self.retry is None:
+            return
+        retry = self.retry
+        for first in list(state.trials):
+            siblings = [t for t in state.ok if t is not first]
+            key = (first.rung, first.micro_batch_size)
+            if key in self._settled or not doubtful(first, siblings):
+                continue
+            self._settled.add(key)
+            kept = settle(first, functools.partial(retry, first.rung, first.micro_batch_size), siblings)
+            log.debug("re-measured %-26s micro-batch %4d: %s", first.rung.name, first.micro_batch_size, kept.note)
+            state.trials[state.trials.index(first)] = kept
+            self.trials[self.trials.index(first)] = kept
 
     def _raise_floor(self, failure: str) -> None:
         """Micro-batch 1 failed on batch statistics (BatchNorm over one value per channel): no micro-batch

@@ -55,10 +55,14 @@ class Controller(Placing, Choice):
 
     def __init__(self, runner: Runner, *, per_rank: int, limit_bytes: int, max_micro: int | None = None,
                  max_trials: int = 24, world_size: int = 1, sizes: Sequence[int] | None = None,
-                 remeasure: Runner | None = None, advice: str = FIT_ADVICE) -> None:
+                 remeasure: Runner | None = None, retry: Runner | None = None, advice: str = FIT_ADVICE) -> None:
         self.runner = runner
         self.advice = advice  # the last sentence of the error when nothing fits
         self.remeasure = remeasure  # a longer-running runner for the final runoff; None skips it
+        # Measures a trial in doubt again (search/noise.py), on the CPU where another process can take the
+        # cores mid-trial; None: every reading stands (on a GPU, where the device times the steps).
+        self.retry = retry
+        self._settled: set[tuple[Rung, int]] = set()
         self.per_rank = per_rank
         self.limit = limit_bytes
         self.sizes = sorted({s for s in sizes if 1 <= s <= per_rank} | {1}) if sizes else None

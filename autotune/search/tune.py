@@ -165,6 +165,7 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
         runner, longer = job.progress.watch(runner, host_bytes=pinned), job.progress.watch(longer, "re-measure")
     controller = Controller(runner, per_rank=job.per_rank, limit_bytes=limit, max_micro=job.bound,
                             max_trials=job.settings.max_trials, world_size=job.world, remeasure=longer,
+                            retry=longer if job.placement.simulated else None,  # search/noise.py
                             advice=RUN_ADVICE if result_file() is not None else FIT_ADVICE)
     controller.notes.extend(setup.dropped + host_notes)  # in the plan's reason, and in the error if nothing fits
     state = SearchState.of(controller.search(rungs, setup.lattice))

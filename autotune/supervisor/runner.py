@@ -48,7 +48,16 @@ from .options import RunOptions
 from .process import SignalForwarder
 from .script_cache import RunCache, ScriptCache, script_parts
 from .verdict import Verdict
-from .zero_change import ScriptTrials, ScriptTuner, TrialFailed, compile_searched, resolve_target, script_rungs
+from .zero_change import (
+    THREADS_ENV,
+    ScriptTrials,
+    ScriptTuner,
+    TrialFailed,
+    compile_searched,
+    job_threads,
+    resolve_target,
+    script_rungs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +271,14 @@ def _tuner(opts: RunOptions, launcher: Launcher, cache: RunCache) -> tuple[Scrip
     rungs, notes = script_rungs(flags, allowed, target.bf16_off)
     compiled, note = compile_searched(flags, allowed, target)
     notes += [note] if note else []
-    env = {agent.DEVICE_ENV: target.kind}
+    env = {agent.DEVICE_ENV: target.kind, **job_threads(target, os.environ)}
     if target.apply_budget:
         env[agent.BUDGET_ENV] = str(target.budget_bytes)
     if target.kind == "cpu":
-        log.info("no GPU in use: trials run on the CPU under a simulated memory ceiling of %s%s",
+        log.info("no GPU in use: trials run on the CPU under a simulated memory ceiling of %s%s%s",
                  format_bytes(target.budget_bytes), "" if opts.budget else " (the host memory available; pass "
-                 "--budget to simulate a GPU's)")
+                 "--budget to simulate a GPU's)", ", one intra-op thread (OMP_NUM_THREADS=1)" if env.get(
+                     THREADS_ENV) else "")
     log.info("zero-change tuning of %s: global batch %d over %d rank(s), micro-batches dividing %d, budget %s",
              os.path.basename(opts.script), global_batch, world, per_rank, format_bytes(target.budget_bytes))
     trials = ScriptTrials(launch=lambda args, extra: launcher.launch(args, extra, trial=True), flags=flags,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import shlex
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +128,23 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
                   bf16_off="" if bf16 else f"{name} has no bf16 support", total_bytes=int(total))
 
 
+THREADS_ENV = "OMP_NUM_THREADS"  # torch's intra-op threads in the job, read when it imports torch
+
+
+def job_threads(target: Target, environ: Mapping[str, str]) -> dict[str, str]:
+    """On the CPU, one intra-op thread for the job, its trials and its real run alike, unless `environ` (the
+    supervisor's environment, which the job inherits) sets OMP_NUM_THREADS; else nothing.
+
+    The simulated device times steps in the job's CPU time so that neighbours' work is not charged to the plan.
+    With several intra-op threads it is: on cores that other processes hold, torch's OpenMP threads spin while
+    they wait for each other, a step's CPU time grows with the machine's load, and which micro-batch measures
+    fastest changes with it. One thread measures the work alone, the same in trials and in the run.
+    """
+    if target.kind != "cpu" or THREADS_ENV in environ:
+        return {}
+    return {THREADS_ENV: "1"}
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -169,6 +186,10 @@ class ScriptTrials:
         if key not in self._memo:
             self._memo[key] = self._run(rung, micro)
         return self._memo[key]
+
+    def again(self, rung: Rung, micro: int) -> Trial:
+        """A fresh trial of `rung` at `micro`, for a reading in doubt (search/noise.py); the remembered one stays."""
+        return self._run(rung, micro)
 
     def _run(self, rung: Rung, micro: int) -> Trial:
         args = self.flags.apply(self.script_args, micro=micro, accumulation=1, rung=rung)
@@ -230,17 +251,21 @@ class ScriptTuner:
 
     def tune(self, max_micro: int | None = None) -> Plan:
         """The best plan with micro-batch at most `max_micro`; raises `NoFeasiblePlan` when nothing fits."""
-        t = self.trials
+        t, progress = self.trials, self.progress
+        # On the CPU another process can take the cores mid-trial: a reading in doubt is measured again.
+        retry = t.again if self.device == "cpu" else None
         try:
-            return self._tune(self.progress.watch(t) if self.progress else t, max_micro)
+            return self._tune(progress.watch(t) if progress else t,
+                              progress.watch(retry, "re-measure") if progress and retry else retry, max_micro)
         finally:
-            if self.progress is not None:
-                self.progress.close()
+            if progress is not None:
+                progress.close()
 
-    def _tune(self, runner: Callable[[Rung, int], Trial], max_micro: int | None) -> Plan:
+    def _tune(self, runner: Callable[[Rung, int], Trial], retry: Callable[[Rung, int], Trial] | None,
+              max_micro: int | None) -> Plan:
         t = self.trials
         controller = Controller(runner, per_rank=t.per_rank, limit_bytes=t.limit_bytes, max_micro=max_micro,
-                                world_size=t.world_size, sizes=divisors(t.per_rank),
+                                world_size=t.world_size, sizes=divisors(t.per_rank), retry=retry,
                                 advice=nothing_fits_advice(t.flags))
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.best
