@@ -171,10 +171,27 @@ def test_hugging_face_checkpointing_already_on_is_reported_and_not_stacked():
     assert plan.checkpointing == "none" and plan.block_paths == ()
     assert all(t.rung.checkpointing == "none" for t in plan.trials)  # nothing of autotune's on top of it
     # A plan that says to recompute (tuned elsewhere, or by hand) does not wrap the blocks a second time.
-    forced = plan.with_config(checkpointing="full", checkpointed_blocks=2)
-    with forced.apply(model) as step:
-        assert not _wrapped(model)
-        assert step(batch) > 0
+    for count in (2, None):  # None: the label's default, which counts no block of autotune's here
+        forced = plan.with_config(checkpointing="full", checkpointed_blocks=count)
+        with forced.apply(model) as step:
+            assert not _wrapped(model)
+            assert step(batch) > 0
+
+
+# -- a model without repeated blocks --------------------------------------------------------------------------
+def test_a_plan_that_checkpoints_a_model_without_repeated_blocks_is_refused_saying_so():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    assert find_blocks(model) is None
+    plan = autotune.fit(model, torch.randn(8, 8), global_batch_size=8, memory_budget="1GiB", device="cpu",
+                        cache=False, trial_steps=1, max_trials=4, loss_fn=lambda m, b: m(b).square().mean())
+    assert plan.checkpointing == "none" and "checkpointing skipped: no repeated blocks" in plan.reason, plan.reason
+    for knobs in ({"checkpointing": "full", "checkpointed_blocks": None},
+                  {"checkpointing": "selective", "checkpointed_blocks": None},
+                  {"checkpointing": "selective", "checkpointed_blocks": 1}):
+        with pytest.raises(autotune.InvalidSetting, match=r"recomputes blocks .* has no repeated blocks .* "
+                                                          r"checkpointing='none'"):
+            plan.with_config(**knobs).apply(model, loss_fn=lambda m, b: m(b).square().mean())
 
 
 # -- ResNet: every stage --------------------------------------------------------------------------------------
