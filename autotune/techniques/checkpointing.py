@@ -5,8 +5,10 @@ transformer's layers, a T5 encoder's and decoder's blocks, a ResNet's bottleneck
 held as attributes). Any number of them, 0..N over all groups, may be recomputed (`install(blocks,
 count)`), those holding the most activation memory first: the search picks the count from the bytes per
 sample measured with none and with all of them recomputed; "selective" is any count between, "full" all.
-Checkpointing is non-reentrant (`use_reentrant=False`): it supports keyword arguments and restores the
-dropout RNG on recompute.
+A module called at several depths (ALBERT's shared layer) has one block per call: k of its N calls are
+recomputed, the others run as they are. Checkpointing is non-reentrant (`use_reentrant=False`): it supports
+keyword arguments and restores the dropout RNG on recompute. Under activation offload the block's input,
+passed first or by keyword (`hidden_states`), is kept on the host.
 
 Guards: a block's BatchNorm running statistics are saved before the recompute and
 put back after it, so they are updated once per forward, as without checkpointing; the block's own
@@ -27,31 +29,43 @@ from ..devices.placement import Placement
 from .blocks import BlockGroup, find_blocks
 from .offload import to_device, to_host
 
-__all__ = ["BlockGroup", "chosen_blocks", "find_blocks", "install"]
-
-
-def chosen_blocks(blocks: BlockGroup, count: int) -> list[nn.Module]:
-    """The first `count` blocks: `BlockGroup` holds them in the order they are recomputed (`blocks.py`)."""
-    return list(blocks.blocks[:max(0, count)])
+__all__ = ["BlockGroup", "find_blocks", "install"]
 
 
 def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement,
             inner: Callable[[nn.Module], Callable[..., Any]] | None = None) -> Callable[[], None]:
-    """Wrap `count` blocks' `forward` with non-reentrant checkpointing; returns the undo function. `inner`
+    """Wrap the first `count` blocks' `forward` with non-reentrant checkpointing (a module called at several
+    depths: on the calls among them); returns the undo function. `inner`
     gives what the checkpoint runs for a block instead of its own forward (`compile.forward`: the block
     compiled inside its checkpoint)."""
-    chosen = chosen_blocks(blocks, count)
-    for block in chosen:
+    chosen = blocks.calls(count)
+    for block, calls in chosen.items():
         # the bound method (restored by deleting the instance attribute), or what `inner` makes of the block
         original = inner(block) if inner is not None else block.forward
         wrapped = _checkpointed(block, original, offload_activations, placement)
-        block.forward = wrapped
+        block.forward = wrapped if calls is None else _on_calls(original, wrapped, *calls)
 
     def remove() -> None:
         for block in chosen:
             block.__dict__.pop("forward", None)
 
     return remove
+
+
+def _on_calls(original: Callable[..., Any], wrapped: Callable[..., Any], picked: frozenset[int],
+              n: int) -> Callable[..., Any]:
+    """A forward that runs `wrapped` (checkpointed) on the calls in `picked` of every `n` (a module called at
+    `n` depths) and `original` on the others. Calls are counted modulo `n`, with or without grad: the calls of
+    one module hold alike, so only how many of the `n` are recomputed sets what a forward holds."""
+    count = [0]
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        call = count[0] % n
+        count[0] += 1
+        return (wrapped if call in picked else original)(*args, **kwargs)
+
+    return forward
 
 
 def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,

@@ -14,7 +14,7 @@ from .precision import choose_precision
 
 FLOAT64_KEPT = "float64 model: kept in float64 (bf16 autocast only where techniques names 'bf16')"
 NO_BLOCKS = ("no repeated blocks (two or more same-class modules with children of their own, in a ModuleList, a "
-             "Sequential or as attributes)")
+             "Sequential or as attributes, or one such module called at several depths)")
 
 
 def is_float64(model: nn.Module) -> bool:
@@ -61,8 +61,9 @@ def block_count(rung: Rung, blocks: BlockGroup | None) -> int:
     n = len(blocks.blocks) if blocks is not None else 0
     if rung.checkpointing != "none" and blocks is None:
         raise InvalidSetting(f"the plan recomputes blocks ({rung.name}) but the model has {NO_BLOCKS}: there is "
-                             "nothing to checkpoint. Use a plan with checkpointing='none', or tune this model with "
-                             "autotune.fit, which leaves checkpointing out for it")
+                             "nothing to checkpoint. Use a plan with checkpointing='none', or one autotune.fit made "
+                             "for this model (a module called at several depths, as ALBERT's shared layer, is found "
+                             "by running the model, and its calls named in plan.block_paths)")
     if rung.checkpointed_blocks is not None:
         return min(rung.checkpointed_blocks, n)
     return {"none": 0, "selective": (n + 1) // 2, "full": n}[rung.checkpointing]
