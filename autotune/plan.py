@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from .configuration import RUNG_FIELDS, Configuration, Rung, state_sharded
 from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
-from .sizes import format_bytes
+from .sizes import format_bytes, format_share
 from .training.step import TrainingStep
 from .validate import dict_field
 from .workload.losses import fit_loss
@@ -167,7 +167,7 @@ class Plan:
         mfu = f"; MFU {self.mfu:.1%}" if self.mfu is not None else ""
         trained = (f"; a real run trained at {self.measured_samples_per_second:,.1f} samples/s"
                    if self.measured_samples_per_second is not None else "")
-        share = (f" of {self.offload_fraction:.0%} of the parameters"
+        share = (f" of {format_share(self.offload_fraction)} of the parameters"
                  if self.offload == "optimizer" and 0 < self.offload_fraction < 1 else "")
         if self.partitioned_state:
             share = f", {state_sharded(self.world_size)}"

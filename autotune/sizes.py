@@ -2,6 +2,7 @@
 
 It sits on the floor of the package (beside `plan.py` and `errors.py`) so that every part, the plan's
 summary included, prints sizes alike: "40.0 MiB" below a GiB, "23.50 GiB" from there, never "0.04 GiB".
+Shares print alike too (`format_share`): a partial share never reads as "0%" or "100%".
 Beside them, the lengths of what is printed: `brief` for a value in an error, `shorten` for a note.
 """
 
@@ -30,6 +31,18 @@ def format_bytes(n: int | float) -> str:
     if n < 2**20:
         return f"{n / 2**10:,.0f} KiB"
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def format_share(fraction: float) -> str:
+    """A share as a percentage, e.g. "37%": with two decimals within 1% of either end ("0.09%", "99.50%"),
+    and "<0.01%" / ">99.99%" beyond, so a share strictly between 0 and 1 never prints as "0%" or "100%"."""
+    if fraction <= 0 or fraction >= 1:
+        return f"{fraction:.0%}"
+    if fraction < 1e-4:
+        return "<0.01%"
+    if fraction > 1 - 1e-4:
+        return ">99.99%"
+    return f"{fraction:.0%}" if 0.01 <= fraction <= 0.99 else f"{fraction:.2%}"
 
 
 def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int:

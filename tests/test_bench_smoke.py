@@ -170,3 +170,23 @@ def test_render_replaces_only_its_own_section(tmp_path):
     assert "\nold\n" not in text and text.endswith("## Another section\n\nkept\n")
     again = _render(tmp_path, str(path))
     assert again == text  # idempotent
+
+
+@pytest.mark.slow  # seconds: a subprocess importing transformers, a search and two steps under the simulated ceiling
+@pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="bench_moe.py builds a transformers Mixtral")
+def test_bench_moe_tiny_trains_a_split_plan_beside_its_reference(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_moe.py"), "--device", "cpu", "--tiny",
+                           "--steps", "2", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "autotune" in proc.stdout and "reference" in proc.stdout  # the table
+    record = json.loads((tmp_path / "bench_moe.json").read_text())
+    tuned, reference = record["autotune"], record["reference"]
+    assert tuned["accumulation_steps"] >= 2 and record["budget_bytes"] < reference["peak_bytes"]
+    assert len(tuned["losses"]) == len(reference["losses"]) == 2 and not tuned["recoveries"]
+    for a, r in zip(tuned["losses"], reference["losses"]):
+        assert math.isclose(a, r, rel_tol=1e-3), (tuned["losses"], reference["losses"])
+    assert record["model"]["experts"] == 8 and record["model"]["top_k"] == 2
+    assert record["host"]["rss_bytes"] > 0 and "Mem:" in record["host"]["free_g"]
+    assert "micro-batch" in tuned["plan"] and tuned["plan_record"]["config"]

@@ -24,7 +24,7 @@ from autotune.search.controller import Controller
 from autotune.search.placement import blocks_needed
 from autotune.search.trial import TrialRunner, Workload
 from autotune.sizes import format_bytes
-from autotune.techniques import apply_rung, find_blocks, profile_blocks
+from autotune.techniques import apply_rung, checkpointing, find_blocks, profile_blocks
 from autotune.workload import batch as batches
 from autotune.workload.batching import global_step_seconds
 from autotune.workload.losses import resolve
@@ -103,9 +103,10 @@ class AttributeBlocks(nn.Module):
         return self.out(self.b4(self.b3(self.b2(self.b1(self.inp(x)))))).pow(2).mean()
 
 
-def _peak_at_one(model, batch, rung) -> int:
+def _peak_at_one(model, batch, rung, blocks=None) -> int:
+    blocks = blocks if blocks is not None else find_blocks(model)
     work = Workload(model=model, batch=batch, loss_fn=resolve(None), spec=OptimizerSpec.from_user(None, model),
-                    placement=CPU, budget_bytes=2**40, limit_bytes=2**40, per_rank=8, blocks=find_blocks(model),
+                    placement=CPU, budget_bytes=2**40, limit_bytes=2**40, per_rank=8, blocks=blocks,
                     measured_steps=1)
     return TrialRunner(work)(rung, 1).peak_bytes
 
@@ -171,10 +172,82 @@ def test_hugging_face_checkpointing_already_on_is_reported_and_not_stacked():
     assert plan.checkpointing == "none" and plan.block_paths == ()
     assert all(t.rung.checkpointing == "none" for t in plan.trials)  # nothing of autotune's on top of it
     # A plan that says to recompute (tuned elsewhere, or by hand) does not wrap the blocks a second time.
-    forced = plan.with_config(checkpointing="full", checkpointed_blocks=2)
-    with forced.apply(model) as step:
-        assert not _wrapped(model)
-        assert step(batch) > 0
+    for count in (2, None):  # None: the label's default, which counts no block of autotune's here
+        forced = plan.with_config(checkpointing="full", checkpointed_blocks=count)
+        with forced.apply(model) as step:
+            assert not _wrapped(model)
+            assert step(batch) > 0
+
+
+# -- a model without repeated blocks --------------------------------------------------------------------------
+def test_a_plan_that_checkpoints_a_model_without_repeated_blocks_is_refused_saying_so():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    assert find_blocks(model) is None
+    plan = autotune.fit(model, torch.randn(8, 8), global_batch_size=8, memory_budget="1GiB", device="cpu",
+                        cache=False, trial_steps=1, max_trials=4, loss_fn=lambda m, b: m(b).square().mean())
+    assert plan.checkpointing == "none" and "checkpointing skipped: no repeated blocks" in plan.reason, plan.reason
+    for knobs in ({"checkpointing": "full", "checkpointed_blocks": None},
+                  {"checkpointing": "selective", "checkpointed_blocks": None},
+                  {"checkpointing": "selective", "checkpointed_blocks": 1}):
+        with pytest.raises(autotune.InvalidSetting, match=r"recomputes blocks .* has no repeated blocks .* "
+                                                          r"checkpointing='none'"):
+            plan.with_config(**knobs).apply(model, loss_fn=lambda m, b: m(b).square().mean())
+
+
+# -- ALBERT: one layer called at every depth ------------------------------------------------------------------
+SHARED_LAYER = "albert.encoder.albert_layer_groups.0"  # ALBERT's one layer group, called num_hidden_layers times
+
+
+def tiny_albert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    config = transformers.AlbertConfig(vocab_size=64, embedding_size=8, hidden_size=16, num_hidden_layers=6,
+                                       num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.AlbertForMaskedLM(config).double()
+    ids = torch.randint(1, 64, (8, 10), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _runs_of(module: nn.Module) -> list[int]:
+    """A list that grows by one at each call of `module` (forward, or a recompute in backward)."""
+    runs: list[int] = []
+    module.register_forward_pre_hook(lambda *_: runs.append(1))
+    return runs
+
+
+def test_each_call_of_albert_s_shared_layer_can_be_recomputed_with_exact_gradients():
+    model, batch = tiny_albert()
+    assert find_blocks(model) is None  # no two same-class children: one layer group, called at 6 depths
+    blocks = profile_blocks(model, batch, resolve(None), CPU)
+    assert blocks is not None and sorted(blocks.paths) == [f"{SHARED_LAYER}#{i}" for i in range(6)]
+    runs = _runs_of(model.get_submodule(f"{SHARED_LAYER}.albert_layers.0"))
+    want = _grads(model, batch)
+    for k in (1, 3, 6):
+        runs.clear()
+        remove = checkpointing.install(blocks, k, offload_activations=False, placement=CPU)
+        try:
+            got = _grads(model, batch)
+        finally:
+            remove()
+        assert len(runs) == 6 + k  # six calls in forward, k of them again in backward
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_fit_checkpoints_albert_s_shared_layer_and_training_recomputes_its_calls():
+    model, batch = tiny_albert()
+    blocks = profile_blocks(model, batch, resolve(None), CPU)
+    plain, full = (_peak_at_one(model, batch, rung, blocks) for rung in (Rung(), Rung(checkpointing="full")))
+    assert full < plain  # the premise: recomputing the shared layer's calls saves memory at micro-batch 1
+    budget = int((plain + full) / 2 / 0.9)  # nothing without recompute fits, some recompute does
+    plan = autotune.fit(model, batch, global_batch_size=8, memory_budget=budget, device="cpu", cache=False,
+                        trial_steps=1, techniques=("bf16", "checkpointing"))
+    assert plan.checkpointed_blocks > 0 and sorted(plan.block_paths) == sorted(blocks.paths), plan.reason
+    runs = _runs_of(model.get_submodule(f"{SHARED_LAYER}.albert_layers.0"))
+    with plan.apply(model) as step:
+        step(batch)
+    assert len(runs) == plan.accumulation_steps * 6 + plan.accumulation_steps * plan.checkpointed_blocks
 
 
 # -- ResNet: every stage --------------------------------------------------------------------------------------

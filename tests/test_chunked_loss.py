@@ -111,6 +111,48 @@ def test_models_it_cannot_chunk_say_why():
     assert ".float()" in why_not(transformers.MambaForCausalLM(config))
 
 
+def lora_llama(targets: tuple[str, ...] = ("q_proj", "v_proj"), **lora: object) -> nn.Module:
+    """A tiny float64 Llama inside peft's wrapper, LoRA on `targets`; random adapters, so they count."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=list(targets), init_lora_weights=False, **lora)
+    return peft.get_peft_model(tiny_llama(), config).double()
+
+
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None])  # PeftModelForCausalLM, and the plain PeftModel
+@pytest.mark.parametrize("num_items", [None, 31.0])
+def test_a_peft_wrapped_model_gets_its_own_loss_and_gradients(task_type, num_items):
+    model, batch = lora_llama(task_type=task_type), padded_lm_batch()
+    assert why_not(model) is None and resolve(None, model, chunked=True) is chunked_default_loss
+    trained = [p for p in model.parameters() if p.requires_grad]  # the adapters: peft freezes the base
+    want = float64_causal_loss(model, batch, num_items)
+    want_grads = torch.autograd.grad(want, trained)
+    got = chunked_default_loss(model, batch, num_items_in_batch=num_items)
+    got_grads = torch.autograd.grad(got, trained)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert model(input_ids=batch["input_ids"]).logits.shape[-1] == 64  # the head is put back
+
+
+def test_a_step_on_a_peft_model_chunks_and_equals_a_full_batch_float64_step():
+    batch = padded_lm_batch()
+    model, reference = lora_llama(task_type="CAUSAL_LM"), lora_llama(task_type="CAUSAL_LM")
+    optimizer = sgd([p for p in reference.parameters() if p.requires_grad])
+    float64_causal_loss(reference, batch, None).backward()
+    optimizer.step()
+    with TrainingStep(make_plan(4, 12), model, sgd([p for p in model.parameters() if p.requires_grad])) as step:
+        assert step.loss_fn is chunked_default_loss
+        step(batch)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_peft_head_it_cannot_chunk_is_named():
+    assert "lm_head is a peft.tuners.lora.layer.Linear" in why_not(lora_llama(("q_proj", "lm_head")))
+    saved = lora_llama(modules_to_save=["lm_head"])
+    assert "lm_head is a peft.utils.other.ModulesToSaveWrapper" in why_not(saved)
+
+
 def test_the_step_uses_it_unless_techniques_leave_it_out():
     model = tiny_gpt2()
     plan = make_plan(4, 12)

@@ -11,6 +11,7 @@ from torch import nn
 
 import autotune
 from autotune.configuration import Rung
+from autotune.devices.ceiling import SimulatedCeiling
 from autotune.devices.placement import resolve_device
 from autotune.search.controller import NOISE
 from autotune.search.floors import resident_floor
@@ -232,6 +233,57 @@ def test_activation_offload_keeps_gradients_exact():
     finally:
         remove()
     for a, b in zip(reference, offloaded):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+class KeywordBlock(nn.Module):
+    """A residual MLP block whose model calls it by keyword, as Mllama calls its layers."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.down(torch.relu(self.up(hidden_states))) * attention_mask
+
+
+class KeywordNet(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.layers = nn.ModuleList(KeywordBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, mask = self.embed(x), torch.ones(x.shape[0], 1, dtype=x.dtype)
+        for layer in self.layers:
+            h = layer(attention_mask=mask, hidden_states=h)  # the mask first: the input is found by its name
+        return self.head(h).pow(2).mean()
+
+
+def _held_after_forward(model: nn.Module, x: torch.Tensor, offload: bool) -> tuple[int, list[torch.Tensor]]:
+    """Device bytes alive between forward and backward (the simulated ceiling's count), and the gradients."""
+    remove = checkpointing.install(find_blocks(model), 4, offload_activations=offload,
+                                   placement=resolve_device("cpu"))
+    try:
+        with SimulatedCeiling(2**40) as ceiling:
+            loss = model(x)
+            held = ceiling.current_bytes
+            grads = list(torch.autograd.grad(loss, list(model.parameters())))
+    finally:
+        remove()
+    return held, grads
+
+
+def test_activation_offload_parks_the_input_of_blocks_called_by_keyword():
+    torch.manual_seed(0)
+    model = KeywordNet().double()
+    x = torch.randn(64, 16, dtype=torch.float64)
+    reference = torch.autograd.grad(model(x), list(model.parameters()))
+    kept, _ = _held_after_forward(model, x, offload=False)
+    parked, grads = _held_after_forward(model, x, offload=True)
+    assert kept - parked >= 4 * x.nbytes, (kept, parked)  # each block's input on the host, not the device
+    for a, b in zip(reference, grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 from torch import nn
 
 from ..evidence import Trial
-from ..sizes import format_bytes
+from ..sizes import format_bytes, format_share
 from ..techniques.offload import host_share
 from ..techniques.offload.partition import runs
 from ..workload.batching import global_step_seconds
@@ -112,8 +112,8 @@ def choose_offload_fraction(best: Trial, run: Callable[[float], Trial], params: 
         if trial.fits:
             refined, fraction, why = _refine(best, trial, fraction, run, params, limit_bytes, state_tensors,
                                              keep_fp32, ranks, ran)
-            return refined, fraction, ran, [f"optimizer offload of {fraction:.0%} of the parameters: the rest fit "
-                                            f"on the device at micro-batch {best.micro_batch_size}{why}"]
+            return refined, fraction, ran, [f"optimizer offload of {format_share(fraction)} of the parameters: the "
+                                            f"rest fit on the device at micro-batch {best.micro_batch_size}{why}"]
         room /= 2
         fraction = predict_fraction(params, room, state_tensors, keep_fp32, ranks=ranks)
     note = ("optimizer offload of every parameter: no smaller share fitted" if ran else
@@ -145,8 +145,8 @@ def _refine(best: Trial, trial: Trial, fraction: float, run: Callable[[float], T
         return trial, fraction, ""
     other = run(smaller)
     ran.append(other)
-    measured = (f"{fraction:.0%} on the host grew the peak by {format_bytes(grew)} "
+    measured = (f"{format_share(fraction)} on the host grew the peak by {format_bytes(grew)} "
                 f"of {format_bytes(int(predicted))} predicted")
     if other.fits and other.samples_per_second >= trial.samples_per_second:
-        return other, smaller, f" ({measured}, so {smaller:.0%} was tried and kept)"
-    return trial, fraction, f" ({measured}; {smaller:.0%}: {'slower' if other.fits else other.outcome})"
+        return other, smaller, f" ({measured}, so {format_share(smaller)} was tried and kept)"
+    return trial, fraction, f" ({measured}; {format_share(smaller)}: {'slower' if other.fits else other.outcome})"

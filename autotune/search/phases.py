@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..configuration import Rung
 from ..evidence import Trial
-from ..sizes import format_bytes
+from ..sizes import format_bytes, format_share
 from ..techniques.offload import norm_parameters, overlap_default
 from ..techniques.offload import partition as offload_partition
 from ..techniques.offload.streamed import streams
@@ -77,14 +77,14 @@ def rival_or_pick(state: SearchState, shared: Trial | None, fraction: float) -> 
     """The search's pick, or the offload rival at its share where that measured faster by more than noise."""
     best = state.best
     if shared is None or shared.samples_per_second <= best.samples_per_second * (1 + NOISE):
-        what = (f"{shared.samples_per_second:,.1f} samples/s with {fraction:.0%} of the parameters' optimizer on "
-                "the host" if shared is not None else "no share on the device fitted")
+        what = (f"{shared.samples_per_second:,.1f} samples/s with {format_share(fraction)} of the parameters' "
+                "optimizer on the host" if shared is not None else "no share on the device fitted")
         state.notes.append(f"optimizer offload priced at a partial share: {what}, not faster than the pick")
         return
-    state.found("offload share", f"{shared.rung.name} at micro-batch {shared.micro_batch_size} with {fraction:.0%} "
-                f"of the parameters' optimizer on the host: {shared.samples_per_second / best.samples_per_second:.2f}x "
-                f"{best.rung.name} at micro-batch {best.micro_batch_size}, the pick with the whole optimizer "
-                "offloaded or none", leads=True)
+    state.found("offload share", f"{shared.rung.name} at micro-batch {shared.micro_batch_size} with "
+                f"{format_share(fraction)} of the parameters' optimizer on the host: "
+                f"{shared.samples_per_second / best.samples_per_second:.2f}x {best.rung.name} at micro-batch "
+                f"{best.micro_batch_size}, the pick with the whole optimizer offloaded or none", leads=True)
     state.best, state.fraction = shared, fraction
 
 

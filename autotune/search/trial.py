@@ -29,7 +29,7 @@ from ..devices.host import ResidentPeak
 from ..devices.placement import MemoryMeter, Placement, now, release_memory
 from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
 from ..evidence import NOISY, Trial
-from ..sizes import format_bytes, shorten
+from ..sizes import format_bytes, format_share, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.sharding import is_sharded, reset_after_failure
 from ..workload import batch as batches
@@ -132,7 +132,7 @@ class TrialRunner:
         trial = dataclasses.replace(trial, host_peak_bytes=host.grown())
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
                 [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
-                [f"offload fraction {offload_fraction:.2f}"])
+                [f"offload fraction {format_share(offload_fraction)}"])
         tags += [OVERLAPPED] if overlap else []
         trial = dataclasses.replace(trial, overlapped=bool(overlap))
         tags += [REDUCE_BOTH_WAYS] if reduce_pairs and gate.opened and trial.fits else []

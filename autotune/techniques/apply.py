@@ -15,7 +15,6 @@ from torch import nn
 
 from ..configuration import Rung
 from ..devices.placement import Placement
-from ..errors import InvalidSetting
 from ..workload import batch as batches
 from ..workload.optimizers import OptimizerSpec
 from . import checkpointing, optimizer_8bit
@@ -87,11 +86,9 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
     undo: list[Callable[[], None]] = []
     try:
         scaler = make_scaler(rung.precision, placement)
-        count = block_count(rung, blocks)
-        if rung.checkpointing != "none" and not (blocks is not None and blocks.library):
+        count = block_count(rung, blocks)  # refuses checkpointing on a model without repeated blocks
+        if rung.checkpointing != "none" and blocks is not None and not blocks.library:
             # (where the model's library checkpoints already, its blocks are recomputed once, by it)
-            if blocks is None:
-                raise InvalidSetting("checkpointing needs repeated blocks and none were found in the model")
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
                                               placement=placement,
                                               inner=compiling.forward if rung.compile else None))

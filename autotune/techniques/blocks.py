@@ -6,6 +6,11 @@ they sit in a `ModuleList`/`Sequential` (`self.layers`) or are plain attributes 
 Leaf modules (a `Linear`, a norm) are never blocks: checkpointing one keeps its input, which is all it
 saves anyway. `ModuleList`/`ModuleDict` are never blocks either: they are never called.
 
+A model with no such children may call one module at every depth instead (ALBERT's shared layer, called
+N times): the profile counts calls, and then each call is a block of its own (`path#i`, call i of N), so k of
+the N calls are recomputed, as k of N distinct blocks would be. Those are found only by the profile (one
+forward), so only a plan from `fit` names them (`Plan.block_paths`).
+
 Every group is a candidate (a T5 encoder's blocks and its decoder's), and the knob counts across all of
 them: N is every block of every group. When groups nest (a ResNet's stages, each a `Sequential` of
 bottlenecks; a T5 model's encoder and decoder stacks, each holding blocks), the finer groups replace the
@@ -47,6 +52,7 @@ from ..workload import batch as batches
 
 log = logging.getLogger(__name__)
 
+SHARED = "#"  # `path#i`: call i of a module called at several depths
 FINER_SHARE = 0.75  # inner groups replace an outer one when their blocks hold at least this share of its bytes
 PROFILE_SAMPLES = 2  # two, not one: batch norm in training mode refuses a batch of one
 _NEVER_BLOCKS = (nn.ModuleList, nn.ModuleDict)  # holders, never called
@@ -56,7 +62,8 @@ _NEVER_BLOCKS = (nn.ModuleList, nn.ModuleDict)  # holders, never called
 class BlockGroup:
     """The repeated blocks of a model, every group together, in the order checkpointing recomputes them.
 
-    `blocks[i]` lives at `paths[i]`; the first k are the ones recomputed when k are. `held[i]` is the bytes
+    `blocks[i]` lives at `paths[i]`; the first k are the ones recomputed when k are. A module called at
+    several depths appears once per call, its paths `module.path#i` for call i (`calls`). `held[i]` is the bytes
     the block holds for autograd per profiled sample (empty when not profiled). `library` is non-empty
     when the model's own library checkpoints already; then `blocks` is empty.
     """
@@ -70,6 +77,23 @@ class BlockGroup:
     @property
     def kind(self) -> str:
         return ", ".join(dict.fromkeys(type(b).__name__ for b in self.blocks))
+
+    def calls(self, count: int) -> dict[nn.Module, tuple[frozenset[int], int] | None]:
+        """Each distinct module among the first `count` blocks: None when its every call is recomputed (a
+        block of its own), else (the calls recomputed, of how many per forward) for a module called at
+        several depths."""
+        out: dict[nn.Module, tuple[frozenset[int], int] | None] = {}
+        for block, path in zip(self.blocks[:max(0, count)], self.paths):
+            if SHARED not in path:
+                out[block] = None
+                continue
+            picked, n = out.get(block) or (frozenset(), sum(b is block for b in self.blocks))
+            out[block] = (picked | {int(path.rsplit(SHARED, 1)[1])}, n)
+        return out
+
+    def modules(self) -> list[nn.Module]:
+        """The distinct modules, in order (a module called at several depths is one)."""
+        return list(dict.fromkeys(self.blocks))
 
     def shares(self) -> tuple[float, ...] | None:
         """Share of all the blocks' bytes freed by recomputing the first k, for k = 0..N; None unprofiled."""
@@ -100,10 +124,11 @@ def find_blocks(model: nn.Module, paths: tuple[str, ...] | list[str] = ()) -> Bl
         return BlockGroup(path="", library=library)
     if paths:
         named = dict(model.named_modules())
-        missing = [p for p in paths if p not in named]
+        modules = [p.split(SHARED, 1)[0] for p in paths]
+        missing = [p for p in modules if p not in named]
         if not missing:
-            return BlockGroup(path=_label(p.rsplit(".", 1)[0] if "." in p else "" for p in paths),
-                              blocks=[named[p] for p in paths], paths=list(paths))
+            return BlockGroup(path=_label(p.rsplit(".", 1)[0] if "." in p else "" for p in modules),
+                              blocks=[named[p] for p in modules], paths=list(paths))
         log.warning("the plan's block_paths name %s, which this model does not have (wrapped differently "
                     "than when tuned?); finding its repeated blocks again", missing[0])
     groups = _groups_under(model, "", None)
@@ -119,14 +144,16 @@ def profile_blocks(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, A
     back to the structural order when the forward runs out of memory.
     """
     found = find_blocks(model)
-    if found is None or found.library:
+    if found is not None and found.library:
         return found
-    candidates = _all_candidates(model)
+    # Without repeated children, every module that could be a block is watched for calls at several depths.
+    candidates = _all_candidates(model) if found is not None else _inner_modules(model)
     n = min(PROFILE_SAMPLES, batches.batch_size(batch))
     part = batches.unwrap(batches.resize(batch, n))  # as the model gets it: `Shared` tensors plain
     held: dict[int, int] | None = None
+    calls: dict[int, int] = {}
     try:
-        held = _held_bytes(model, [m for _, m in candidates], part, n, loss_fn)
+        held = _held_bytes(model, [m for _, m in candidates], part, n, loss_fn, calls)
     except Exception as exc:  # an OOM only leaves the order structural; anything else is the model's
         if not is_oom(exc):
             raise
@@ -136,6 +163,8 @@ def profile_blocks(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, A
     if not placement.simulated and torch.cuda.is_available():
         torch.cuda.synchronize(placement.index)
         torch.cuda.empty_cache()  # the profile's tensors must not stay reserved: trials read reserved memory
+    if found is None:
+        return _shared(candidates, held or {}, calls)
     if not held:
         return found
     groups = [g for g in _groups_under(model, "", held) if sum(held.get(id(b), 0) for _, b in g.members) > 0]
@@ -211,6 +240,27 @@ def _all_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def _inner_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module below the root with children of its own (a leaf keeps only its input: nothing to free)."""
+    return [(p, m) for p, m in model.named_modules() if p and not isinstance(m, _NEVER_BLOCKS)
+            and next(m.children(), None) is not None]
+
+
+def _shared(candidates: list[tuple[str, nn.Module]], held: dict[int, int], calls: dict[int, int]) -> BlockGroup | None:
+    """Modules called at several depths in the profile's forward, each call a block (`path#i`), those holding
+    the most per call first; a module inside one called several times is left to it. None when there are none."""
+    several = {p for p, m in candidates if calls.get(id(m), 0) >= 2}
+    groups, per_call = [], {}
+    for path, module in candidates:
+        outer = any(path.startswith(f"{other}.") for other in several)
+        if path in several and not outer and held.get(id(module), 0) > 0:
+            count = calls[id(module)]
+            per_call[id(module)] = held[id(module)] // count
+            groups.append(_Group(path=f"{path} (each of {count} calls)",
+                                 members=[(f"{path}{SHARED}{i}", module) for i in range(count)]))
+    return _by_activations(groups, per_call) if groups else None
+
+
 # -- order ----------------------------------------------------------------------------------------------
 def _by_activations(groups: list[_Group], held: dict[int, int]) -> BlockGroup:
     """Groups by the bytes their blocks hold each (most first); within a group, spread over the depth."""
@@ -243,9 +293,10 @@ def _spread(members: list[Any]) -> list[Any]:
 
 # -- the profile ----------------------------------------------------------------------------------------
 def _held_bytes(model: nn.Module, modules: list[nn.Module], batch: Any, n: int,
-                loss_fn: Callable[[nn.Module, Any], Any]) -> dict[int, int]:
+                loss_fn: Callable[[nn.Module, Any], Any], calls: dict[int, int]) -> dict[int, int]:
     """Bytes autograd saves inside each of `modules` in one forward of `n` samples, per sample: every
-    storage counted once per module, the module's inputs and the model's parameters and buffers left out."""
+    storage counted once per module (over all its calls), the module's inputs and the model's parameters
+    and buffers left out. `calls` is filled with how many times each module was called."""
     fixed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     active: list[nn.Module] = []
     seen: dict[int, set[int]] = defaultdict(set)
@@ -253,6 +304,7 @@ def _held_bytes(model: nn.Module, modules: list[nn.Module], batch: Any, n: int,
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         active.append(module)
+        calls[id(module)] = calls.get(id(module), 0) + 1
         seen[id(module)].update(t.untyped_storage().data_ptr() for t in _tensors((args, kwargs)))
 
     def leave(module: nn.Module, *_: Any) -> None:

@@ -5,8 +5,10 @@ transformer's layers, a T5 encoder's and decoder's blocks, a ResNet's bottleneck
 held as attributes). Any number of them, 0..N over all groups, may be recomputed (`install(blocks,
 count)`), those holding the most activation memory first: the search picks the count from the bytes per
 sample measured with none and with all of them recomputed; "selective" is any count between, "full" all.
-Checkpointing is non-reentrant (`use_reentrant=False`): it supports keyword arguments and restores the
-dropout RNG on recompute.
+A module called at several depths (ALBERT's shared layer) has one block per call: k of its N calls are
+recomputed, the others run as they are. Checkpointing is non-reentrant (`use_reentrant=False`): it supports
+keyword arguments and restores the dropout RNG on recompute. Under activation offload the block's input,
+passed first or by keyword (`hidden_states`), is kept on the host.
 
 Guards: a block's BatchNorm running statistics are saved before the recompute and
 put back after it, so they are updated once per forward, as without checkpointing; the block's own
@@ -27,31 +29,43 @@ from ..devices.placement import Placement
 from .blocks import BlockGroup, find_blocks
 from .offload import to_device, to_host
 
-__all__ = ["BlockGroup", "chosen_blocks", "find_blocks", "install"]
-
-
-def chosen_blocks(blocks: BlockGroup, count: int) -> list[nn.Module]:
-    """The first `count` blocks: `BlockGroup` holds them in the order they are recomputed (`blocks.py`)."""
-    return list(blocks.blocks[:max(0, count)])
+__all__ = ["BlockGroup", "find_blocks", "install"]
 
 
 def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement,
             inner: Callable[[nn.Module], Callable[..., Any]] | None = None) -> Callable[[], None]:
-    """Wrap `count` blocks' `forward` with non-reentrant checkpointing; returns the undo function. `inner`
+    """Wrap the first `count` blocks' `forward` with non-reentrant checkpointing (a module called at several
+    depths: on the calls among them); returns the undo function. `inner`
     gives what the checkpoint runs for a block instead of its own forward (`compile.forward`: the block
     compiled inside its checkpoint)."""
-    chosen = chosen_blocks(blocks, count)
-    for block in chosen:
+    chosen = blocks.calls(count)
+    for block, calls in chosen.items():
         # the bound method (restored by deleting the instance attribute), or what `inner` makes of the block
         original = inner(block) if inner is not None else block.forward
         wrapped = _checkpointed(block, original, offload_activations, placement)
-        block.forward = wrapped
+        block.forward = wrapped if calls is None else _on_calls(original, wrapped, *calls)
 
     def remove() -> None:
         for block in chosen:
             block.__dict__.pop("forward", None)
 
     return remove
+
+
+def _on_calls(original: Callable[..., Any], wrapped: Callable[..., Any], picked: frozenset[int],
+              n: int) -> Callable[..., Any]:
+    """A forward that runs `wrapped` (checkpointed) on the calls in `picked` of every `n` (a module called at
+    `n` depths) and `original` on the others. Calls are counted modulo `n`, with or without grad: the calls of
+    one module hold alike, so only how many of the `n` are recomputed sets what a forward holds."""
+    count = [0]
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        call = count[0] % n
+        count[0] += 1
+        return (wrapped if call in picked else original)(*args, **kwargs)
+
+    return forward
 
 
 def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
@@ -63,32 +77,61 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         args, kwargs = _without_kv_cache(args, kwargs)
-        if not offload and not norms:
+        key = _input_key(args, kwargs) if offload else None
+        if key is None and not norms:
             # Nothing to count or park: a plain checkpoint of the block.
             return checkpoint(original, *args, use_reentrant=False, **kwargs)
         calls = [0]
-        parked = offload and bool(args) and isinstance(args[0], torch.Tensor)
-        first_input = [args[0]] if parked else []
-        wants_grad = parked and args[0].requires_grad
+        first_input = [] if key is None else [_argument(args, kwargs, key)]
+        wants_grad = bool(first_input) and first_input[0].requires_grad
 
         def run(*inner: Any, **inner_kwargs: Any) -> Any:
             calls[0] += 1
-            if parked:
+            if key is not None:
                 # Forward uses the device tensor it was given (gradients flow to it directly); the
                 # recompute brings the parked copy back. Only the saved values matter in a recompute.
-                x = first_input.pop() if first_input else to_device(inner[0], placement.torch_device)
-                inner = (x.requires_grad_(wants_grad) if calls[0] > 1 else x, *inner[1:])
+                x = first_input.pop() if first_input else to_device(_argument(inner, inner_kwargs, key),
+                                                                     placement.torch_device)
+                inner, inner_kwargs = _with_argument(inner, inner_kwargs, key,
+                                                     x.requires_grad_(wants_grad) if calls[0] > 1 else x)
             if calls[0] == 1 or not norms:
                 return original(*inner, **inner_kwargs)
             with _frozen_norm_stats(norms):  # a recompute: statistics were already updated once
                 return original(*inner, **inner_kwargs)
 
-        if parked:
+        if key is not None:
             # The block's input is the one tensor a checkpointed block keeps alive: keep it on the host.
-            args = (to_host(args[0]), *args[1:])
+            args, kwargs = _with_argument(args, kwargs, key, to_host(first_input[0]))
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     return forward
+
+
+HIDDEN = "hidden_states"  # what Hugging Face names a layer's input, when a model passes it by keyword
+
+
+def _input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | str | None:
+    """Where the block's input (the activation it is called on, which activation offload parks) is among its
+    arguments: its first positional argument when that is a tensor; for a block called by keyword (Mllama's
+    `layer(hidden_states=h, ...)`), `hidden_states`, else the first keyword argument that is a floating-point
+    tensor; None when it has no such argument."""
+    if args:
+        return 0 if isinstance(args[0], torch.Tensor) else None
+    if isinstance(kwargs.get(HIDDEN), torch.Tensor):
+        return HIDDEN
+    return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> Any:
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def _with_argument(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str,
+                   value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with the one at `key` (a position or a keyword) replaced by `value`."""
+    if isinstance(key, int):
+        return (*args[:key], value, *args[key + 1:]), kwargs
+    return args, {**kwargs, key: value}
 
 
 def _without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -66,7 +66,11 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     whole = regions() == "whole" and checkpointed == 0  # read first: a bad setting fails on every model
     # No blocks (none found, or the model's library checkpoints its own): the whole model.
     per_block = blocks is not None and bool(blocks.blocks) and not whole
-    targets = list(blocks.blocks[checkpointed:]) if per_block and blocks is not None else [model]
+    # A module called at several depths with some calls recomputed runs compiled through its checkpoint's
+    # wrapper (`inner`) on its other calls too: only modules with no call recomputed are compiled here.
+    recomputed = set(blocks.calls(checkpointed)) if per_block and blocks is not None else set()
+    targets = ([m for m in blocks.modules() if m not in recomputed] if per_block and blocks is not None
+               else [model])
     for module in targets:
         module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
     restore_cache = _no_kv_cache(model) if per_block else (lambda: None)

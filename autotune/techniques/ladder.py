@@ -8,10 +8,13 @@ from torch import nn
 
 from ..configuration import Rung
 from ..devices.placement import Placement
+from ..errors import InvalidSetting
 from .blocks import BlockGroup
 from .precision import choose_precision
 
 FLOAT64_KEPT = "float64 model: kept in float64 (bf16 autocast only where techniques names 'bf16')"
+NO_BLOCKS = ("no repeated blocks (two or more same-class modules with children of their own, in a ModuleList, a "
+             "Sequential or as attributes, or one such module called at several depths)")
 
 
 def is_float64(model: nn.Module) -> bool:
@@ -34,8 +37,7 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
         notes.append(f"{blocks.library}; autotune recomputes no block on top of it")
     elif "checkpointing" in allowed:
         if blocks is None:
-            notes.append("checkpointing skipped: no repeated blocks (two or more same-class modules with "
-                         "children of their own, in a ModuleList, a Sequential or as attributes) found in the model")
+            notes.append(f"checkpointing skipped: {NO_BLOCKS} found in the model")
         else:
             counts += [(n + 1) // 2, n] if n >= 4 else [n]
     rungs = [_rung(precision, k, n, "none", compile) for k in counts]
@@ -51,8 +53,17 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
 
 
 def block_count(rung: Rung, blocks: BlockGroup | None) -> int:
-    """How many blocks `rung` recomputes: its count, or its label's default when it has none."""
+    """How many blocks `rung` recomputes: its count, or its label's default when it has none.
+
+    Raises:
+        InvalidSetting: `rung` checkpoints and the model has no repeated blocks (and no library checkpointing).
+    """
     n = len(blocks.blocks) if blocks is not None else 0
+    if rung.checkpointing != "none" and blocks is None:
+        raise InvalidSetting(f"the plan recomputes blocks ({rung.name}) but the model has {NO_BLOCKS}: there is "
+                             "nothing to checkpoint. Use a plan with checkpointing='none', or one autotune.fit made "
+                             "for this model (a module called at several depths, as ALBERT's shared layer, is found "
+                             "by running the model, and its calls named in plan.block_paths)")
     if rung.checkpointed_blocks is not None:
         return min(rung.checkpointed_blocks, n)
     return {"none": 0, "selective": (n + 1) // 2, "full": n}[rung.checkpointing]

@@ -62,7 +62,7 @@ def shard(model: nn.Module, *, precision: str = "bf16", offload: bool = False,
         mixed = MixedPrecisionPolicy()
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     group = blocks if blocks is not None else find_blocks(model)
-    for block in group.blocks if group is not None else []:
+    for block in group.modules() if group is not None else []:
         fully_shard(block, mp_policy=mixed, offload_policy=policy)
     fully_shard(model, mp_policy=mixed, offload_policy=policy)
     return model

@@ -24,7 +24,7 @@ from ..devices.placement import Placement
 from ..evidence import Trial
 from ..settings import FitSettings
 from ..sizes import format_bytes
-from ..techniques import is_float64, ladder, parse_techniques, serve_dtypes
+from ..techniques import block_count, is_float64, ladder, parse_techniques, serve_dtypes
 from ..workload import batch as batches
 from ..workload.batching import smallest_micro_batch, solve_accumulation
 
@@ -75,6 +75,16 @@ def revised(plan: Any, reason: str, **knobs: Any) -> Any:
     """`plan` with some knobs changed and a new reason: the one place the step builds a plan (`Plan.with_config`;
     a Plan is read by its methods here, since plan.py sits above training)."""
     return plan.with_config(reason=reason, **knobs)
+
+
+def counted(plan: Any, blocks: Any) -> Any:
+    """`plan` with its label's default block count as a number, which recovery compares (`block_count`: it
+    refuses a plan that checkpoints a model without repeated blocks). Where the model's library checkpoints
+    its own blocks the count stays unset: autotune recomputes none of them."""
+    count = block_count(plan.rung, blocks)
+    if plan.checkpointed_blocks is not None or (blocks is not None and blocks.library):
+        return plan
+    return revised(plan, plan.reason, checkpointed_blocks=count)
 
 
 def engine_rung(plan: Any) -> tuple[Rung, float]:

@@ -34,7 +34,7 @@ from ..devices.ceiling import SimulatedCeiling
 from ..devices.placement import release_memory
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
 from ..evidence import Trial
-from ..techniques import block_count, dtype_conflict, find_blocks
+from ..techniques import dtype_conflict, find_blocks
 from ..techniques.sharding import is_sharded, reset_after_failure
 from ..workload import batch as batches
 from ..workload.losses import APPLY_CALL, LossFn, MissingLoss, resolve
@@ -107,8 +107,7 @@ class TrainingStep:
         self.model = model
         self.spec = OptimizerSpec.from_user(optimizer, model)
         self.blocks = find_blocks(model, plan.block_paths)  # the blocks, and their order, the plan was tuned with
-        if plan.checkpointed_blocks is None:  # the label's default, as a count: recovery compares counts
-            self.plan = recovery.revised(plan, plan.reason, checkpointed_blocks=block_count(plan.rung, self.blocks))
+        self.plan = recovery.counted(plan, self.blocks)  # a count recovery can compare; no blocks: refused
         why = dtype_conflict(self.plan.rung, model)
         if why is not None:
             raise InvalidSetting(f"plan ({self.plan.rung.name}) cannot train this model: {why.split(': ', 1)[1]}; "

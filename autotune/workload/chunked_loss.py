@@ -36,22 +36,34 @@ CHUNK_BYTES = 256 << 20  # FP32 logits of one chunk; GPT-2: 1,335 tokens (transi
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside torch.compile's wrapper (where the head and the loss function live), or `model`."""
-    return getattr(model, "_orig_mod", model)
+    """The model whose own attributes are the head and the loss function: `model`, or the one inside
+    torch.compile's wrapper (`_orig_mod`) or a peft wrapper (`PeftModel.get_base_model()`), which forward the
+    call to it with its arguments."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        base = getattr(model, "get_base_model", None)
+        if inner is None and hasattr(model, "peft_config") and callable(base):
+            inner = base()
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
 
 
 def why_not(model: nn.Module) -> str | None:
     """None when the head's loss can be chunked on this model, else why not (for the plan's notes).
 
-    Yes for a Hugging Face causal LM whose forward computes `self.lm_head(hidden)` and hands those logits
-    straight to `self.loss_function` (GPT-2, Llama, Mistral, Qwen...), with a settable `loss_function`
-    (transformers 4.48+). No where the logits are changed in between (Gemma 2's soft-capping, Cohere's scale) or
-    recast as the head returns them (Mamba's `self.lm_head(...).float()`).
+    Yes for a Hugging Face causal LM (bare, compiled or inside a peft wrapper) whose forward computes
+    `self.lm_head(hidden)` with an `nn.Linear` head and hands those logits straight to `self.loss_function`
+    (GPT-2, Llama, Mistral, Qwen...), with a settable `loss_function` (transformers 4.48+). No where the logits
+    are changed in between (Gemma 2's soft-capping, Cohere's scale) or recast as the head returns them (Mamba's
+    `self.lm_head(...).float()`), or where an adapter wraps the head.
     """
     model = unwrapped(model)
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear):
-        return "the model has no nn.Linear lm_head"
+    if head is None:
+        return "the model has no lm_head"
+    if not isinstance(head, nn.Linear):  # an adapter's layer (peft's lora.Linear) computes more than weight and bias
+        return f"the model's lm_head is a {type(head).__module__}.{type(head).__name__}, not an nn.Linear"
     prop = inspect.getattr_static(type(model), "loss_function", None)
     if not isinstance(prop, property) or prop.fset is None:
         return "the model has no settable loss_function (a Hugging Face model, transformers 4.48 or later)"
