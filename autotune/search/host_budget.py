@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from ..configuration import Rung
 from ..errors import NoFeasiblePlan
-from ..sizes import format_bytes
+from ..sizes import format_bytes, format_share
 from ..techniques.host_need import HostNeed, offload_need, with_snapshot
 from ..techniques.offload import overlap_default
 from ..techniques.offload import partition as offload_partition
@@ -75,7 +75,7 @@ def keep_within(rungs: list[Rung], model: nn.Module, spec: OptimizerSpec, device
     needs = {r: need(r, model, spec, device_type) for r in rungs}
     over = [r for r in rungs if needs[r].total > limit_bytes]
     caps = {r: share for r in over if (share := largest_share(r, model, spec, device_type, limit_bytes)) is not None}
-    notes = [f"{r.name} at a host share of {share:.1%}: its whole optimizer on the host would need "
+    notes = [f"{r.name} at a host share of {format_share(share)}: its whole optimizer on the host would need "
              f"{format_bytes(needs[r].total)}, over the host budget of {format_bytes(limit_bytes)}"
              for r, share in caps.items()]
     over = [r for r in over if r not in caps]
