@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from render import SHORT, Workload, rung_name
+from peer_records import SHORT, Workload, rung_name
 
 MARKERS = {"autotune-cold": ("*", "black", 16), "autotune-warm": ("P", "dimgray", 10),
            "accelerate": ("v", "tab:red", 10), "lightning-power": ("^", "tab:purple", 10),
