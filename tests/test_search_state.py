@@ -23,3 +23,12 @@ def test_the_reason_puts_the_floor_note_first_cuts_the_notes_and_keeps_the_last_
                         floor_note="micro-batch 1 skipped")
     text = reason(state, ["a", "micro-batch 1 skipped", "b", "c"], first="sharded", last=("loss",))
     assert text.startswith("sharded; pick; micro-batch 1 skipped; a; b; loss; timings were noisy in 1 of 2 trials")
+
+
+def test_a_finding_also_among_the_notes_is_said_once():
+    # The offload-share phase records its note and finds the same clause: the reason says it once.
+    state = SearchState(best=_trial(), trials=[_trial()], notes=[], head="pick")
+    state.found("offload share", "optimizer offload of 40% of the parameters")
+    text = reason(state, ["optimizer offload of 40% of the parameters", "other note"])
+    assert text.count("optimizer offload of 40% of the parameters") == 1, text
+    assert text.endswith("other note"), text

@@ -55,9 +55,11 @@ class SearchState:
 
 def reason(state: SearchState, notes: list[str], *, first: str = "", last: tuple[str, ...] = ()) -> str:
     """The plan's reason: `first` (a decision that changed what every trial ran on), the account of the pick,
-    why micro-batch 1 was skipped, the first two of `notes`, then `last` and the noise clause, never cut."""
+    why micro-batch 1 was skipped, the first two of `notes` not already in the account, then `last` and the
+    noise clause, never cut."""
     floor = [state.floor_note] if state.floor_note else []
-    rest = [n for n in notes if n not in floor]
+    said = {f.clause for f in state.findings}  # a phase's finding is in the account already: never twice
+    rest = [n for n in notes if n not in floor and n not in said]
     text = state.account() + "".join(f"; {n}" for n in [*floor, *rest][:2 + len(floor)])
     if first:
         text = f"{first}; {text}"
