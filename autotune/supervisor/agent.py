@@ -36,6 +36,7 @@ from .. import api, settings
 from ..cache.store import CacheWarning
 from ..plan import Plan
 from ..sizes import format_bytes
+from ..techniques.optimizer_8bit import quiet_import_noise
 from .measure import PeakMeter, StepWatch, clock
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,7 @@ def main(argv: list[str]) -> None:
     if settings.read(LOG_LEVEL_ENV):
         configure_logging(settings.read(LOG_LEVEL_ENV))
     plain_cache_warnings()
+    quiet_import_noise()
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it

@@ -35,6 +35,24 @@ STATE_BYTES = 1  # bytes per state value (the block scales add 4 bytes per 256 v
 _IMPORT_NOISE = ("torchao", "torch.utils._pytree")
 
 
+class _ImportNoise(logging.Filter):
+    """Drops the two warnings importing torchao prints where its optional kernels do not load here; a user's
+    job that imports transformers imports torchao too. Every other record of those loggers passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to load ") or "is an Enum subclass and is now natively" in message)
+
+
+def quiet_import_noise() -> None:
+    """Filter torchao's import noise (`_ImportNoise`) for the rest of the process: in the jobs `autotune run`
+    starts, where the user's own imports bring torchao in."""
+    for name in _IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ImportNoise) for f in logger.filters):
+            logger.addFilter(_ImportNoise())
+
+
 def backend(device_type: str) -> tuple[str, Any] | None:
     """(package, its optim module) of the first importable 8-bit implementation for `device_type`, or None."""
     for package in PACKAGES:
