@@ -25,7 +25,7 @@ from .evidence import Trial
 from .plan import Plan
 from .search.anchors import keep_dtype
 from .search.progress import progress_for
-from .search.tune import Job, host_limit, tune, verify
+from .search.tune import Job, explicit_host_budget, host_limit, tune, verify
 from .settings import FitSettings
 from .sizes import format_bytes, parse_bytes, shorten
 from .techniques import parse_techniques
@@ -168,7 +168,7 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
                                  placement=placement, budget_bytes=budget, techniques=allowed,
                                  margin=settings.margin, optimizer=optimizer, loss_fn=loss_fn,
                                  max_micro_batch=settings.max_micro_batch,
-                                 host_budget_bytes=_explicit_host_budget(settings))
+                                 host_budget_bytes=explicit_host_budget(settings))
     key = plan_cache.plan_key(parts)
 
     job = Job(model=model, batch=batch, optimizer=optimizer, loss_fn=loss_fn, settings=settings, placement=placement,
@@ -197,12 +197,6 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
     return plan
-
-
-def _explicit_host_budget(settings: FitSettings) -> int | None:
-    if settings.host_memory_budget is None:
-        return None
-    return parse_bytes(settings.host_memory_budget, "host_memory_budget")
 
 
 def _at_max_length(batch: Any, max_length: int | None) -> Any:

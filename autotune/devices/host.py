@@ -42,17 +42,23 @@ def cgroup_room(root_v2: Path = _CGROUP_V2, root_v1: Path = _CGROUP_V1) -> int |
     """Bytes this process's cgroup still allows (its limit less its usage), or None where no limit is set.
 
     The roots are parameters so that tests can point them at a fake cgroup tree."""
-    limit, used = _read_int(root_v2 / "memory.max"), _read_int(root_v2 / "memory.current")
-    if limit is None:
-        limit, used = _read_int(root_v1 / "memory.limit_in_bytes"), _read_int(root_v1 / "memory.usage_in_bytes")
+    limit, used = _cgroup_limit_and_usage(root_v2, root_v1)
     if limit is None:
         return None
     return max(0, limit - (used or 0))
 
 
+def _cgroup_limit_and_usage(root_v2: Path, root_v1: Path) -> tuple[int | None, int | None]:
+    """This process's cgroup memory limit and usage (v2, else v1); (None, None) where no limit is set."""
+    limit, used = _read_int(root_v2 / "memory.max"), _read_int(root_v2 / "memory.current")
+    if limit is None:
+        limit, used = _read_int(root_v1 / "memory.limit_in_bytes"), _read_int(root_v1 / "memory.usage_in_bytes")
+    return limit, used
+
+
 def total_bytes() -> int:
     """The machine's memory as this process sees it: physical RAM, capped by its cgroup's limit."""
-    limit = _read_int(_CGROUP_V2 / "memory.max") or _read_int(_CGROUP_V1 / "memory.limit_in_bytes")
+    limit, _ = _cgroup_limit_and_usage(_CGROUP_V2, _CGROUP_V1)
     total = psutil.virtual_memory().total
     return total if limit is None else min(total, limit)
 

@@ -81,11 +81,17 @@ class _Setup:
     compile_notes: list[str]
 
 
+def explicit_host_budget(settings: FitSettings) -> int | None:
+    """`host_memory_budget` in bytes, or None where the user gave none."""
+    if settings.host_memory_budget is None:
+        return None
+    return parse_bytes(settings.host_memory_budget, "host_memory_budget")
+
+
 def host_limit(settings: FitSettings) -> int:
     """The host bytes a tune and its plan may use: `host_memory_budget`, else what this process may use now."""
-    if settings.host_memory_budget is not None:
-        return parse_bytes(settings.host_memory_budget, "host_memory_budget")
-    return host_memory.default_budget()
+    explicit = explicit_host_budget(settings)
+    return explicit if explicit is not None else host_memory.default_budget()
 
 
 def tune(job: Job) -> Plan:

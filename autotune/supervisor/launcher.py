@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import DeviceError
 from ..plan import Plan
-from ..sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes
 from . import agent
 from .options import RunOptions
 from .process import Child, SignalForwarder
@@ -57,8 +57,7 @@ class Launcher:
                           timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
                           name=os.path.basename(opts.script))
             exit_ = self.forwarder.run(child)
-            host_budget = parse_bytes(opts.host_budget, "--host-budget") if opts.host_budget is not None else None
-            verdict = classify(exit_, agent.read_results(result_file), host_budget)
+            verdict = classify(exit_, agent.read_results(result_file), opts.host_budget_bytes)
         self.plan = verdict.plan or self.plan
         if self.forwarder.received is not None:
             raise Interrupted(self.forwarder.received)

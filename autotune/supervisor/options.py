@@ -67,6 +67,11 @@ class RunOptions:
                     else self.margin, measured_steps=self.trial_steps or DEFAULT_MEASURED_STEPS)
 
     @property
+    def host_budget_bytes(self) -> int | None:
+        """`--host-budget` in bytes, or None where it was not given."""
+        return parse_bytes(self.host_budget, "--host-budget") if self.host_budget is not None else None
+
+    @property
     def world_size(self) -> int:
         return self.nproc_per_node or 1
 

@@ -38,7 +38,7 @@ from ..errors import InvalidSetting, NoFeasiblePlan
 from ..plan import Plan
 from ..search.progress import PROGRESS_ENV, progress_for
 from ..settings import DEFAULT_MARGIN, DEFAULT_MEASURED_STEPS, ENV
-from ..sizes import format_bytes, parse_bytes, shorten
+from ..sizes import format_bytes, shorten
 from ..techniques import parse_techniques
 from ..workload.batching import per_rank_batch
 from . import agent, claims
@@ -292,7 +292,7 @@ def _tuner(opts: RunOptions, launcher: Launcher, cache: RunCache) -> tuple[Scrip
                          world_size=world, device_kind=target.kind, device_name=target.name,
                          total_bytes=target.total_bytes, budget_bytes=target.budget_bytes, margin=margin,
                          techniques=allowed,
-                         host_budget_bytes=parse_bytes(opts.host_budget) if opts.host_budget is not None else None)
+                         host_budget_bytes=opts.host_budget_bytes)
     return tuner, ScriptCache(cache.store(), parts)
 
 
