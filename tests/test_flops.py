@@ -136,3 +136,59 @@ def test_mfu_shows_in_the_summary_the_trial_table_and_cache_list(tmp_path) -> No
     assert listed.exit_code == 0 and "MFU" in listed.output and "40.0%" in listed.output
     shown = CliRunner().invoke(main, ["cache", "--cache", str(tmp_path / "plans.db"), "show", plan.key[:8]])
     assert "1.0 GFLOPs per sample" in shown.output and "MFU 40.0%" in shown.output
+
+
+def _sdpa_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: bool) -> int:
+    from torch.nn.functional import scaled_dot_product_attention
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autotune.search.attention_flops import ATTENTION_FORMULAS
+
+    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS)
+    with counter:
+        scaled_dot_product_attention(q, k, v, **kwargs).sum().backward()
+    return counter.get_total_flops()
+
+
+def test_grouped_query_attention_counts_as_attention_over_every_query_head() -> None:
+    b, h_q, h_kv, s, d = 2, 8, 2, 32, 16
+    q = torch.randn(b, h_q, s, d, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, s, d, requires_grad=True) for _ in range(2))
+    grouped = _sdpa_flops(q, k, v, enable_gqa=True)
+    expanded = _sdpa_flops(q, *(t.detach().repeat_interleave(h_q // h_kv, dim=1).requires_grad_() for t in (k, v)))
+    # forward QK^T and PV (2 matmuls), backward the scores again and four gradients (5): 2*b*h*s*s*d each
+    assert grouped == expanded == 7 * 2 * b * h_q * s * s * d
+
+
+def test_a_llama_with_grouped_query_attention_under_sdpa_counts_its_attention() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                      intermediate_size=256, vocab_size=256, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 64))
+    batch = {"input_ids": ids, "labels": ids}
+    counted = flops_per_sample(model, batch, resolve(None), CPU)
+    assert counted is not None
+    plain = FlopCounterMode(display=False)  # torch's own table: the matmuls, and no CPU attention kernel
+    with plain:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    seq, head_dim = ids.shape[1], cfg.hidden_size // cfg.num_attention_heads
+    attention = cfg.num_hidden_layers * 7 * 2 * cfg.num_attention_heads * seq * seq * head_dim
+    assert counted == pytest.approx(plain.get_total_flops() / 2 + attention, rel=1e-9)
+
+
+def test_a_gpu_plan_without_mfu_says_why() -> None:
+    from autotune.search.flops import FlopCount
+    from autotune.search.tune import _why_no_mfu
+
+    h100 = device_peak("NVIDIA H100 80GB HBM3")
+    uncounted = FlopCount(None, "counting FLOPs at micro-batch 2 ran out of memory, even without gradients")
+    assert _why_no_mfu(uncounted, h100, "bf16", "cuda") == [f"no MFU: {uncounted.why_not}"]
+    unknown = device_peak("Some Future GPU")
+    assert "AUTOTUNE_PEAK_TFLOPS" in _why_no_mfu(FlopCount(1e9), unknown, "bf16", "cuda")[0]
+    assert _why_no_mfu(FlopCount(1e9), h100, "bf16", "cuda") == []
+    assert _why_no_mfu(uncounted, device_peak("cpu", "cpu"), "bf16", "cpu") == []  # the CPU test device: no MFU

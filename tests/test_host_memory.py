@@ -74,6 +74,26 @@ def test_offload_need_is_what_the_host_optimizer_allocates(fraction, monkeypatch
     host_opt.restore()
 
 
+def test_the_streamed_step_allocates_its_need_and_no_host_gradients(monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")  # the GPU's step, run on the CPU test device
+    torch.manual_seed(0)
+    model = Net()
+    params = [p for p in model.parameters() if p.requires_grad]
+    spec = OptimizerSpec.from_user(torch.optim.AdamW(params, lr=1e-3), model)
+    host_opt = HostOptimizer(params, spec, torch.bfloat16, fraction=1.0, overlap=True)
+    assert host_opt.stepper is not None and host_opt.stream_overlap
+    model(torch.randn(4, 32).to(torch.bfloat16)).backward()
+    host_opt.step()
+    stepper = host_opt.stepper
+    assert all(m.grad is None for m in host_opt.master.values())  # it reads the device gradients
+    held = [host_opt._flat, stepper._m, stepper._v, *(stepper._spare or ())]
+    need = offload_need(params, fraction=1.0, state_tensors=state_tensors_per_parameter(spec), cuda=False,
+                        streamed=True, overlap=True)
+    assert need.gradients == 0
+    assert need.total == sum(t.numel() * t.element_size() for t in held)
+    host_opt.restore()
+
+
 def test_streamed_overlap_adds_a_second_set_and_partitions_divide():
     params = list(Net().parameters())
     one = offload_need(params, fraction=1.0, state_tensors=2, cuda=True, streamed=True, overlap=True)

@@ -2,9 +2,10 @@
 
 The count is one forward+backward of the plain model (no rung applied) on a small micro-batch under
 `torch.utils.flop_counter.FlopCounterMode`, which adds up the matmuls, convolutions and attention kernels
-torch actually dispatches: no formula to get wrong for an unusual model. It is the "model FLOPs" of MFU
-(PaLM, appendix B): recomputation under checkpointing is left out on purpose, so a plan that recomputes
-shows the utilization a user gets out of the GPU, not the work it did.
+torch actually dispatches: no formula to get wrong for an unusual model. Fused attention is counted by
+`attention_flops.py`, which knows grouped-query attention (fewer key/value heads than query heads). It is the
+"model FLOPs" of MFU (PaLM, appendix B): recomputation under checkpointing is left out on purpose, so a plan
+that recomputes shows the utilization a user gets out of the GPU, not the work it did.
 
 Where the full count does not fit (a model whose FP32 weights and gradients together exceed the budget, the
 very models optimizer offload is for), the forward alone is counted without gradients and tripled: the
@@ -15,7 +16,7 @@ weights), the convention of MFU's 6N per token.
 from __future__ import annotations
 
 import gc
-import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,10 +28,17 @@ from ..devices.placement import Placement
 from ..errors import DeviceError, is_device_poisoned, is_oom
 from ..workload import batch as batches
 from ..workload.losses import LossFn, full_batch_loss
-
-log = logging.getLogger(__name__)
+from .attention_flops import ATTENTION_FORMULAS
 
 COUNT_SAMPLES = 2  # two, not one: batch norm in training mode refuses a batch of one
+
+
+@dataclass(frozen=True, slots=True)
+class FlopCount:
+    """Forward+backward FLOPs of one sample, or None with the reason they could not be counted."""
+
+    per_sample: float | None
+    why_not: str = ""
 
 
 def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement) -> float | None:
@@ -39,6 +47,11 @@ def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: P
     The model's gradients are left as None; the caller restores weights, buffers and RNG (a snapshot),
     since the count runs the model's own forward (dropout draws, batch norm statistics).
     """
+    return count_flops(model, batch, loss_fn, placement).per_sample
+
+
+def count_flops(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement) -> FlopCount:
+    """`flops_per_sample`, with the reason when there is no count (for the plan's reason)."""
     n = min(COUNT_SAMPLES, batches.batch_size(batch))
     part = batches.unwrap(batches.resize(batch, n))  # as the model gets it: `Shared` tensors plain
     total: float | None = None
@@ -54,7 +67,9 @@ def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: P
     _clean_up(model, placement)
     if total is None:
         total = _forward_only(model, part, loss_fn, placement, n)
-    return None if total is None else total / n
+    if total is None:
+        return FlopCount(None, f"counting FLOPs at micro-batch {n} ran out of memory, even without gradients")
+    return FlopCount(total / n)
 
 
 def _forward_only(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement, n: int) -> float | None:
@@ -62,14 +77,13 @@ def _forward_only(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Plac
     total: float | None = None
     try:
         model.train()
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS)
         with torch.no_grad(), counter:
             loss_fn(model, batch)
         total = 3.0 * counter.get_total_flops()
     except Exception as exc:  # as in the full count: an OOM only leaves MFU unknown
         if not is_oom(exc):
             raise
-        log.info("counting FLOPs at micro-batch %d ran out of memory; the plan will have no MFU", n)
     _clean_up(model, placement)
     return total
 
@@ -88,7 +102,7 @@ def utilization(flops: float | None, samples_per_second: float, world_size: int,
 
 def _count(model: nn.Module, batch: Any, loss_fn: LossFn) -> float:
     model.train()
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS)
     with counter:
         full_batch_loss(loss_fn(model, batch)).backward()
     return float(counter.get_total_flops())

@@ -14,7 +14,7 @@ from .. import parallel as distributed
 from .. import settings
 from ..configuration import Rung
 from ..devices import host as host_memory
-from ..devices.peaks import device_peak
+from ..devices.peaks import DevicePeak, device_peak
 from ..devices.placement import Placement
 from ..evidence import Trial
 from ..plan import Plan
@@ -35,7 +35,7 @@ from . import host_budget
 from .anchors import anchors, eight_bit_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
 from .floors import drop_rungs_over, resident_floor
-from .flops import flops_per_sample, utilization
+from .flops import FlopCount, count_flops, utilization
 from .ground import trials_on
 from .phases import PhaseContext, run_phases
 from .progress import Progress
@@ -111,7 +111,8 @@ def tune(job: Job) -> Plan:
             if job.progress is not None:
                 job.progress.close()
     tokens = batches.tokens_per_sample(job.batch)
-    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes], first=sharding_reason or "",
+    mfu_note = _why_no_mfu(flops, peak, state.best.rung.precision, job.placement.kind)
+    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes, *mfu_note], first=sharding_reason or "",
                   last=(work.loss_form.note,) if work.loss_form is not None and work.loss_form.note else ())
     best, fraction = state.best, state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
@@ -131,13 +132,24 @@ def tune(job: Job) -> Plan:
                 samples_per_second=best.samples_per_second,
                 tokens_per_second=best.samples_per_second * tokens if tokens else None,
                 device=job.placement.kind, device_name=job.placement.name, source="tuned", reason=text,
-                trials=tuple(state.trials), flops_per_sample=flops, sharding=sharding,
+                trials=tuple(state.trials), flops_per_sample=flops.per_sample, sharding=sharding,
                 reduce_overlap=state.reduce_overlap,
-                mfu=utilization(flops, best.samples_per_second, job.world, peak, best.rung.precision),
+                mfu=utilization(flops.per_sample, best.samples_per_second, job.world, peak, best.rung.precision),
                 min_micro_batch_size=state.smallest, techniques=tuple(sorted(job.allowed)), max_length=tokens,
                 host_peak_bytes=_host_peak(best, host_budget.need(best.rung, job.model, spec, job.placement.kind,
                                                                   fraction=host_fraction, overlap=state.overlap,
                                                                   snapshot=False).total, job.placement.kind))
+
+
+def _why_no_mfu(flops: FlopCount, peak: DevicePeak, precision: str, device_type: str) -> list[str]:
+    """A note for the plan's reason where a GPU plan gets no MFU (the CPU test device has no peak to give one)."""
+    if device_type != "cuda":
+        return []
+    if flops.per_sample is None:
+        return [f"no MFU: {flops.why_not}"]
+    if not peak.flops(precision):
+        return [f"no MFU: no {precision} peak for this GPU ({peak.source})"]
+    return []
 
 
 def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
@@ -150,7 +162,7 @@ def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
 
 
 def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
-            limit: int) -> tuple[SearchState, _Setup, Workload, float | None]:
+            limit: int) -> tuple[SearchState, _Setup, Workload, FlopCount]:
     """The controller's search on `tuned`, then the phases; with what it started from and the workload."""
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
@@ -163,7 +175,7 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
                     budget_bytes=job.budget, limit_bytes=limit, per_rank=job.per_rank, world_size=job.world,
                     blocks=setup.blocks, warmup_steps=job.settings.warmup_steps,
                     measured_steps=job.settings.measured_steps, host_limit_bytes=host)
-    flops = flops_per_sample(tuned, work.batch, work.loss_fn, job.placement)
+    flops = count_flops(tuned, work.batch, work.loss_fn, job.placement)
     runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial), host_shares)
     longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
     if job.progress is not None:

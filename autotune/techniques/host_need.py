@@ -1,14 +1,16 @@
 """What a configuration holds in host memory, computed before it runs.
 
 Under optimizer offload each parameter of the host share keeps, on the host: its master (FP32, or its own
-dtype when wider), the master's gradient (same size), the optimizer's state (`state_tensors` parameter-sized
-tensors, two for AdamW), on CUDA a 16-bit staging copy for the overlapped CPU step, and for the streamed step
-overlapped with backward a second set of master and moments (the step writes into it, so an attempt that runs
-out of memory half-way leaves the first intact). Partitioned over replicated ranks, each rank holds 1/world of
-that. Every configuration of a tune also holds `fit`'s copy of the model, to put it back afterwards.
+dtype when wider), the master's gradient (same size; not where the GPU steps the share, which reads the device
+gradients), the optimizer's state (`state_tensors` parameter-sized tensors, two for AdamW), on CUDA a 16-bit
+staging copy for the overlapped CPU step, and for the streamed step overlapped with backward a second set of
+master and moments (the step writes into it, so an attempt that runs out of memory half-way leaves the first
+intact). Partitioned over replicated ranks, each rank holds 1/world of that. Every configuration of a tune
+also holds `fit`'s copy of the model, to put it back afterwards.
 
-The figures are what `HostOptimizer` allocates, so a configuration over the host budget is refused before
-it allocates anything (the process is never left to the kernel's OOM killer).
+The figures are what `HostOptimizer` allocates (its large buffers pinned at their exact size:
+`offload/pinned.py`), so a configuration over the host budget is refused before it allocates anything (the
+process is never left to the kernel's OOM killer).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def offload_need(params: Sequence[nn.Parameter], *, fraction: float, state_tenso
     elements = sum(n for n, _ in widths) // ranks
     staging = 2 * elements if cuda and not streamed and overlap else 0
     second = (masters + 2 * 4 * elements) if streamed and overlap else 0
-    return HostNeed(masters=masters, gradients=masters, state=state_tensors * 4 * elements, staging=staging,
+    gradients = 0 if streamed else masters  # the streamed step widens the device gradients on the device
+    return HostNeed(masters=masters, gradients=gradients, state=state_tensors * 4 * elements, staging=staging,
                     overlap=second)
 
 

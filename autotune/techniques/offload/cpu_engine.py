@@ -20,7 +20,7 @@ from .engine_state import EngineState
 from .partition import Gathered, Partition
 from .pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
 from .streamed import DeviceStepper, stream_wanted, streamable
-from .tensors import device_dtype, host_masters, host_share, local_part, master_dtype, overlap_default
+from .tensors import device_dtype, give_gradients, host_masters, host_share, local_part, master_dtype, overlap_default
 
 
 class HostOptimizer(EngineState):
@@ -113,6 +113,9 @@ class HostOptimizer(EngineState):
         # reduce-scatter, not through the autograd accumulation the pipeline's hooks follow, and sending a
         # staged shard back fails there; the serial step copies each shard's master back in place.
         self.stepper = self._make_stepper(sharded)
+        if self.stepper is None:  # the CPU step reads FP32 host gradients; the streamed one, the device's
+            with host_memory():
+                give_gradients(self.master)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
         # Streamed, no pipeline: the stepper overlaps on its own, from the hooks, and only where the plan says
         # so (the pipeline's worker issuing the segments was no faster). Partitioned, neither: a rank that ran
@@ -213,9 +216,9 @@ class HostOptimizer(EngineState):
         self._staging[i].copy_(local_part(grad), non_blocking=True)
 
     def _host_grad(self, i: int) -> torch.Tensor:
-        """The gradient of host master `i`: allocated with the master (`host_masters`), never dropped."""
+        """The gradient of host master `i`: allocated when the engine is built for the CPU step, never dropped."""
         grad = self.master[i].grad
-        assert grad is not None, f"host master {i} has no gradient buffer"
+        assert grad is not None, f"host master {i} has no gradient buffer (the streamed step reads the device's)"
         return grad
 
     def _land(self, i: int) -> None:

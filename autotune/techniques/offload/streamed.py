@@ -46,6 +46,7 @@ import torch
 
 from ... import settings
 from ...devices.ceiling import host_memory
+from .pinned import pinned_empty, pinned_like
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
@@ -76,7 +77,8 @@ def streamable(optimizer: torch.optim.Optimizer) -> str | None:
 
 def flat_views(shapes: Sequence[torch.Size], *, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One FP32 buffer (pinned when `pin`) and a view of it per shape, in order."""
-    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.float32, pin_memory=pin)
+    numel = sum(math.prod(s) for s in shapes)
+    flat = pinned_empty(numel) if pin else torch.empty(numel, dtype=torch.float32)
     views, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
@@ -168,9 +170,8 @@ class DeviceStepper:
         for a large share: `HostOptimizer` reserves them when it is built, not in a timed step)."""
         if self._spare is None:
             with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
-                self._spare = (torch.empty_like(self.flat, pin_memory=self.cuda),
-                               torch.empty_like(self._m, pin_memory=self.cuda),
-                               torch.empty_like(self._v, pin_memory=self.cuda))
+                spare = pinned_like if self.cuda else torch.empty_like
+                self._spare = (spare(self.flat), spare(self._m), spare(self._v))
 
     def landed(self, i: int) -> None:
         """Parameter i's gradient is final (a hook in the last backward): issue every segment now complete."""

@@ -117,17 +117,23 @@ def leading(indices: Sequence[int], numels: Sequence[int], share: float) -> int:
 def host_masters(params: Sequence[torch.Tensor], host_index: Sequence[int]) -> tuple[dict[int, torch.Tensor],
                                                                                   torch.Tensor | None]:
     """The host share's masters: where every one is FP32 and none is a shard, views of one pinned buffer in
-    `host_index` order (the device stepper streams ranges of it), with that buffer; else one tensor each, and
-    None."""
+    `host_index` order (the device stepper streams ranges of it), with that buffer and no gradients yet
+    (`give_gradients`); else one tensor each with its gradient, and None."""
     share = [params[i] for i in host_index]
     if not share or any(master_dtype(p) != torch.float32 or isinstance(p, DTensor) for p in share):
         return {i: _host_master(params[i]) for i in host_index}, None
-    cuda = share[0].device.type == "cuda"
-    flat, views = flat_views([p.shape for p in share], pin=cuda)
+    flat, views = flat_views([p.shape for p in share], pin=share[0].device.type == "cuda")
     for p, master in zip(share, views):
         master.copy_(p.detach())
-        master.grad = torch.zeros_like(master, pin_memory=cuda)
     return dict(zip(host_index, views)), flat
+
+
+def give_gradients(masters: dict[int, torch.Tensor]) -> None:
+    """An FP32 gradient buffer for each host master that has none, pinned on CUDA (the CPU step reads them;
+    the streamed step reads the device gradients, so its masters get none: 4 bytes a parameter saved)."""
+    for master in masters.values():
+        if master.grad is None:
+            master.grad = torch.zeros_like(master, pin_memory=torch.cuda.is_available() and master.is_pinned())
 
 
 def _host_master(p: torch.Tensor) -> torch.Tensor:
