@@ -31,6 +31,7 @@ from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, nee
 from ..evidence import NOISY, Trial
 from ..sizes import format_bytes, format_share, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
+from ..techniques.offload import offload_of
 from ..techniques.sharding import is_sharded, reset_after_failure
 from ..workload import batch as batches
 from ..workload.accumulation import LossWeights, weighted_loss
@@ -343,6 +344,7 @@ def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool
     """
     reset_after_failure(work.model)  # FSDP2: a step that failed left blocks unsharded
     if applied is not None:
+        offload_of(applied.optimizer).discard_state()  # its moments go before the FP32 weights come back
         applied.remove()
         applied.optimizer = None
         applied.scaler = None

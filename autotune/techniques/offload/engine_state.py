@@ -185,6 +185,13 @@ class EngineState:
                     if key not in skip and key in theirs:
                         theirs[key] = value
 
+    def discard_state(self) -> None:
+        """Drop the optimizer state of both shares (a trial's: nobody reads it after), freeing the device share's
+        moments before `restore` brings the FP32 weights back."""
+        for opt in (self.optimizer, self.device_optimizer):
+            if opt is not None:
+                opt.state.clear()
+
     @torch.no_grad()
     def restore(self) -> None:
         """Undo the offload: the weights back on the device in the dtype they came in, host copies released."""
@@ -196,14 +203,18 @@ class EngineState:
             self.stepper.close()  # nothing may still read the device gradients or write its buffers once freed
         if self.gather_on_restore:
             self.gather()  # before the state goes: the user's optimizer gets every rank's back
-        for i, master in [*self.master.items(), *self.device_master.items()]:
-            p = self.params[i]
-            if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place
-                p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=True)
-        if self.partition is not None:  # the weights other ranks held the masters of (norm weights are current)
-            self._restore_foreign()
+        # Room first, then the weights: the gradients go before any FP32 weight comes back, and the device
+        # share takes its masters as they are (no copy), so that putting a large model back needs little more
+        # device memory than its FP32 weights (a trial also drops its state first: `discard_state`).
         for p in self.params:
             p.grad = None
+        for i, master in [*self.device_master.items(), *self.master.items()]:
+            p = self.params[i]
+            if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place
+                p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=master.device != p.device)
+        self.device_master = {}
+        if self.partition is not None:  # the weights other ranks held the masters of (norm weights are current)
+            self._restore_foreign()
         self.master = {}
         self.device_master = {}
         self._staging = {}

@@ -12,6 +12,7 @@ caller never asks which it holds:
     scale_gradients(f)  clipping's factor, applied by the engine to its own FP32 gradients
     keep_stepped(pos)   after a rung switch: these positions keep the update an aborted attempt gave them
     for_training()      restore() hands every rank's state back (training; the trials do not need it)
+    discard_state()     a trial's state, dropped before restore() (room for the FP32 weights)
     engaged             whether an engine steps the optimizer (it then unscales and clips itself)
 """
 
@@ -42,6 +43,8 @@ class OptimizerOffload(Protocol):
     def keep_stepped(self, positions: set[int]) -> set[int]: ...
 
     def for_training(self) -> None: ...
+
+    def discard_state(self) -> None: ...
 
 
 class NoOffload:
@@ -74,6 +77,9 @@ class NoOffload:
         return set()
 
     def for_training(self) -> None:
+        pass
+
+    def discard_state(self) -> None:
         pass
 
 
