@@ -1,24 +1,60 @@
 """Snapshot and restore what trials may disturb: weights, buffers, gradients, train/eval flags, RNG state.
 
 `fit` takes a snapshot first and restores it in `finally`, so the model, the user's optimizer and the
-random streams are exactly as they were, whatever the trials did or raised.
+random streams are exactly as they were, whatever the trials did or raised. The weights and buffers of a
+large model on a GPU are copied to an unnamed temporary file rather than to RAM (`host_need.snapshot_on_disk`):
+the host memory is then the offloaded optimizer's, and the file is gone when the snapshot is.
 """
 
 from __future__ import annotations
 
 import random
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
 
+from ..techniques.host_need import snapshot_on_disk
 from ..techniques.offload import local_part
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """Where one tensor's bytes lie in the snapshot's file."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+
+class _DiskCopies:
+    """Tensors' values in an unnamed temporary file, written one tensor at a time (one on the host at once)."""
+
+    def __init__(self) -> None:
+        self.file: IO[bytes] = tempfile.TemporaryFile(prefix="autotune-snapshot-")
+        self.size = 0
+
+    def save(self, t: torch.Tensor) -> _Stored:
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.file.seek(self.size)
+        self.file.write(raw.tobytes())
+        stored = _Stored(self.size, t.dtype, t.shape)
+        self.size += raw.nbytes
+        return stored
+
+    def load(self, stored: _Stored) -> torch.Tensor:
+        nbytes = stored.shape.numel() * torch.empty((), dtype=stored.dtype).element_size()
+        self.file.seek(stored.offset)
+        data = bytearray(self.file.read(nbytes))
+        return torch.frombuffer(data, dtype=torch.uint8).view(stored.dtype).view(stored.shape)
 
 
 @dataclass(kw_only=True, slots=True)
 class Snapshot:
-    tensors: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, host copy of its values)
+    tensors: list[tuple[torch.Tensor, torch.Tensor | _Stored]]  # (live tensor, host copy of its values or its place)
+    disk: _DiskCopies | None  # the file holding them, where they went to disk
     grads: list[tuple[nn.Parameter, torch.Tensor | None]]
     dtypes: list[tuple[nn.Parameter, torch.dtype]]
     modes: list[tuple[nn.Module, bool]]
@@ -34,10 +70,12 @@ class Snapshot:
             # An FSDP2 shard is saved and restored as this rank's local tensor (a plain tensor on the host);
             # any other tensor as itself (restore() may give it new data of the first dtype before copying).
             live = [local_part(t) for t in [*model.parameters(), *model.buffers()]]
-            tensors = [(t, t.to("cpu", copy=True)) for t in live]
+            disk = _DiskCopies() if snapshot_on_disk(model) else None
+            tensors = [(t, disk.save(t) if disk is not None else t.to("cpu", copy=True)) for t in live]
         user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         snapshot = cls(
             tensors=tensors,
+            disk=disk,
             grads=[(p, p.grad) for p in model.parameters()],
             dtypes=[(p, p.dtype) for p in model.parameters()],
             modes=[(m, m.training) for m in model.modules()],
@@ -59,6 +97,9 @@ class Snapshot:
                 if p.dtype != dtype:  # an offload rung that failed half-way left 16-bit weights
                     p.data = p.data.to(dtype)
             for live, saved in self.tensors:
+                if isinstance(saved, _Stored):
+                    assert self.disk is not None, "a tensor stored on disk without the snapshot's file"
+                    saved = self.disk.load(saved)
                 live.copy_(saved)
         for p, grad in self.grads:
             p.grad = grad

@@ -74,7 +74,22 @@ def offload_need(params: Sequence[nn.Parameter], *, fraction: float, state_tenso
                     overlap=second)
 
 
+SNAPSHOT_TO_DISK_FROM = 8 << 30  # a model on a GPU this large is copied to a temporary file, not to RAM
+
+
+def snapshot_on_disk(model: nn.Module) -> bool:
+    """Whether fit's copy of `model` goes to a temporary file: a model on a GPU of `SNAPSHOT_TO_DISK_FROM` bytes
+    or more, where the temporary folder has room for it. Its RAM is then the optimizer's to use: an 8B model's
+    FP32 copy alone would take a quarter of a 128 GiB host, and offload needs the host for its share."""
+    import shutil
+    import tempfile
+
+    size = model_bytes(model)
+    on_gpu = any(p.device.type == "cuda" for p in model.parameters())
+    return on_gpu and size >= SNAPSHOT_TO_DISK_FROM and shutil.disk_usage(tempfile.gettempdir()).free > 1.1 * size
+
+
 def with_snapshot(need: HostNeed, model: nn.Module) -> HostNeed:
-    """`need` plus fit's copy of `model`."""
+    """`need` plus fit's copy of `model` (none in RAM where it goes to disk: `snapshot_on_disk`)."""
     return HostNeed(masters=need.masters, gradients=need.gradients, state=need.state, staging=need.staging,
-                    overlap=need.overlap, snapshot=model_bytes(model))
+                    overlap=need.overlap, snapshot=0 if snapshot_on_disk(model) else model_bytes(model))

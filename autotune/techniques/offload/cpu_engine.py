@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -114,8 +114,7 @@ class HostOptimizer(EngineState):
         # staged shard back fails there; the serial step copies each shard's master back in place.
         self.stepper = self._make_stepper(sharded)
         if self.stepper is None:  # the CPU step reads FP32 host gradients; the streamed one, the device's
-            with host_memory():
-                give_gradients(self.master)
+            give_gradients(self.master)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
         # Streamed, no pipeline: the stepper overlaps on its own, from the hooks, and only where the plan says
         # so (the pipeline's worker issuing the segments was no faster). Partitioned, neither: a rank that ran
@@ -151,7 +150,6 @@ class HostOptimizer(EngineState):
     def masters(self) -> list[torch.Tensor]:
         """The FP32 host masters, in the order of `host_index` (every parameter's, under full offload)."""
         return [self.master[i] for i in self.host_index]
-
 
     # -- the overlapped step ----------------------------------------------------------------------------
     def _start_pipeline(self) -> None:
@@ -216,10 +214,8 @@ class HostOptimizer(EngineState):
         self._staging[i].copy_(local_part(grad), non_blocking=True)
 
     def _host_grad(self, i: int) -> torch.Tensor:
-        """The gradient of host master `i`: allocated when the engine is built for the CPU step, never dropped."""
-        grad = self.master[i].grad
-        assert grad is not None, f"host master {i} has no gradient buffer (the streamed step reads the device's)"
-        return grad
+        """The FP32 gradient of host master `i`: the CPU step's engine gives each one (`give_gradients`)."""
+        return cast(torch.Tensor, self.master[i].grad)
 
     def _land(self, i: int) -> None:
         if self._staging:

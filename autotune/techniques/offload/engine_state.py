@@ -203,16 +203,14 @@ class EngineState:
             self.stepper.close()  # nothing may still read the device gradients or write its buffers once freed
         if self.gather_on_restore:
             self.gather()  # before the state goes: the user's optimizer gets every rank's back
-        # Room first, then the weights: the gradients go before any FP32 weight comes back, and the device
-        # share takes its masters as they are (no copy), so that putting a large model back needs little more
-        # device memory than its FP32 weights (a trial also drops its state first: `discard_state`).
+        # Room first, then the weights: the gradients go before any FP32 weight comes back (and a trial drops
+        # the optimizer state before this: `discard_state`), so that a large model fits back in its budget.
         for p in self.params:
             p.grad = None
-        for i, master in [*self.device_master.items(), *self.master.items()]:
+        for i, master in [*self.master.items(), *self.device_master.items()]:
             p = self.params[i]
             if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place
-                p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=master.device != p.device)
-        self.device_master = {}
+                p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=True)
         if self.partition is not None:  # the weights other ranks held the masters of (norm weights are current)
             self._restore_foreign()
         self.master = {}

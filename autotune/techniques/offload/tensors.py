@@ -131,9 +131,10 @@ def host_masters(params: Sequence[torch.Tensor], host_index: Sequence[int]) -> t
 def give_gradients(masters: dict[int, torch.Tensor]) -> None:
     """An FP32 gradient buffer for each host master that has none, pinned on CUDA (the CPU step reads them;
     the streamed step reads the device gradients, so its masters get none: 4 bytes a parameter saved)."""
-    for master in masters.values():
-        if master.grad is None:
-            master.grad = torch.zeros_like(master, pin_memory=torch.cuda.is_available() and master.is_pinned())
+    with host_memory():
+        for master in masters.values():
+            if master.grad is None:
+                master.grad = torch.zeros_like(master, pin_memory=torch.cuda.is_available() and master.is_pinned())
 
 
 def _host_master(p: torch.Tensor) -> torch.Tensor:
