@@ -148,3 +148,30 @@ def test_compiled_rungs_with_more_blocks_recomputed_follow_each_other_as_a_searc
             applied.remove()
             model.zero_grad(set_to_none=True)
     assert not any("forward" in b.__dict__ or b._compiled_call_impl is not None for b in blocks.blocks)
+
+
+def test_every_sequence_length_runs_the_graph_compiled_for_the_first() -> None:
+    """One graph for all blocks and all lengths (N = 1): the sequence dim is dynamic from the first call. Left
+    to dynamo, the second length compiles a second graph (automatic dynamic shapes)."""
+    torch._dynamo.reset()
+    model, eager = _gpt2(), _gpt2()
+    undo = compiling.install(model, find_blocks(model), 0)
+    before = _frames()
+    try:
+        for size, length in ((4, 32), (3, 16), (4, 24), (2, 9), (4, 32)):
+            ids = torch.randint(0, 97, (size, length), generator=torch.Generator().manual_seed(length))
+            got, want = model(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss
+            assert got.item() == pytest.approx(want.item(), rel=1e-4)
+        assert _frames() - before == 1, "a new sequence length compiled another graph"
+    finally:
+        undo()
+
+
+def test_a_compiled_plans_reason_says_how_many_graphs(monkeypatch) -> None:
+    blocks = find_blocks(_gpt2())
+    assert compiling.graphs_note(blocks, 0, True) == ("compile: one graph per kind of repeated block for every "
+                                                      "micro-batch size and sequence length (dynamic from the first call)")
+    monkeypatch.setenv("AUTOTUNE_COMPILE_REGIONS", "whole")
+    assert compiling.graphs_note(blocks, 0, False).startswith("compile: one graph for the whole model for every "
+                                                              "micro-batch size")
+    assert "per kind of repeated block" in compiling.graphs_note(blocks, 2, True)  # recomputed: per block

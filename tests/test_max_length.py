@@ -74,3 +74,4 @@ def test_a_max_length_shorter_than_the_example_or_on_a_batch_without_tokens_is_r
     with pytest.raises(autotune.InvalidSetting, match="token batches"):
         autotune.fit(torch.nn.Linear(3, 1), torch.randn(4, 3), global_batch_size=4, device="cpu", cache=False,
                      loss_fn=lambda m, b: m(b).mean(), max_length=8)
+

@@ -22,6 +22,7 @@ from ..settings import FitSettings, result_file
 from ..sizes import parse_bytes
 from ..techniques import dtype_conflict, find_blocks, is_float64, profile_blocks, serve_dtypes
 from ..techniques.blocks import BlockGroup
+from ..techniques.compile import graphs_note
 from ..techniques.compile import unavailable as compile_unavailable
 from ..techniques.sharding import choose_sharding, is_sharded
 from ..training.recovery import engine_rung
@@ -111,8 +112,11 @@ def tune(job: Job) -> Plan:
             if job.progress is not None:
                 job.progress.close()
     tokens = batches.tokens_per_sample(job.batch)
-    mfu_note = _why_no_mfu(flops, peak, state.best.rung.precision, job.placement.kind)
-    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes, *mfu_note], first=sharding_reason or "",
+    best_rung = state.best.rung
+    closing = _why_no_mfu(flops, peak, best_rung.precision, job.placement.kind)
+    if best_rung.compile:
+        closing.insert(0, graphs_note(setup.blocks, best_rung.checkpointed_blocks or 0, tokens is not None))
+    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes, *closing], first=sharding_reason or "",
                   last=(work.loss_form.note,) if work.loss_form is not None and work.loss_form.note else ())
     best, fraction = state.best, state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left

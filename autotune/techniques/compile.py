@@ -18,7 +18,9 @@ Compile is a speed and a memory technique: fused kernels keep fewer intermediate
 half of eager's memory at the same micro-batch). Its cost is compile time, paid at
 the first step; torch's own on-disk caches (Inductor's FX graph cache) make a second tune of the same
 model cheaper. The batch dimension of every compiled call's inputs is marked dynamic before the call,
-so a change of micro-batch (the next trial, a recovery, an uneven last micro-batch) reuses the graph.
+so a change of micro-batch (the next trial, a recovery, an uneven last micro-batch) reuses the graph; for a
+token batch the sequence dimension is too, from the first call, so training on padded batches of every length
+compiles one graph per block instead of one per length (up to dynamo's recompile limit, then eager).
 
 Compiling this way (what `nn.Module.compile()` does) keeps the module object and its state dict as they
 are, and is undone by dropping the compiled call; a model that cannot be compiled falls back to eager with
@@ -74,10 +76,12 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     for module in targets:
         module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
     restore_cache = _no_kv_cache(model) if per_block else (lambda: None)
+    length_hook = model.register_forward_pre_hook(_record_length, with_kwargs=True)
 
     def remove() -> None:
         for module in targets:
             module._compiled_call_impl = None  # what nn.Module.compile set; __call__ is eager again
+        length_hook.remove()
         restore_cache()
 
     return remove
@@ -108,7 +112,7 @@ def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], mo
         compiled = torch.compile(target())
 
         def call(*args: object, **kwargs: object) -> object:
-            mark_batch_dynamic((args, kwargs))
+            mark_batch_dynamic((args, kwargs), _SEQUENCE.length)
             return compiled(*args, **kwargs)
 
         cache[module] = call
@@ -133,6 +137,14 @@ def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
     return restore
 
 
+def graphs_note(blocks: BlockGroup | None, checkpointed: int, tokens: bool) -> str:
+    """How many graphs a compiled plan compiles, for its reason."""
+    per_block = blocks is not None and bool(blocks.blocks) and not (regions() == "whole" and checkpointed == 0)
+    what = "one graph per kind of repeated block" if per_block else "one graph for the whole model"
+    dims = "micro-batch size and sequence length" if tokens else "micro-batch size"
+    return f"compile: {what} for every {dims} (dynamic from the first call)"
+
+
 def regions() -> str:
     """What is compiled when no block is recomputed: "blocks" (default) or "whole" ($AUTOTUNE_COMPILE_REGIONS)."""
     value = settings.read(settings.COMPILE_REGIONS_ENV, "blocks").lower()
@@ -153,9 +165,33 @@ def _raise_cache_limits() -> None:
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * _CACHE_LIMIT)
 
 
-def mark_batch_dynamic(batch: object) -> None:
+def mark_batch_dynamic(batch: object, length: int | None = None) -> None:
     """Tell compile that dim 0 of every input varies, so a new micro-batch size (the next trial, a
-    recovery, an uneven last micro-batch) reuses the compiled graph instead of compiling another."""
+    recovery, an uneven last micro-batch) reuses the compiled graph instead of compiling another; and, where
+    the model runs a token batch of sequence `length`, every other dim of that size (the sequence in
+    hidden states, masks, rotary tables), so each new length reuses it too. A dim marked so that the graph
+    fixes anyway (a hidden size that happens to equal the length meets the weights' shapes) is specialized
+    by compile without an error: the marks are hints."""
     for t in tensors(batch):
         if t.dim() > 0 and t.shape[0] > 1:  # a size-1 dim is specialized by compile anyway
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        if length is not None and length > 1:
+            for dim in range(1, t.dim()):
+                if t.shape[dim] == length:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+class _SequenceLength:
+    """The sequence length of the token batch the compiled model is running, set before each forward."""
+
+    length: int | None = None
+
+
+_SEQUENCE = _SequenceLength()
+
+
+def _record_length(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A forward pre-hook: the length of the model's token input (an integer tensor of shape (batch, length)),
+    or None for a batch without one (images, features: no sequence to mark)."""
+    tokens = [t for t in tensors((args, kwargs)) if t.dim() == 2 and not t.is_floating_point()]
+    _SEQUENCE.length = int(tokens[0].shape[1]) if tokens else None
