@@ -169,8 +169,9 @@ def test_every_sequence_length_runs_the_graph_compiled_for_the_first() -> None:
 
 def test_a_compiled_plans_reason_says_how_many_graphs(monkeypatch) -> None:
     blocks = find_blocks(_gpt2())
-    assert compiling.graphs_note(blocks, 0, True) == ("compile: one graph per kind of repeated block for every "
-                                                      "micro-batch size and sequence length (dynamic from the first call)")
+    said = compiling.graphs_note(blocks, 0, True)
+    assert said == ("compile: one graph per kind of repeated block for every micro-batch size and sequence length "
+                    "(dynamic from the first call)")
     monkeypatch.setenv("AUTOTUNE_COMPILE_REGIONS", "whole")
     assert compiling.graphs_note(blocks, 0, False).startswith("compile: one graph for the whole model for every "
                                                               "micro-batch size")
