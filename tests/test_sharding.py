@@ -113,7 +113,34 @@ def _rungs_on_shards(rank: int, world: int) -> dict:
     assert all(s["step"] == 2 for s in opt.state.values())
     m(*shares32[rank]).backward()
     opt.step()
+    _streamed_on_shards_is_the_cpu_step(model, shares[rank], n)
     return {"loss": loss, "params": [float(p.detach().double().sum()) for p in host_opt.parameters()]}
+
+
+def _streamed_on_shards_is_the_cpu_step(model, batch, n: int) -> None:
+    """Optimizer offload of a float64 model's shards with AdamW and clipping: the streamed step (each rank's
+    shard parts stepped by the device's fused AdamW, on the CPU test device the CPU itself) gives bitwise the
+    weights of the CPU step."""
+    from test_step import make_plan
+
+    from autotune.techniques.sharding import shard
+    from autotune.training.step import TrainingStep
+
+    weights = {}
+    for stream in ("0", "1"):
+        os.environ["AUTOTUNE_OFFLOAD_STREAM"] = stream
+        try:
+            m = shard(copy.deepcopy(model), precision="fp32")
+            with TrainingStep(make_plan(2, n, offload="optimizer"), m, torch.optim.AdamW(m.parameters(), lr=1e-2),
+                              max_grad_norm=0.5) as step:
+                assert (step.optimizer.stepper is not None) == (stream == "1")
+                for _ in range(3):
+                    step(batch)
+            weights[stream] = [p.full_tensor() for p in m.parameters()]
+        finally:
+            del os.environ["AUTOTUNE_OFFLOAD_STREAM"]
+    assert all(p.dtype == torch.float64 for p in weights["1"])
+    assert all(torch.equal(a, b) for a, b in zip(weights["0"], weights["1"]))
 
 
 def _sharded_when_needed(rank: int, world: int) -> dict:

@@ -40,8 +40,8 @@ def need(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str, *,
         params = [p for p in model.parameters() if p.requires_grad]
         sharded = any(isinstance(p, DTensor) for p in params)
         ranks = offload_partition.ranks(rung.precision, sharded)
-        streamed = streams(device_type, spec.cls_name, rung.precision) and not sharded
-        overlapping = overlap_default() and overlap is not False and ranks == 1
+        streamed = streams(device_type, spec.cls_name, rung.precision)
+        overlapping = overlap_default() and overlap is not False and ranks == 1 and not sharded
         offload = offload_need(params, fraction=fraction, state_tensors=state_tensors_per_parameter(spec),
                                cuda=device_type == "cuda", streamed=streamed,
                                overlap=overlapping and (overlap is True or not streamed), ranks=ranks)

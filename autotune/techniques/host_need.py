@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .offload import host_share, master_dtype
+from .offload import host_share, local_part, master_dtype
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +64,8 @@ def offload_need(params: Sequence[nn.Parameter], *, fraction: float, state_tenso
     share = [params[i] for i in host_share(numels, fraction)]
     if not share:
         return HostNeed()
-    widths = [(p.numel(), torch.empty((), dtype=master_dtype(p)).element_size()) for p in share]
+    # an FSDP2 shard's master is this rank's part
+    widths = [(local_part(p).numel(), torch.empty((), dtype=master_dtype(p)).element_size()) for p in share]
     masters = sum(n * w for n, w in widths) // ranks
     elements = sum(n for n, _ in widths) // ranks
     staging = 2 * elements if cuda and not streamed and overlap else 0

@@ -4,7 +4,8 @@
 host) · `engine_state` (its weights and state as the user's model and optimizer read them) · `streamed`
 (the host share stepped by the GPU, its state streamed) · `pipeline` (the CPU step during the last
 backward) · `partition` (the shares partitioned over replicated ranks) · `tensors` (host copies, dtypes,
-which parameters go to the host).
+which parameters go to the host) · `pinned` (large pinned buffers at their exact size) · `local` (a rank's part
+of an FSDP2 shard).
 """
 
 from .cpu_engine import HostOptimizer

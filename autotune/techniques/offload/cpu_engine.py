@@ -109,10 +109,10 @@ class HostOptimizer(EngineState):
         self._staging: dict[int, torch.Tensor] = {}  # CUDA only: pinned buffers in the device weights' dtype
         self._stream: Any = None
         self._views: dict[tuple[int, ...], torch.optim.Optimizer] = {}
-        # Not over FSDP2 shards: FSDP assigns their reduced gradients on its own stream after each block's
-        # reduce-scatter, not through the autograd accumulation the pipeline's hooks follow, and sending a
-        # staged shard back fails there; the serial step copies each shard's master back in place.
-        self.stepper = self._make_stepper(sharded)
+        # Over FSDP2 shards, serial only: FSDP assigns their reduced gradients on its own stream after each
+        # block's reduce-scatter, not through the autograd accumulation the overlapping hooks follow, and
+        # sending a staged shard back fails there; the serial step writes each shard's master back in place.
+        self.stepper = self._make_stepper()
         if self.stepper is None:  # the CPU step reads FP32 host gradients; the streamed one, the device's
             give_gradients(self.master)
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
@@ -121,7 +121,7 @@ class HostOptimizer(EngineState):
         # out of memory in its worker or hooks would leave the others waiting for its weights (the check-in
         # guards the step, not the backward).
         self.stream_overlap = (self.stepper is not None and overlap is True and overlap_default()
-                               and self.partition is None)
+                               and self.partition is None and not sharded)
         if self.stream_overlap:
             self.stepper.reserve()  # now, not in the first (timed) step: its second set of buffers is large
         self._hooks: list[Any] = []
@@ -129,15 +129,16 @@ class HostOptimizer(EngineState):
                 and self.partition is None):
             self._start_pipeline()
 
-    def _make_stepper(self, sharded: bool) -> DeviceStepper | None:
+    def _make_stepper(self) -> DeviceStepper | None:
         """The GPU steps the host share, its state streamed (streamed.py), where it can: on CUDA
         unless $AUTOTUNE_OFFLOAD_STREAM=0 (=1 also on the CPU test device), for Adam/AdamW over contiguous
-        FP32 masters, without a GradScaler (its unscale and inf check run on the host gradients) or shards."""
+        masters of one dtype (of FSDP2 shards, this rank's parts), without a GradScaler (its unscale and inf
+        check run on the host gradients)."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        if (not stream_wanted(device.type) or self._flat is None or self.scaler is not None or sharded
+        if (not stream_wanted(device.type) or self._flat is None or self.scaler is not None
                 or streamable(self.optimizer)):
             return None
-        if not all(self.params[i].is_contiguous() for i in self.host_index):
+        if not all(local_part(self.params[i]).is_contiguous() for i in self.host_index):
             return None
         return DeviceStepper(self.optimizer, self._flat, self.master, self.host_index, self.params, device)
 

@@ -46,6 +46,7 @@ import torch
 
 from ... import settings
 from ...devices.ceiling import host_memory
+from .local import local_part
 from .pinned import pinned_empty, pinned_like
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
@@ -75,10 +76,11 @@ def streamable(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def flat_views(shapes: Sequence[torch.Size], *, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One FP32 buffer (pinned when `pin`) and a view of it per shape, in order."""
+def flat_views(shapes: Sequence[torch.Size], *, pin: bool, dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One buffer of `dtype` (pinned when `pin`) and a view of it per shape, in order."""
     numel = sum(math.prod(s) for s in shapes)
-    flat = pinned_empty(numel) if pin else torch.empty(numel, dtype=torch.float32)
+    flat = pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
     views, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
@@ -119,12 +121,12 @@ class DeviceStepper:
             self._start[i] = offset
             offset += masters[i].numel()
         # The moments, laid out as the masters (host memory: 8 bytes a parameter, what torch's Adam holds).
-        self._m, m_views = flat_views([masters[i].shape for i in order], pin=self.cuda)
-        self._v, v_views = flat_views([masters[i].shape for i in order], pin=self.cuda)
+        self._m, m_views = flat_views([masters[i].shape for i in order], pin=self.cuda, dtype=flat.dtype)
+        self._v, v_views = flat_views([masters[i].shape for i in order], pin=self.cuda, dtype=flat.dtype)
         self._moments = {i: (m, v) for i, m, v in zip(order, m_views, v_views)}
         self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self._largest = min(SEGMENT, offset)
-        self._slots = [[torch.empty(self._largest, device=device) for _ in range(4)]
+        self._slots = [[torch.empty(self._largest, dtype=flat.dtype, device=device) for _ in range(4)]
                        for _ in range(RING if self.cuda else 1)]
         self._freed: list[Any] = [None] * len(self._slots)
         self._next = 0
@@ -292,8 +294,8 @@ class DeviceStepper:
                                     amsgrad=False, lr=float(group["lr"]), beta1=float(group["betas"][0]),
                                     beta2=float(group["betas"][1]), weight_decay=group["weight_decay"],
                                     eps=group["eps"], maximize=group["maximize"], grad_scale=None, found_inf=None)
-            for p in pieces:
-                self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
+            for p in pieces:  # of an FSDP2 shard, this rank's part: its FP32 storage, in place
+                local_part(self.params[p.index].data).view(-1)[p.lo:p.hi].copy_(master[p.at:p.at + p.hi - p.lo])
             stepped = self._event("compute")
         with self._on("copy_out", wait=stepped):
             for dst, src in zip(back, (master, m, v)):
@@ -307,7 +309,7 @@ class DeviceStepper:
             if source is None:
                 into.zero_()
             else:
-                into.copy_(source.detach().reshape(-1)[piece.lo:piece.hi])
+                into.copy_(local_part(source.detach()).reshape(-1)[piece.lo:piece.hi])
         if factor != 1.0:
             grad.mul_(factor)
 

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ... import settings
 from ...devices.ceiling import host_memory
+from .local import local_part
 from .streamed import flat_views
 
 
@@ -34,15 +34,6 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         host.copy_(t.detach(), non_blocking=True)
         return host
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 parameter or gradient (a DTensor), viewing its storage; else `t`.
-
-    Host copies are plain tensors: copying a DTensor into one raises "mixed torch.Tensor and DTensor",
-    and each rank only ever updates its own shard.
-    """
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
@@ -116,15 +107,18 @@ def leading(indices: Sequence[int], numels: Sequence[int], share: float) -> int:
 
 def host_masters(params: Sequence[torch.Tensor], host_index: Sequence[int]) -> tuple[dict[int, torch.Tensor],
                                                                                   torch.Tensor | None]:
-    """The host share's masters: where every one is FP32 and none is a shard, views of one pinned buffer in
-    `host_index` order (the device stepper streams ranges of it), with that buffer and no gradients yet
-    (`give_gradients`); else one tensor each with its gradient, and None."""
+    """The host share's masters: where all have one dtype (FP32, or float64 for a float64 model), views of one
+    pinned buffer in `host_index` order (the device stepper streams ranges of it; of an FSDP2 shard, this
+    rank's part), with that buffer and no gradients yet (`give_gradients`); else one tensor each with its
+    gradient, and None."""
     share = [params[i] for i in host_index]
-    if not share or any(master_dtype(p) != torch.float32 or isinstance(p, DTensor) for p in share):
+    dtypes = {master_dtype(p) for p in share}
+    if not share or len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float64}:
         return {i: _host_master(params[i]) for i in host_index}, None
-    flat, views = flat_views([p.shape for p in share], pin=share[0].device.type == "cuda")
-    for p, master in zip(share, views):
-        master.copy_(p.detach())
+    local = [local_part(p.detach()) for p in share]
+    flat, views = flat_views([t.shape for t in local], pin=share[0].device.type == "cuda", dtype=dtypes.pop())
+    for t, master in zip(local, views):
+        master.copy_(t)
     return dict(zip(host_index, views)), flat
 
 
