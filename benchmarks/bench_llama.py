@@ -100,7 +100,9 @@ def main() -> None:
         row["tune_s"] = round(time.perf_counter() - start, 1)
         row.update(plan=plan.summary(), reason=plan.reason, mfu=plan.mfu, trials=len(plan.trials),
                    estimate_tokens_per_s=plan.tokens_per_second, plan_host_peak_gib=_gib(plan.host_peak_bytes),
-                   tune_rss_peak_gib=_gib(host.rss_peak))
+                   tune_rss_peak_gib=_gib(host.rss_peak),
+                   trial_table=[[t.rung.name, t.micro_batch_size, t.outcome, round(t.samples_per_second, 2),
+                                 _gib(t.peak_bytes), _gib(t.host_peak_bytes), t.note] for t in plan.trials])
         print(json.dumps(row), flush=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         step = plan.apply(model, optimizer)
