@@ -143,6 +143,7 @@ RESTART_COUNT_ENV = "AUTOTUNE_RESTART_COUNT"
 AGENT_STEPS_ENV = "AUTOTUNE_AGENT_STEPS"
 AGENT_BUDGET_ENV = "AUTOTUNE_AGENT_BUDGET"
 AGENT_DEVICE_ENV = "AUTOTUNE_AGENT_DEVICE"
+AGENT_LAUNCHED_ENV = "AUTOTUNE_AGENT_LAUNCHED"
 TUNE_ONLY_ENV = "AUTOTUNE_TUNE_ONLY"
 LOG_LEVEL_ENV = "AUTOTUNE_LOG_LEVEL"
 
@@ -171,6 +172,7 @@ VARIABLES: dict[str, str] = {
     AGENT_STEPS_ENV: "set by `autotune run`: a zero-change trial stops after this many optimizer steps",
     AGENT_BUDGET_ENV: "set by `autotune run`: a memory ceiling in bytes for the whole script",
     AGENT_DEVICE_ENV: "set by `autotune run`: cuda or cpu, the kind of ceiling",
+    AGENT_LAUNCHED_ENV: "set by `autotune run`: when a zero-change trial was launched (seconds since the epoch)",
     TUNE_ONLY_ENV: "set by `autotune run --tune-only`: the job exits once fit has its plan",
     LOG_LEVEL_ENV: "set by `autotune run`: the verbosity of autotune's log in the job",
 }

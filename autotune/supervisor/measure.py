@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import settings
+
 MAX_KEPT_STEPS = 10_000  # a real run keeps its last this many step times (80 KiB of floats), for the median
 
 
@@ -42,6 +44,15 @@ def synchronized_now() -> float:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def process_age() -> float | None:
+    """Seconds since `autotune run` launched this trial ($AUTOTUNE_AGENT_LAUNCHED, on the same wall clock; the
+    kernel's start time of the process is only as fine as the boot time's whole seconds), or None outside a
+    trial. Read at the first step, it holds the interpreter, the imports, building the model and data, and
+    that first step."""
+    launched = settings.read(settings.AGENT_LAUNCHED_ENV)
+    return max(0.0, time.time() - float(launched)) if launched else None
 
 
 class StepWatch:
@@ -75,6 +86,7 @@ class StepWatch:
         self._last_end: float | None = None
         self._handles: list[Any] = []
         self._thread = threading.get_ident()
+        self.startup_seconds: float | None = None  # from the process's start to the end of its first step
 
     def install(self) -> None:
         """Hook every optimizer of the process, present and future."""
@@ -131,6 +143,8 @@ class StepWatch:
             self.closure_steps += self._in_closure > 0
         self._last_end = now
         self.count += 1
+        if self.count == 1:
+            self.startup_seconds = process_age()
         if self.on_step is not None:
             self.on_step(self)
 
@@ -150,7 +164,7 @@ class StepWatch:
         whole, optimizer = list(self.step_seconds), list(self.optimizer_seconds)
         return {"steps": self.count, "step_seconds": [w - o for w, o in zip(whole, optimizer)],
                 "optimizer_seconds": optimizer, "whole_step_seconds": whole, "closure_steps": self.closure_steps,
-                "peak_bytes": peak_bytes, "alloc_retries": alloc_retries}
+                "peak_bytes": peak_bytes, "alloc_retries": alloc_retries, "startup_seconds": self.startup_seconds}
 
     def run_record(self) -> dict[str, Any] | None:
         """The real run's measurement: how many steps, and the median whole step of those measured."""

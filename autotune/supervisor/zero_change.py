@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import shlex
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import psutil
 import torch
 
+from .. import settings
 from ..configuration import Rung
 from ..devices import nvml
 from ..devices.placement import check_budget
@@ -30,7 +32,7 @@ from ..plan import Plan
 from ..search.controller import Controller, Lattice
 from ..search.progress import Progress
 from ..search.trial import NOISY, NOISY_SPREAD, noise_note, spread
-from ..sizes import format_bytes, parse_bytes, shorten
+from ..sizes import format_bytes, format_share, parse_bytes, shorten
 from ..workload.batching import global_step_seconds
 from .agent import STEPS_ENV
 from .flags import FlagMap
@@ -180,6 +182,8 @@ class ScriptTrials:
     env: dict[str, str] = field(default_factory=dict)
     known: dict[tuple[Rung, int], float] = field(default_factory=dict)
     _memo: dict[tuple[Rung, int], Trial] = field(default_factory=dict)
+    # (start-up, whole trial) seconds of each trial that ran: start-up is the process's age at its first step
+    startups: list[tuple[float, float]] = field(default_factory=list)
 
     def __call__(self, rung: Rung, micro: int) -> Trial:
         key = (rung, micro)
@@ -196,7 +200,8 @@ class ScriptTrials:
         log.debug("trial %d: %s at micro-batch %d (%d optimizer steps)...", len(self._memo) + 1, rung.name, micro,
                  1 + self.trial_steps)
         log.debug("trial command: %s", shlex.join(args))
-        ended = self.launch(args, {**self.env, STEPS_ENV: str(1 + self.trial_steps)})
+        ended = self.launch(args, {**self.env, STEPS_ENV: str(1 + self.trial_steps),
+                                   settings.AGENT_LAUNCHED_ENV: repr(time.time())})
         if ended.kind == "oom":
             return Trial(rung=rung, micro_batch_size=micro, outcome="oom", seconds=ended.exit.seconds,
                          note=shorten(ended.note, 200))
@@ -211,7 +216,19 @@ class ScriptTrials:
             raise InvalidSetting(
                 f"the script finished after {steps} optimizer step(s) at micro-batch {micro}; a trial needs "
                 f"{1 + self.trial_steps}. Give it more data or steps, or lower --trial-steps (at least 1).")
+        starts = [m["startup_seconds"] for m in measured if m.get("startup_seconds") is not None]
+        if starts:
+            self.startups.append((max(starts), ended.exit.seconds))
         return self._trial(rung, micro, measured, ended.exit)
+
+    def startup_note(self) -> str:
+        """How much of a trial was start-up (the median over the trials run), for the plan's reason."""
+        if not self.startups:
+            return ""
+        start, whole = (statistics.median(x) for x in zip(*self.startups))
+        share = format_share(min(1.0, start / whole)) if whole > 0 else "?"
+        return (f"trials: start-up {start:.1f} s of {whole:.1f} s each ({share}: the interpreter, imports, "
+                "building the model and data, and the first step)")
 
     def _trial(self, rung: Rung, micro: int, measured: list[dict[str, Any]], exit_: ChildExit) -> Trial:
         # Ranks step in lockstep; the slowest and the fullest rank decide.
@@ -270,6 +287,7 @@ class ScriptTuner:
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.best
         notes = [*self.notes, *result.notes]
+        startup = t.startup_note()
         return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload="none",
                     micro_batch_size=best.micro_batch_size, accumulation_steps=t.per_rank // best.micro_batch_size,
                     world_size=t.world_size, global_batch_size=self.global_batch_size,
@@ -277,7 +295,8 @@ class ScriptTuner:
                     memory_budget_bytes=self.budget_bytes, margin=self.margin,
                     samples_per_second=best.samples_per_second, device=self.device, device_name=self.device_name,
                     source="tuned", reason=result.reason + "".join(f"; {n}" for n in notes[:2])
-                    + (f"; {noise_note(result.trials)}" if noise_note(result.trials) else ""),
+                    + (f"; {noise_note(result.trials)}" if noise_note(result.trials) else "")
+                    + (f"; {startup}" if startup else ""),
                     trials=tuple(result.trials), compile=best.rung.compile)
 
     def arguments(self, plan: Plan) -> list[str]:
