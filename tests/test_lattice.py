@@ -291,3 +291,19 @@ def test_optimizer_offload_without_recompute_is_applied_as_planned():
     assert all(math.isfinite(x) for x in losses) and losses[1] < losses[0]
     step.close()
     assert all(p.dtype == torch.float32 for p in got.parameters())
+
+
+def test_compile_with_recompute_is_tried_where_nothing_fits_without_recompute():
+    # A 3B decoder at 24 GiB: under optimizer offload the 16-bit weights and gradients leave room for no
+    # sample without recompute, every block recomputed fits two; compile was never probed without recompute,
+    # and is still tried with it, and wins.
+    gpu = LatticeGPU(budget=24 * GiB, per_rank=32, floors={"none": 60 * GiB, "activations": 60 * GiB,
+                                                          "optimizer": 14 * GiB}, s0=9 * GiB, sn=2.5 * GiB,
+                     compile_memory=0.8, compile_time=0.85,
+                     optimizer_seconds={"none": 0.05, "activations": 0.05, "optimizer": 1.0})
+    assert gpu(_rung(0, "optimizer"), 1).outcome != "ok"  # not even one sample without recompute
+    gpu.calls.clear()
+    best, notes, controller = _search(gpu, compile=True, fitting_floors=True)
+    assert any(r.compile and r.checkpointed_blocks for r, _ in gpu.calls), gpu.calls
+    assert best.rung.compile and best.rung.checkpointed_blocks, (best, notes)
+    assert_near_the_best_reachable(gpu, best, controller)

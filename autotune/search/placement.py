@@ -81,9 +81,11 @@ class Placing(Climb):
         step can be launch-bound (many micro-steps of guards and calls) and compile slower than eager, while
         with every block recomputed at a larger micro-batch it can nearly halve the step, beating compile
         without recompute too. So the ratio measured without recompute, at the small micro-batch compile
-        fitted, does not predict this one; it is measured where it applies.
+        fitted, does not predict this one; it is measured where it applies. Where nothing fitted without
+        recompute at all (a 3B model at 24 GiB), compile is first tried here.
         """
-        if self._compiled is None or self.lattice.blocks < 1 or not self._budget_left():
+        if (not self.lattice.compile or self._compile_failed or self.lattice.blocks < 1
+                or not self._budget_left()):
             return
         # Only where recompute lets a micro-batch grow past what compile without it reached: recompute itself
         # only adds work.
@@ -113,7 +115,10 @@ class Placing(Climb):
         if not first.fits or first.step_seconds <= 0 or line is None:
             return
         eager_seconds = line[0] + line[1] * first.micro_batch_size  # eager recompute at the same size
-        measured = Compiled(memory=self._compiled.memory, time=first.step_seconds / max(eager_seconds, 1e-9))
+        # Where nothing fitted without recompute, compile's bytes per sample were never measured: taken as
+        # eager's (compile only lowers them), so the candidates below are never predicted to fit too much.
+        memory = self._compiled.memory if self._compiled is not None else 1.0
+        measured = Compiled(memory=memory, time=first.step_seconds / max(eager_seconds, 1e-9))
         self._compiled_recompute = measured
         candidates = [c for offload in ("none", "optimizer") if any(s.rung.offload == offload for s in self.states)
                       for c in self._candidates(offload, compiled=measured) if c[0].checkpointed_blocks]
