@@ -16,6 +16,7 @@ from ..configuration import Rung
 from ..devices import host as host_memory
 from ..devices.peaks import DevicePeak, device_peak
 from ..devices.placement import Placement
+from ..errors import NoFeasiblePlan
 from ..evidence import Trial
 from ..plan import Plan
 from ..settings import FitSettings, result_file
@@ -38,6 +39,7 @@ from .controller import FIT_ADVICE, Controller, Lattice
 from .floors import drop_rungs_over, resident_floor
 from .flops import FlopCount, count_flops, utilization
 from .ground import trials_on
+from .lines import NOISE
 from .phases import PhaseContext, run_phases
 from .progress import Progress
 from .state import SearchState, reason
@@ -96,7 +98,13 @@ def host_limit(settings: FitSettings) -> int:
 
 
 def tune(job: Job) -> Plan:
-    """The fastest plan that fits `job`, from trials on the model (or a sharded copy), which is put back after."""
+    """The fastest plan that fits `job`, from trials on the model (or a sharded copy), which is put back after.
+
+    With two or more GPUs, a model that fits replicated only with blocks recomputed or state offloaded is
+    also tuned sharded with FSDP2, and the faster of the two measured plans is kept (`replicated_or_sharded`):
+    sharding frees the memory those techniques buy with time, at the cost of gathering each block's weights.
+    Not on the simulated CPU device, whose timings say nothing about a GPU's collectives.
+    """
     spec = OptimizerSpec.from_user(job.optimizer, job.model)
     # Before the search: a bad $AUTOTUNE_PEAK_TFLOPS fails fast.
     peak = device_peak(job.placement.name, job.placement.kind, settings.read(settings.PEAK_ENV))
@@ -104,13 +112,45 @@ def tune(job: Job) -> Plan:
     plain = anchors(job.allowed, job.placement, find_blocks(job.model))[0][0]  # the first rung: nothing offloaded
     floor = resident_floor(plain, job.model, state_tensors_per_parameter(spec))
     sharding, sharding_reason = choose_sharding(job.model, floor, limit, job.world)
-    copied = sharding == "fsdp2" and not is_sharded(job.model)
-    with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=plain.precision) as tuned:
+    try:
+        plan = _tune_as(job, spec, peak, limit, plain.precision, sharding, sharding_reason)
+        if job.placement.simulated or not sharding_may_win(plan, job.model, job.world):
+            return plan
         try:
-            state, setup, work, flops = _search(job, tuned, spec, limit)
-        finally:
-            if job.progress is not None:
-                job.progress.close()
+            sharded = _tune_as(job, spec, peak, limit, plain.precision, "fsdp2", "")
+        except NoFeasiblePlan:
+            return plan.with_config(reason=f"{plan.reason}; sharded with FSDP2: nothing fits")
+        return replicated_or_sharded(plan, sharded)
+    finally:
+        if job.progress is not None:
+            job.progress.close()
+
+
+def sharding_may_win(plan: Plan, model: nn.Module, world: int) -> bool:
+    """Whether a sharded search could beat replicated `plan`: on two or more ranks, for a model not sharded
+    already, where the replicated plan spends time on memory (blocks recomputed, something offloaded)."""
+    if world < 2 or is_sharded(model) or plan.sharding != "none":
+        return False
+    return plan.checkpointing != "none" or plan.offload != "none"
+
+
+def replicated_or_sharded(replicated: Plan, sharded: Plan) -> Plan:
+    """The faster of the two measured plans, replicated on a tie (within `NOISE`), the other's figure said."""
+    faster = sharded.samples_per_second > (1 + NOISE) * replicated.samples_per_second
+    kept, other = (sharded, replicated) if faster else (replicated, sharded)
+    ratio = kept.samples_per_second / max(other.samples_per_second, 1e-12)
+    how = "sharded with FSDP2" if faster else "replicated"
+    note = (f"{how}: {kept.samples_per_second:,.1f} samples/s, {ratio:.2f}x the "
+            f"{'replicated' if faster else 'sharded'} plan's {other.samples_per_second:,.1f} ({other.summary()})")
+    return kept.with_config(reason=f"{note}; {kept.reason}")
+
+
+def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precision: str, sharding: str,
+             sharding_reason: str) -> Plan:
+    """One search with the model replicated (`sharding` "none") or sharded with FSDP2, and its plan."""
+    copied = sharding == "fsdp2" and not is_sharded(job.model)
+    with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision) as tuned:
+        state, setup, work, flops = _search(job, tuned, spec, limit)
     tokens = batches.tokens_per_sample(job.batch)
     best_rung = state.best.rung
     closing = _why_no_mfu(flops, peak, best_rung.precision, job.placement.kind)
