@@ -30,8 +30,9 @@ kept in the host state (so `state_dict()` and a later CPU step see it). On the C
 "device" is the CPU, there are no streams, and the result is bitwise the CPU step's.
 
 Only Adam and AdamW without amsgrad stream (their state is two moments the shape of the parameter and a
-step count); any other optimizer, a GradScaler (FP16: the unscale and inf check run on the host
-gradients), or FSDP2 shards keep the CPU step.
+step count); any other optimizer, or a GradScaler (FP16: the unscale and inf check run on the host
+gradients), keeps the CPU step. On FSDP2 shards each rank streams its own parts, serially: FSDP assigns the
+reduced gradients on its own stream, outside the hooks an overlapped step is issued from.
 """
 
 from __future__ import annotations
