@@ -18,8 +18,45 @@ def resident_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
     state on the lower rungs; 16-bit weights and gradients under optimizer offload. A lower bound.
 
     An FSDP2 rank holds only its shard of each parameter (and of its gradient and state); under optimizer
-    offload a shard keeps its FP32 weight and gradient (see `HostOptimizer`).
+    offload a shard keeps its FP32 weight and gradient (see `HostOptimizer`); and a unit gathered whole for
+    its forward and backward on top (`sharded_transients`).
     """
+    return _state_floor(rung, model, state_tensors) + sharded_transients(model, rung.precision)
+
+
+def sharded_transients(model: nn.Module, precision: str) -> int:
+    """What an FSDP2 rank holds for its units beyond its shards at the peak of a step, before activations:
+    the largest unit's weights gathered whole in the compute dtype, twice (the unit running and the next one
+    prefetched), with the shard copies that fed each gather, and in backward its gradient whole in the compute
+    dtype beside the reduce-scatter's input in the reduce dtype (FP32 under BF16). 0 for a model not sharded.
+
+    On the simulated CPU device (gloo) this accounts for what a sharded step's peak measures over the
+    shards' weights, gradients and state (tests/test_sharding.py); the device's own allocator may add more.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        return 0
+    largest = max((_own_parameters(u) for u in units), key=lambda ps: sum(p.numel() for p in ps))
+    numel = sum(p.numel() for p in largest)  # whole: a DTensor's numel is the unsharded one
+    held = sum(_held(p) for p in largest)
+    compute = 2 if precision in ("bf16", "fp16") else max((p.element_size() for p in largest), default=4)
+    reduce = 4 if compute == 2 else compute  # FP32 reduction under 16-bit compute (`sharding.shard`)
+    gathered = 2 * (numel + held) * compute
+    gradients = numel * compute + (numel * reduce if reduce != compute else 0)
+    return gathered + gradients
+
+
+def _own_parameters(unit: nn.Module) -> list[nn.Parameter]:
+    """The parameters `unit` gathers itself: not those of the units inside it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in unit.parameters() if id(p) not in inner]
+
+
+def _state_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     if rung.offload == "optimizer":  # each weight and gradient at its device dtype: 2 bytes from FP32
