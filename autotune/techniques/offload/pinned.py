@@ -14,6 +14,7 @@ allocator as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -32,8 +33,9 @@ class _Registered(mmap.mmap):
 
     def __del__(self) -> None:
         if self.address:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self.address = 0
+            address, self.address = self.address, 0
+            with contextlib.suppress(Exception):  # at interpreter exit torch may be gone: the OS frees it all
+                torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def pinned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
