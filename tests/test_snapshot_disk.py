@@ -40,3 +40,12 @@ def test_only_a_large_model_on_a_gpu_goes_to_disk_and_then_costs_no_host_memory(
     need = with_snapshot(offload_need(list(model.parameters()), fraction=1.0, state_tensors=2, cuda=False,
                                       streamed=False, overlap=False), model)
     assert need.snapshot == host_need.model_bytes(model)
+
+
+def test_a_folder_in_memory_is_no_disk_for_the_snapshot() -> None:
+    import psutil
+
+    in_memory = [m.mountpoint for m in psutil.disk_partitions(all=True) if m.fstype == "tmpfs"]
+    if in_memory:
+        assert host_need.in_memory_filesystem(in_memory[0])
+    assert not host_need.in_memory_filesystem("/proc/self")  # procfs: not tmpfs or ramfs

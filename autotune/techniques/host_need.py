@@ -80,14 +80,32 @@ SNAPSHOT_TO_DISK_FROM = 8 << 30  # a model on a GPU this large is copied to a te
 
 def snapshot_on_disk(model: nn.Module) -> bool:
     """Whether fit's copy of `model` goes to a temporary file: a model on a GPU of `SNAPSHOT_TO_DISK_FROM` bytes
-    or more, where the temporary folder has room for it. Its RAM is then the optimizer's to use: an 8B model's
-    FP32 copy alone would take a quarter of a 128 GiB host, and offload needs the host for its share."""
+    or more, where the temporary folder is on a disk (not tmpfs) with room for it. Its RAM is then the
+    optimizer's to use: an 8B model's FP32 copy alone would take a quarter of a 128 GiB host, and offload
+    needs the host for its share."""
     import shutil
     import tempfile
 
     size = model_bytes(model)
     on_gpu = any(p.device.type == "cuda" for p in model.parameters())
-    return on_gpu and size >= SNAPSHOT_TO_DISK_FROM and shutil.disk_usage(tempfile.gettempdir()).free > 1.1 * size
+    if not on_gpu or size < SNAPSHOT_TO_DISK_FROM:
+        return False
+    folder = tempfile.gettempdir()
+    return not in_memory_filesystem(folder) and shutil.disk_usage(folder).free > 1.1 * size
+
+
+def in_memory_filesystem(path: str) -> bool:
+    """Whether `path` lies on tmpfs or ramfs, whose files take RAM: a snapshot there would spend the host memory
+    it is meant to spare (set TMPDIR to a folder on disk)."""
+    import os
+
+    import psutil
+
+    real = os.path.realpath(path)
+    mounts = [m for m in psutil.disk_partitions(all=True) if real == m.mountpoint or real.startswith(
+        m.mountpoint.rstrip("/") + "/")]
+    mount = max(mounts, key=lambda m: len(m.mountpoint), default=None)
+    return mount is not None and mount.fstype in ("tmpfs", "ramfs")
 
 
 def with_snapshot(need: HostNeed, model: nn.Module) -> HostNeed:
