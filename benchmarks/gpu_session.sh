@@ -14,6 +14,13 @@
 #   w3       issue 11: W3 (ResNet-152, 12 GiB) the peers' grid and autotune.fit cold, 30 steps each (bench_peers)
 #   blocks   issues 17, 21: benchmarks/bench_blocks.py on W3's ResNet-152 (which blocks to recompute)
 #   ckpt     issues 11, 12: W2 at full recompute + optimizer offload, 8 x 8, compiled per block, then eager
+#   moe      issue 38: benchmarks/bench_moe.py (a Mixtral-style MoE's router loss over micro-batches, 20 steps)
+#   llama3b  issue 35: a 3B Llama-shaped decoder at 24 GiB, global batch 32, 20 steps (bench_llama.py)
+#   llama1b  issue 36: the 1.1B Llama at 24 GiB, sequence 2048: plan.mfu, 5 steps (bench_llama.py)
+#   llama8b  issue 35: the 8B decoder at 76 GiB, global batch 64, 10 steps: its tune alone takes about 9
+#            minutes, over one call's 10; start it with setsid and collect it in a second call
+#   lengths  issue 36: GPT-2 medium at 10 GiB over padded lengths 256-1024, 100 steps (bench_lengths.py)
+#   large100 issue 36: GPT-2 large at 24 GiB, one shape, 100 steps (bench_lengths.py)
 # W1_STEPS sets w1cold's training steps (20). benchmarks/gpu_two_streams.sh runs two of these side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +29,9 @@ mkdir -p "$OUT"
 PARTS=${PARTS:-"w1cold w1warm offload frameworks"}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-w1}
 declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=${OFFLOAD_S:-150} [frameworks]=${FRAMEWORKS_S:-150}
-                 [grid]=${GRID_S:-330} [w2]=${W2_S:-240} [w3]=${W3_S:-200} [blocks]=${BLOCKS_S:-120} [ckpt]=${CKPT_S:-200})
+                 [grid]=${GRID_S:-330} [w2]=${W2_S:-240} [w3]=${W3_S:-200} [blocks]=${BLOCKS_S:-120} [ckpt]=${CKPT_S:-200}
+                 [moe]=${MOE_S:-120} [llama3b]=${LLAMA3B_S:-420} [llama1b]=${LLAMA1B_S:-240}
+                 [llama8b]=${LLAMA8B_S:-1200} [lengths]=${LENGTHS_S:-420} [large100]=${LARGE100_S:-480})
 
 part() {  # name, then the command
     local name=$1; shift
@@ -44,6 +53,12 @@ for p in $PARTS; do
         w3) part w3 python benchmarks/bench_peers.py --workload W3 --methods grid,autotune-cold --steps 30 --deadline $((LIMIT[w3] - 30)) --out "$OUT/w3.jsonl" ;;
         ckpt) part ckpt bash -c "python benchmarks/bench_offload.py --workload W2 --config 48,8 --compile --modes serial --steps 3 --out $OUT/ckpt.jsonl; python benchmarks/bench_offload.py --workload W2 --config 48,8 --modes serial --steps 3 --out $OUT/ckpt.jsonl" ;;
         blocks) part blocks python benchmarks/bench_blocks.py --device cuda --out "$OUT/blocks.jsonl" ;;
+        moe) part moe python benchmarks/bench_moe.py --out "$OUT/moe" ;;
+        llama3b) part llama3b python benchmarks/bench_llama.py --size 3b --budget 24GiB --global-batch-size 32 --steps 20 --out "$OUT/llama.jsonl" ;;
+        llama1b) part llama1b python benchmarks/bench_llama.py --size 1b --budget 24GiB --global-batch-size 32 --steps 5 --out "$OUT/llama.jsonl" ;;
+        llama8b) part llama8b python benchmarks/bench_llama.py --size 8b --budget 76GiB --global-batch-size 64 --steps 10 --out "$OUT/llama.jsonl" ;;
+        lengths) part lengths python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
+        large100) part large100 python benchmarks/bench_lengths.py --model gpt2-large --budget 24GiB --max-length 1024 --global-batch-size 64 --steps 100 --out "$OUT/lengths.jsonl" ;;
         frameworks) part frameworks env OUTDIR="$OUT/frameworks" ONLY="${FRAMEWORKS_ONLY:-}" STEPS=20 TIMEOUT="${LIMIT[frameworks]}" bash benchmarks/bench_frameworks.sh ;;
     esac
 done
@@ -51,3 +66,4 @@ echo "== summary"; cat "$OUT/gpu.txt" "$OUT/summary.txt"
 grep -h "^fit:\|^train \|Recompiling" "$OUT"/w1*.log "$OUT"/grid.log 2>/dev/null | cut -c1-220 | head -12
 grep -h "step .*tail\|tail cut\|^W[12]\|Error" "$OUT"/offload.log "$OUT"/ckpt.log 2>/dev/null | cut -c1-200
 grep -h "^|" "$OUT"/frameworks/summary.md 2>/dev/null
+tail -qn1 "$OUT"/llama.jsonl "$OUT"/lengths.jsonl 2>/dev/null | cut -c1-400

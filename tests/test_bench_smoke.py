@@ -190,3 +190,17 @@ def test_bench_moe_tiny_trains_a_split_plan_beside_its_reference(tmp_path):
     assert record["model"]["experts"] == 8 and record["model"]["top_k"] == 2
     assert record["host"]["rss_bytes"] > 0 and "Mem:" in record["host"]["free_g"]
     assert "micro-batch" in tuned["plan"] and tuned["plan_record"]["config"]
+
+
+@pytest.mark.slow  # seconds: a subprocess, a search and four steps under the simulated ceiling
+def test_bench_lengths_dry_run_trains_padded_batches_of_every_length(tmp_path):
+    out = tmp_path / "lengths.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_lengths.py"), "--model", "tiny-gpt",
+                           "--device", "cpu", "--budget", "64MiB", "--min-length", "8", "--max-length", "32",
+                           "--global-batch-size", "8", "--steps", "4", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["lengths"] == [8, 32] and 8 <= row["mean_length"] <= 32
+    assert row["recoveries"] == 0 and row["trained_tokens_per_s"] > 0 and row["estimate_tokens_per_s"] > 0

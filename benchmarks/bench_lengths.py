@@ -1,0 +1,123 @@
+"""A plan's figures in training: padded batches of varying length, or many steps of one shape.
+
+`fit` tunes a GPT-2 from a transformers config (random weights) at `--max-length`, under a memory cap of
+`--budget`; then `plan.apply` trains `--steps` global steps. With `--min-length` below `--max-length` each
+batch draws its samples' lengths uniformly from that range and is padded to its longest (labels -100 on the
+padding, as a collator does), so every step has another length; otherwise every batch is `--max-length` long.
+
+Printed last, and appended to `--out` as one JSON line: the plan's estimate (tokens/s at the longest length)
+and what training measured (real tokens/s, padding left out, over the steps after the first 2; at the mean
+length for mixed lengths), the graphs compiled (dynamo's count) and recompiles, the recoveries, the reserved
+peak beside the plan's and the budget less its margin, and the process's resident memory.
+
+    python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
+        --global-batch-size 32 --steps 100 --out lengths.jsonl
+    python benchmarks/bench_lengths.py --model gpt2-large --budget 24GiB --max-length 1024 \\
+        --global-batch-size 64 --steps 100 --out lengths.jsonl
+    python benchmarks/bench_lengths.py --model tiny-gpt --device cpu --budget 64MiB --min-length 8 \\
+        --max-length 32 --global-batch-size 8 --steps 4 --out /tmp/lengths.jsonl       # a CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import psutil
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from workloads import build_gpt, cap_memory, environment
+
+import autotune
+from autotune.sizes import parse_bytes
+
+
+def batches(steps: int, n: int, low: int, high: int, vocab: int, device: str,
+            masks: bool = True) -> list[dict[str, torch.Tensor]]:
+    """`steps` batches of `n` samples, each sample's length uniform in [low, high], padded to the longest (with
+    an attention mask where the model takes one: `masks`)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(low, high + 1, (n,), generator=g)
+        longest = int(lengths.max())
+        ids = torch.randint(0, vocab, (n, longest), generator=g)
+        mask = torch.arange(longest)[None, :] < lengths[:, None]
+        labels = ids.masked_fill(~mask, -100)
+        batch = {"input_ids": ids, "labels": labels} | ({"attention_mask": mask.long()} if masks else {})
+        out.append({k: v.to(device) for k, v in batch.items()})
+    return out
+
+
+def _compiled_frames() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"]), int(sum(counters["recompiles"].values()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-medium")
+    parser.add_argument("--budget", default="10GiB")
+    parser.add_argument("--min-length", type=int, default=None, help="default: --max-length (one shape)")
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    low = args.min_length or args.max_length
+    cap_memory(args.device, args.budget)
+    model, example = build_gpt(args.model, args.device, args.max_length)
+    row: dict[str, Any] = {"model": args.model, "budget": args.budget, "lengths": [low, args.max_length],
+                           "global_batch_size": args.global_batch_size, "steps": args.steps,
+                           **environment(args.device)}
+    started = time.perf_counter()
+    plan = autotune.fit(model, example, global_batch_size=args.global_batch_size, memory_budget=args.budget,
+                        device=args.device, cache=False, max_length=args.max_length)
+    row.update(tune_s=round(time.perf_counter() - started, 1), plan=plan.summary(), reason=plan.reason,
+               estimate_tokens_per_s=plan.tokens_per_second, mfu=plan.mfu, plan_peak=plan.peak_memory_bytes)
+    print(json.dumps(row), flush=True)
+    hugging_face = hasattr(model, "config")  # the tiny GPT of the dry run takes no attention mask
+    vocab = model.config.vocab_size if hugging_face else model.cfg.vocab_size
+    data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face)
+    frames_before, recompiles_before = _compiled_frames()
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    seconds, tokens = [], []
+    with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5)) as step:
+        for batch in data:
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(batch)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+            tokens.append(int((batch["labels"] != -100).sum()))
+        recoveries = len(step.recoveries)
+    frames, recompiles = _compiled_frames()
+    kept = slice(2, None) if len(seconds) > 2 else slice(None)
+    limit = (1 - plan.margin) * parse_bytes(args.budget)
+    reserved = torch.cuda.max_memory_reserved() if args.device.startswith("cuda") else None
+    trained = sum(tokens[kept]) / sum(seconds[kept])
+    mean_length = sum(tokens) / len(tokens) / args.global_batch_size
+    row.update(trained_tokens_per_s=round(trained), mean_length=round(mean_length, 1),
+               trained_over_estimate=round(trained / plan.tokens_per_second, 3) if plan.tokens_per_second else None,
+               graphs_compiled=frames - frames_before, recompiles=recompiles - recompiles_before,
+               recoveries=recoveries, reserved_peak=reserved, limit=int(limit),
+               reserved_within_margin=None if reserved is None else reserved <= limit,
+               rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2))
+    print(json.dumps(row), flush=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
