@@ -18,6 +18,7 @@ import autotune
 from autotune.configuration import Rung
 from autotune.search import host_budget
 from autotune.search.floors import resident_floor
+from autotune.techniques.host_need import model_bytes
 from autotune.workload.optimizers import OptimizerSpec
 
 CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
@@ -99,6 +100,11 @@ def test_rungs_over_the_host_budget_are_skipped_with_both_figures(gpt):
     assert rungs == [Rung(), OFFLOAD] and 0.9 < shares[OFFLOAD] < 1
     assert _need(model, shares[OFFLOAD]) <= need - 1
     assert "at a host share of" in notes[0] and "over the host budget" in notes[0]
+    # fit's copy of the model in a file (a large model on a GPU): the same budget holds the whole optimizer
+    on_disk = host_budget.need(OFFLOAD, model, spec, "cpu", snapshot=False).total
+    assert on_disk == need - model_bytes(model)
+    rungs, notes, shares = host_budget.keep_within([Rung(), OFFLOAD], model, spec, "cpu", need - 1, snapshot=False)
+    assert rungs == [Rung(), OFFLOAD] and shares == {} and notes == []
 
 
 def test_a_host_budget_under_the_whole_optimizer_splits_it_between_host_and_device(gpt):

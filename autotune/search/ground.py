@@ -23,14 +23,14 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied: bool,
-              precision: str) -> Iterator[nn.Module]:
+              precision: str, snapshot_to_disk: bool = False) -> Iterator[nn.Module]:
     """The model trials run on: `model` moved to the device or, `copied`, an FSDP2-sharded copy of it (sharding
     is in place and for good, and fit leaves the model as it found it) while `model` waits on the host, where
     the trials' peaks do not count it. On the way out, `model` is put back; a sharded copy's device shards
     are freed."""
     home = device_of(model)
     away = torch.device("cpu") if copied else placement.torch_device
-    snapshot = Snapshot.take(model, optimizer)
+    snapshot = Snapshot.take(model, optimizer, to_disk=snapshot_to_disk)
     poisoned = False
     try:
         if home != away:

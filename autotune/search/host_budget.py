@@ -49,12 +49,12 @@ def need(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str, *,
 
 
 def largest_share(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str,
-                  limit_bytes: int) -> float | None:
+                  limit_bytes: int, *, snapshot: bool = True) -> float | None:
     """The largest host share of `rung`'s offloaded optimizer (at least `MIN_HOST_SHARE`) whose host need fits
     `limit_bytes`; None when not even that share fits, or the rung offloads no optimizer."""
     if rung.offload != "optimizer":
         return None
-    fits = lambda f: need(rung, model, spec, device_type, fraction=f).total <= limit_bytes  # noqa: E731
+    fits = lambda f: need(rung, model, spec, device_type, fraction=f, snapshot=snapshot).total <= limit_bytes  # noqa: E731
     if not fits(MIN_HOST_SHARE):
         return None
     low, high = MIN_HOST_SHARE, 1.0
@@ -65,16 +65,18 @@ def largest_share(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type
 
 
 def keep_within(rungs: list[Rung], model: nn.Module, spec: OptimizerSpec, device_type: str,
-                limit_bytes: int) -> tuple[list[Rung], list[str], dict[Rung, float]]:
+                limit_bytes: int, *, snapshot: bool = True) -> tuple[list[Rung], list[str], dict[Rung, float]]:
     """The rungs whose host need fits `limit_bytes`, notes on those left out or capped with both figures, and
     the host share each capped optimizer-offload rung runs at (its whole optimizer would not fit the host).
+    `snapshot`: fit's copy of the model is in RAM (not on disk: `host_need.snapshot_on_disk`).
 
     Raises:
         NoFeasiblePlan: no rung fits the host (the message names the host and each figure).
     """
-    needs = {r: need(r, model, spec, device_type) for r in rungs}
+    needs = {r: need(r, model, spec, device_type, snapshot=snapshot) for r in rungs}
     over = [r for r in rungs if needs[r].total > limit_bytes]
-    caps = {r: share for r in over if (share := largest_share(r, model, spec, device_type, limit_bytes)) is not None}
+    caps = {r: share for r in over
+            if (share := largest_share(r, model, spec, device_type, limit_bytes, snapshot=snapshot)) is not None}
     notes = [f"{r.name} at a host share of {format_share(share)}: its whole optimizer on the host would need "
              f"{format_bytes(needs[r].total)}, over the host budget of {format_bytes(limit_bytes)}"
              for r, share in caps.items()]

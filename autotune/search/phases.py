@@ -118,7 +118,8 @@ def overlap(state: SearchState, ctx: PhaseContext) -> None:
     best, work, fraction = state.best, ctx.work, state.fraction or 1.0
     if best.rung.offload != "optimizer" or work.world_size != 1 or ctx.sharded or not overlap_default():
         return
-    need = host_budget.need(best.rung, work.model, work.spec, work.placement.kind, fraction=fraction, overlap=True)
+    need = host_budget.need(best.rung, work.model, work.spec, work.placement.kind, fraction=fraction, overlap=True,
+                            snapshot=work.snapshot_in_ram)
     if work.host_limit_bytes is not None and need.total > work.host_limit_bytes:
         state.found("offload overlap", f"serial optimizer offload: overlapped, the host would hold "
                     f"{format_bytes(need.total)}, over the host budget of {format_bytes(work.host_limit_bytes)}")

@@ -16,7 +16,6 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from ..techniques.host_need import snapshot_on_disk
 from ..techniques.offload import local_part
 
 
@@ -65,12 +64,14 @@ class Snapshot:
     python_rng: Any
 
     @classmethod
-    def take(cls, model: nn.Module, optimizer: Any = None) -> Snapshot:
+    def take(cls, model: nn.Module, optimizer: Any = None, *, to_disk: bool = False) -> Snapshot:
+        """The snapshot of `model` (and `optimizer`), its weights and buffers in a temporary file where `to_disk`
+        (`host_need.snapshot_on_disk`, decided once per tune: the file itself takes the disk room it asks for)."""
         with torch.no_grad():
             # An FSDP2 shard is saved and restored as this rank's local tensor (a plain tensor on the host);
             # any other tensor as itself (restore() may give it new data of the first dtype before copying).
             live = [local_part(t) for t in [*model.parameters(), *model.buffers()]]
-            disk = _DiskCopies() if snapshot_on_disk(model) else None
+            disk = _DiskCopies() if to_disk else None
             tensors = [(t, disk.save(t) if disk is not None else t.to("cpu", copy=True)) for t in live]
         user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         snapshot = cls(

@@ -66,6 +66,7 @@ class Workload:
     warmup_steps: int = 1
     measured_steps: int = 3
     host_limit_bytes: int | None = None  # the host budget (fit refuses configurations over it before they run)
+    snapshot_in_ram: bool = True  # fit's copy of the model is in host memory (not in a file: `snapshot_on_disk`)
     loss_form: LossForm | None = None  # what the model's own loss holds, learned by the trials; None: not yet
 
 

@@ -25,6 +25,7 @@ from ..techniques import dtype_conflict, find_blocks, is_float64, profile_blocks
 from ..techniques.blocks import BlockGroup
 from ..techniques.compile import graphs_note
 from ..techniques.compile import unavailable as compile_unavailable
+from ..techniques.host_need import snapshot_on_disk
 from ..techniques.sharding import choose_sharding, is_sharded
 from ..training.recovery import engine_rung
 from ..workload import batch as batches
@@ -112,12 +113,13 @@ def tune(job: Job) -> Plan:
     plain = anchors(job.allowed, job.placement, find_blocks(job.model))[0][0]  # the first rung: nothing offloaded
     floor = resident_floor(plain, job.model, state_tensors_per_parameter(spec))
     sharding, sharding_reason = choose_sharding(job.model, floor, limit, job.world)
+    to_disk = snapshot_on_disk(job.model)  # once: the snapshot's own file takes the disk room it asks for
     try:
-        plan = _tune_as(job, spec, peak, limit, plain.precision, sharding, sharding_reason)
+        plan = _tune_as(job, spec, peak, limit, plain.precision, sharding, sharding_reason, to_disk)
         if job.placement.simulated or not sharding_may_win(plan, job.model, job.world):
             return plan
         try:
-            sharded = _tune_as(job, spec, peak, limit, plain.precision, "fsdp2", "")
+            sharded = _tune_as(job, spec, peak, limit, plain.precision, "fsdp2", "", to_disk)
         except NoFeasiblePlan:
             return plan.with_config(reason=f"{plan.reason}; sharded with FSDP2: nothing fits")
         return replicated_or_sharded(plan, sharded)
@@ -146,11 +148,12 @@ def replicated_or_sharded(replicated: Plan, sharded: Plan) -> Plan:
 
 
 def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precision: str, sharding: str,
-             sharding_reason: str) -> Plan:
+             sharding_reason: str, snapshot_to_disk: bool) -> Plan:
     """One search with the model replicated (`sharding` "none") or sharded with FSDP2, and its plan."""
     copied = sharding == "fsdp2" and not is_sharded(job.model)
-    with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision) as tuned:
-        state, setup, work, flops = _search(job, tuned, spec, limit)
+    with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision,
+                   snapshot_to_disk=snapshot_to_disk) as tuned:
+        state, setup, work, flops = _search(job, tuned, spec, limit, snapshot_in_ram=not snapshot_to_disk)
     tokens = batches.tokens_per_sample(job.batch)
     best_rung = state.best.rung
     closing = _why_no_mfu(flops, peak, best_rung.precision, job.placement.kind)
@@ -205,8 +208,8 @@ def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
     return max(arithmetic, best.host_peak_bytes) if device_type == "cuda" and offloads else arithmetic
 
 
-def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
-            limit: int) -> tuple[SearchState, _Setup, Workload, FlopCount]:
+def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
+            snapshot_in_ram: bool) -> tuple[SearchState, _Setup, Workload, FlopCount]:
     """The controller's search on `tuned`, then the phases; with what it started from and the workload."""
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
@@ -214,11 +217,13 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec,
     loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
     setup = _setup(job, tuned, spec, limit, example, loss)
     host = host_limit(job.settings)  # read once: the default follows the machine's free memory
-    rungs, host_notes, host_shares = host_budget.keep_within(setup.rungs, tuned, spec, job.placement.kind, host)
+    rungs, host_notes, host_shares = host_budget.keep_within(setup.rungs, tuned, spec, job.placement.kind, host,
+                                                             snapshot=snapshot_in_ram)
     work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=job.placement,
                     budget_bytes=job.budget, limit_bytes=limit, per_rank=job.per_rank, world_size=job.world,
                     blocks=setup.blocks, warmup_steps=job.settings.warmup_steps,
-                    measured_steps=job.settings.measured_steps, host_limit_bytes=host)
+                    measured_steps=job.settings.measured_steps, host_limit_bytes=host,
+                    snapshot_in_ram=snapshot_in_ram)
     flops = count_flops(tuned, work.batch, work.loss_fn, job.placement)
     runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial), host_shares)
     longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
@@ -295,7 +300,8 @@ def verify(plan: Plan, job: Job) -> Trial:
         return Trial(rung=plan.rung, micro_batch_size=plan.micro_batch_size, outcome="error", note=conflict)
     spec = OptimizerSpec.from_user(job.optimizer, model)
     copied = plan.sharding == "fsdp2" and not is_sharded(model)
-    with trials_on(model, job.optimizer, placement, copied=copied, precision=plan.precision) as tuned:
+    with trials_on(model, job.optimizer, placement, copied=copied, precision=plan.precision,
+                   snapshot_to_disk=snapshot_on_disk(model)) as tuned:
         example = batches.detached(batches.to_device(job.batch, placement.torch_device))
         loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
         work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=placement,

@@ -109,6 +109,6 @@ def in_memory_filesystem(path: str) -> bool:
 
 
 def with_snapshot(need: HostNeed, model: nn.Module) -> HostNeed:
-    """`need` plus fit's copy of `model` (none in RAM where it goes to disk: `snapshot_on_disk`)."""
+    """`need` plus fit's copy of `model` in RAM (the caller leaves it out where the copy went to disk)."""
     return HostNeed(masters=need.masters, gradients=need.gradients, state=need.state, staging=need.staging,
-                    overlap=need.overlap, snapshot=0 if snapshot_on_disk(model) else model_bytes(model))
+                    overlap=need.overlap, snapshot=model_bytes(model))
