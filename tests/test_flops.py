@@ -16,7 +16,7 @@ from autotune.cli.main import main
 from autotune.cli.run import format_trials
 from autotune.devices.peaks import PEAK_ENV, device_peak
 from autotune.devices.placement import resolve_device
-from autotune.search.flops import flops_per_sample, utilization
+from autotune.search.flops import count_flops, utilization
 from autotune.workload.losses import resolve
 
 CPU = resolve_device("cpu")
@@ -35,7 +35,7 @@ def test_mlp_flops_per_sample_are_six_times_its_matmul_parameters() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 64))
     batch = torch.randn(8, 64)
-    counted = flops_per_sample(model, batch, lambda m, x: m(x).square().mean(), CPU)
+    counted = count_flops(model, batch, lambda m, x: m(x).square().mean(), CPU).per_sample
     expected = 6 * _matmul_params(model)  # 2N forward, 4N backward (input and weight gradients)
     assert counted == pytest.approx(expected, rel=0.2)
     assert all(p.grad is None for p in model.parameters())  # the count leaves no gradient behind
@@ -45,7 +45,7 @@ def test_transformer_flops_per_sample_match_6n_plus_attention() -> None:
     cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, n_embd=128)
     torch.manual_seed(0)
     model = GPT(cfg)
-    counted = flops_per_sample(model, random_batch(cfg, 4), resolve(None), CPU)
+    counted = count_flops(model, random_batch(cfg, 4), resolve(None), CPU).per_sample
     n = _matmul_params(model)  # embeddings are lookups, not matmuls
     # Per token: 6N, plus 12 x layers x width x sequence for QK^T and AV forward and backward (PaLM, app. B).
     per_token = 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
@@ -61,7 +61,7 @@ def test_an_oom_while_counting_leaves_the_flops_unknown() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    assert flops_per_sample(Hungry(), torch.zeros(2, 4), lambda m, x: m(x).sum(), CPU) is None
+    assert count_flops(Hungry(), torch.zeros(2, 4), lambda m, x: m(x).sum(), CPU).per_sample is None
 
 
 def test_a_count_whose_backward_runs_out_of_memory_triples_the_forward() -> None:
@@ -78,7 +78,7 @@ def test_a_count_whose_backward_runs_out_of_memory_triples_the_forward() -> None
             return self.net(x)
 
     model = NoRoomForGradients()
-    counted = flops_per_sample(model, torch.randn(8, 64), lambda m, x: m(x).square().mean(), CPU)
+    counted = count_flops(model, torch.randn(8, 64), lambda m, x: m(x).square().mean(), CPU).per_sample
     assert counted == pytest.approx(6 * _matmul_params(model), rel=0.2)
 
 
@@ -118,7 +118,8 @@ def test_fit_on_the_cpu_counts_flops_but_has_no_mfu(monkeypatch: pytest.MonkeyPa
     model = GPT(cfg)
     plan = autotune.fit(model, random_batch(cfg, 8), global_batch_size=8, device="cpu", memory_budget="64MiB",
                         cache=False, trial_steps=1, max_trials=3)
-    assert plan.flops_per_sample == pytest.approx(flops_per_sample(model, random_batch(cfg, 2), resolve(None), CPU))
+    counted = count_flops(model, random_batch(cfg, 2), resolve(None), CPU).per_sample
+    assert plan.flops_per_sample == pytest.approx(counted)
     assert plan.mfu is None and "MFU" not in plan.summary()
 
 
@@ -170,7 +171,7 @@ def test_a_llama_with_grouped_query_attention_under_sdpa_counts_its_attention() 
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
     batch = {"input_ids": ids, "labels": ids}
-    counted = flops_per_sample(model, batch, resolve(None), CPU)
+    counted = count_flops(model, batch, resolve(None), CPU).per_sample
     assert counted is not None
     plain = FlopCounterMode(display=False)  # torch's own table: the matmuls, and no CPU attention kernel
     with plain:

@@ -41,17 +41,13 @@ class FlopCount:
     why_not: str = ""
 
 
-def flops_per_sample(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement) -> float | None:
-    """Forward+backward FLOPs of one sample of `batch` (already on the device), or None if counting ran out of memory.
+def count_flops(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement) -> FlopCount:
+    """Forward+backward FLOPs of one sample of `batch` (already on the device); None, with the reason for the
+    plan's, if counting ran out of memory.
 
     The model's gradients are left as None; the caller restores weights, buffers and RNG (a snapshot),
     since the count runs the model's own forward (dropout draws, batch norm statistics).
     """
-    return count_flops(model, batch, loss_fn, placement).per_sample
-
-
-def count_flops(model: nn.Module, batch: Any, loss_fn: LossFn, placement: Placement) -> FlopCount:
-    """`flops_per_sample`, with the reason when there is no count (for the plan's reason)."""
     n = min(COUNT_SAMPLES, batches.batch_size(batch))
     part = batches.unwrap(batches.resize(batch, n))  # as the model gets it: `Shared` tensors plain
     total: float | None = None

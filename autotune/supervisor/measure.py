@@ -86,7 +86,7 @@ class StepWatch:
         self._last_end: float | None = None
         self._handles: list[Any] = []
         self._thread = threading.get_ident()
-        self.startup_seconds: float | None = None  # from the process's start to the end of its first step
+        self.startup_seconds: float | None = None  # from the trial's launch to the end of its first step
 
     def install(self) -> None:
         """Hook every optimizer of the process, present and future."""
