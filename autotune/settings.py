@@ -144,6 +144,7 @@ AGENT_STEPS_ENV = "AUTOTUNE_AGENT_STEPS"
 AGENT_BUDGET_ENV = "AUTOTUNE_AGENT_BUDGET"
 AGENT_DEVICE_ENV = "AUTOTUNE_AGENT_DEVICE"
 AGENT_LAUNCHED_ENV = "AUTOTUNE_AGENT_LAUNCHED"
+FORK_TRIALS_ENV = "AUTOTUNE_FORK_TRIALS"
 TUNE_ONLY_ENV = "AUTOTUNE_TUNE_ONLY"
 LOG_LEVEL_ENV = "AUTOTUNE_LOG_LEVEL"
 
@@ -173,6 +174,7 @@ VARIABLES: dict[str, str] = {
     AGENT_BUDGET_ENV: "set by `autotune run`: a memory ceiling in bytes for the whole script",
     AGENT_DEVICE_ENV: "set by `autotune run`: cuda or cpu, the kind of ceiling",
     AGENT_LAUNCHED_ENV: "set by `autotune run`: when a zero-change trial was launched (seconds since the epoch)",
+    FORK_TRIALS_ENV: "0: zero-change trials start as fresh processes, not forked from one that imported once",
     TUNE_ONLY_ENV: "set by `autotune run --tune-only`: the job exits once fit has its plan",
     LOG_LEVEL_ENV: "set by `autotune run`: the verbosity of autotune's log in the job",
 }

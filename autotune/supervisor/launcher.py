@@ -6,16 +6,20 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from .. import settings
 from ..errors import DeviceError
 from ..plan import Plan
 from ..sizes import format_bytes
 from . import agent
+from .forkserver import ForkServer, ForkServerError
 from .options import RunOptions
-from .process import Child, SignalForwarder
+from .process import Child, SignalForwarder, Started
 from .verdict import Verdict, classify
 
 log = logging.getLogger("autotune.supervisor.runner")  # the run's log, as before the launcher had its own module
@@ -34,6 +38,9 @@ class Launcher:
     options: RunOptions
     forwarder: SignalForwarder
     plan: Plan | None = None  # the plan in force: set before a zero-change run, reported by a cooperative job
+    forks: ForkServer | None = None  # forks zero-change trials once started; None before, or where it cannot
+    forks_off: str = ""  # why trials start as fresh processes, once that is decided
+    forked: str = ""  # what the trials forked from, once they did (ForkServer.describe)
 
     def command(self, args: list[str]) -> list[str]:
         opts = self.options
@@ -55,7 +62,7 @@ class Launcher:
             child = Child(self.command(args), env=self._environment(env, result_file),
                           echo=not trial or opts.verbose, capture_stdout=trial, stdout_to_stderr=opts.json_output,
                           timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
-                          name=os.path.basename(opts.script))
+                          name=os.path.basename(opts.script), spawn=self._forked(args) if trial else None)
             exit_ = self.forwarder.run(child)
             verdict = classify(exit_, agent.read_results(result_file), opts.host_budget_bytes)
         self.plan = verdict.plan or self.plan
@@ -66,6 +73,50 @@ class Launcher:
         elif verdict.kind == "error" and not opts.verbose:
             _show_tail(exit_.output_tail)  # the trial's output was captured: show how it failed
         return verdict
+
+    def _forked(self, args: list[str]) -> Callable[[dict[str, str]], Started] | None:
+        """How a trial starts: forked by the fork server where it serves (`forkserver.py`); else None (Popen)."""
+        if self.options.nproc_per_node is not None or self.forks_off:
+            return None
+        script = self.options.script
+
+        def spawn(env: dict[str, str]) -> Started:
+            if self.forks is None:
+                self._start_forks(env)
+            if self.forks is not None:
+                try:
+                    return self.forks.spawn([script, *args], env, os.getcwd())
+                except ForkServerError as exc:
+                    self.close()
+                    self.forks_off = str(exc)
+                    log.warning("trials start as fresh processes from now on: %s", exc)
+            return subprocess.Popen(self.command(args), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return spawn
+
+    def _start_forks(self, env: dict[str, str]) -> None:
+        if not settings.switch(settings.FORK_TRIALS_ENV):
+            self.forks_off = f"{settings.FORK_TRIALS_ENV}=0"
+        elif not ForkServer.supported():
+            self.forks_off = "forking trials needs Linux"
+        if self.forks_off:
+            return
+        server = ForkServer(self.options.script, env)
+        try:
+            server.start()
+        except ForkServerError as exc:
+            self.forks_off = str(exc)
+            log.info("trials start as fresh processes: the fork server did not start (%s)", exc)
+            return
+        self.forks = server
+        self.forked = server.describe()
+        log.info("%s", self.forked)
+
+    def close(self) -> None:
+        """Stop the fork server, if one runs: the real run starts fresh, and the server's memory is given back."""
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None
 
     def _environment(self, extra: dict[str, str], result_file: str) -> dict[str, str]:
         env = {**os.environ, **extra, agent.RESULT_FILE_ENV: result_file,

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import IO, Protocol
 
 import psutil
 
@@ -32,6 +33,17 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
 TRACK_EVERY_SECONDS = 0.5  # how often the descendant tree is re-read while the child runs
 TAIL_BYTES = 64 * 1024  # output kept for classifying a death and for the "traceback tail" passed through
+
+
+class Started(Protocol):
+    """A started job: the parts of `subprocess.Popen` a `Child` uses."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,12 +73,15 @@ class Child:
         timeout: seconds from launch after which the child is stopped (None: no deadline).
         grace: seconds between the polite signal and SIGKILL.
         name: what to call the job in log lines.
+        spawn: starts the job instead of `subprocess.Popen`, given its environment (a trial forked by the
+            fork server, `forkserver.py`); used only where the output is captured.
     """
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str], echo: bool = True, capture_stdout: bool = False,
                  stdout_to_stderr: bool = False, timeout: float | None = None, grace: float = 10.0,
-                 name: str = "") -> None:
+                 name: str = "", spawn: Callable[[dict[str, str]], Started] | None = None) -> None:
         self.argv = list(argv)
+        self.spawn = spawn if capture_stdout else None
         self.name = name or os.path.basename(self.argv[0])
         self.env = env
         self.echo = echo
@@ -74,7 +89,7 @@ class Child:
         self.stdout_to_stderr = stdout_to_stderr
         self.timeout = timeout
         self.grace = grace
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Started | None = None
         self._tail = bytearray()
         self._reader: threading.Thread | None = None
         self._tracked: dict[int, psutil.Process] = {}
@@ -94,8 +109,11 @@ class Child:
             stdout = None
         stderr = subprocess.STDOUT if self.capture_stdout else subprocess.PIPE
         log.debug("launching %s", " ".join(self.argv))
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=stdout,
-                                     stderr=stderr, start_new_session=True)
+        if self.spawn is not None:
+            self.proc = self.spawn(self.env)
+        else:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                         stderr=stderr, start_new_session=True)
         self._pids = frozenset({self.proc.pid})
         pipe = self.proc.stdout if self.capture_stdout else self.proc.stderr
         self._reader = threading.Thread(target=self._tee, args=(pipe,), name="autotune-tee", daemon=True)
@@ -139,7 +157,7 @@ class Child:
             host.stop()
         if self._reader is not None:
             self._reader.join(timeout=5)
-        return ChildExit(returncode=self.proc.returncode, seconds=time.monotonic() - started,
+        return ChildExit(returncode=self.proc.returncode or 0, seconds=time.monotonic() - started,
                          timed_out=self._timed_out, signal_received=self._signal,
                          output_tail=self._tail.decode(errors="replace"),
                          peak_gpu_bytes=sampler.peak_process_bytes, peak_gpu_total_bytes=sampler.peak_total_bytes,

@@ -114,6 +114,8 @@ def run(options: RunOptions, on_plan: Callable[[Plan], None] | None = None) -> R
                              message=f"interrupted by {signal.Signals(exc.signum).name}; the job was stopped")
         except TrialFailed as exc:
             return RunResult(exit_code=exc.exit_code, message=str(exc))
+        finally:
+            launcher.close()
 
 
 # -- cooperative mode -----------------------------------------------------------------------------------
@@ -223,6 +225,7 @@ def _zero_change(opts: RunOptions, launcher: Launcher, run_cache: RunCache,
                  on_plan: Callable[[Plan], None] | None) -> RunResult:
     tuner, cache = _tuner(opts, launcher, run_cache)
     plan = cache.first_plan(tuner, retune=opts.retune)
+    launcher.close()  # the real run starts fresh, with the fork server's memory given back
     if on_plan is not None:
         on_plan(plan)
     if opts.tune_only:
@@ -284,7 +287,8 @@ def _tuner(opts: RunOptions, launcher: Launcher, cache: RunCache) -> tuple[Scrip
     trials = ScriptTrials(launch=lambda args, extra: launcher.launch(args, extra, trial=True), flags=flags,
                           script_args=opts.script_args, per_rank=per_rank, world_size=world,
                           limit_bytes=int((1 - margin) * target.budget_bytes),
-                          trial_steps=opts.trial_steps or DEFAULT_MEASURED_STEPS, env=env)
+                          trial_steps=opts.trial_steps or DEFAULT_MEASURED_STEPS, env=env,
+                          forked=lambda: launcher.forked)
     tuner = ScriptTuner(trials=trials, rungs=rungs, notes=notes, global_batch_size=global_batch,
                         budget_bytes=target.budget_bytes, margin=margin, device=target.kind, device_name=target.name,
                         compile=compiled, progress=progress_for(None) if opts.progress else None)

@@ -184,6 +184,7 @@ class ScriptTrials:
     _memo: dict[tuple[Rung, int], Trial] = field(default_factory=dict)
     # (start-up, whole trial) seconds of each trial that ran: start-up is the process's age at its first step
     startups: list[tuple[float, float]] = field(default_factory=list)
+    forked: Callable[[], str] = str  # what the trials forked from, if they did (Launcher.forked)
 
     def __call__(self, rung: Rung, micro: int) -> Trial:
         key = (rung, micro)
@@ -227,8 +228,10 @@ class ScriptTrials:
             return ""
         start, whole = (statistics.median(x) for x in zip(*self.startups))
         share = format_share(min(1.0, start / whole)) if whole > 0 else "?"
-        return (f"trials: start-up {start:.1f} s of {whole:.1f} s each ({share}: the interpreter, imports, "
-                "building the model and data, and the first step)")
+        forked = self.forked()
+        what = ("building the model and data, and the first step; " + forked if forked else
+                "the interpreter, imports, building the model and data, and the first step")
+        return f"trials: start-up {start:.1f} s of {whole:.1f} s each ({share}: {what})"
 
     def _trial(self, rung: Rung, micro: int, measured: list[dict[str, Any]], exit_: ChildExit) -> Trial:
         # Ranks step in lockstep; the slowest and the fullest rank decide.
