@@ -58,27 +58,31 @@ if [ -z "$ONLY" ] || [ "$ONLY" = hf ]; then
 fi
 
 python - "$out" <<'PY' | tee "$out/summary.md"
-import json, os, sys
+import json, os, re, sys
+from autotune.plan import Plan
 out = sys.argv[1]
-print("| script | exit | plan | trials | claimed samples/s | measured samples/s | claimed / measured |")
-print("|---|---|---|---|---|---|---|")
+print("| script | exit | plan | trials | tune s | s a trial | start-up s a trial | claimed samples/s | "
+      "measured samples/s | claimed / measured |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for name in ("lightning", "hf-trainer"):
     if not os.path.exists(f"{out}/{name}.rc"):
         continue
     rc = open(f"{out}/{name}.rc").read().strip()
     try:
-        plan = json.load(open(f"{out}/{name}.json"))
-    except (OSError, ValueError):
+        plan = Plan.from_dict(json.load(open(f"{out}/{name}.json")))
+    except (OSError, ValueError, KeyError, TypeError):
         plan = None
-    if not plan:
-        print(f"| {name} | {rc} | no plan (see {name}.log) | | | | |")
+    if plan is None:
+        print(f"| {name} | {rc} | no plan (see {name}.log) | | | | | | | |")
         continue
-    rung = plan["precision"] + ("+ckpt" if plan["checkpointing"] != "none" else "") + ("+compile" if plan["compile"] else "")
-    shape = f"{rung}, micro-batch {plan['micro_batch_size']} x {plan['accumulation_steps']}"
-    claimed, measured = plan["samples_per_second"], plan.get("measured_samples_per_second")
+    shape = f"{plan.rung.name}, micro-batch {plan.micro_batch_size} x {plan.accumulation_steps}"
+    forked = re.search(r"imported torch[^(]* once \(([\d.]+) s\)", plan.reason or "")
+    tune_s = sum(t.seconds for t in plan.trials) + (float(forked[1]) if forked else 0.0)  # with the fork server's start
+    start = re.search(r"trials: start-up ([\d.]+) s of ([\d.]+) s each", plan.reason or "")
+    claimed, measured = plan.samples_per_second, plan.measured_samples_per_second
     ratio = f"{claimed / measured:.2f}" if measured else "not measured"
-    print(f"| {name} | {rc} | {shape} | {len(plan['trials'])} | {claimed:,.1f} | "
-          f"{measured and f'{measured:,.1f}' or '-'} | {ratio} |")
+    print(f"| {name} | {rc} | {shape} | {len(plan.trials)} | {tune_s:.0f} | {tune_s / max(1, len(plan.trials)):.1f} | "
+          f"{start[1] if start else '-'} | {claimed:,.1f} | {measured and f'{measured:,.1f}' or '-'} | {ratio} |")
 print()
 doctor = open(f"{out}/doctor.txt").read().splitlines() if os.path.exists(f"{out}/doctor.txt") else []
 for line in doctor:  # which GPU and torch produced the rows
