@@ -22,9 +22,11 @@ from typing import Any
 import psutil
 import torch
 
-# (hidden, layers, heads, kv heads, intermediate, vocabulary): Llama 3.2 1B and 3B, Llama 3 8B, and a tiny one
+# (hidden, layers, heads, kv heads, intermediate, vocabulary): TinyLlama 1.1B, Llama 3.2 1B and 3B, Llama 3 8B,
+# and a tiny one
 SIZES = {
     "tiny": (128, 4, 4, 2, 256, 1024),
+    "1.1b": (2048, 22, 32, 4, 5632, 32000),
     "1b": (2048, 16, 32, 8, 8192, 128256),
     "3b": (3072, 28, 24, 8, 8192, 128256),
     "8b": (4096, 32, 32, 8, 14336, 128256),

@@ -16,7 +16,7 @@
 #   ckpt     issues 11, 12: W2 at full recompute + optimizer offload, 8 x 8, compiled per block, then eager
 #   moe      issue 38: benchmarks/bench_moe.py (a Mixtral-style MoE's router loss over micro-batches, 20 steps)
 #   llama3b  issue 35: a 3B Llama-shaped decoder at 24 GiB, global batch 32, 20 steps (bench_llama.py)
-#   llama1b  issue 36: the 1.1B Llama at 24 GiB, sequence 2048: plan.mfu, 5 steps (bench_llama.py)
+#   llama1b  issue 36: a 1.1B Llama (TinyLlama's shape) at 24 GiB, sequence 2048: plan.mfu, 5 steps (bench_llama.py)
 #   llama8b  issue 35: the 8B decoder at 76 GiB, global batch 64, 10 steps: its tune alone takes about 9
 #            minutes, over one call's 10; start it with setsid and collect it in a second call
 #   lengths  issue 36: GPT-2 medium at 10 GiB over padded lengths 256-1024, 100 steps (bench_lengths.py)
@@ -58,7 +58,7 @@ for p in $PARTS; do
         blocks) part blocks python benchmarks/bench_blocks.py --device cuda --out "$OUT/blocks.jsonl" ;;
         moe) part moe python benchmarks/bench_moe.py --out "$OUT/moe" ;;
         llama3b) part llama3b python benchmarks/bench_llama.py --size 3b --budget 24GiB --global-batch-size 32 --steps 20 --out "$OUT/llama.jsonl" ;;
-        llama1b) part llama1b python benchmarks/bench_llama.py --size 1b --budget 24GiB --global-batch-size 32 --steps 5 --out "$OUT/llama.jsonl" ;;
+        llama1b) part llama1b python benchmarks/bench_llama.py --size 1.1b --budget 24GiB --global-batch-size 32 --steps 5 --out "$OUT/llama.jsonl" ;;
         llama8b) part llama8b python benchmarks/bench_llama.py --size 8b --budget 76GiB --global-batch-size 64 --steps 10 --out "$OUT/llama.jsonl" ;;
         lengths) part lengths python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
         large100) part large100 python benchmarks/bench_lengths.py --model gpt2-large --budget 24GiB --max-length 1024 --global-batch-size 64 --steps 100 --out "$OUT/lengths.jsonl" ;;
