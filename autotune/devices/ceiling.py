@@ -7,8 +7,11 @@ count), and raises `torch.OutOfMemoryError` when the count passes the budget. Ch
 smaller micro-batches and BF16 lower the count for real, which is what lets CI walk the whole ladder.
 
 Memory that an offload rung moves "to the host" is allocated inside `host_memory()`, which the ceiling
-does not count: on the simulated device host and device are the same RAM, so the distinction is kept
-by bookkeeping, exactly where a real GPU would keep it by address space.
+does not count against the device: on the simulated device host and device are the same RAM, so the
+distinction is kept by bookkeeping, exactly where a real GPU would keep it by address space. Those host
+bytes are counted in a ledger of their own, whose high-water mark over every ceiling since
+`reset_host_peak()` is `host_peak_bytes()`: what a search's trials allocated on the host at most, measured
+the way the device's bytes are.
 
 This module stands beside `placement.py` rather than in it because it is a mechanism
 of its own, with its own tests, and `placement.py` stays about facts.
@@ -31,6 +34,16 @@ from torch.utils._pytree import tree_leaves
 from ..sizes import format_bytes
 
 _state = threading.local()
+_host_peak = [0]  # the most host bytes one ceiling counted live, over all ceilings since reset_host_peak()
+
+
+def host_peak_bytes() -> int:
+    """The most bytes allocated inside `host_memory()` and live at once under one simulated ceiling."""
+    return _host_peak[0]
+
+
+def reset_host_peak() -> None:
+    _host_peak[0] = 0
 
 
 def active_ceiling() -> SimulatedCeiling | None:
@@ -68,6 +81,9 @@ class SimulatedCeiling(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, tuple[int, weakref.finalize]] = {}
+        self.host_bytes = 0  # live bytes allocated inside host_memory(): the host's ledger
+        self._host_live: dict[int, tuple[int, weakref.finalize]] = {}
+        self._host_lock = threading.RLock()  # the host optimizer's worker thread counts here too
         self._host_depth = 0
         self._outer: SimulatedCeiling | None = None
         # FSDP2 frees an all-gathered block by resizing its storage to 0 bytes (`storage.resize_(0)`, no
@@ -127,6 +143,37 @@ class SimulatedCeiling(TorchDispatchMode):
         self._live[key] = (nbytes, finalizer)
         self.current_bytes += nbytes
 
+    def _count_host(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage in the host's ledger (an output made inside `host_memory()`), once."""
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if t.device.type != "cpu" or t.is_sparse or t.is_nested or is_traceable_wrapper_subclass(t):
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self._live:  # a view of device memory, already counted there
+            return
+        with self._host_lock:
+            seen = self._host_live.get(key)
+            if seen is None:
+                finalizer = weakref.finalize(storage, self._release_host, key)
+                finalizer.atexit = False
+                self._host_live[key] = (nbytes, finalizer)
+                self.host_bytes += nbytes
+            elif seen[0] != nbytes:
+                self._host_live[key] = (nbytes, seen[1])
+                self.host_bytes += nbytes - seen[0]
+            _host_peak[0] = max(_host_peak[0], self.host_bytes)
+
+    def _release_host(self, key: int) -> None:
+        with self._host_lock:
+            entry = self._host_live.pop(key, None)
+            if entry is not None:
+                self.host_bytes -= entry[0]
+
     def _release(self, key: int) -> None:
         self._padded.pop(key, None)
         entry = self._live.pop(key, None)
@@ -155,11 +202,14 @@ class SimulatedCeiling(TorchDispatchMode):
     # -- the dispatch hook ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, unannotated
         out = func(*args, **(kwargs or {}))
-        if not self._host_depth:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._count(t)
-            self._check()
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self._host_depth:
+            for t in tensors:
+                self._count_host(t)
+            return out
+        for t in tensors:
+            self._count(t)
+        self._check()
         return out
 
     # -- context -------------------------------------------------------------------------------------
@@ -177,11 +227,36 @@ class SimulatedCeiling(TorchDispatchMode):
 
     def close(self) -> None:
         """Detach every finalizer so storages that outlive the ceiling do not keep it alive."""
-        for _, finalizer in self._live.values():
-            finalizer.detach()
-        self._live.clear()
-        self._padded.clear()
-        self.current_bytes = 0
+        with self._host_lock:
+            for _, finalizer in [*self._live.values(), *self._host_live.values()]:
+                finalizer.detach()
+            self._live.clear()
+            self._host_live.clear()
+            self._padded.clear()
+            self.current_bytes = self.host_bytes = 0
+
+
+class _HostThreadCounter(TorchDispatchMode):
+    """On a thread that only works on host memory (the host optimizer's worker), counts every tensor its
+    operators create in a ceiling's host ledger. Dispatch modes are per thread, so the ceiling itself does not
+    see that thread."""
+
+    def __init__(self, ceiling: SimulatedCeiling) -> None:
+        super().__init__()
+        self.ceiling = ceiling
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, unannotated
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.ceiling._count_host(t)
+        return out
+
+
+def counting_host_on_this_thread(ceiling: SimulatedCeiling | None) -> contextlib.AbstractContextManager[Any]:
+    """For a worker thread doing host work: count what it allocates in `ceiling`'s host ledger (the ceiling
+    of the thread that started it, read there with `active_ceiling()`); nothing without a ceiling."""
+    return _HostThreadCounter(ceiling) if ceiling is not None else contextlib.nullcontext()
 
 
 def _largest_shard_bytes(t: DTensor) -> int:

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from ...devices.ceiling import SimulatedCeiling, active_ceiling, counting_host_on_this_thread
+
 CHUNK_ELEMENTS = 1 << 24  # 16 Mi parameters (64 MiB of FP32 masters) per chunk: large enough to keep the fused
 # CPU kernel efficient, small enough that the first chunk is stepped early in backward
 
@@ -216,10 +218,15 @@ class OffloadPipeline:
     # -- the worker thread --------------------------------------------------------------------------------
     def _ensure_worker(self) -> None:
         if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="autotune-host-optimizer", daemon=True)
+            self._worker = threading.Thread(target=self._work, args=(active_ceiling(),),
+                                            name="autotune-host-optimizer", daemon=True)
             self._worker.start()
 
-    def _work(self) -> None:
+    def _work(self, ceiling: SimulatedCeiling | None) -> None:
+        with counting_host_on_this_thread(ceiling):  # on the simulated device: host memory, counted as such
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
