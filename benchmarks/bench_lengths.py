@@ -5,10 +5,15 @@
 batch draws its samples' lengths uniformly from that range and is padded to its longest (labels -100 on the
 padding, as a collator does), so every step has another length; otherwise every batch is `--max-length` long.
 
+With mixed lengths `fit`'s example is a batch as training will see it: samples of those lengths, one of them
+`--max-length` long, padded with the attention mask, so the trials run the masked attention training runs.
+
 Printed last, and appended to `--out` as one JSON line: the plan's estimate (tokens/s at the longest length)
-and what training measured (real tokens/s, padding left out, over the steps after the first 2; at the mean
-length for mixed lengths), the graphs compiled (dynamo's count) and recompiles, the recoveries, the reserved
-peak beside the plan's and the budget less its margin, and the process's resident memory.
+and what training measured over the steps after the first 2: real tokens/s (padding left out) and the tokens/s
+of the padded batches, the rate the estimate is for (`trained_over_estimate` is the padded rate over the
+estimate: at the batches' mean padded length the plan expects the same rate per token); the graphs compiled
+(dynamo's count) and recompiles, the recoveries, the reserved peak beside the plan's and the budget less its
+margin, and the process's resident memory.
 
     python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
         --global-batch-size 32 --steps 100 --out lengths.jsonl
@@ -55,6 +60,18 @@ def batches(steps: int, n: int, low: int, high: int, vocab: int, device: str,
     return out
 
 
+def padded_example(rows: int, low: int, high: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
+    """A batch of `rows` samples of lengths in [low, high], the first `high` long, padded as training pads."""
+    batch = batches(1, rows, low, high, vocab, "cpu")[0]
+    longest = batch["input_ids"].shape[1]
+    if longest < high:  # make the first sample the longest training will see
+        pad = high - longest
+        batch = {k: torch.nn.functional.pad(v, (0, pad), value=-100 if k == "labels" else 0) for k, v in batch.items()}
+    ids = torch.randint(0, vocab, (high,), generator=torch.Generator().manual_seed(2))
+    batch["input_ids"][0], batch["labels"][0], batch["attention_mask"][0] = ids, ids, 1
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def _compiled_frames() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
@@ -70,11 +87,20 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="the caching allocator grows segments in place (PYTORCH_CUDA_ALLOC_CONF), set before CUDA "
+                             "starts: against fragmentation when every step has other sizes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.expandable_segments:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     low = args.min_length or args.max_length
     cap_memory(args.device, args.budget)
     model, example = build_gpt(args.model, args.device, args.max_length)
+    hugging_face = hasattr(model, "config")  # the tiny GPT of the dry run takes no attention mask
+    vocab = model.config.vocab_size if hugging_face else model.cfg.vocab_size
+    if low < args.max_length and hugging_face:
+        example = padded_example(example["input_ids"].shape[0], low, args.max_length, vocab, args.device)
     row: dict[str, Any] = {"model": args.model, "budget": args.budget, "lengths": [low, args.max_length],
                            "global_batch_size": args.global_batch_size, "steps": args.steps,
                            **environment(args.device)}
@@ -84,13 +110,11 @@ def main() -> None:
     row.update(tune_s=round(time.perf_counter() - started, 1), plan=plan.summary(), reason=plan.reason,
                estimate_tokens_per_s=plan.tokens_per_second, mfu=plan.mfu, plan_peak=plan.peak_memory_bytes)
     print(json.dumps(row), flush=True)
-    hugging_face = hasattr(model, "config")  # the tiny GPT of the dry run takes no attention mask
-    vocab = model.config.vocab_size if hugging_face else model.cfg.vocab_size
     data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face)
     frames_before, recompiles_before = _compiled_frames()
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    seconds, tokens = [], []
+    seconds, tokens, padded = [], [], []
     with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5)) as step:
         for batch in data:
             if args.device.startswith("cuda"):
@@ -101,19 +125,29 @@ def main() -> None:
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
             tokens.append(int((batch["labels"] != -100).sum()))
+            padded.append(batch["labels"].numel())
         recoveries = len(step.recoveries)
     frames, recompiles = _compiled_frames()
     kept = slice(2, None) if len(seconds) > 2 else slice(None)
     limit = (1 - plan.margin) * parse_bytes(args.budget)
     reserved = torch.cuda.max_memory_reserved() if args.device.startswith("cuda") else None
+    stats = torch.cuda.memory_stats() if args.device.startswith("cuda") else {}
     trained = sum(tokens[kept]) / sum(seconds[kept])
+    trained_padded = sum(padded[kept]) / sum(seconds[kept])
     mean_length = sum(tokens) / len(tokens) / args.global_batch_size
-    row.update(trained_tokens_per_s=round(trained), mean_length=round(mean_length, 1),
-               trained_over_estimate=round(trained / plan.tokens_per_second, 3) if plan.tokens_per_second else None,
+    mean_padded = sum(padded) / len(padded) / args.global_batch_size
+    row.update(trained_tokens_per_s=round(trained), trained_padded_tokens_per_s=round(trained_padded),
+               mean_length=round(mean_length, 1), mean_padded_length=round(mean_padded, 1),
+               trained_over_estimate=(round(trained_padded / plan.tokens_per_second, 3) if plan.tokens_per_second
+                                      else None),
                graphs_compiled=frames - frames_before, recompiles=recompiles - recompiles_before,
                recoveries=recoveries, reserved_peak=reserved, limit=int(limit),
                reserved_within_margin=None if reserved is None else reserved <= limit,
-               rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2))
+               rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
+               allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
+               expandable_segments=args.expandable_segments,
+               step_seconds=[round(x, 4) for x in seconds],
+               padded_lengths=[p // args.global_batch_size for p in padded])
     print(json.dumps(row), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")
