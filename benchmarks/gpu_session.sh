@@ -21,6 +21,7 @@
 #            minutes, over one call's 10; start it with setsid and collect it in a second call
 #   lengths  issue 36: GPT-2 medium at 10 GiB over padded lengths 256-1024, 100 steps (bench_lengths.py)
 #   large100 issue 36: GPT-2 large at 24 GiB, one shape, 100 steps (bench_lengths.py)
+#   lengths_exp the lengths part with the allocator's expandable segments (bench_lengths.py --expandable-segments)
 #   lightning        issue 36: the Lightning script under `autotune run`, its trials forked (the default)
 #   lightning_fresh  issue 36: the same with AUTOTUNE_FORK_TRIALS=0, every trial a fresh process
 # W1_STEPS sets w1cold's training steps (20). benchmarks/gpu_streams.sh runs several of these side by side, one per GPU.
@@ -34,7 +35,7 @@ declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=
                  [grid]=${GRID_S:-330} [w2]=${W2_S:-240} [w3]=${W3_S:-200} [blocks]=${BLOCKS_S:-120} [ckpt]=${CKPT_S:-200}
                  [moe]=${MOE_S:-120} [llama3b]=${LLAMA3B_S:-420} [llama1b]=${LLAMA1B_S:-240}
                  [llama8b]=${LLAMA8B_S:-1200} [lengths]=${LENGTHS_S:-420} [large100]=${LARGE100_S:-480}
-                 [lightning]=${LIGHTNING_S:-200} [lightning_fresh]=${LIGHTNING_S:-200})
+                 [lengths_exp]=${LENGTHS_S:-420} [lightning]=${LIGHTNING_S:-200} [lightning_fresh]=${LIGHTNING_S:-200})
 
 part() {  # name, then the command
     local name=$1; shift
@@ -61,6 +62,7 @@ for p in $PARTS; do
         llama1b) part llama1b python benchmarks/bench_llama.py --size 1.1b --budget 24GiB --global-batch-size 32 --steps 5 --out "$OUT/llama.jsonl" ;;
         llama8b) part llama8b python benchmarks/bench_llama.py --size 8b --budget 76GiB --global-batch-size 64 --steps 10 --out "$OUT/llama.jsonl" ;;
         lengths) part lengths python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
+        lengths_exp) part lengths_exp python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --expandable-segments --out "$OUT/lengths.jsonl" ;;
         large100) part large100 python benchmarks/bench_lengths.py --model gpt2-large --budget 24GiB --max-length 1024 --global-batch-size 64 --steps 100 --out "$OUT/lengths.jsonl" ;;
         lightning) part lightning env OUTDIR="$OUT/lightning" ONLY=lightning STEPS=20 TIMEOUT="${LIMIT[lightning]}" bash benchmarks/bench_frameworks.sh ;;
         lightning_fresh) part lightning_fresh env AUTOTUNE_FORK_TRIALS=0 OUTDIR="$OUT/lightning_fresh" ONLY=lightning STEPS=20 TIMEOUT="${LIMIT[lightning_fresh]}" bash benchmarks/bench_frameworks.sh ;;
@@ -71,4 +73,10 @@ echo "== summary"; cat "$OUT/gpu.txt" "$OUT/summary.txt"
 grep -h "^fit:\|^train \|Recompiling" "$OUT"/w1*.log "$OUT"/grid.log 2>/dev/null | cut -c1-220 | head -12
 grep -h "step .*tail\|tail cut\|^W[12]\|Error" "$OUT"/offload.log "$OUT"/ckpt.log 2>/dev/null | cut -c1-200
 grep -h "^| [lh]" "$OUT"/frameworks/summary.md "$OUT"/lightning*/summary.md 2>/dev/null
-tail -qn1 "$OUT"/llama.jsonl "$OUT"/lengths.jsonl 2>/dev/null | cut -c1-400
+tail -qn1 "$OUT"/llama.jsonl 2>/dev/null | cut -c1-400
+python3 - "$OUT"/lengths.jsonl <<'PY' 2>/dev/null
+import json, sys
+for line in open(sys.argv[1]):  # the figures, not the per-step lists
+    row = json.loads(line)
+    print({k: v for k, v in row.items() if k not in ("step_seconds", "padded_lengths", "versions", "reason")})
+PY
