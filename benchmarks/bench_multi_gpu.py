@@ -15,7 +15,9 @@ Cases:
     needs-sharding  the model handed to `fit` unsharded; its replicated floor is over the limit, so the plan must
                     say sharding="fsdp2" and `plan.apply` shards it; then `--steps` steps.
     presharded      `shard(model)` before `fit`; then every rung of the ladder at micro-batch 1 for a few steps
-                    with its peak beside the arithmetic (this rank's shard of weights, gradients, AdamW state).
+                    with its peak beside the arithmetic (this rank's shard of weights, gradients, AdamW state);
+                    AdamW in the `--optimizer-form` asked, and with `--breakdown` (CUDA) each rung's peak by
+                    what allocated it (`peak_breakdown.py`).
 
 Every rank runs the same thing; rank 0 prints a JSON line per result (and appends it to `--out`). Each GPU is
 capped at `--budget` with `torch.cuda.set_per_process_memory_fraction`.
@@ -24,6 +26,7 @@ capped at `--budget` with `torch.cuda.set_per_process_memory_fraction`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -40,6 +43,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from peak_breakdown import Recorder
 from workloads import build_gpt, cap_memory
 
 import autotune
@@ -242,15 +246,18 @@ def _one_rung(model: torch.nn.Module, rung: Any, args: argparse.Namespace, devic
                 world_size=world, global_batch_size=args.global_batch_size, last_micro_batch_size=last,
                 peak_memory_bytes=0, memory_budget_bytes=parse_bytes(args.budget), margin=0.1,
                 samples_per_second=0.0, device=args.device, sharding="fsdp2")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **OPTIMIZER_FORMS[args.optimizer_form])
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    recorder = Recorder() if args.breakdown and args.device == "cuda" else contextlib.nullcontext()
     try:
-        with plan.apply(model, optimizer) as step:
+        with recorder, plan.apply(model, optimizer) as step:
             step.rungs = [rung]  # recovery may not climb: each rung is measured as itself (an OOM at 1 raises)
             timing = _train(step, dataclasses.replace(args, steps=args.rung_steps), device, rank, world)
         outcome = "oom" if step.recoveries else "ok"
+        if isinstance(recorder, Recorder):
+            timing["breakdown"] = recorder.breakdown
     except Exception as exc:  # noqa: BLE001 - an OOM is a measurement; anything else is reported as an error
         if not is_oom(exc) and not isinstance(exc, autotune.NoFeasiblePlan):
             return {"rung": rung.name, "outcome": "error", "error": f"{type(exc).__name__}: {exc}"[:1000],
@@ -393,6 +400,13 @@ class Args:
     compare_reduce: bool = False
     shares: tuple[str, ...] = ()
     trials: tuple[str, ...] = ()
+    optimizer_form: str = "default"
+    breakdown: bool = False
+
+
+# AdamW's implementations: torch's default (foreach on CUDA), the fused kernel, the per-tensor loop
+OPTIMIZER_FORMS: dict[str, dict[str, bool]] = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
+                                               "loop": {"foreach": False}}
 
 
 def _parse() -> Args:
@@ -405,6 +419,10 @@ def _parse() -> Args:
     p.add_argument("--global-batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20, help="training steps after fit")
     p.add_argument("--rung-steps", type=int, default=3, help="presharded: steps per rung")
+    p.add_argument("--optimizer-form", choices=sorted(OPTIMIZER_FORMS), default="default",
+                   help="presharded: AdamW's implementation (torch's default on CUDA is foreach)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="presharded, CUDA: each rung's peak by what allocated it (peak_breakdown.py)")
     p.add_argument("--bucket-mb", type=float, default=0, help="replicated: gradient bucket size (default DDP's 25); "
                    "a size above the model's gradients starts the all-reduce only when backward ends: no overlap")
     p.add_argument("--compare-reduce", action="store_true",
@@ -424,7 +442,8 @@ def _parse() -> Args:
                 global_batch_size=a.global_batch_size, steps=a.steps, rung_steps=a.rung_steps, out=a.out,
                 bucket_mb=a.bucket_mb, compare_reduce=a.compare_reduce,
                 shares=tuple(x.strip() for x in a.shares.split(",") if x.strip()),
-                trials=tuple(x.strip() for x in a.trials.split(",") if x.strip()))
+                trials=tuple(x.strip() for x in a.trials.split(",") if x.strip()),
+                optimizer_form=a.optimizer_form, breakdown=a.breakdown)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@
 # link        what one step's gradient all-reduce of GPT-2 medium costs here (FP32 and BF16, per parameter and
 #             flat), with `nvidia-smi topo -m`: whether the GPUs talk over NVLink or PCIe
 # large       GPT-2 large sharded before fit at 10 GiB per GPU: fit, then every rung at micro-batch 1 with its peak
+# xlpeak      GPT-2 XL sharded before fit at 16 GiB per GPU, every rung with its peak broken down by what allocated it
+#             (peak_breakdown.py), AdamW as torch defaults it (foreach), then fused (FORMS="default fused")
 # Each line of OUT is one JSON result (benchmarks/data/multi_gpu.jsonl by default); a case that fails
 # records its error and the next one still runs.
 set -u
@@ -42,7 +44,10 @@ for case in $CASES; do
     # Global batch 16 and 2 steps a rung: at micro-batch 1 a rung's step is per-rank-batch forwards and backwards
     # (at 64 the five rungs did not finish in 150 s on two H200s after fit).
     large) $TR $B --case presharded --model gpt2-large --budget 10GiB --global-batch-size 16 --rung-steps 2 --out "$OUT" ;;
-    *) echo "unknown case $case (single, replicated, unpartitioned, nooverlap, link, xl, large)" >&2; exit 2 ;;
+    xlpeak) for form in ${FORMS:-default fused}; do
+              $TR $B --case presharded --model gpt2-xl --budget 16GiB --global-batch-size 16 --rung-steps 2 --breakdown --optimizer-form "$form" --out "$OUT"
+            done ;;
+    *) echo "unknown case $case (single, replicated, unpartitioned, nooverlap, link, xl, large, xlpeak)" >&2; exit 2 ;;
   esac
   echo "# case $case exit $?" >&2
 done

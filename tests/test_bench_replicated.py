@@ -83,3 +83,38 @@ def test_bench_rank_overhead_times_one_configuration_as_ranks_as_a_pair_and_alon
         assert [r["variant"] for r in out["variants"]] == ["as-planned", "parts", "as-planned"]
         assert set(out["variants"][1]["parts"]) == {"micro_batches_but_last_backward", "last_backward",
                                                    "all_reduce_wait", "optimizer"}
+
+
+def test_bench_multi_gpu_steps_every_rung_on_shards_with_the_optimizer_form_asked():
+    out = _torchrun("bench_multi_gpu.py", "--case", "presharded", "--model", "tiny-gpt", "--budget", "12MiB",
+                    "--device", "cpu", "--seq", "32", "--global-batch-size", "8", "--rung-steps", "2",
+                    "--optimizer-form", "fused")
+    assert out["plan"] is not None and out["arithmetic_floor_bytes"] == 16 * out["parameters"] / 2
+    outcomes = {r["rung"]: r["outcome"] for r in out["rungs"]}
+    assert set(outcomes.values()) <= {"ok", "oom"}, [r.get("traceback") for r in out["rungs"]]
+    assert all(r["simulated_peak"] > 0 for r in out["rungs"] if r["outcome"] == "ok")
+
+
+def test_the_peak_breakdown_replays_the_allocators_trace_to_its_highest_point():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from peak_breakdown import OTHER, at_peak
+
+    def frames(filename: str, name: str) -> list[dict]:
+        return [{"filename": filename, "name": name, "line": 1}]
+
+    gather = frames("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_all_gather")
+    adam = frames("/site-packages/torch/optim/adam.py", "_multi_tensor_adam")
+    forward = frames("model.py", "forward")
+    trace = [{"action": "segment_alloc", "addr": 0, "size": 4096},
+             {"action": "alloc", "addr": 1, "size": 300, "frames": forward},
+             {"action": "alloc", "addr": 2, "size": 200, "frames": gather},
+             {"action": "free_requested", "addr": 2, "size": 200},
+             {"action": "free_completed", "addr": 2, "size": 200},
+             {"action": "alloc", "addr": 3, "size": 900, "frames": adam},  # the highest point: 1000 + 300 + 900
+             {"action": "free_completed", "addr": 3, "size": 900},
+             {"action": "free_completed", "addr": 1, "size": 300},
+             {"action": "alloc", "addr": 4, "size": 1000, "frames": gather}]  # 2000 later: under the peak
+    found = at_peak({"device_traces": [trace]}, before=1000)
+    assert found["peak_allocated"] == 2200
+    assert found["by_owner"] == {"before the steps": 1000, OTHER: 300, "optimizer step": 900}
+    assert found["segments_added_by_peak"] == 4096
