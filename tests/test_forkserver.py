@@ -75,6 +75,29 @@ def test_a_trial_killed_by_a_signal_ends_as_popen_says_and_an_error_shows_its_tr
         server.close()
 
 
+def test_a_trial_outliving_its_server_is_still_watched_and_its_end_seen(tmp_path: Path) -> None:
+    sleeper = _write(tmp_path / "sleep.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    server = ForkServer(sleeper, _env())
+    server.start()
+    try:
+        proc = server.spawn([sleeper], _env(), str(tmp_path))
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        assert server.proc is not None
+        server.proc.kill()  # the server dies; its trial runs on
+        server.proc.wait()
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.returncode == -signal.SIGKILL  # ended; its own status went with the server
+        with pytest.raises(ForkServerError):
+            server.spawn([sleeper], _env(), str(tmp_path))
+    finally:
+        server.close()
+
+
 def test_a_package_that_starts_a_thread_at_import_keeps_trials_fresh(tmp_path: Path) -> None:
     (tmp_path / "pkgs" / "spinner").mkdir(parents=True)
     _write(tmp_path / "pkgs" / "spinner" / "__init__.py",

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +34,8 @@ import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +63,25 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            reply = self.server.receive(timeout)
+            try:
+                reply = self.server.receive(timeout)
+            except ForkServerError:  # the server died: its status reports went with it
+                reply = self._orphaned(timeout)
             if reply is None:
                 raise subprocess.TimeoutExpired(f"trial process {self.pid}", timeout or 0.0)
             self.returncode = int(reply["status"])
         return self.returncode
+
+    def _orphaned(self, timeout: float | None) -> dict[str, Any] | None:
+        """Watch a trial whose server is gone: running, or ended with a status nobody kept (read as killed)."""
+        try:
+            running = psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            running = False
+        if running:
+            time.sleep(timeout or 0.0)
+            return None
+        return {"status": -signal.SIGKILL}
 
     def poll(self) -> int | None:
         with contextlib.suppress(subprocess.TimeoutExpired):
