@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.supervisor.forkserver import ForkServer, ForkServerError, script_imports
+from autotune.supervisor.forkserver import ForkedProcess, ForkServer, ForkServerError, script_imports
 
 pytestmark = pytest.mark.skipif(not ForkServer.supported(), reason="the fork server needs Linux")
 
@@ -57,13 +57,24 @@ def test_a_forked_trial_gets_its_arguments_environment_folder_and_exit_code(tmp_
     assert server.proc is None
 
 
-def test_a_trial_killed_by_a_signal_ends_as_popen_says_and_an_error_shows_its_traceback(tmp_path: Path) -> None:
+def _sleeping_trial(server: ForkServer, tmp_path: Path) -> ForkedProcess:
+    """A trial forked by the started `server` that has said it is up and now sleeps for a minute."""
+    proc = server.spawn([server.script], _env(), str(tmp_path))
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    return proc
+
+
+def _sleeper_server(tmp_path: Path) -> ForkServer:
     sleeper = _write(tmp_path / "sleep.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
     server = ForkServer(sleeper, _env())
     server.start()
+    return server
+
+
+def test_a_trial_killed_by_a_signal_ends_as_popen_says_and_an_error_shows_its_traceback(tmp_path: Path) -> None:
+    server = _sleeper_server(tmp_path)
     try:
-        proc = server.spawn([sleeper], _env(), str(tmp_path))
-        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        proc = _sleeping_trial(server, tmp_path)
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(0.1)
         os.killpg(proc.pid, signal.SIGKILL)  # its own process group, as Popen(start_new_session=True) gives
@@ -76,12 +87,9 @@ def test_a_trial_killed_by_a_signal_ends_as_popen_says_and_an_error_shows_its_tr
 
 
 def test_a_trial_outliving_its_server_is_still_watched_and_its_end_seen(tmp_path: Path) -> None:
-    sleeper = _write(tmp_path / "sleep.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
-    server = ForkServer(sleeper, _env())
-    server.start()
+    server = _sleeper_server(tmp_path)
     try:
-        proc = server.spawn([sleeper], _env(), str(tmp_path))
-        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        proc = _sleeping_trial(server, tmp_path)
         assert server.proc is not None
         server.proc.kill()  # the server dies; its trial runs on
         server.proc.wait()
@@ -93,7 +101,7 @@ def test_a_trial_outliving_its_server_is_still_watched_and_its_end_seen(tmp_path
             time.sleep(0.05)
         assert proc.returncode == -signal.SIGKILL  # ended; its own status went with the server
         with pytest.raises(ForkServerError):
-            server.spawn([sleeper], _env(), str(tmp_path))
+            server.spawn([server.script], _env(), str(tmp_path))
     finally:
         server.close()
 

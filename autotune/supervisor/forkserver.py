@@ -4,7 +4,7 @@ Each zero-change trial runs the script in a process of its own, so its memory, i
 end with it. Most of a short trial is start-up, and much of that is importing torch and the framework.
 `ForkServer` starts one process per tune. That process imports torch, autotune's agent and the packages the
 script imports at its top level: installed packages only, never the script's own modules, whose import could
-do work. It then forks one child per trial. The child takes a session of its own and the trial's
+do work. It then forks one child per trial. The child leads a process group of its own and takes the trial's
 environment, arguments, folder and output pipe, and runs the agent as `python -m autotune.supervisor.bootstrap`
 would.
 
