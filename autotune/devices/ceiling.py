@@ -143,6 +143,12 @@ class SimulatedCeiling(TorchDispatchMode):
         self._live[key] = (nbytes, finalizer)
         self.current_bytes += nbytes
 
+    def count_host_outputs(self, out: Any) -> None:
+        """Count every tensor of an operator's output `out` in the host's ledger."""
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._count_host(t)
+
     def _count_host(self, t: torch.Tensor) -> None:
         """Count `t`'s storage in the host's ledger (an output made inside `host_memory()`), once."""
         if isinstance(t, DTensor):
@@ -202,13 +208,12 @@ class SimulatedCeiling(TorchDispatchMode):
     # -- the dispatch hook ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, unannotated
         out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if self._host_depth:
-            for t in tensors:
-                self._count_host(t)
+            self.count_host_outputs(out)
             return out
-        for t in tensors:
-            self._count(t)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._count(t)
         self._check()
         return out
 
@@ -247,9 +252,7 @@ class _HostThreadCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, unannotated
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.ceiling._count_host(t)
+        self.ceiling.count_host_outputs(out)
         return out
 
 
