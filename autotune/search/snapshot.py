@@ -38,7 +38,7 @@ class _DiskCopies:
     def save(self, t: torch.Tensor) -> _Stored:
         raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self.file.seek(self.size)
-        self.file.write(raw.tobytes())
+        self.file.write(raw.data)  # the array's own bytes, not a copy of them
         stored = _Stored(self.size, t.dtype, t.shape)
         self.size += raw.nbytes
         return stored
@@ -46,7 +46,9 @@ class _DiskCopies:
     def load(self, stored: _Stored) -> torch.Tensor:
         nbytes = stored.shape.numel() * torch.empty((), dtype=stored.dtype).element_size()
         self.file.seek(stored.offset)
-        data = bytearray(self.file.read(nbytes))
+        data = bytearray(nbytes)
+        if self.file.readinto(data) != nbytes:  # type: ignore[attr-defined]
+            raise OSError(f"the snapshot's file ended before {nbytes} bytes at {stored.offset}")
         return torch.frombuffer(data, dtype=torch.uint8).view(stored.dtype).view(stored.shape)
 
 
