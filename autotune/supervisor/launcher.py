@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -74,24 +73,25 @@ class Launcher:
             _show_tail(exit_.output_tail)  # the trial's output was captured: show how it failed
         return verdict
 
-    def _forked(self, args: list[str]) -> Callable[[dict[str, str]], Started] | None:
-        """How a trial starts: forked by the fork server where it serves (`forkserver.py`); else None (Popen)."""
+    def _forked(self, args: list[str]) -> Callable[[dict[str, str]], Started | None] | None:
+        """How a trial starts: forked by the fork server where it serves (`forkserver.py`); else None, and the
+        child starts itself fresh."""
         if self.options.nproc_per_node is not None or self.forks_off:
             return None
         script = self.options.script
 
-        def spawn(env: dict[str, str]) -> Started:
+        def spawn(env: dict[str, str]) -> Started | None:
             if self.forks is None:
                 self._start_forks(env)
-            if self.forks is not None:
-                try:
-                    return self.forks.spawn([script, *args], env, os.getcwd())
-                except ForkServerError as exc:
-                    self.close()
-                    self.forks_off = str(exc)
-                    log.warning("trials start as fresh processes from now on: %s", exc)
-            return subprocess.Popen(self.command(args), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            if self.forks is None:
+                return None
+            try:
+                return self.forks.spawn([script, *args], env, os.getcwd())
+            except ForkServerError as exc:
+                self.close()
+                self.forks_off = str(exc)
+                log.warning("trials start as fresh processes from now on: %s", exc)
+                return None
         return spawn
 
     def _start_forks(self, env: dict[str, str]) -> None:

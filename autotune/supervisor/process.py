@@ -74,12 +74,13 @@ class Child:
         grace: seconds between the polite signal and SIGKILL.
         name: what to call the job in log lines.
         spawn: starts the job instead of `subprocess.Popen`, given its environment (a trial forked by the
-            fork server, `forkserver.py`); used only where the output is captured.
+            fork server, `forkserver.py`), or returns None and the job starts fresh; used only where the output
+            is captured.
     """
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str], echo: bool = True, capture_stdout: bool = False,
                  stdout_to_stderr: bool = False, timeout: float | None = None, grace: float = 10.0,
-                 name: str = "", spawn: Callable[[dict[str, str]], Started] | None = None) -> None:
+                 name: str = "", spawn: Callable[[dict[str, str]], Started | None] | None = None) -> None:
         self.argv = list(argv)
         self.spawn = spawn if capture_stdout else None
         self.name = name or os.path.basename(self.argv[0])
@@ -109,9 +110,8 @@ class Child:
             stdout = None
         stderr = subprocess.STDOUT if self.capture_stdout else subprocess.PIPE
         log.debug("launching %s", " ".join(self.argv))
-        if self.spawn is not None:
-            self.proc = self.spawn(self.env)
-        else:
+        self.proc = self.spawn(self.env) if self.spawn is not None else None
+        if self.proc is None:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=stdout,
                                          stderr=stderr, start_new_session=True)
         self._pids = frozenset({self.proc.pid})
