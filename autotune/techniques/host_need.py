@@ -15,9 +15,13 @@ process is never left to the kernel's OOM killer).
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import psutil
 import torch
 from torch import nn
 
@@ -83,9 +87,6 @@ def snapshot_on_disk(model: nn.Module) -> bool:
     or more, where the temporary folder is on a disk (not tmpfs) with room for it. Its RAM is then the
     optimizer's to use: an 8B model's FP32 copy alone would take a quarter of a 128 GiB host, and offload
     needs the host for its share."""
-    import shutil
-    import tempfile
-
     size = model_bytes(model)
     on_gpu = any(p.device.type == "cuda" for p in model.parameters())
     if not on_gpu or size < SNAPSHOT_TO_DISK_FROM:
@@ -97,10 +98,6 @@ def snapshot_on_disk(model: nn.Module) -> bool:
 def in_memory_filesystem(path: str) -> bool:
     """Whether `path` lies on tmpfs or ramfs, whose files take RAM: a snapshot there would spend the host memory
     it is meant to spare (set TMPDIR to a folder on disk)."""
-    import os
-
-    import psutil
-
     real = os.path.realpath(path)
     mounts = [m for m in psutil.disk_partitions(all=True) if real == m.mountpoint or real.startswith(
         m.mountpoint.rstrip("/") + "/")]
