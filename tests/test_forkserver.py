@@ -150,3 +150,20 @@ def test_a_forked_trial_starts_in_under_half_the_time_of_a_fresh_process(tmp_pat
     finally:
         server.close()
     assert min(forked) < 0.5 * fresh_s, (forked, fresh_s)
+
+
+def test_a_child_whose_spawn_gives_nothing_starts_itself_fresh(tmp_path: Path) -> None:
+    """The launcher's spawn returns None where the fork server will not fork: the trial is then launched as
+    any job is, with its output captured all the same."""
+    from autotune.supervisor.process import Child
+
+    asked: list[dict[str, str]] = []
+
+    def refuse(env: dict[str, str]) -> None:
+        asked.append(env)
+
+    script = _write(tmp_path / "hello.py", "import os, sys\nprint('fresh', os.getpid(), flush=True)\nsys.exit(3)\n")
+    child = Child([sys.executable, script], env=_env(MARK="1"), echo=False, capture_stdout=True, spawn=refuse)
+    ended = child.start().wait()
+    assert len(asked) == 1 and asked[0]["MARK"] == "1"
+    assert ended.returncode == 3 and "fresh" in ended.output_tail
