@@ -114,14 +114,14 @@ def test_a_host_budget_under_the_whole_optimizer_splits_it_between_host_and_devi
     model, batch = gpt
     full, least = _need(model), _need(model, host_budget.MIN_HOST_SHARE)
     budget = (full + least) // 2
-    ceiling.reset_host_peak()
-    plan = _fit(model, batch, host_memory_budget=budget, cache=False)
+    with ceiling.host_ledger() as ledger:
+        plan = _fit(model, batch, host_memory_budget=budget, cache=False)
     assert plan.offload == "optimizer" and plan.offload_fraction is not None, plan.reason
     assert host_budget.MIN_HOST_SHARE <= plan.offload_fraction < 1, plan.reason
     assert plan.host_peak_bytes <= budget
     # No trial allocated past it on the host: the simulated ceiling's host ledger (counted as device bytes are,
     # on the worker thread of the overlapped step too), beside fit's copy of the model, which the budget holds.
-    counted = ceiling.host_peak_bytes()
+    counted = ledger.peak_bytes
     assert 0.9 * plan.host_peak_bytes <= counted and counted + model_bytes(model) <= budget, (counted, budget)
     assert "at a host share of" in plan.reason
     # Every trial of optimizer offload ran at that share, never at the whole optimizer the host cannot hold.

@@ -8,10 +8,11 @@ smaller micro-batches and BF16 lower the count for real, which is what lets CI w
 
 Memory that an offload rung moves "to the host" is allocated inside `host_memory()`, which the ceiling
 does not count against the device: on the simulated device host and device are the same RAM, so the
-distinction is kept by bookkeeping, exactly where a real GPU would keep it by address space. Those host
-bytes are counted in a ledger of their own, whose high-water mark over every ceiling since
-`reset_host_peak()` is `host_peak_bytes()`: what a search's trials allocated on the host at most, measured
-the way the device's bytes are.
+distinction is kept by bookkeeping, exactly where a real GPU would keep it by address space. Inside
+`host_ledger()` those host bytes are counted too, in a ledger of their own, and its high-water mark over every
+ceiling is what a search's trials allocated on the host at most, measured the way the device's bytes are.
+Outside it they are not counted: the bookkeeping costs CPU time, which the simulated device would charge to the
+offload rungs' steps.
 
 This module stands beside `placement.py` rather than in it because it is a mechanism
 of its own, with its own tests, and `placement.py` stays about facts.
@@ -34,16 +35,25 @@ from torch.utils._pytree import tree_leaves
 from ..sizes import format_bytes
 
 _state = threading.local()
-_host_peak = [0]  # the most host bytes one ceiling counted live, over all ceilings since reset_host_peak()
-
-
-def host_peak_bytes() -> int:
+class HostLedger:
     """The most bytes allocated inside `host_memory()` and live at once under one simulated ceiling."""
-    return _host_peak[0]
+
+    peak_bytes = 0
 
 
-def reset_host_peak() -> None:
-    _host_peak[0] = 0
+_ledger: list[HostLedger] = []  # the ledger host bytes are counted in, while `host_ledger()` is active
+
+
+@contextlib.contextmanager
+def host_ledger() -> Iterator[HostLedger]:
+    """While inside, simulated ceilings count what is allocated inside `host_memory()` (on the host optimizer's
+    worker thread too), and the ledger yielded keeps the high-water mark."""
+    ledger = HostLedger()
+    _ledger[:] = [ledger]
+    try:
+        yield ledger
+    finally:
+        _ledger.clear()
 
 
 def active_ceiling() -> SimulatedCeiling | None:
@@ -172,7 +182,8 @@ class SimulatedCeiling(TorchDispatchMode):
             elif seen[0] != nbytes:
                 self._host_live[key] = (nbytes, seen[1])
                 self.host_bytes += nbytes - seen[0]
-            _host_peak[0] = max(_host_peak[0], self.host_bytes)
+            if _ledger:
+                _ledger[0].peak_bytes = max(_ledger[0].peak_bytes, self.host_bytes)
 
     def _release_host(self, key: int) -> None:
         with self._host_lock:
@@ -209,7 +220,8 @@ class SimulatedCeiling(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, unannotated
         out = func(*args, **(kwargs or {}))
         if self._host_depth:
-            self.count_host_outputs(out)
+            if _ledger:
+                self.count_host_outputs(out)
             return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -258,8 +270,9 @@ class _HostThreadCounter(TorchDispatchMode):
 
 def counting_host_on_this_thread(ceiling: SimulatedCeiling | None) -> contextlib.AbstractContextManager[Any]:
     """For a worker thread doing host work: count what it allocates in `ceiling`'s host ledger (the ceiling
-    of the thread that started it, read there with `active_ceiling()`); nothing without a ceiling."""
-    return _HostThreadCounter(ceiling) if ceiling is not None else contextlib.nullcontext()
+    of the thread that started it, read there with `active_ceiling()`); nothing without a ceiling, or outside
+    `host_ledger()`."""
+    return _HostThreadCounter(ceiling) if ceiling is not None and _ledger else contextlib.nullcontext()
 
 
 def _largest_shard_bytes(t: DTensor) -> int:
