@@ -282,8 +282,35 @@ def _memory_lines(rank: int, world: int) -> dict:
     assert max(off) <= 0.10, (floor, fitted)
     transients = sharded_transients(model, "bf16")
     assert (floor - transients + per_sample * m1) / p1 < 0.85, (floor, transients, fitted)
+    _optimizer_step_arithmetic(model)
     return {"params": [float(p.detach().to_local().double().sum()) for p in model.parameters()], "loss": 0.0,
             "off": off}
+
+
+def _optimizer_step_arithmetic(model) -> None:
+    """What the optimizer step holds beyond its state, as the search counts it for a GPU: AdamW left to torch
+    steps the shards fused (nothing more), AdamW named foreach holds one state tensor more, and so does AdamW
+    on an unsharded model, where the form stays torch's; on the CPU torch steps tensor by tensor."""
+    from test_step import Net
+
+    from autotune.configuration import Rung
+    from autotune.search.floors import fused_note, resident_floor, sharded_transients, step_scratch
+    from autotune.workload.optimizers import OptimizerSpec, step_fused_on_shards
+
+    state = sum(p.to_local().numel() * 4 for p in model.parameters())
+    left = OptimizerSpec.from_user(torch.optim.AdamW(model.parameters()), model)
+    named = OptimizerSpec.from_user(torch.optim.AdamW(model.parameters(), foreach=True), model)
+    assert (step_scratch(left, model, "cuda"), step_scratch(named, model, "cuda")) == (0, state)
+    assert step_scratch(left, model, "cpu") == 0
+    assert "fused" in fused_note(left, model, "cuda")[0] and not fused_note(named, model, "cuda")
+    plain = Net(width=256)
+    whole = sum(p.numel() * 4 for p in plain.parameters())
+    assert step_scratch(OptimizerSpec.from_user(None, plain), plain, "cuda") == whole
+    bf16 = Rung(precision="bf16")
+    floor = resident_floor(bf16, model, state_tensors=2)
+    with_step = resident_floor(bf16, model, state_tensors=2, scratch=state)
+    assert with_step == floor - sharded_transients(model, "bf16") + max(state, sharded_transients(model, "bf16"))
+    assert not step_fused_on_shards(torch.optim.AdamW(model.parameters()))  # CPU shards: torch's loop
 
 
 _RUN = {"presharded-fit": _presharded_fit, "one-rank-oom": _one_rank_out_of_memory, "rungs-on-shards": _rungs_on_shards,

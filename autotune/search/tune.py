@@ -37,7 +37,7 @@ from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from . import host_budget
 from .anchors import anchors, eight_bit_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
-from .floors import drop_rungs_over, resident_floor
+from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
 from .ground import trials_on
 from .lines import NOISE
@@ -111,7 +111,8 @@ def tune(job: Job) -> Plan:
     peak = device_peak(job.placement.name, job.placement.kind, settings.read(settings.PEAK_ENV))
     limit = int((1 - job.settings.margin) * job.budget)
     plain = anchors(job.allowed, job.placement, find_blocks(job.model))[0][0]  # the first rung: nothing offloaded
-    floor = resident_floor(plain, job.model, state_tensors_per_parameter(spec))
+    scratch = step_scratch(spec, job.model, job.placement.torch_device.type)
+    floor = resident_floor(plain, job.model, state_tensors_per_parameter(spec), scratch=scratch)
     sharding, sharding_reason = choose_sharding(job.model, floor, limit, job.world)
     to_disk = snapshot_on_disk(job.model)  # once: the snapshot's own file takes the disk room it asks for
     try:
@@ -276,7 +277,7 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
     blocks = (profile_blocks(tuned, example, loss, placement) if profiled
               else find_blocks(tuned))  # sharding's units; and the model's own checkpointing, reported
     rungs, notes = anchors(allowed, placement, blocks, float64=is_float64(tuned))
-    notes += _loss_notes(job.loss_fn, loss, tuned, allowed)
+    notes += _loss_notes(job.loss_fn, loss, tuned, allowed) + fused_note(spec, tuned, placement.torch_device.type)
     rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
     notes += more
     rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried
@@ -286,7 +287,9 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
                       shares=blocks.shares() if blocks is not None else None,
                       compile=_compile_allowed(allowed, placement, compile_notes, is_sharded(tuned)),
                       floors=dict(zip(rungs, floors)))
-    rungs, dropped = drop_rungs_over(rungs, floors, limit)  # floors count what this rank holds: its shard
+    scratch = step_scratch(spec, tuned, placement.torch_device.type)  # and the optimizer step's temporaries
+    at_step = [resident_floor(r, tuned, state_tensors_per_parameter(spec), scratch=scratch) for r in rungs]
+    rungs, dropped = drop_rungs_over(rungs, at_step, limit)  # floors count what this rank holds: its shard
     return _Setup(rungs=rungs, lattice=lattice, blocks=blocks, notes=dtype_notes + notes, dropped=dropped,
                   compile_notes=compile_notes)
 

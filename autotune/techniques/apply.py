@@ -16,7 +16,7 @@ from torch import nn
 from ..configuration import Rung
 from ..devices.placement import Placement
 from ..workload import batch as batches
-from ..workload.optimizers import OptimizerSpec
+from ..workload.optimizers import OptimizerSpec, step_fused_on_shards
 from . import checkpointing, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup
@@ -108,6 +108,7 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
                    else optimizer_8bit.eight_bit_spec(spec, placement.torch_device.type).build(trainable))
         else:
             opt = optimizer if optimizer is not None else spec.build(trainable)
+            step_fused_on_shards(opt)  # the user's own, under plan.apply (`spec.build` fused its own)
         return AppliedRung(rung=rung, model=model, optimizer=opt, scaler=scaler,
                            autocast=autocast_factory(rung.precision, placement), _undo=undo)
     except BaseException:

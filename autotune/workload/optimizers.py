@@ -17,6 +17,8 @@ from ..errors import InvalidSetting
 
 # Classes whose CPU implementation takes `fused=True` (a single vectorised kernel).
 _FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+# Classes stepped fused over FSDP2 shards when the user left the form to torch (`step_fused_on_shards`).
+_FUSED_ON_SHARDS = (torch.optim.Adam, torch.optim.AdamW)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,10 @@ class OptimizerSpec:
             for g in groups:
                 if g.get("fused") and params and params[0].device.type == "cpu":
                     g["fused"] = False  # a CUDA-fused optimizer moved to the CPU simulation
-        return self.build_groups(groups)
+        optimizer = self.build_groups(groups)
+        if not host:
+            step_fused_on_shards(optimizer)
+        return optimizer
 
     def group_indices(self, only: Collection[int] | None = None) -> list[int]:
         """Which of `groups` hold a parameter of `only` (all indices when None): the groups `build` keeps."""
@@ -119,6 +124,72 @@ _STATE_TENSORS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "A
 def state_tensors_per_parameter(spec: OptimizerSpec) -> int:
     """Parameter-sized state tensors the optimizer surely keeps (0 for a factory or an unknown class)."""
     return _STATE_TENSORS.get(spec.cls_name, 0)
+
+
+def step_fused_on_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Step an Adam or AdamW over FSDP2 shards with torch's fused kernel, in the groups where the user left
+    both `fused` and `foreach` unset and torch would pick foreach (CUDA). Returns whether a group changed.
+
+    Torch's foreach step takes the square root of every `exp_avg_sq` of a group in one call, a temporary as
+    large as one optimizer state tensor of the rank (3.1 GB for GPT-2 XL over two ranks), held at the step's
+    peak; the fused kernel steps each tensor in place. It is the same algorithm with the same hyperparameters,
+    the form torch itself recommends for speed; updates may differ in their last bits, as between any two of
+    torch's forms. A group that names its form keeps it.
+    """
+    if type(optimizer) not in _FUSED_ON_SHARDS:  # torch's own classes: a subclass may step otherwise
+        return False
+    changed = False
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if not params or not _all_shards(params) or not _left_to_torch(group, params[0].device.type):
+            continue
+        group["fused"], group["foreach"] = True, False
+        for p in group["params"]:  # the fused kernel reads `step` on the parameter's device
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
+        changed = True
+    if changed:  # as torch's own constructor sets it with fused=True: a GradScaler hands it the scale
+        optimizer.defaults.update(fused=True, foreach=False)
+        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+    return changed
+
+
+def foreach_stepped(spec: OptimizerSpec, params: Sequence[torch.Tensor], device_type: str) -> list[int]:
+    """Indices of `params` whose group the device optimizer `spec` builds steps with foreach on `device_type`:
+    named so, or left to torch where torch picks foreach there and `step_fused_on_shards` does not fuse it.
+    Such a step holds one state-sized temporary of the whole group at once (Adam's square root of
+    `exp_avg_sq`, Adagrad's and RMSprop's alike); none for a factory, whose form is unknown."""
+    if spec.cls_name not in _STATE_TENSORS:
+        return []
+    fused = set(fused_on_shards(spec, params, device_type))
+    return [i for ids, hyper in spec.groups
+            if hyper.get("foreach") or _left_to_torch({**hyper, "params": ids}, device_type)
+            for i in ids if i not in fused]
+
+
+def fused_on_shards(spec: OptimizerSpec, params: Sequence[torch.Tensor], device_type: str) -> list[int]:
+    """Indices of `params` that `step_fused_on_shards` steps fused in the optimizer `spec` builds."""
+    if spec.cls_name not in {c.__name__ for c in _FUSED_ON_SHARDS}:
+        return []
+    return [i for ids, hyper in spec.groups
+            if _left_to_torch({**hyper, "params": ids}, device_type) and _all_shards([params[i] for i in ids])
+            for i in ids]
+
+
+def _left_to_torch(group: dict[str, Any], device_type: str) -> bool:
+    """Whether torch steps this group with foreach on `device_type` because the user named no form."""
+    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+        return False
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return bool(group["params"]) and device_type in _get_foreach_kernels_supported_devices()
+
+
+def _all_shards(params: Sequence[torch.Tensor]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) and torch.is_floating_point(p) for p in params)
 
 
 def _class_builder(klass: type, extra: dict[str, Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
