@@ -226,6 +226,7 @@ def run_presharded(args: argparse.Namespace, device: str, world: int, rank: int)
         fitted = {"plan": None, "no_feasible_plan": str(exc)[:2000]}
     fitted["tune_seconds"] = time.perf_counter() - started
     rungs, _ = ladder(frozenset(TECHNIQUES) - {"compile"}, resolve_device(device), find_blocks(model))
+    rungs = [r for r in rungs if not args.rungs or r.name in args.rungs]
     each = [_one_rung(model, rung, args, device, world, rank) for rung in rungs]
     # What a rank holds before any activation: its shard of FP32 weights, gradients and two AdamW moments.
     # Beside it, while a unit (a block, or the root with the embeddings) runs: its BF16 all-gather (twice with
@@ -402,9 +403,11 @@ class Args:
     trials: tuple[str, ...] = ()
     optimizer_form: str = "default"
     breakdown: bool = False
+    rungs: tuple[str, ...] = ()
 
 
-# AdamW's implementations: torch's default (foreach on CUDA), the fused kernel, the per-tensor loop
+# AdamW's implementations: left unset (autotune steps it fused on shards), foreach (torch's default on CUDA),
+# the fused kernel, the per-tensor loop
 OPTIMIZER_FORMS: dict[str, dict[str, bool]] = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
                                                "loop": {"foreach": False}}
 
@@ -420,7 +423,10 @@ def _parse() -> Args:
     p.add_argument("--steps", type=int, default=20, help="training steps after fit")
     p.add_argument("--rung-steps", type=int, default=3, help="presharded: steps per rung")
     p.add_argument("--optimizer-form", choices=sorted(OPTIMIZER_FORMS), default="default",
-                   help="presharded: AdamW's implementation (torch's default on CUDA is foreach)")
+                   help="presharded: AdamW's implementation (default: left unset, which autotune steps fused on "
+                   "shards; foreach is torch's default on CUDA)")
+    p.add_argument("--rungs", default="", help="presharded: only these rungs, comma-separated names as the "
+                   "plan prints them (e.g. 'bf16+full ckpt'); default every rung")
     p.add_argument("--breakdown", action="store_true",
                    help="presharded, CUDA: each rung's peak by what allocated it (peak_breakdown.py)")
     p.add_argument("--bucket-mb", type=float, default=0, help="replicated: gradient bucket size (default DDP's 25); "
@@ -443,7 +449,8 @@ def _parse() -> Args:
                 bucket_mb=a.bucket_mb, compare_reduce=a.compare_reduce,
                 shares=tuple(x.strip() for x in a.shares.split(",") if x.strip()),
                 trials=tuple(x.strip() for x in a.trials.split(",") if x.strip()),
-                optimizer_form=a.optimizer_form, breakdown=a.breakdown)
+                optimizer_form=a.optimizer_form, breakdown=a.breakdown,
+                rungs=tuple(x.strip() for x in a.rungs.split(",") if x.strip()))
 
 
 if __name__ == "__main__":

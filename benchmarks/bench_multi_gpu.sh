@@ -14,7 +14,8 @@
 #             flat), with `nvidia-smi topo -m`: whether the GPUs talk over NVLink or PCIe
 # large       GPT-2 large sharded before fit at 10 GiB per GPU: fit, then every rung at micro-batch 1 with its peak
 # xlpeak      GPT-2 XL sharded before fit at 16 GiB per GPU, every rung with its peak broken down by what allocated it
-#             (peak_breakdown.py), AdamW as torch defaults it (foreach), then fused (FORMS="default fused")
+#             (peak_breakdown.py), AdamW named foreach (torch's default on CUDA), then left unset, which autotune
+#             steps fused on shards (FORMS="foreach default"); RUNGS="bf16+full ckpt" measures only those rungs
 # Each line of OUT is one JSON result (benchmarks/data/multi_gpu.jsonl by default); a case that fails
 # records its error and the next one still runs.
 set -u
@@ -29,13 +30,14 @@ CASE_S=${CASE_S:-0}  # a time limit per case in seconds (0: none): one slow case
 SHARES_single=${SHARES_single:-${SHARES:-}} SHARES_replicated=${SHARES_replicated:-${SHARES:-}}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} AUTOTUNE_CACHE=off
 B=benchmarks/bench_multi_gpu.py
+first=${CUDA_VISIBLE_DEVICES:-0}; first=${first%%,*}  # single's GPU: the first of those this run may use
 echo "# $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) cases: $CASES" >&2
 for case in $CASES; do
   v="S_$case"; lim=${!v:-$CASE_S}
   LIMIT=(); [ "$lim" -gt 0 ] && LIMIT=(timeout --signal=INT --kill-after=15 "$lim")
   TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
   case $case in
-    single) CUDA_VISIBLE_DEVICES=0 ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" ${SHARES_single:+--shares "$SHARES_single"} --out "$OUT" ;;
+    single) CUDA_VISIBLE_DEVICES=$first ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" ${SHARES_single:+--shares "$SHARES_single"} --out "$OUT" ;;
     replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-reduce ${SHARES_replicated:+--shares "$SHARES_replicated"} ${TRIALS_replicated:+--trials "$TRIALS_replicated"} --out "$OUT" ;;
     unpartitioned) AUTOTUNE_OFFLOAD_PARTITION=0 $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --out "$OUT" ;;
     link) nvidia-smi topo -m >&2; $TR $B --case link --model gpt2-medium --out "$OUT" ;;
@@ -44,8 +46,8 @@ for case in $CASES; do
     # Global batch 16 and 2 steps a rung: at micro-batch 1 a rung's step is per-rank-batch forwards and backwards
     # (at 64 the five rungs did not finish in 150 s on two H200s after fit).
     large) $TR $B --case presharded --model gpt2-large --budget 10GiB --global-batch-size 16 --rung-steps 2 --out "$OUT" ;;
-    xlpeak) for form in ${FORMS:-default fused}; do
-              $TR $B --case presharded --model gpt2-xl --budget 16GiB --global-batch-size 16 --rung-steps 2 --breakdown --optimizer-form "$form" --out "$OUT"
+    xlpeak) for form in ${FORMS:-foreach default}; do
+              $TR $B --case presharded --model gpt2-xl --budget 16GiB --global-batch-size 16 --rung-steps 2 --breakdown --optimizer-form "$form" ${RUNGS:+--rungs "$RUNGS"} --out "$OUT"
             done ;;
     *) echo "unknown case $case (single, replicated, unpartitioned, nooverlap, link, xl, large, xlpeak)" >&2; exit 2 ;;
   esac

@@ -51,6 +51,8 @@ def at_peak(snapshot: dict[str, Any], before: int, device: int = 0) -> dict[str,
     reserved = reserved_at_best = 0
     at_best: dict[int, tuple[int, str]] = {}
     for event in snapshot["device_traces"][device]:
+        if "addr" not in event:  # an "oom" or "snapshot" mark: no block of its own
+            continue
         action, addr, size = event["action"], event["addr"], event["size"]
         if action == "alloc":
             live[addr] = (size, owner(event.get("frames") or []))
@@ -84,7 +86,9 @@ class Recorder:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
+        try:  # recording stops whatever happened inside, or every later allocation would be recorded too
+            torch.cuda.synchronize()
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
         self.breakdown = at_peak(snapshot, self._before, torch.cuda.current_device())

@@ -110,6 +110,7 @@ def test_the_peak_breakdown_replays_the_allocators_trace_to_its_highest_point():
              {"action": "alloc", "addr": 2, "size": 200, "frames": gather},
              {"action": "free_requested", "addr": 2, "size": 200},
              {"action": "free_completed", "addr": 2, "size": 200},
+             {"action": "oom", "size": 4096, "device_free": 0},  # a mark with no block of its own
              {"action": "alloc", "addr": 3, "size": 900, "frames": adam},  # the highest point: 1000 + 300 + 900
              {"action": "free_completed", "addr": 3, "size": 900},
              {"action": "free_completed", "addr": 1, "size": 300},
