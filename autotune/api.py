@@ -18,6 +18,7 @@ from torch import nn
 from . import parallel as distributed
 from .cache import store as plan_cache
 from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, printable, sanitized
+from .devices import allocator
 from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import InvalidSetting, NoFeasiblePlan
@@ -111,6 +112,8 @@ def fit(
                                    device=device, cache=cache, techniques=techniques,
                                    measured_steps=trial_steps, max_trials=max_trials, retune=retune)
     placement = resolve_device(settings.device)
+    if not placement.simulated:  # before any trial: the trials measure under it, and training keeps it
+        allocator.expand_in_process()
     batch = _at_max_length(batch, settings.max_length)
     store = plan_cache.open_cache(settings.cache)
     try:

@@ -13,6 +13,7 @@ from torch import nn
 from .. import parallel as distributed
 from .. import settings
 from ..configuration import Rung
+from ..devices import allocator
 from ..devices import host as host_memory
 from ..devices.peaks import DevicePeak, device_peak
 from ..devices.placement import Placement
@@ -278,6 +279,7 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
               else find_blocks(tuned))  # sharding's units; and the model's own checkpointing, reported
     rungs, notes = anchors(allowed, placement, blocks, float64=is_float64(tuned))
     notes += _loss_notes(job.loss_fn, loss, tuned, allowed) + fused_note(spec, tuned, placement.torch_device.type)
+    notes += allocator.note() if not placement.simulated else []
     rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
     notes += more
     rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried

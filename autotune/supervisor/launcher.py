@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import settings
+from ..devices import allocator
 from ..errors import DeviceError
 from ..plan import Plan
 from ..sizes import format_bytes
@@ -119,7 +120,7 @@ class Launcher:
             self.forks = None
 
     def _environment(self, extra: dict[str, str], result_file: str) -> dict[str, str]:
-        env = {**os.environ, **extra, agent.RESULT_FILE_ENV: result_file,
+        env = {**os.environ, **allocator.job_environment(os.environ), **extra, agent.RESULT_FILE_ENV: result_file,
                agent.LOG_LEVEL_ENV: logging.getLevelName(logging.getLogger("autotune").getEffectiveLevel())}
         # The job imports autotune.supervisor.bootstrap from the same place we were imported from, even when
         # autotune is a source checkout that is not installed; appended, so it shadows nothing.
