@@ -87,13 +87,14 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--expandable-segments", action="store_true",
-                        help="the caching allocator grows segments in place (PYTORCH_CUDA_ALLOC_CONF), set before CUDA "
-                             "starts: against fragmentation when every step has other sizes")
+    parser.add_argument("--allocator", choices=("autotune", "fixed"), default="autotune",
+                        help="autotune: the caching allocator as fit sets it (expandable segments); fixed: "
+                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before CUDA starts, the allocator's "
+                             "default, which fit then keeps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.expandable_segments:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if args.allocator == "fixed":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
     low = args.min_length or args.max_length
     cap_memory(args.device, args.budget)
     model, example = build_gpt(args.model, args.device, args.max_length)
@@ -145,7 +146,7 @@ def main() -> None:
                reserved_within_margin=None if reserved is None else reserved <= limit,
                rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
                allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
-               expandable_segments=args.expandable_segments,
+               allocator_setting=args.allocator,
                step_seconds=[round(x, 4) for x in seconds],
                padded_lengths=[p // args.global_batch_size for p in padded])
     print(json.dumps(row), flush=True)
