@@ -16,8 +16,9 @@ Cases:
                     say sharding="fsdp2" and `plan.apply` shards it; then `--steps` steps.
     presharded      `shard(model)` before `fit`; then every rung of the ladder at micro-batch 1 for a few steps
                     with its peak beside the arithmetic (this rank's shard of weights, gradients, AdamW state);
-                    AdamW in the `--optimizer-form` asked, and with `--breakdown` (CUDA) each rung's peak by
-                    what allocated it (`peak_breakdown.py`).
+                    AdamW in the `--optimizer-form` asked, and with `--breakdown phases` (CUDA) each rung's
+                    peak by phase of the step, or with `--breakdown trace` by what allocated it
+                    (`peak_breakdown.py`).
 
 Every rank runs the same thing; rank 0 prints a JSON line per result (and appends it to `--out`). Each GPU is
 capped at `--budget` with `torch.cuda.set_per_process_memory_fraction`.
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from peak_breakdown import Recorder
+from peak_breakdown import PhasePeaks, Recorder
 from workloads import build_gpt, cap_memory
 
 import autotune
@@ -251,13 +252,17 @@ def _one_rung(model: torch.nn.Module, rung: Any, args: argparse.Namespace, devic
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    recorder = Recorder() if args.breakdown and args.device == "cuda" else contextlib.nullcontext()
+    recorder: Any = contextlib.nullcontext()
+    if args.breakdown == "trace" and args.device == "cuda":
+        recorder = Recorder()
+    elif args.breakdown == "phases" and args.device == "cuda":
+        recorder = PhasePeaks(model, optimizer)
     try:
         with recorder, plan.apply(model, optimizer) as step:
             step.rungs = [rung]  # recovery may not climb: each rung is measured as itself (an OOM at 1 raises)
             timing = _train(step, dataclasses.replace(args, steps=args.rung_steps), device, rank, world)
         outcome = "oom" if step.recoveries else "ok"
-        if isinstance(recorder, Recorder):
+        if isinstance(recorder, (Recorder, PhasePeaks)):
             timing["breakdown"] = recorder.breakdown
     except Exception as exc:  # noqa: BLE001 - an OOM is a measurement; anything else is reported as an error
         if not is_oom(exc) and not isinstance(exc, autotune.NoFeasiblePlan):
@@ -402,7 +407,7 @@ class Args:
     shares: tuple[str, ...] = ()
     trials: tuple[str, ...] = ()
     optimizer_form: str = "default"
-    breakdown: bool = False
+    breakdown: str = ""
     rungs: tuple[str, ...] = ()
 
 
@@ -427,8 +432,9 @@ def _parse() -> Args:
                    "shards; foreach is torch's default on CUDA)")
     p.add_argument("--rungs", default="", help="presharded: only these rungs, comma-separated names as the "
                    "plan prints them (e.g. 'bf16+full ckpt'); default every rung")
-    p.add_argument("--breakdown", action="store_true",
-                   help="presharded, CUDA: each rung's peak by what allocated it (peak_breakdown.py)")
+    p.add_argument("--breakdown", choices=("phases", "trace"), default=None,
+                   help="presharded, CUDA: each rung's peak by phase of the step (forward, backward, optimizer "
+                   "step), or by what allocated it from the allocator's trace (peak_breakdown.py)")
     p.add_argument("--bucket-mb", type=float, default=0, help="replicated: gradient bucket size (default DDP's 25); "
                    "a size above the model's gradients starts the all-reduce only when backward ends: no overlap")
     p.add_argument("--compare-reduce", action="store_true",
@@ -449,7 +455,7 @@ def _parse() -> Args:
                 bucket_mb=a.bucket_mb, compare_reduce=a.compare_reduce,
                 shares=tuple(x.strip() for x in a.shares.split(",") if x.strip()),
                 trials=tuple(x.strip() for x in a.trials.split(",") if x.strip()),
-                optimizer_form=a.optimizer_form, breakdown=a.breakdown,
+                optimizer_form=a.optimizer_form, breakdown=a.breakdown or "",
                 rungs=tuple(x.strip() for x in a.rungs.split(",") if x.strip()))
 
 

@@ -15,7 +15,8 @@
 # large       GPT-2 large sharded before fit at 10 GiB per GPU: fit, then every rung at micro-batch 1 with its peak
 # xlpeak      GPT-2 XL sharded before fit at 16 GiB per GPU, every rung with its peak broken down by what allocated it
 #             (peak_breakdown.py), AdamW named foreach (torch's default on CUDA), then left unset, which autotune
-#             steps fused on shards (FORMS="foreach default"); RUNGS="bf16+full ckpt" measures only those rungs
+#             steps fused on shards (FORMS="foreach default"); RUNGS="bf16+full ckpt" measures only those rungs;
+#             each rung's peak by phase of the step, or BREAKDOWN=trace by what allocated it
 # Each line of OUT is one JSON result (benchmarks/data/multi_gpu.jsonl by default); a case that fails
 # records its error and the next one still runs.
 set -u
@@ -47,7 +48,7 @@ for case in $CASES; do
     # (at 64 the five rungs did not finish in 150 s on two H200s after fit).
     large) $TR $B --case presharded --model gpt2-large --budget 10GiB --global-batch-size 16 --rung-steps 2 --out "$OUT" ;;
     xlpeak) for form in ${FORMS:-foreach default}; do
-              $TR $B --case presharded --model gpt2-xl --budget 16GiB --global-batch-size 16 --rung-steps 2 --breakdown --optimizer-form "$form" ${RUNGS:+--rungs "$RUNGS"} --out "$OUT"
+              $TR $B --case presharded --model gpt2-xl --budget 16GiB --global-batch-size 16 --rung-steps 2 --breakdown "${BREAKDOWN:-phases}" --optimizer-form "$form" ${RUNGS:+--rungs "$RUNGS"} --out "$OUT"
             done ;;
     *) echo "unknown case $case (single, replicated, unpartitioned, nooverlap, link, xl, large, xlpeak)" >&2; exit 2 ;;
   esac

@@ -92,3 +92,48 @@ class Recorder:
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
         self.breakdown = at_peak(snapshot, self._before, torch.cuda.current_device())
+
+
+class PhasePeaks:
+    """The allocated peak of each phase of the steps run inside, and what was allocated when each phase began.
+
+    Read at the model's forward hooks and the optimizer's step hooks, resetting the allocator's peak at each:
+    a phase is "forward", "backward" (from a forward's end to the next forward or the optimizer step) or
+    "optimizer step"; under optimizer offload, where the optimizer given is not the one stepped, backward runs
+    to the next forward. Coarser than `Recorder`, and it records no Python stacks (recording them has failed
+    inside recomputed blocks with a SystemError from dropout).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.peaks: dict[str, int] = {}
+        self.at_start: dict[str, int] = {}
+        self._phase = "before"
+        self._handles: list[Any] = []
+
+    def _close(self, ended: str, begins: str) -> None:
+        torch.cuda.synchronize()
+        if ended == self._phase:
+            self.peaks[ended] = max(self.peaks.get(ended, 0), torch.cuda.max_memory_allocated())
+        self.at_start[begins] = max(self.at_start.get(begins, 0), torch.cuda.memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        self._phase = begins
+
+    def __enter__(self) -> PhasePeaks:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._handles = [
+            self.model.register_forward_pre_hook(lambda *_: self._close(self._phase, "forward")),
+            self.model.register_forward_hook(lambda *_: self._close("forward", "backward")),
+            self.optimizer.register_step_pre_hook(lambda *_: self._close("backward", "optimizer step")),
+            self.optimizer.register_step_post_hook(lambda *_: self._close("optimizer step", "after the step")),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    @property
+    def breakdown(self) -> dict[str, Any]:
+        return {"peak_by_phase": self.peaks, "allocated_at_phase_start": self.at_start}

@@ -58,8 +58,10 @@ def _scenario(name: str, rank: int, world: int) -> dict:
     assert max(extras[0]) <= 0.1 * state, (extras, state)
     assert step_scratch(OptimizerSpec.from_user(left, models[0]), models[0], "cuda") == 0
     assert step_scratch(OptimizerSpec.from_user(named, models[1]), models[1], "cuda") == state
-    for p, q in zip(models[0].parameters(), models[1].parameters()):  # the same updates, to rounding
-        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-5, atol=1e-6)
+    # The same updates to within the forms' rounding: three steps of lr 1e-3 move a weight by up to 3e-3, and the
+    # two forms order their arithmetic differently (torch makes no bitwise promise between them).
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=3e-5)
     return {"extras": extras, "state": state}
 
 
