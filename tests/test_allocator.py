@@ -44,9 +44,11 @@ _PROBE = """
 import torch
 from autotune.devices import allocator
 note = allocator.expand_in_process({})
-x = torch.empty(64 * 2**20, device="cuda")
+x = torch.empty(64 * 2**20, device="cuda")  # a new segment, after the setting
+segment = next(s for s in torch.cuda.memory_snapshot()
+               if s["address"] <= x.data_ptr() < s["address"] + s["total_size"])
 print(note)
-print(all(s.get("is_expandable") for s in torch.cuda.memory_snapshot()))
+print(segment["is_expandable"])
 """
 
 

@@ -176,3 +176,42 @@ def test_a_compiled_plans_reason_says_how_many_graphs(monkeypatch) -> None:
     assert compiling.graphs_note(blocks, 0, False).startswith("compile: one graph for the whole model for every "
                                                               "micro-batch size")
     assert "per kind of repeated block" in compiling.graphs_note(blocks, 2, True)  # recomputed: per block
+
+
+def test_on_fsdp2_shards_each_unit_compiles_its_forward_and_gathers_outside_the_graph(tmp_path) -> None:
+    """A sharded model (one gloo rank, in this process): each block's `forward` is compiled and FSDP2's
+    gather and reshard stay in its eager `__call__`, with two blocks recomputed through their checkpoint and
+    two not. One graph serves every block; the loss and the gradients are those of the sharded eager model."""
+    import torch.distributed as dist
+
+    from autotune.devices.placement import Placement
+    from autotune.techniques import checkpointing
+    from autotune.techniques.sharding import shard
+
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        compiled, eager = shard(_gpt2(), precision="fp32"), shard(_gpt2(), precision="fp32")
+        blocks = find_blocks(compiled)
+        placement = Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=2**34)
+        undo = [checkpointing.install(blocks, 2, offload_activations=False, placement=placement,
+                                      inner=compiling.forward),
+                compiling.install(compiled, blocks, 2)]
+        before = _frames()
+        try:
+            assert all(b._compiled_call_impl is None for b in blocks.blocks)  # FSDP's hooks: eager
+            assert ["forward" in b.__dict__ for b in blocks.blocks] == [True] * 4
+            ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+            losses = [m(input_ids=ids, labels=ids).loss for m in (compiled, eager)]
+            for loss in losses:
+                loss.backward()
+            assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5)
+            for p, q in zip(compiled.parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-4, atol=1e-6)
+            assert _frames() - before <= 2  # one graph for every block (and one inside the checkpoints)
+        finally:
+            for fn in reversed(undo):
+                fn()
+        assert all("forward" not in b.__dict__ for b in blocks.blocks)
+    finally:
+        dist.destroy_process_group()

@@ -56,8 +56,10 @@ def expand_in_process(environ: Mapping[str, str] = os.environ) -> str:
     if given is not None:
         _CHOSEN.note = f"allocator as {given} sets it"
         return _CHOSEN.note
+    # torch's own setter: the accelerator-wide one where torch has it (the CUDA one is deprecated there)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings(SETTING)
+        setter(SETTING)
     except (AttributeError, RuntimeError) as exc:  # an allocator without the setting (cudaMallocAsync, older torch)
         log.info("autotune: the CUDA allocator keeps its settings (%s)", exc)
         _CHOSEN.note = f"allocator unchanged: {exc}"

@@ -287,7 +287,7 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
     compile_notes: list[str] = []
     lattice = Lattice(blocks=len(blocks.blocks) if blocks is not None else 0,
                       shares=blocks.shares() if blocks is not None else None,
-                      compile=_compile_allowed(allowed, placement, compile_notes, is_sharded(tuned)),
+                      compile=_compile_allowed(allowed, placement, compile_notes),
                       floors=dict(zip(rungs, floors)))
     scratch = step_scratch(spec, tuned, placement.torch_device.type)  # and the optimizer step's temporaries
     at_step = [resident_floor(r, tuned, state_tensors_per_parameter(spec), scratch=scratch) for r in rungs]
@@ -333,13 +333,11 @@ def _loss_notes(loss_fn: Any, loss: Any, model: nn.Module, allowed: frozenset[st
     return [f"chunked_loss skipped: {why}"] if hf and why else []
 
 
-def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str], sharded: bool) -> bool:
+def _compile_allowed(allowed: frozenset[str], placement: Placement, notes: list[str]) -> bool:
     """Whether the search may try compile; when it may not although allowed, a note says why."""
     if "compile" not in allowed:
         return False
-    # Not on FSDP2 shards: a compiled block of a sharded model crashed its ranks with an illegal memory access
-    # under torch.compile; compile there is left to a later issue.
-    why = "compile is not tried on an FSDP2-sharded model" if sharded else compile_unavailable(placement)
+    why = compile_unavailable(placement)
     if why is not None:
         notes.append(why)
     return why is None

@@ -22,6 +22,10 @@ so a change of micro-batch (the next trial, a recovery, an uneven last micro-bat
 token batch the sequence dimension is too, from the first call, so training on padded batches of every length
 compiles one graph per block instead of one per length (up to dynamo's recompile limit, then eager).
 
+On an FSDP2-sharded model each unit's `forward` is compiled and its `__call__`, where FSDP gathers the
+unit's parameters before and reshards them after, stays eager: the graph sees whole parameters and no
+collective.
+
 Compiling this way (what `nn.Module.compile()` does) keeps the module object and its state dict as they
 are, and is undone by dropping the compiled call; a model that cannot be compiled falls back to eager with
 a note (the search records the failed trial and goes on without compile).
@@ -65,7 +69,8 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     checkpoint, by `checkpointing.install` through `forward`), or the whole model (see the module
     docstring); returns the undo function."""
     _raise_cache_limits()
-    whole = regions() == "whole" and checkpointed == 0  # read first: a bad setting fails on every model
+    # read first: a bad setting fails on every model; FSDP2 shards compile per unit, never the whole
+    whole = regions() == "whole" and checkpointed == 0 and not _sharded(model)
     # No blocks (none found, or the model's library checkpoints its own): the whole model.
     per_block = blocks is not None and bool(blocks.blocks) and not whole
     # A module called at several depths with some calls recomputed runs compiled through its checkpoint's
@@ -74,13 +79,17 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     targets = ([m for m in blocks.modules() if m not in recomputed] if per_block and blocks is not None
                else [model])
     for module in targets:
-        module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
+        if _sharded(module):  # FSDP2's gather and reshard hooks stay eager around the compiled forward
+            module.forward = forward(module)
+        else:
+            module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
     restore_cache = _no_kv_cache(model) if per_block else (lambda: None)
     length_hook = model.register_forward_pre_hook(_record_length, with_kwargs=True)
 
     def remove() -> None:
         for module in targets:
             module._compiled_call_impl = None  # what nn.Module.compile set; __call__ is eager again
+            module.__dict__.pop("forward", None)  # a unit's compiled forward: its class's again
         length_hook.remove()
         restore_cache()
 
@@ -117,6 +126,14 @@ def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], mo
 
         cache[module] = call
     return cache[module]
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 wraps `module` itself (a unit): its `__call__` runs FSDP's all-gather and reshard hooks,
+    which are compiled around, not into the graph, as torchtitan compiles each block inside its wrapping."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
