@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 16 on one host with 2 GPUs, in one call: the three measurements and the one-GPU baseline.
+# Several GPUs of one host in one call: replicated beside one GPU, sharded, and what the links cost.
 #   bash benchmarks/bench_multi_gpu.sh [OUT.jsonl]
 #   CASES="xl large" bash benchmarks/bench_multi_gpu.sh     # some of them (a call is limited in time)
+#   CASES="single replicated@4 xl xl@4" bash benchmarks/bench_multi_gpu.sh   # CASE@N: on N ranks (default 2)
 # single      replicated GPT-2 medium at 16 GiB, global batch 64, on one GPU (the baseline)
 # replicated  the same on two GPUs: the scaling is its tokens/s over single's; then the same plan again with the
 #             gradient all-reduce the other way from fit's choice (plan.reduce_overlap), same process: the choice's gain
@@ -33,10 +34,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} AUTOTUNE_CACHE=off
 B=benchmarks/bench_multi_gpu.py
 first=${CUDA_VISIBLE_DEVICES:-0}; first=${first%%,*}  # single's GPU: the first of those this run may use
 echo "# $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) cases: $CASES" >&2
-for case in $CASES; do
+for item in $CASES; do
+  case=${item%@*}; ranks=2; [ "$item" != "$case" ] && ranks=${item#*@}  # "xl@4": the case on 4 ranks
   v="S_$case"; lim=${!v:-$CASE_S}
   LIMIT=(); [ "$lim" -gt 0 ] && LIMIT=(timeout --signal=INT --kill-after=15 "$lim")
-  TR="${LIMIT[*]} torchrun --standalone --nproc-per-node 2"
+  TR="${LIMIT[*]} torchrun --standalone --nproc-per-node $ranks"
   case $case in
     single) CUDA_VISIBLE_DEVICES=$first ${LIMIT[*]} python $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" ${SHARES_single:+--shares "$SHARES_single"} --out "$OUT" ;;
     replicated) $TR $B --case replicated --model gpt2-medium --budget 16GiB --steps "$STEPS" --compare-reduce ${SHARES_replicated:+--shares "$SHARES_replicated"} ${TRIALS_replicated:+--trials "$TRIALS_replicated"} --out "$OUT" ;;
@@ -52,5 +54,5 @@ for case in $CASES; do
             done ;;
     *) echo "unknown case $case (single, replicated, unpartitioned, nooverlap, link, xl, large, xlpeak)" >&2; exit 2 ;;
   esac
-  echo "# case $case exit $?" >&2
+  echo "# case $item exit $?" >&2
 done
