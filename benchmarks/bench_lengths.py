@@ -13,7 +13,9 @@ and what training measured over the steps after the first 2: real tokens/s (padd
 of the padded batches, the rate the estimate is for (`trained_over_estimate` is the padded rate over the
 estimate: at the batches' mean padded length the plan expects the same rate per token); the graphs compiled
 (dynamo's count) and recompiles, the recoveries, the reserved peak beside the plan's and the budget less its
-margin, and the process's resident memory.
+margin, the process's resident memory, and the median step of the steps whose length is new beside those whose
+length came before (a cost paid once per length: over lengths 256-1024 most of 100 steps bring a new one;
+`--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths).
 
     python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
         --global-batch-size 32 --steps 100 --out lengths.jsonl
@@ -44,14 +46,15 @@ from autotune.sizes import parse_bytes
 
 
 def batches(steps: int, n: int, low: int, high: int, vocab: int, device: str,
-            masks: bool = True) -> list[dict[str, torch.Tensor]]:
+            masks: bool = True, multiple: int = 1) -> list[dict[str, torch.Tensor]]:
     """`steps` batches of `n` samples, each sample's length uniform in [low, high], padded to the longest (with
-    an attention mask where the model takes one: `masks`)."""
+    an attention mask where the model takes one: `masks`), rounded up to a multiple of `multiple` (as a collator
+    with `pad_to_multiple_of` pads; never past `high`)."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
         lengths = torch.randint(low, high + 1, (n,), generator=g)
-        longest = int(lengths.max())
+        longest = min(high, -(-int(lengths.max()) // multiple) * multiple)
         ids = torch.randint(0, vocab, (n, longest), generator=g)
         mask = torch.arange(longest)[None, :] < lengths[:, None]
         labels = ids.masked_fill(~mask, -100)
@@ -70,6 +73,21 @@ def padded_example(rows: int, low: int, high: int, vocab: int, device: str) -> d
     ids = torch.randint(0, vocab, (high,), generator=torch.Generator().manual_seed(2))
     batch["input_ids"][0], batch["labels"][0], batch["attention_mask"][0] = ids, ids, 1
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def _first_and_again(seconds: list[float], lengths: list[int]) -> tuple[float | None, float | None]:
+    """The median step of the steps whose length came for the first time, and of those whose length came before:
+    a cost paid once per length shows as the gap between the two."""
+    seen: set[int] = set()
+    first, again = [], []
+    for s, n in zip(seconds, lengths):
+        (again if n in seen else first).append(s)
+        seen.add(n)
+
+    def median(xs: list[float]) -> float | None:
+        return round(sorted(xs)[len(xs) // 2], 4) if xs else None
+
+    return median(first), median(again)
 
 
 def _compiled_frames() -> tuple[int, int]:
@@ -91,6 +109,9 @@ def main() -> None:
                         help="autotune: the caching allocator as fit sets it (expandable segments); fixed: "
                              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before CUDA starts, the allocator's "
                              "default, which fit then keeps")
+    parser.add_argument("--length-multiple", type=int, default=1,
+                        help="pad each batch to a multiple of this many tokens, as a collator's pad_to_multiple_of "
+                             "does: fewer distinct lengths in training (default 1: to the longest sample)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.allocator == "fixed":
@@ -111,7 +132,8 @@ def main() -> None:
     row.update(tune_s=round(time.perf_counter() - started, 1), plan=plan.summary(), reason=plan.reason,
                estimate_tokens_per_s=plan.tokens_per_second, mfu=plan.mfu, plan_peak=plan.peak_memory_bytes)
     print(json.dumps(row), flush=True)
-    data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face)
+    data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face,
+                   args.length_multiple)
     frames_before, recompiles_before = _compiled_frames()
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -137,6 +159,7 @@ def main() -> None:
     trained_padded = sum(padded[kept]) / sum(seconds[kept])
     mean_length = sum(tokens) / len(tokens) / args.global_batch_size
     mean_padded = sum(padded) / len(padded) / args.global_batch_size
+    first, again = _first_and_again(seconds[kept], [p // args.global_batch_size for p in padded][kept])
     row.update(trained_tokens_per_s=round(trained), trained_padded_tokens_per_s=round(trained_padded),
                mean_length=round(mean_length, 1), mean_padded_length=round(mean_padded, 1),
                trained_over_estimate=(round(trained_padded / plan.tokens_per_second, 3) if plan.tokens_per_second
@@ -146,7 +169,8 @@ def main() -> None:
                reserved_within_margin=None if reserved is None else reserved <= limit,
                rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
                allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
-               allocator_setting=args.allocator,
+               allocator_setting=args.allocator, length_multiple=args.length_multiple,
+               median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],
                padded_lengths=[p // args.global_batch_size for p in padded])
     print(json.dumps(row), flush=True)
