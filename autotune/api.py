@@ -74,7 +74,8 @@ def fit(
             copy of the model), bytes or a string like "96GiB"; default what this process may use (available
             memory, capped by a cgroup limit) less 10%. A configuration over it is never run.
         max_length: the longest sequence training will see, in tokens; default the example batch's. The
-            trials run the example tiled out to it, so no length training sees can pass the plan's peak.
+            trials run the example tiled out to it, so no length training sees can pass the plan's peak; the
+            plan's throughput is measured on the example as given (one more trial, where it is shorter).
         device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
         cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
         techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile",
@@ -114,10 +115,11 @@ def fit(
     placement = resolve_device(settings.device)
     if not placement.simulated:  # before any trial: the trials measure under it, and training keeps it
         allocator.expand_in_process()
-    batch = _at_max_length(batch, settings.max_length)
+    longest = _at_max_length(batch, settings.max_length)
+    typical = batch if longest is not batch else None  # throughput is measured at the example's own length
     store = plan_cache.open_cache(settings.cache)
     try:
-        plan = _fit(model, batch, optimizer, loss_fn, settings, placement, store, progress)
+        plan = _fit(model, longest, optimizer, loss_fn, settings, placement, store, progress, typical)
     finally:
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
@@ -156,8 +158,9 @@ def _recorder(store: plan_cache.PlanCache) -> Callable[[Plan, Plan | None, str, 
 
 
 def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings, placement: Placement,
-         store: plan_cache.PlanCache | None, progress: Any) -> Plan:
-    """The cached plan when one still fits, else a search (whose result, or its failure, is cached)."""
+         store: plan_cache.PlanCache | None, progress: Any, typical: Any = None) -> Plan:
+    """The cached plan when one still fits, else a search (whose result, or its failure, is cached). `batch` is
+    the example at `max_length`; `typical`, the example at its own length where that is shorter."""
     example_size = batches.batch_size(batch)
     world = distributed.world_size()
     global_batch = settings.global_batch_size or example_size * world
@@ -175,7 +178,8 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
     key = plan_cache.plan_key(parts)
 
     job = Job(model=model, batch=batch, optimizer=optimizer, loss_fn=loss_fn, settings=settings, placement=placement,
-              budget=budget, allowed=allowed, global_batch=global_batch, per_rank=per_rank, world=world)
+              budget=budget, allowed=allowed, global_batch=global_batch, per_rank=per_rank, world=world,
+              typical=typical)
     if store is not None and not settings.retune:
         hit = _cached(store, parts, settings, placement, budget_now, lambda plan: verify(plan, job))
         if hit is not None:

@@ -35,7 +35,7 @@ from ..workload.batching import split_sizes
 from ..workload.losses import chunked_default_loss
 from ..workload.losses import resolve as resolve_loss
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
-from . import host_budget
+from . import host_budget, typical
 from .anchors import anchors, eight_bit_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
 from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
@@ -72,6 +72,7 @@ class Job:
     world: int
     bound: int | None = None
     progress: Progress | None = None
+    typical: Any = None  # the example at its own length, where `batch` is it lengthened to max_length
 
 
 @dataclass(kw_only=True)
@@ -155,8 +156,13 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     copied = sharding == "fsdp2" and not is_sharded(job.model)
     with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision,
                    snapshot_to_disk=snapshot_to_disk) as tuned:
-        state, setup, work, flops = _search(job, tuned, spec, limit, snapshot_in_ram=not snapshot_to_disk)
+        state, setup, work, counted = _search(job, tuned, spec, limit, snapshot_in_ram=not snapshot_to_disk)
     tokens = batches.tokens_per_sample(job.batch)
+    per_token: int | None
+    if isinstance(counted, typical.TypicalRate):  # throughput at the example's length, the peak at max_length's
+        rate, per_token, flops = counted.samples_per_second, counted.length, counted.flops
+    else:
+        rate, per_token, flops = state.best.samples_per_second, tokens, counted
     best_rung = state.best.rung
     closing = _why_no_mfu(flops, peak, best_rung.precision, job.placement.kind)
     if best_rung.compile:
@@ -178,12 +184,11 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
                 micro_batch_size=sizes[0], accumulation_steps=len(sizes),
                 world_size=job.world, global_batch_size=job.global_batch, last_micro_batch_size=sizes[-1],
                 peak_memory_bytes=best.peak_bytes, memory_budget_bytes=job.budget, margin=job.settings.margin,
-                samples_per_second=best.samples_per_second,
-                tokens_per_second=best.samples_per_second * tokens if tokens else None,
+                samples_per_second=rate, tokens_per_second=rate * per_token if per_token else None,
                 device=job.placement.kind, device_name=job.placement.name, source="tuned", reason=text,
                 trials=tuple(state.trials), flops_per_sample=flops.per_sample, sharding=sharding,
                 reduce_overlap=state.reduce_overlap,
-                mfu=utilization(flops.per_sample, best.samples_per_second, job.world, peak, best.rung.precision),
+                mfu=utilization(flops.per_sample, rate, job.world, peak, best.rung.precision),
                 min_micro_batch_size=state.smallest, techniques=tuple(sorted(job.allowed)), max_length=tokens,
                 host_peak_bytes=_host_peak(best, host_budget.need(best.rung, job.model, spec, job.placement.kind,
                                                                   fraction=host_fraction, overlap=state.overlap,
@@ -211,7 +216,7 @@ def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
 
 
 def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
-            snapshot_in_ram: bool) -> tuple[SearchState, _Setup, Workload, FlopCount]:
+            snapshot_in_ram: bool) -> tuple[SearchState, _Setup, Workload, FlopCount | typical.TypicalRate]:
     """The controller's search on `tuned`, then the phases; with what it started from and the workload."""
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
@@ -240,6 +245,10 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
     state = SearchState.of(controller.search(rungs, setup.lattice))
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
+    if job.typical is not None:  # the figures at the example's own length; the peak stays max_length's
+        rate, note = typical.measure(state, work, job.typical)
+        state.notes.append(note)
+        return state, setup, work, rate if rate is not None else flops
     return state, setup, work, flops
 
 

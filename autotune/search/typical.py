@@ -1,0 +1,48 @@
+"""A plan's rate at the example's own length, where `fit` ran the trials at `max_length`.
+
+The trials run every configuration at the longest sequence training will see, so that no length passes the
+plan's peak. The rate at that length understates training on shorter batches: attention's cost per token grows
+with the length. When `fit` lengthened the example to `max_length`, one more trial runs the chosen
+configuration at the example's own length, the length the user gave as typical, and the plan's samples/s,
+tokens/s, FLOPs per sample and MFU are that trial's; its peak and `max_length` stay the longest length's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .. import parallel as distributed
+from ..workload import batch as batches
+from .flops import FlopCount, count_flops
+from .state import SearchState
+from .trial import TrialRunner, Workload
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TypicalRate:
+    """The chosen configuration measured at the example's own length."""
+
+    length: int  # tokens per sample
+    samples_per_second: float
+    flops: FlopCount
+
+
+def measure(state: SearchState, work: Workload, example: Any) -> tuple[TypicalRate | None, str]:
+    """One trial of `state.best` on `example` (on the host; moved to the device here), and the note for the
+    plan's reason; no rate when the trial did not run clean (the rate at `max_length` then stands)."""
+    batch = batches.detached(batches.to_device(example, work.placement.torch_device))
+    length = batches.tokens_per_sample(batch) or 0
+    best = state.best
+    # The search's own host share; 0.0 is the optimizer state sharded over the ranks, run as offload (recovery.py).
+    fraction = state.fraction if best.rung.offload == "optimizer" and state.fraction is not None else 1.0
+    trial = TrialRunner(dataclasses.replace(work, batch=batch), agree=distributed.agree_trial)(
+        best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=state.overlap is True)
+    if not trial.fits or not trial.samples_per_second:
+        return None, (f"rate at the example's length ({length} tokens) not measured ({trial.outcome}): the figures "
+                      "are at max_length")
+    flops = count_flops(work.model, batch, work.loss_fn, work.placement)
+    note = (f"figures at the example's length, {length} tokens ({trial.samples_per_second * length:,.0f} tokens/s; "
+            f"{best.samples_per_second * (batches.tokens_per_sample(work.batch) or 0):,.0f} at max_length, where the "
+            f"peak was measured)")
+    return TypicalRate(length, trial.samples_per_second, flops), note
