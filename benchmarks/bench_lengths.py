@@ -112,10 +112,16 @@ def main() -> None:
     parser.add_argument("--length-multiple", type=int, default=1,
                         help="pad each batch to a multiple of this many tokens, as a collator's pad_to_multiple_of "
                              "does: fewer distinct lengths in training (default 1: to the longest sample)")
+    parser.add_argument("--no-cudnn-attention", action="store_true",
+                        help="turn off cuDNN's attention for SDPA (torch.backends.cuda.enable_cudnn_sdp(False)) "
+                             "before fit: cuDNN builds an execution plan for every new shape, which a step at a "
+                             "new length would pay")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.allocator == "fixed":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     low = args.min_length or args.max_length
     cap_memory(args.device, args.budget)
     model, example = build_gpt(args.model, args.device, args.max_length)
@@ -170,6 +176,7 @@ def main() -> None:
                rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
                allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
                allocator_setting=args.allocator, length_multiple=args.length_multiple,
+               cudnn_attention=not args.no_cudnn_attention,
                median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],
                padded_lengths=[p // args.global_batch_size for p in padded])
