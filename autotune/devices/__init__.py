@@ -1,5 +1,6 @@
 """The device underneath: where training runs and how much memory it may use.
 
 `placement` (device facts, budgets, memory readings, units) · `nvml` (what the driver reports, outside
-the allocator) · `ceiling` (the simulated device on the CPU: a byte-counting memory limit).
+the allocator) · `ceiling` (the simulated device on the CPU: a byte-counting memory limit) · `allocator`
+(the CUDA caching allocator's expandable segments, set unless the user configured it).
 """
