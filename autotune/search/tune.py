@@ -246,7 +246,8 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
     if job.typical is not None:  # the figures at the example's own length; the peak stays max_length's
-        rate, note = typical.measure(state, work, job.typical)
+        rate, note = typical.measure(state, work, job.typical,
+                                     job.progress.watch if job.progress is not None else None)
         state.notes.append(note)
         return state, setup, work, rate if rate is not None else flops
     return state, setup, work, flops

@@ -10,11 +10,13 @@ tokens/s, FLOPs per sample and MFU are that trial's; its peak and `max_length` s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from .. import parallel as distributed
 from ..workload import batch as batches
 from .flops import FlopCount, count_flops
+from .progress import Runner
 from .state import SearchState
 from .trial import TrialRunner, Workload
 
@@ -28,16 +30,22 @@ class TypicalRate:
     flops: FlopCount
 
 
-def measure(state: SearchState, work: Workload, example: Any) -> tuple[TypicalRate | None, str]:
+def measure(state: SearchState, work: Workload, example: Any,
+            watch: Callable[[Runner, str], Runner] | None = None) -> tuple[TypicalRate | None, str]:
     """One trial of `state.best` on `example` (on the host; moved to the device here), and the note for the
-    plan's reason; no rate when the trial did not run clean (the rate at `max_length` then stands)."""
+    plan's reason; no rate when the trial did not run clean (the rate at `max_length` then stands). `watch`
+    shows the trial as the search's progress lines show theirs."""
     batch = batches.detached(batches.to_device(example, work.placement.torch_device))
     length = batches.tokens_per_sample(batch) or 0
     best = state.best
     # The search's own host share; 0.0 is the optimizer state sharded over the ranks, run as offload (recovery.py).
     fraction = state.fraction if best.rung.offload == "optimizer" and state.fraction is not None else 1.0
-    trial = TrialRunner(dataclasses.replace(work, batch=batch), agree=distributed.agree_trial)(
-        best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=state.overlap is True)
+    run: Runner = TrialRunner(dataclasses.replace(work, batch=batch), agree=distributed.agree_trial)
+    if watch is not None:
+        run = watch(run, f"at the example's length ({length} tokens)")
+    # twice the measured steps, as the search re-measures a close call: one trial stands for the plan's rate
+    trial = run(best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=state.overlap is True,
+                measured_steps=2 * work.measured_steps)
     if not trial.fits or not trial.samples_per_second:
         return None, (f"rate at the example's length ({length} tokens) not measured ({trial.outcome}): the figures "
                       "are at max_length")
