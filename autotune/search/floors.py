@@ -36,7 +36,7 @@ def step_scratch(spec: OptimizerSpec, model: nn.Module, device_type: str) -> int
     At the end of a step, not under the activations' peak; but on a rung whose state is most of the memory
     (an FSDP2 rank of GPT-2 XL: 3.1 GB beside 12.5 GB of shards and state) it is the peak."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return sum(_held(trainable[i]) * trainable[i].element_size() for i in foreach_stepped(spec, trainable, device_type))
+    return _held_bytes(trainable, foreach_stepped(spec, trainable, device_type))
 
 
 def fused_note(spec: OptimizerSpec, model: nn.Module, device_type: str) -> list[str]:
@@ -45,7 +45,7 @@ def fused_note(spec: OptimizerSpec, model: nn.Module, device_type: str) -> list[
     fused = fused_on_shards(spec, trainable, device_type)
     if not fused:
         return []
-    saved = sum(_held(trainable[i]) * trainable[i].element_size() for i in fused)
+    saved = _held_bytes(trainable, fused)
     return [f"{spec.cls_name} steps the shards with torch's fused kernel (its foreach form, torch's default here, "
             f"would hold {format_bytes(saved)} more per rank at the step)"]
 
@@ -96,6 +96,11 @@ def _state_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
     if rung.optimizer_8bit:
         return weights + grads + state_tensors * optimizer_8bit.STATE_BYTES * sum(_held(p) for p in trainable)
     return weights + (1 + state_tensors) * grads
+
+
+def _held_bytes(params: list[nn.Parameter], indices: list[int]) -> int:
+    """Bytes this rank holds of `params[i]` for each i in `indices`: one state tensor of those parameters."""
+    return sum(_held(params[i]) * params[i].element_size() for i in indices)
 
 
 def _held(p: torch.Tensor) -> int:

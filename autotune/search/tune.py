@@ -156,13 +156,12 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     copied = sharding == "fsdp2" and not is_sharded(job.model)
     with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision,
                    snapshot_to_disk=snapshot_to_disk) as tuned:
-        state, setup, work, counted = _search(job, tuned, spec, limit, snapshot_in_ram=not snapshot_to_disk)
+        state, setup, work, flops = _search(job, tuned, spec, limit, snapshot_in_ram=not snapshot_to_disk)
+        at_typical = _at_typical_length(job, state, work)
     tokens = batches.tokens_per_sample(job.batch)
-    per_token: int | None
-    if isinstance(counted, typical.TypicalRate):  # throughput at the example's length, the peak at max_length's
-        rate, per_token, flops = counted.samples_per_second, counted.length, counted.flops
-    else:
-        rate, per_token, flops = state.best.samples_per_second, tokens, counted
+    rate, per_token = state.best.samples_per_second, tokens
+    if at_typical is not None:  # throughput at the example's length, the peak at max_length's
+        rate, per_token, flops = at_typical.samples_per_second, at_typical.length, at_typical.flops
     best_rung = state.best.rung
     closing = _why_no_mfu(flops, peak, best_rung.precision, job.placement.kind)
     if best_rung.compile:
@@ -216,7 +215,7 @@ def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
 
 
 def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
-            snapshot_in_ram: bool) -> tuple[SearchState, _Setup, Workload, FlopCount | typical.TypicalRate]:
+            snapshot_in_ram: bool) -> tuple[SearchState, _Setup, Workload, FlopCount]:
     """The controller's search on `tuned`, then the phases; with what it started from and the workload."""
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
@@ -245,12 +244,17 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
     state = SearchState.of(controller.search(rungs, setup.lattice))
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
-    if job.typical is not None:  # the figures at the example's own length; the peak stays max_length's
-        rate, note = typical.measure(state, work, job.typical,
-                                     job.progress.watch if job.progress is not None else None)
-        state.notes.append(note)
-        return state, setup, work, rate if rate is not None else flops
     return state, setup, work, flops
+
+
+def _at_typical_length(job: Job, state: SearchState, work: Workload) -> typical.TypicalRate | None:
+    """Where `fit` lengthened the example to max_length: the pick's figures at the example's own length (its
+    note goes to the plan's reason); None otherwise, or where that trial did not run clean."""
+    if job.typical is None:
+        return None
+    rate, note = typical.measure(state, work, job.typical, job.progress.watch if job.progress is not None else None)
+    state.notes.append(note)
+    return rate
 
 
 def _pinned_bytes(model: nn.Module, spec: OptimizerSpec, device_type: str,
