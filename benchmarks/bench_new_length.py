@@ -25,7 +25,8 @@ import os
 import sys
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -52,7 +53,9 @@ def batch_of_length(n: int, length: int, vocab: int, device: str, seed: int, mas
     lengths[0] = length
     ids = torch.randint(0, vocab, (n, length), generator=g)
     mask = torch.arange(length)[None, :] < lengths[:, None]
-    batch = {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)} | ({"attention_mask": mask.long()} if masks else {})
+    batch = {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+    if masks:
+        batch["attention_mask"] = mask.long()
     return {k: v.to(device) for k, v in batch.items()}
 
 
