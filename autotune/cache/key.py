@@ -28,6 +28,7 @@ import torch
 from ..devices import host as host_memory
 from ..plan import PLAN_FORMAT_VERSION
 from ..techniques import TECHNIQUES as TECHNIQUE_NAMES
+from ..techniques import attention_lengths
 from ..workload import batch as batches
 
 PART_FIELDS = ("format", "model", "batch", "global_batch_size", "world_size", "device", "budget_bytes", "margin",
@@ -143,10 +144,14 @@ def callable_name(fn: Any) -> str:
 
 
 def runtime_versions(kind: str) -> dict[str, Any]:
-    """torch and CUDA versions, and on CUDA the allocator settings (expandable segments change peaks)."""
+    """torch and CUDA versions, and on CUDA the allocator settings (expandable segments change peaks); the
+    length attention is padded to, where it is (another shape per step, and another speed)."""
     alloc = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    return {"torch": str(torch.__version__), "cuda": torch.version.cuda,
-            "alloc_conf": alloc if kind == "cuda" else None}
+    versions: dict[str, Any] = {"torch": str(torch.__version__), "cuda": torch.version.cuda,
+                                "alloc_conf": alloc if kind == "cuda" else None}
+    if attention_lengths.wanted(kind):
+        versions["attention_multiple"] = attention_lengths.MULTIPLE
+    return versions
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from ..evidence import Trial
 from ..plan import Plan
 from ..settings import FitSettings, result_file
 from ..sizes import parse_bytes
-from ..techniques import dtype_conflict, find_blocks, is_float64, profile_blocks, serve_dtypes
+from ..techniques import attention_lengths, dtype_conflict, find_blocks, is_float64, profile_blocks, serve_dtypes
 from ..techniques.blocks import BlockGroup
 from ..techniques.compile import graphs_note
 from ..techniques.compile import unavailable as compile_unavailable
@@ -294,6 +294,7 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
     rungs, notes = anchors(allowed, placement, blocks, float64=is_float64(tuned))
     notes += _loss_notes(job.loss_fn, loss, tuned, allowed) + fused_note(spec, tuned, placement.torch_device.type)
     notes += allocator.note() if not placement.simulated else []
+    notes += attention_lengths.note(placement.torch_device.type)
     rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
     notes += more
     rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried

@@ -17,7 +17,7 @@ from ..configuration import Rung
 from ..devices.placement import Placement
 from ..workload import batch as batches
 from ..workload.optimizers import OptimizerSpec, step_fused_on_shards
-from . import checkpointing, optimizer_8bit
+from . import attention_lengths, checkpointing, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup
 from .ladder import block_count
@@ -87,6 +87,7 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
     try:
         scaler = make_scaler(rung.precision, placement)
         count = block_count(rung, blocks)  # refuses checkpointing on a model without repeated blocks
+        undo.append(attention_lengths.install(placement.torch_device.type))
         if rung.checkpointing != "none" and blocks is not None and not blocks.library:
             # (where the model's library checkpoints already, its blocks are recomputed once, by it)
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",

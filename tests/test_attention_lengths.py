@@ -1,0 +1,149 @@
+"""Attention padded to a multiple of 64 tokens: the same outputs and gradients at every real position, cuDNN
+shown a few lengths only, and nothing padded where padding would change what a real query sees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autotune.configuration import Rung
+from autotune.devices.placement import resolve_device
+from autotune.techniques import apply_rung
+from autotune.techniques import attention_lengths as lengths
+from autotune.workload.optimizers import OptimizerSpec
+
+
+def _record(monkeypatch) -> list[tuple[int, ...]]:
+    """The query shapes that will reach torch's own attention (the kernel that builds a plan per shape)."""
+    shapes: list[tuple[int, ...]] = []
+    original = lengths._original
+
+    def recorded(query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(lengths, "_original", recorded)
+    return shapes
+
+
+@pytest.fixture
+def seen(monkeypatch) -> list[tuple[int, ...]]:
+    return _record(monkeypatch)
+
+
+def _inputs(length: int, heads: int = 4, kv_heads: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(length)
+    return [torch.randn(2, h, length, 8, generator=g, dtype=torch.float64, requires_grad=True)
+            for h in (heads, kv_heads, kv_heads)]
+
+
+def _padding_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
+    """A batch's padding as a model passes it: sample 1 is 5 tokens shorter; causal within the real tokens."""
+    real = torch.arange(length)[None, :] < torch.tensor([length, length - 5])[:, None]
+    mask = torch.ones(length, length).tril().bool()[None, None] & real[:, None, None, :]
+    mask |= torch.eye(length, dtype=torch.bool)  # every row sees a key, as models keep their padded rows finite
+    if dtype == torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+CASES = {
+    "causal": lambda n: {"is_causal": True},
+    "bool-mask": lambda n: {"attn_mask": _padding_mask(n, torch.bool)},
+    "float-mask": lambda n: {"attn_mask": _padding_mask(n, torch.float64)},
+    "key-mask-one-row": lambda n: {"attn_mask": _padding_mask(n, torch.bool)[:, :, -1:, :]},
+    "grouped-query": lambda n: {"is_causal": True, "enable_gqa": True},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("length", [13, 64, 70])
+def test_every_real_position_gets_the_attention_and_gradients_of_its_own_length(case, length, seen):
+    heads = (4, 2) if case == "grouped-query" else (4, 4)
+    kwargs = CASES[case](length)
+    want_in, got_in = _inputs(length, *heads), _inputs(length, *heads)
+    want = lengths._original(*want_in, **kwargs)
+    seen.clear()
+    got = lengths.padded_attention(*got_in, **kwargs)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    assert [s[-2] for s in seen] == [-(-length // 64) * 64], "the kernel saw another length than the bucket's"
+
+
+@pytest.mark.parametrize("case", ["no mask, not causal", "cross-attention", "mask broadcast over keys"])
+def test_a_call_that_padding_would_change_runs_as_given(case, seen):
+    q, k, v = _inputs(13)
+    kwargs: dict = {}
+    if case == "no mask, not causal":  # every query sees every key: padded keys would be seen
+        pass
+    elif case == "cross-attention":
+        k, v = (t[:, :, :9].detach() for t in (k, v))
+    else:
+        kwargs["attn_mask"] = torch.ones(2, 1, 13, 1, dtype=torch.bool)
+    got = lengths.padded_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(got, lengths._original(q, k, v, **kwargs), rtol=0, atol=0)
+    assert [s[-2] for s in seen] == [13, 13]
+
+
+def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_removal_restores_it(monkeypatch):
+    placement = resolve_device("cpu")
+    model = torch.nn.Linear(4, 4)
+    spec = OptimizerSpec.from_user(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    monkeypatch.delenv("AUTOTUNE_ATTENTION_BUCKETS", raising=False)
+    assert not lengths.wanted("cpu") and lengths.note("cpu") == []  # on the CPU only where asked
+    for setting, routed in (("1", True), ("0", False)):
+        monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", setting)
+        applied = apply_rung(model, Rung(), spec, placement, None)
+        assert (F.scaled_dot_product_attention is lengths.padded_attention) is routed
+        applied.remove()
+        assert F.scaled_dot_product_attention is lengths._original
+    monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
+    assert "AUTOTUNE_ATTENTION_BUCKETS=0" in lengths.note("cpu")[0]  # the reason names the way out
+
+
+def test_a_compiled_gpt2_trains_every_length_through_one_graph_at_the_eager_loss(monkeypatch):
+    """Lengths 9-32 with a padding mask through per-block compile: one graph, each loss the unpadded eager one;
+    uncompiled, every layer's attention runs at 64 tokens."""
+    transformers = pytest.importorskip("transformers")
+    from autotune.techniques import compile as compiling
+    from autotune.techniques import find_blocks
+
+    def gpt2() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model, eager = gpt2(), gpt2()
+    monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
+    restore = lengths.install("cpu")
+    ids = torch.randint(0, 97, (3, 20))
+    with pytest.MonkeyPatch.context() as spy:  # (eager only: a recorder inside a graph would be compiled)
+        seen = _record(spy)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    assert [s[-2] for s in seen] == [64, 64], "the model's attention did not reach the padded function"
+    undo = compiling.install(model, find_blocks(model), 0)
+    before = int(counters["frames"]["ok"])
+    try:
+        for length in (32, 16, 24, 9):
+            ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
+            mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
+            labels = ids.masked_fill(mask == 0, -100)
+            got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            restore()  # the eager reference runs unpadded
+            want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+            restore = lengths.install("cpu")
+            assert got.item() == pytest.approx(want.item(), rel=1e-5)
+        assert int(counters["frames"]["ok"]) - before == 1, "a new length compiled another graph"
+    finally:
+        undo()
+        restore()
