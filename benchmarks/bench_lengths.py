@@ -116,8 +116,13 @@ def main() -> None:
                         help="turn off cuDNN's attention for SDPA (torch.backends.cuda.enable_cudnn_sdp(False)) "
                              "before fit: cuDNN builds an execution plan for every new shape, which a step at a "
                              "new length would pay")
+    parser.add_argument("--no-attention-buckets", action="store_true",
+                        help="AUTOTUNE_ATTENTION_BUCKETS=0: attention runs at each batch's own length instead of "
+                             "the length rounded up to a multiple of 64 (cuDNN then builds a plan per new length)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.no_attention_buckets:
+        os.environ["AUTOTUNE_ATTENTION_BUCKETS"] = "0"
     if args.allocator == "fixed":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
     if args.no_cudnn_attention:
@@ -176,7 +181,7 @@ def main() -> None:
                rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
                allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
                allocator_setting=args.allocator, length_multiple=args.length_multiple,
-               cudnn_attention=not args.no_cudnn_attention,
+               cudnn_attention=not args.no_cudnn_attention, attention_buckets=not args.no_attention_buckets,
                median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],
                padded_lengths=[p // args.global_batch_size for p in padded])

@@ -10,8 +10,11 @@ operators whose host time grew most on the new length's step are listed, which n
 `--sdpa` picks scaled_dot_product_attention's backends before `fit`, so the plan is tuned and trained with
 them: `default` leaves torch's choice, `no-cudnn` turns cuDNN's attention off
 (torch.backends.cuda.enable_cudnn_sdp(False)), `efficient` keeps only the memory-efficient kernel and math.
+`--no-attention-buckets` runs attention at each batch's own length, not rounded up to a multiple of 64 tokens
+as a plan does under cuDNN's attention (so each new length here is a new shape for cuDNN).
 
     python benchmarks/bench_new_length.py --sdpa default --out new_length.jsonl
+    python benchmarks/bench_new_length.py --sdpa default --no-attention-buckets --out new_length.jsonl
     python benchmarks/bench_new_length.py --sdpa no-cudnn --out new_length.jsonl
     python benchmarks/bench_new_length.py --model tiny-gpt --device cpu --budget 64MiB --min-length 8 \\
         --max-length 32 --global-batch-size 8 --lengths 3 --out /tmp/new_length.jsonl      # a CPU dry run
@@ -94,10 +97,14 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--lengths", type=int, default=12, help="how many new lengths get a pair of steps")
     parser.add_argument("--sdpa", choices=("default", "no-cudnn", "efficient"), default="default")
+    parser.add_argument("--no-attention-buckets", action="store_true",
+                        help="AUTOTUNE_ATTENTION_BUCKETS=0: attention at each batch's own length")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     set_sdpa(args.sdpa)
+    if args.no_attention_buckets:
+        os.environ["AUTOTUNE_ATTENTION_BUCKETS"] = "0"
     cap_memory(args.device, args.budget)
     model, example = build_gpt(args.model, args.device, args.max_length)
     masks = hasattr(model, "config")  # the tiny GPT of the dry run takes no attention mask
@@ -105,6 +112,7 @@ def main() -> None:
     if masks:
         example = padded_example(example["input_ids"].shape[0], args.min_length, args.max_length, vocab, args.device)
     row: dict[str, Any] = {"model": args.model, "budget": args.budget, "sdpa": args.sdpa,
+                           "attention_buckets": not args.no_attention_buckets,
                            "lengths": [args.min_length, args.max_length], **environment(args.device)}
     started = time.perf_counter()
     plan = autotune.fit(model, example, global_batch_size=args.global_batch_size, memory_budget=args.budget,

@@ -24,6 +24,8 @@
 #   lengths_fixed the lengths part with the allocator's fixed segments (bench_lengths.py --allocator fixed)
 #   lengths64 the lengths part with every batch padded to a multiple of 64 tokens, as a collator can pad
 #   lengths_nocudnn the lengths part with cuDNN's attention off (its execution plan is built per new shape)
+#   lengths_nobuckets the lengths part with attention at each batch's own length (AUTOTUNE_ATTENTION_BUCKETS=0)
+#   new_length the cost of a step at a new length, with and without attention's buckets (bench_new_length.py)
 #   large100_fixed the large100 part with the allocator's fixed segments
 #   lightning        issue 36: the Lightning script under `autotune run`, its trials forked (the default)
 #   lightning_fresh  issue 36: the same with AUTOTUNE_FORK_TRIALS=0, every trial a fresh process
@@ -38,7 +40,7 @@ declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=
                  [grid]=${GRID_S:-330} [w2]=${W2_S:-240} [w3]=${W3_S:-200} [blocks]=${BLOCKS_S:-120} [ckpt]=${CKPT_S:-200}
                  [moe]=${MOE_S:-120} [llama3b]=${LLAMA3B_S:-420} [llama1b]=${LLAMA1B_S:-240}
                  [llama8b]=${LLAMA8B_S:-1200} [lengths]=${LENGTHS_S:-420} [large100]=${LARGE100_S:-480}
-                 [lengths_fixed]=${LENGTHS_S:-420} [lengths64]=${LENGTHS_S:-420} [lengths_nocudnn]=${LENGTHS_S:-420} [large100_fixed]=${LARGE100_S:-480} [lightning]=${LIGHTNING_S:-200} [lightning_fresh]=${LIGHTNING_S:-200})
+                 [lengths_fixed]=${LENGTHS_S:-420} [lengths64]=${LENGTHS_S:-420} [lengths_nocudnn]=${LENGTHS_S:-420} [lengths_nobuckets]=${LENGTHS_S:-420} [new_length]=${NEW_LENGTH_S:-420} [large100_fixed]=${LARGE100_S:-480} [lightning]=${LIGHTNING_S:-200} [lightning_fresh]=${LIGHTNING_S:-200})
 
 part() {  # name, then the command
     local name=$1; shift
@@ -66,6 +68,8 @@ for p in $PARTS; do
         llama8b) part llama8b python benchmarks/bench_llama.py --size 8b --budget 76GiB --global-batch-size 64 --steps 10 --out "$OUT/llama.jsonl" ;;
         lengths) part lengths python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
         lengths_nocudnn) part lengths_nocudnn python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --no-cudnn-attention --out "$OUT/lengths.jsonl" ;;
+        lengths_nobuckets) part lengths_nobuckets python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --no-attention-buckets --out "$OUT/lengths.jsonl" ;;
+        new_length) part new_length bash -c "python benchmarks/bench_new_length.py --out '$OUT/new_length.jsonl' && python benchmarks/bench_new_length.py --no-attention-buckets --out '$OUT/new_length.jsonl'" ;;
         lengths64) part lengths64 python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --length-multiple 64 --out "$OUT/lengths.jsonl" ;;
         lengths_fixed) part lengths_fixed python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --allocator fixed --out "$OUT/lengths.jsonl" ;;
         large100_fixed) part large100_fixed python benchmarks/bench_lengths.py --model gpt2-large --budget 24GiB --max-length 1024 --global-batch-size 64 --steps 100 --allocator fixed --out "$OUT/lengths.jsonl" ;;

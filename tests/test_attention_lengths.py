@@ -147,3 +147,24 @@ def test_a_compiled_gpt2_trains_every_length_through_one_graph_at_the_eager_loss
     finally:
         undo()
         restore()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["causal", "bool-mask"])
+def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case):
+    """Where torch takes cuDNN's (or another fused) kernel: bf16 outputs and gradients within bf16's rounding."""
+    length = 1000
+    kwargs = CASES[case](length)
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = [torch.randn(4, 16, length, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    want_in = [t.clone().requires_grad_() for t in base]
+    got_in = [t.clone().requires_grad_() for t in base]
+    want = lengths._original(*want_in, **kwargs)
+    got = lengths.padded_attention(*got_in, **kwargs)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    want.float().square().sum().backward()
+    got.float().square().sum().backward()
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
