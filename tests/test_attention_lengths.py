@@ -107,8 +107,9 @@ def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_remova
     assert "AUTOTUNE_ATTENTION_BUCKETS=0" in lengths.note("cpu")[0]  # the reason names the way out
 
 
-def test_a_compiled_gpt2_trains_every_length_through_one_graph_at_the_eager_loss(monkeypatch):
-    """Lengths 9-32 with a padding mask through per-block compile: one graph, each loss the unpadded eager one;
+def test_a_compiled_gpt2_trains_every_length_through_the_graphs_of_the_first_at_the_eager_loss(monkeypatch):
+    """Lengths 9-32 with a padding mask through per-block compile: the graphs compiled for the first length (the
+    padded attention runs eager between them) serve every other, and each loss is the unpadded eager one;
     uncompiled, every layer's attention runs at 64 tokens."""
     transformers = pytest.importorskip("transformers")
     from autotune.techniques import compile as compiling
@@ -134,7 +135,7 @@ def test_a_compiled_gpt2_trains_every_length_through_one_graph_at_the_eager_loss
     undo = compiling.install(model, find_blocks(model), 0)
     before = int(counters["frames"]["ok"])
     try:
-        for length in (32, 16, 24, 9):
+        for index, length in enumerate((32, 16, 24, 9)):
             ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
             mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
             labels = ids.masked_fill(mask == 0, -100)
@@ -143,7 +144,10 @@ def test_a_compiled_gpt2_trains_every_length_through_one_graph_at_the_eager_loss
             want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
             restore = lengths.install("cpu")
             assert got.item() == pytest.approx(want.item(), rel=1e-5)
-        assert int(counters["frames"]["ok"]) - before == 1, "a new length compiled another graph"
+            if index == 0:
+                first = int(counters["frames"]["ok"]) - before
+        assert first >= 1
+        assert int(counters["frames"]["ok"]) - before == first, "a new length compiled another graph"
     finally:
         undo()
         restore()

@@ -64,16 +64,29 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      attn_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`scaled_dot_product_attention` over the length rounded up to `MULTIPLE`, sliced back to the given one."""
     is_causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
-    length = query.shape[-2]
     if not _paddable(query, key, attn_mask, is_causal):
         return _original(query, key, value, attn_mask, *args, **kwargs)
-    pad = (-length) % MULTIPLE
-    if pad == 0 and not torch.compiler.is_compiling():  # (compiled: one graph for every length, no branch)
+    if torch.compiler.is_compiling():  # the padded call runs eager, between the compiled graphs (see _eager)
+        return _eager(query, key, value, attn_mask, *args, **kwargs)
+    if query.shape[-2] % MULTIPLE == 0:
         return _original(query, key, value, attn_mask, *args, **kwargs)
+    return _padded(query, key, value, attn_mask, *args, **kwargs)
+
+
+def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+            *args: Any, **kwargs: Any) -> torch.Tensor:
+    length = query.shape[-2]
+    pad = (-length) % MULTIPLE
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
     mask = None if attn_mask is None else _padded_mask(attn_mask, length, pad)
     out = _original(q, k, v, mask, *args, **kwargs)
     return out[..., :length, :]
+
+
+# Inside a compiled graph the padded length is an expression of the dynamic length, which Inductor's lowering of
+# the fused attention kernels does not always take; run eagerly, the call costs one graph break per attention
+# and the graphs around it stay one per block for every length.
+_eager = torch.compiler.disable(_padded)
 
 
 def _paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: Any) -> bool:
