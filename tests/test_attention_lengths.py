@@ -135,7 +135,8 @@ def test_a_compiled_gpt2_trains_every_length_through_the_graphs_of_the_first_at_
     undo = compiling.install(model, find_blocks(model), 0)
     before = int(counters["frames"]["ok"])
     try:
-        for index, length in enumerate((32, 16, 24, 9)):
+        counts: list[int] = []
+        for length in (32, 16, 24, 9):
             ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
             mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
             labels = ids.masked_fill(mask == 0, -100)
@@ -144,10 +145,11 @@ def test_a_compiled_gpt2_trains_every_length_through_the_graphs_of_the_first_at_
             want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
             restore = lengths.install("cpu")
             assert got.item() == pytest.approx(want.item(), rel=1e-5)
-            if index == 0:
-                first = int(counters["frames"]["ok"]) - before
-        assert first >= 1
-        assert int(counters["frames"]["ok"]) - before == first, "a new length compiled another graph"
+            counts.append(int(counters["frames"]["ok"]) - before)
+        # The frames resumed after the eager attention take their length as dynamic at the second length
+        # (dynamo's automatic dynamic shapes): at most one more set of graphs, then none.
+        assert counts[0] >= 1 and counts[-1] <= 2 * counts[0], counts
+        assert counts[-1] == counts[-2], f"a new length compiled another graph: {counts}"
     finally:
         undo()
         restore()
