@@ -12,7 +12,8 @@ past the last real position, or by a padded mask row of `False` / the dtype's mi
 attend to the real keys only (so their rows stay finite) and their outputs are dropped, so their gradients
 are zero. Dropout draws for the padded shape, the same distribution over the real positions.
 
-Only calls where that holds are padded: self-attention (as many keys as queries), causal without a mask or
+Only eager calls are padded (a compiled graph calls attention at the batch's own length, `_padded` says why),
+and only where the above holds: self-attention (as many keys as queries), causal without a mask or
 with a mask over every key, not nested. Where the mask is neither (`is_causal=False` and no mask), padding
 would let real queries see the padded keys, so the call runs as given.
 
@@ -63,30 +64,27 @@ def install(device_type: str) -> Callable[[], None]:
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attn_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`scaled_dot_product_attention` over the length rounded up to `MULTIPLE`, sliced back to the given one."""
-    is_causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
-    if not _paddable(query, key, attn_mask, is_causal):
+    if torch.compiler.is_compiling():  # compiled attention is left as it is: see `_padded`
         return _original(query, key, value, attn_mask, *args, **kwargs)
-    if torch.compiler.is_compiling():  # the padded call runs eager, between the compiled graphs (see _eager)
-        return _eager(query, key, value, attn_mask, *args, **kwargs)
-    if query.shape[-2] % MULTIPLE == 0:
+    is_causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
+    if query.shape[-2] % MULTIPLE == 0 or not _paddable(query, key, attn_mask, is_causal):
         return _original(query, key, value, attn_mask, *args, **kwargs)
     return _padded(query, key, value, attn_mask, *args, **kwargs)
 
 
 def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
             *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The padded call, in eager attention only. Inside a compiled graph the padded length is an expression of
+    the dynamic length, which Inductor's lowering of the fused attention kernels failed on (an AssertionError
+    on GPT-2 under compile); run eagerly between two graphs (`torch.compiler.disable`) it broke each block's
+    graph in pieces that trained slower, and one recomputed compiled block lost autocast. So compiled
+    attention runs at the batch's own length."""
     length = query.shape[-2]
     pad = (-length) % MULTIPLE
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
     mask = None if attn_mask is None else _padded_mask(attn_mask, length, pad)
     out = _original(q, k, v, mask, *args, **kwargs)
     return out[..., :length, :]
-
-
-# Inside a compiled graph the padded length is an expression of the dynamic length, which Inductor's lowering of
-# the fused attention kernels does not always take; run eagerly, the call costs one graph break per attention
-# and the graphs around it stay one per block for every length.
-_eager = torch.compiler.disable(_padded)
 
 
 def _paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: Any) -> bool:
