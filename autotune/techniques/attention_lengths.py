@@ -77,8 +77,8 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
     """The padded call, in eager attention only. Inside a compiled graph the padded length is an expression of
     the dynamic length, which Inductor's lowering of the fused attention kernels failed on (an AssertionError
     on GPT-2 under compile); run eagerly between two graphs (`torch.compiler.disable`) it broke each block's
-    graph in pieces that trained slower, and one recomputed compiled block lost autocast. So compiled
-    attention runs at the batch's own length."""
+    graph in pieces that trained slower, and a recomputed compiled block then failed on a bf16-by-FP32 matmul.
+    So compiled attention runs at the batch's own length."""
     length = query.shape[-2]
     pad = (-length) % MULTIPLE
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
