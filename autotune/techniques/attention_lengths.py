@@ -1,8 +1,8 @@
 """Attention over a few sequence lengths: `scaled_dot_product_attention` padded to a multiple of `MULTIPLE` tokens.
 
 cuDNN's attention, which torch picks on recent GPUs for masked training attention, builds an execution plan
-for every new shape, a cost paid once per length (about half a second a training step for GPT-2 medium on an
-H200, where the repeated length's step takes 0.47 s). Padded batches bring a new length almost every step.
+for every new shape, a cost paid once per length that can double a step (benchmarks/RESULTS.md, "Real training
+data"). Padded batches bring a new length almost every step.
 While a rung is applied, `torch.nn.functional.scaled_dot_product_attention` pads the queries, keys and values
 of a self-attention call to the next multiple of `MULTIPLE` and slices the output back: every other layer runs
 at the batch's own length, and cuDNN sees at most one shape per 64 tokens.
@@ -44,8 +44,9 @@ def wanted(device_type: str) -> bool:
 
 def note(device_type: str) -> list[str]:
     """The plan's word on it, where attention is padded."""
-    return ([f"attention runs at the length rounded up to a multiple of {MULTIPLE} tokens (cuDNN's attention "
-             f"builds a plan per new length; {settings.ATTENTION_BUCKETS_ENV}=0 turns this off)"]
+    return ([f"eager attention runs at the length rounded up to a multiple of {MULTIPLE} tokens, compiled attention "
+             f"at the batch's own (cuDNN's attention builds a plan per new length; {settings.ATTENTION_BUCKETS_ENV}=0 "
+             f"turns this off)"]
             if wanted(device_type) else [])
 
 
@@ -74,11 +75,9 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
             *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The padded call, in eager attention only. Inside a compiled graph the padded length is an expression of
-    the dynamic length, which Inductor's lowering of the fused attention kernels failed on (an AssertionError
-    on GPT-2 under compile); run eagerly between two graphs (`torch.compiler.disable`) it broke each block's
-    graph in pieces that trained slower, and a recomputed compiled block then failed on a bf16-by-FP32 matmul.
-    So compiled attention runs at the batch's own length."""
+    """The padded call, for eager attention only: Inductor does not lower the fused attention kernels over a
+    padded dynamic length, and an eager call between compiled graphs breaks each block's graph
+    (docs/variable-lengths.md)."""
     length = query.shape[-2]
     pad = (-length) % MULTIPLE
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
