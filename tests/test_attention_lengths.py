@@ -167,3 +167,38 @@ def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case):
     got.float().square().sum().backward()
     for a, b in zip(got_in, want_in):
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):
+    """Through `fit` and `plan.apply` (switched on for the CPU): the reason of a token model's plan says how
+    attention runs, and lengths 16-64 train at the bucket's length under the peak the trials measured at 64."""
+    transformers = pytest.importorskip("transformers")
+    import autotune
+
+    monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 97, (8, 64), generator=torch.Generator().manual_seed(0))
+    padding = (torch.arange(64)[None, :] < torch.tensor([64, 50, 30, 64, 9, 64, 40, 20])[:, None]).long()
+    example = {"input_ids": ids, "attention_mask": padding, "labels": ids.masked_fill(padding == 0, -100)}
+    plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
+                        memory_budget="1GiB", techniques=("bf16",))
+    assert "multiple of 64 tokens" in plan.reason and "AUTOTUNE_ATTENTION_BUCKETS=0" in plan.reason
+    seen = _record(monkeypatch)
+    with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
+        for length in (16, 40, 64):
+            mask = (torch.arange(length)[None, :] < torch.randint(1, length + 1, (8, 1))).long()
+            mask[0] = 1
+            batch = {"input_ids": ids[:, :length], "attention_mask": mask,
+                     "labels": ids[:, :length].masked_fill(mask == 0, -100)}
+            step(batch)
+            assert step.last_peak_bytes <= plan.peak_memory_bytes, length
+    assert seen and {s[-2] for s in seen} == {64}, "a length reached attention unpadded"
+    assert F.scaled_dot_product_attention is lengths._original  # the plan's exit put torch's function back
+
+    monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "0")
+    plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
+                        memory_budget="1GiB", techniques=("bf16",))
+    assert "multiple of 64" not in plan.reason

@@ -294,7 +294,8 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
     rungs, notes = anchors(allowed, placement, blocks, float64=is_float64(tuned))
     notes += _loss_notes(job.loss_fn, loss, tuned, allowed) + fused_note(spec, tuned, placement.torch_device.type)
     notes += allocator.note() if not placement.simulated else []
-    notes += attention_lengths.note(placement.torch_device.type)
+    if batches.tokens_per_sample(example) is not None:  # (a model of token batches, the kind that attends)
+        notes += attention_lengths.note(placement.torch_device.type)
     rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
     notes += more
     rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried

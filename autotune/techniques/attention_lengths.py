@@ -8,7 +8,7 @@ of a self-attention call to the next multiple of `MULTIPLE` and slices the outpu
 at the batch's own length, and cuDNN sees at most one shape per 64 tokens.
 
 Nothing a real position computes changes: the padded keys are masked for every real query (by the causal mask
-past the last real position, or by a padded mask row of `False` / the dtype's minimum), the padded queries
+past the last real position, or by mask columns of `False` / the dtype's minimum), the padded queries
 attend to the real keys only (so their rows stay finite) and their outputs are dropped, so their gradients
 are zero. Dropout draws for the padded shape, the same distribution over the real positions.
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .. import settings
 
-MULTIPLE = 64  # tokens: cuDNN's and flash attention's tile, so a padded length costs almost no extra work
+MULTIPLE = 64  # tokens: cuDNN's and flash attention's tile, so the padded rows add almost no attention work
 _original = F.scaled_dot_product_attention
 
 
