@@ -51,13 +51,15 @@ def note(device_type: str) -> list[str]:
 
 
 def install(device_type: str) -> Callable[[], None]:
-    """Route `F.scaled_dot_product_attention` through `padded_attention` while a rung is applied; the undo."""
+    """Route `F.scaled_dot_product_attention` through `padded_attention` while a rung is applied; the undo puts
+    back the function it found."""
     if not wanted(device_type) or F.scaled_dot_product_attention is padded_attention:
         return lambda: None
+    found = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = padded_attention
 
     def undo() -> None:
-        F.scaled_dot_product_attention = _original
+        F.scaled_dot_product_attention = found
 
     return undo
 
