@@ -45,6 +45,7 @@ from ..devices.placement import Placement
 from ..errors import InvalidSetting
 from ..workload.batch import tensors
 from .checkpointing import BlockGroup
+from .sharding import is_sharded, is_unit
 
 # Each trial of a new configuration may add a guard set per compiled code object (shapes, checkpointed or
 # not); the default of 8 would send a long search back to eager silently.
@@ -70,7 +71,7 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     docstring); returns the undo function."""
     _raise_cache_limits()
     # read first: a bad setting fails on every model; FSDP2 shards compile per unit, never the whole
-    whole = regions() == "whole" and checkpointed == 0 and not _sharded(model)
+    whole = regions() == "whole" and checkpointed == 0 and not is_sharded(model)
     # No blocks (none found, or the model's library checkpoints its own): the whole model.
     per_block = blocks is not None and bool(blocks.blocks) and not whole
     # A module called at several depths with some calls recomputed runs compiled through its checkpoint's
@@ -79,7 +80,8 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
     targets = ([m for m in blocks.modules() if m not in recomputed] if per_block and blocks is not None
                else [model])
     for module in targets:
-        if _sharded(module):  # FSDP2's gather and reshard hooks stay eager around the compiled forward
+        if is_unit(module):  # FSDP2's gather and reshard hooks stay eager around the compiled forward,
+            # compiled around, not into the graph, as torchtitan compiles each block inside its wrapping
             module.forward = forward(module)
         else:
             module._compiled_call_impl = _compiled(module)  # what nn.Module.compile() sets
@@ -126,14 +128,6 @@ def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], mo
 
         cache[module] = call
     return cache[module]
-
-
-def _sharded(module: nn.Module) -> bool:
-    """Whether FSDP2 wraps `module` itself (a unit): its `__call__` runs FSDP's all-gather and reshard hooks,
-    which are compiled around, not into the graph, as torchtitan compiles each block inside its wrapping."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
 
 
 def _no_kv_cache(model: nn.Module) -> Callable[[], None]:

@@ -36,9 +36,14 @@ if TYPE_CHECKING:
 
 def is_sharded(model: nn.Module) -> bool:
     """True when FSDP2 manages the model's parameters (they are DTensor shards, reduced by FSDP itself)."""
+    return any(is_unit(m) for m in model.modules())
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether FSDP2 wraps `module` itself (a unit): its `__call__` runs FSDP's all-gather and reshard hooks."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return isinstance(module, FSDPModule)
 
 
 def shard(model: nn.Module, *, precision: str = "bf16", offload: bool = False,
