@@ -104,7 +104,7 @@ def _padded_mask(mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:
     mask = F.pad(mask, (0, pad), value=hidden)
     if mask.shape[-2] == 1:
         return mask
-    row = torch.full((pad,), hidden, dtype=mask.dtype, device=mask.device)
-    row = torch.cat([torch.full((length,), seen, dtype=mask.dtype, device=mask.device), row])
+    row = torch.full((length + pad,), hidden, dtype=mask.dtype, device=mask.device)
+    row[:length] = seen
     rows = row.expand(*mask.shape[:-2], pad, length + pad)
     return torch.cat([mask, rows], dim=-2)
