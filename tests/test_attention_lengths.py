@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from autotune.configuration import Rung
 from autotune.devices.placement import resolve_device
-from autotune.techniques import apply_rung
+from autotune.techniques import apply_rung, attention_op, attention_padding
 from autotune.techniques import attention_lengths as lengths
 from autotune.workload.optimizers import OptimizerSpec
 
@@ -19,13 +19,13 @@ TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, as this module found
 def _record(monkeypatch) -> list[tuple[int, ...]]:
     """The query shapes that will reach torch's own attention (the kernel that builds a plan per shape)."""
     shapes: list[tuple[int, ...]] = []
-    original = lengths._original
+    original = attention_padding.original
 
     def recorded(query, *args, **kwargs):
         shapes.append(tuple(query.shape))
         return original(query, *args, **kwargs)
 
-    monkeypatch.setattr(lengths, "_original", recorded)
+    monkeypatch.setattr(attention_padding, "original", recorded)
     return shapes
 
 
@@ -65,7 +65,7 @@ def test_every_real_position_gets_the_attention_and_gradients_of_its_own_length(
     heads = (4, 2) if case == "grouped-query" else (4, 4)
     kwargs = CASES[case](length)
     want_in, got_in = _inputs(length, *heads), _inputs(length, *heads)
-    want = lengths._original(*want_in, **kwargs)
+    want = TORCH_SDPA(*want_in, **kwargs)
     seen.clear()
     got = lengths.padded_attention(*got_in, **kwargs)
     assert got.shape == want.shape
@@ -89,8 +89,8 @@ def test_a_call_that_padding_would_change_runs_as_given(case, seen):
     else:
         kwargs["attn_mask"] = torch.ones(2, 1, 13, 1, dtype=torch.bool)
     got = lengths.padded_attention(q, k, v, **kwargs)
-    torch.testing.assert_close(got, lengths._original(q, k, v, **kwargs), rtol=0, atol=0)
-    assert [s[-2] for s in seen] == [13, 13]
+    torch.testing.assert_close(got, TORCH_SDPA(q, k, v, **kwargs), rtol=0, atol=0)
+    assert [s[-2] for s in seen] == [13]
 
 
 def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_removal_restores_it(monkeypatch):
@@ -109,10 +109,10 @@ def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_remova
     assert "AUTOTUNE_ATTENTION_BUCKETS=0" in lengths.note("cpu")[0]  # the reason names the way out
 
 
-def test_compiled_attention_keeps_the_batchs_length_and_one_graph_serves_every_length(monkeypatch):
-    """With the buckets installed, an uncompiled GPT-2's attention runs at 64 tokens; compiled per block, one
-    graph serves lengths 9-32 with a padding mask, each loss the unpadded eager one (the compiled attention is
-    left at the batch's own length)."""
+def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monkeypatch):
+    """Compiled per block, a GPT-2 with padding masks runs one graph for lengths 9-32, its attention reaches
+    torch's kernel at 64 tokens only (the padded call is one operator of the graph), and each loss and gradient
+    is the unpadded eager one."""
     transformers = pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
@@ -123,17 +123,12 @@ def test_compiled_attention_keeps_the_batchs_length_and_one_graph_serves_every_l
         torch.manual_seed(0)
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2LMHeadModel(cfg)
+        return transformers.GPT2LMHeadModel(cfg).double()
 
     torch._dynamo.reset()
     model, eager = gpt2(), gpt2()
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
     restore = lengths.install("cpu")
-    ids = torch.randint(0, 97, (3, 20))
-    with pytest.MonkeyPatch.context() as spy:  # (eager only: a recorder inside a graph would be compiled)
-        seen = _record(spy)
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    assert [s[-2] for s in seen] == [64, 64], "the model's attention did not reach the padded function"
     undo = compiling.install(model, find_blocks(model), 0)
     before = int(counters["frames"]["ok"])
     try:
@@ -141,13 +136,43 @@ def test_compiled_attention_keeps_the_batchs_length_and_one_graph_serves_every_l
             ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
             mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
             labels = ids.masked_fill(mask == 0, -100)
-            got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            with pytest.MonkeyPatch.context() as spy:
+                seen = _record(spy)
+                got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                got.backward()
+            assert {s[-2] for s in seen} == {64}, f"length {length} reached attention unpadded"
+            restore()
             want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
-            assert got.item() == pytest.approx(want.item(), rel=1e-5)
+            want.backward()
+            restore = lengths.install("cpu")
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+            for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-12, msg=name)
         assert int(counters["frames"]["ok"]) - before == 1, "a new length compiled another graph"
     finally:
         undo()
         restore()
+
+
+@pytest.mark.parametrize("case", ["causal", "float-mask"])
+def test_the_operator_replays_the_forwards_dropout_in_its_backward(case):
+    """The graph's operator: with dropout, its output and gradients equal the eager padded call's drawn from
+    the same random state (its backward recomputes the attention from the state the forward drew from)."""
+    length, kwargs = 13, CASES[case](13)
+    want_in, got_in = _inputs(length), _inputs(length)
+    torch.manual_seed(7)
+    want = lengths.padded_attention(*want_in, dropout_p=0.3, **kwargs)
+    torch.manual_seed(7)
+    got = attention_op.padded_attention(*got_in, kwargs.get("attn_mask"), 0.3, kwargs.get("is_causal", False),
+                                        None, False)
+    torch.randn(100)  # the random state moves on before the backward, as the rest of a step moves it
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert (got == 0).any(), "no dropout was drawn"
+    weights = torch.randn(want.shape, dtype=torch.float64)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
 
 
 @pytest.mark.gpu
@@ -162,7 +187,7 @@ def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case):
     base = [torch.randn(4, 16, length, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     want_in = [t.clone().requires_grad_() for t in base]
     got_in = [t.clone().requires_grad_() for t in base]
-    want = lengths._original(*want_in, **kwargs)
+    want = TORCH_SDPA(*want_in, **kwargs)
     got = lengths.padded_attention(*got_in, **kwargs)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     want.float().square().sum().backward()

@@ -1,0 +1,86 @@
+"""The padded attention call itself: queries, keys and values padded to a multiple of `MULTIPLE` tokens, the
+mask widened to match, the output sliced back to the given length.
+
+Nothing a real position computes changes: the padded keys are masked for every real query (by the causal mask
+past the last real position, or by mask columns of `False` / the dtype's minimum), the padded queries attend
+to the real keys only (so their rows stay finite) and their outputs are dropped, so their gradients are zero.
+Dropout draws for the padded shape, the same distribution over the real positions.
+
+`paddable` says where that holds: self-attention (as many keys as queries), causal without a mask or with a
+mask over every key, not nested. Without a mask and not causal, padding would let real queries see the padded
+keys.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MULTIPLE = 64  # tokens: cuDNN's and flash attention's tile, so the padded rows add almost no attention work
+original = F.scaled_dot_product_attention  # torch's own, whatever is installed in its place later
+
+
+def paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: Any) -> bool:
+    """Whether padding leaves every real position's attention as it is (see the module's docstring)."""
+    if query.is_nested or query.dim() < 3 or query.shape[-2] != key.shape[-2]:
+        return False
+    if mask is None:
+        return bool(is_causal)  # without a mask only the causal one hides the padded keys
+    return mask.dim() >= 2 and mask.shape[-1] == key.shape[-2] and mask.shape[-2] in (1, query.shape[-2])
+
+
+def padded_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                **kwargs: Any) -> torch.Tensor:
+    """torch's `scaled_dot_product_attention` over the length rounded up to `MULTIPLE`, sliced back."""
+    length = query.shape[-2]
+    pad = (-length) % MULTIPLE
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+    mask = None if attn_mask is None else _MASKS.padded(attn_mask, length, pad)
+    return original(q, k, v, mask, **kwargs)[..., :length, :]
+
+
+class _LastMask:
+    """The last mask padded and its padded form: a model hands the same mask tensor to every layer (and its
+    backward hands it back), so one padding serves a whole step instead of one per layer.
+
+    Held by a weak reference to the given mask, so a freed mask's memory, reused by the next step's mask,
+    never matches; a mask written in place does not either (its version moved)."""
+
+    def __init__(self) -> None:
+        self._source: weakref.ref[torch.Tensor] | None = None
+        self._key: tuple[Any, ...] = ()
+        self._padded: torch.Tensor | None = None
+
+    def padded(self, mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:
+        if mask.requires_grad:  # a learned bias: its padding must stay in the autograd graph
+            return _padded_mask(mask, length, pad)
+        key = (mask._version, pad)
+        if self._source is not None and self._source() is mask and self._key == key and self._padded is not None:
+            return self._padded
+        self._padded = _padded_mask(mask, length, pad)
+        self._source, self._key = weakref.ref(mask, self._forget), key
+        return self._padded
+
+    def _forget(self, source: weakref.ref[torch.Tensor]) -> None:
+        if source is self._source:  # (a mask padded since holds the entry now)
+            self._source, self._padded = None, None
+
+
+_MASKS = _LastMask()
+
+
+def _padded_mask(mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:
+    """`mask` over `length + pad` keys (the padded ones hidden) and, where it has a row per query, `pad` more
+    rows that see the real keys only."""
+    hidden: bool | float = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+    seen: bool | float = True if mask.dtype == torch.bool else 0.0
+    mask = F.pad(mask, (0, pad), value=hidden)
+    if mask.shape[-2] == 1:
+        return mask
+    row = torch.full((length + pad,), hidden, dtype=mask.dtype, device=mask.device)
+    row[:length] = seen
+    rows = row.expand(*mask.shape[:-2], pad, length + pad)
+    return torch.cat([mask, rows], dim=-2)
