@@ -178,17 +178,23 @@ def test_the_operator_replays_the_forwards_dropout_in_its_backward(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", ["causal", "bool-mask"])
-def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case):
-    """Where torch takes cuDNN's (or another fused) kernel: bf16 outputs and gradients within bf16's rounding."""
+@pytest.mark.parametrize("path", ["eager", "operator"])
+def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case, path):
+    """Where torch takes cuDNN's (or another fused) kernel: bf16 outputs and gradients within bf16's rounding,
+    padded in place (eager) or by the graph's operator."""
     length = 1000
     kwargs = CASES[case](length)
     kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     g = torch.Generator(device="cuda").manual_seed(0)
-    base = [torch.randn(4, 16, length, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    base = [torch.randn(2, 16, length, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     want_in = [t.clone().requires_grad_() for t in base]
     got_in = [t.clone().requires_grad_() for t in base]
     want = TORCH_SDPA(*want_in, **kwargs)
-    got = lengths.padded_attention(*got_in, **kwargs)
+    if path == "eager":
+        got = lengths.padded_attention(*got_in, **kwargs)
+    else:
+        got = attention_op.padded_attention(*got_in, kwargs.get("attn_mask"), 0.0, kwargs.get("is_causal", False),
+                                            None, False)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     want.float().square().sum().backward()
     got.float().square().sum().backward()
