@@ -67,7 +67,7 @@ def test_every_real_position_gets_the_attention_and_gradients_of_its_own_length(
     want_in, got_in = _inputs(length, *heads), _inputs(length, *heads)
     want = TORCH_SDPA(*want_in, **kwargs)
     seen.clear()
-    got = lengths.padded_attention(*got_in, **kwargs)
+    got = attention_padding.padded_call(*got_in, kwargs.pop("attn_mask", None), **kwargs)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -78,19 +78,33 @@ def test_every_real_position_gets_the_attention_and_gradients_of_its_own_length(
     assert [s[-2] for s in seen] == [-(-length // 64) * 64], "the kernel saw another length than the bucket's"
 
 
-@pytest.mark.parametrize("case", ["no mask, not causal", "cross-attention", "mask broadcast over keys"])
-def test_a_call_that_padding_would_change_runs_as_given(case, seen):
+@pytest.mark.parametrize("case", ["bool-mask", "float-mask", "key-mask-one-row"])
+def test_masked_self_attention_is_padded(case, seen):
     q, k, v = _inputs(13)
+    got = lengths.padded_attention(q, k, v, **CASES[case](13))
+    torch.testing.assert_close(got, TORCH_SDPA(q, k, v, **CASES[case](13)), rtol=0, atol=1e-12)
+    assert [s[-2] for s in seen] == [64]
+
+
+@pytest.mark.parametrize("case", ["no mask, not causal", "causal without a mask", "cross-attention",
+                                  "mask broadcast over keys", "at a multiple of 64"])
+def test_a_call_that_padding_would_change_or_not_help_runs_as_given(case, seen):
+    """Unmasked calls run flash attention (no plan per shape; not causal, padding would be seen), and a mask
+    that is not over every key cannot hide the padded ones."""
+    q, k, v = _inputs(64 if case == "at a multiple of 64" else 13)
     kwargs: dict = {}
-    if case == "no mask, not causal":  # every query sees every key: padded keys would be seen
-        pass
+    if case == "causal without a mask":
+        kwargs["is_causal"] = True
     elif case == "cross-attention":
         k, v = (t[:, :, :9].detach() for t in (k, v))
-    else:
+        kwargs["attn_mask"] = torch.ones(2, 1, 13, 9, dtype=torch.bool)
+    elif case == "mask broadcast over keys":
         kwargs["attn_mask"] = torch.ones(2, 1, 13, 1, dtype=torch.bool)
+    elif case == "at a multiple of 64":
+        kwargs["attn_mask"] = _padding_mask(64, torch.bool)
     got = lengths.padded_attention(q, k, v, **kwargs)
     torch.testing.assert_close(got, TORCH_SDPA(q, k, v, **kwargs), rtol=0, atol=0)
-    assert [s[-2] for s in seen] == [13]
+    assert [s[-2] for s in seen] == [q.shape[-2]]
 
 
 def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_removal_restores_it(monkeypatch):
@@ -161,7 +175,8 @@ def test_the_operator_replays_the_forwards_dropout_in_its_backward(case):
     length, kwargs = 13, CASES[case](13)
     want_in, got_in = _inputs(length), _inputs(length)
     torch.manual_seed(7)
-    want = lengths.padded_attention(*want_in, dropout_p=0.3, **kwargs)
+    want = attention_padding.padded_call(*want_in, kwargs.get("attn_mask"), dropout_p=0.3,
+                                         is_causal=kwargs.get("is_causal", False))
     torch.manual_seed(7)
     got = attention_op.padded_attention(*got_in, kwargs.get("attn_mask"), 0.3, kwargs.get("is_causal", False),
                                         None, False)
@@ -191,7 +206,7 @@ def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case, path
     got_in = [t.clone().requires_grad_() for t in base]
     want = TORCH_SDPA(*want_in, **kwargs)
     if path == "eager":
-        got = lengths.padded_attention(*got_in, **kwargs)
+        got = attention_padding.padded_call(*got_in, kwargs.pop("attn_mask", None), **kwargs)
     else:
         got = attention_op.padded_attention(*got_in, kwargs.get("attn_mask"), 0.0, kwargs.get("is_causal", False),
                                             None, False)

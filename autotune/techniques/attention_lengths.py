@@ -4,11 +4,11 @@ cuDNN's attention, which torch picks on recent GPUs for masked training attentio
 for every new shape, a cost paid once per length that can double a step (benchmarks/RESULTS.md, "Real training
 data"). Padded batches bring a new length almost every step.
 While a rung is applied, `torch.nn.functional.scaled_dot_product_attention` pads the queries, keys and values
-of a self-attention call to the next multiple of `MULTIPLE` and slices the output back
-(`attention_padding`): every other layer runs at the batch's own length, and cuDNN sees at most one shape per
-64 tokens. Eager calls pad in place; a compiled graph calls the padded attention as one operator
-(`attention_op`), so one graph still serves every length. Calls where padding would change what a real
-position sees run as given (`attention_padding.paddable`).
+of a masked self-attention call (what torch gives cuDNN) to the next multiple of `MULTIPLE` and slices the
+output back (`attention_padding`): every other layer runs at the batch's own length, and cuDNN sees at most
+one shape per 64 tokens. Eager calls pad in place; a compiled graph calls the padded attention as one operator
+(`attention_op`), so one graph still serves every length. Other calls run as given
+(`attention_padding.paddable` says why).
 
 On by default where cuDNN's attention is enabled on a CUDA device; `AUTOTUNE_ATTENTION_BUCKETS=0` turns it
 off, `=1` turns it on on any device (the CPU tests). A function imported by name before the rung was applied
@@ -61,7 +61,7 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     gqa = {"enable_gqa": True} if enable_gqa else {}  # (passed only where asked: torch before 2.5 lacks it)
     # (compiled, the length is symbolic: a test of it would guard the graph on it, and a padding of 0 is cheap)
     at_multiple = not torch.compiler.is_compiling() and query.shape[-2] % MULTIPLE == 0
-    if at_multiple or not paddable(query, key, attn_mask, is_causal):
+    if at_multiple or not paddable(query, key, attn_mask):
         return attention_padding.original(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                           scale=scale, **gqa)
     if torch.compiler.is_compiling():

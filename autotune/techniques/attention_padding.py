@@ -6,9 +6,11 @@ past the last real position, or by mask columns of `False` / the dtype's minimum
 to the real keys only (so their rows stay finite) and their outputs are dropped, so their gradients are zero.
 Dropout draws for the padded shape, the same distribution over the real positions.
 
-`paddable` says where that holds: self-attention (as many keys as queries), causal without a mask or with a
-mask over every key, not nested. Without a mask and not causal, padding would let real queries see the padded
-keys.
+`paddable` says which calls are padded: masked self-attention (as many keys as queries, a mask over every
+key), not nested. Those are the calls torch gives cuDNN's attention, which builds a plan per shape (on an H200
+with torch 2.11, a bool padding mask ran cuDNN's kernels). A call without a mask runs flash attention, which
+builds nothing per shape, so padding would only add work (`padded_call` pads a causal call exactly all the
+same); a non-causal call without a mask would let real queries see the padded keys.
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ MULTIPLE = 64  # tokens: cuDNN's and flash attention's tile, so the padded rows 
 original = F.scaled_dot_product_attention  # torch's own, whatever is installed in its place later
 
 
-def paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, is_causal: Any) -> bool:
-    """Whether padding leaves every real position's attention as it is (see the module's docstring)."""
-    if query.is_nested or query.dim() < 3 or query.shape[-2] != key.shape[-2]:
+def paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the call is padded: masked self-attention (see the module's docstring)."""
+    if mask is None or query.is_nested or query.dim() < 3 or query.shape[-2] != key.shape[-2]:
         return False
-    if mask is None:
-        return bool(is_causal)  # without a mask only the causal one hides the padded keys
     return mask.dim() >= 2 and mask.shape[-1] == key.shape[-2] and mask.shape[-2] in (1, query.shape[-2])
 
 
