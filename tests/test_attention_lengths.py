@@ -29,6 +29,19 @@ def _record(monkeypatch) -> list[tuple[int, ...]]:
     return shapes
 
 
+def _count_masks(monkeypatch) -> list[int]:
+    """How many padded masks get built (one counter in a list)."""
+    built = [0]
+    build = attention_padding._padded_mask
+
+    def counted(*args, **kwargs):
+        built[0] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(attention_padding, "_padded_mask", counted)
+    return built
+
+
 @pytest.fixture
 def seen(monkeypatch) -> list[tuple[int, ...]]:
     return _record(monkeypatch)
@@ -84,6 +97,22 @@ def test_masked_self_attention_is_padded(case, seen):
     got = lengths.padded_attention(q, k, v, **CASES[case](13))
     torch.testing.assert_close(got, TORCH_SDPA(q, k, v, **CASES[case](13)), rtol=0, atol=1e-12)
     assert [s[-2] for s in seen] == [64]
+
+
+def test_a_mask_is_padded_once_until_it_changes(monkeypatch):
+    """The same mask, or another tensor over its memory, is padded once; a mask written in place, or another
+    mask, is padded again."""
+    built = _count_masks(monkeypatch)
+    q, k, v = _inputs(13)
+    mask = _padding_mask(13, torch.bool)
+    for given in (mask, mask, mask.view(mask.shape), mask[:, :, :, :]):
+        lengths.padded_attention(q, k, v, attn_mask=given)
+    assert built == [1]
+    mask[1, 0, 3, 2] = True  # written in place: its version moved
+    got = lengths.padded_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, TORCH_SDPA(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
+    lengths.padded_attention(q, k, v, attn_mask=mask.clone())
+    assert built == [3]
 
 
 @pytest.mark.parametrize("case", ["no mask, not causal", "causal without a mask", "cross-attention",
@@ -151,10 +180,11 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
             mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
             labels = ids.masked_fill(mask == 0, -100)
             with pytest.MonkeyPatch.context() as spy:
-                seen = _record(spy)
+                seen, built = _record(spy), _count_masks(spy)
                 got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
                 got.backward()
             assert {s[-2] for s in seen} == {64}, f"length {length} reached attention unpadded"
+            assert built == [1], "the padded mask was built again for another layer or the backward"
             restore()
             want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
             want.backward()

@@ -15,7 +15,6 @@ same); a non-causal call without a mask would let real queries see the padded ke
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -43,30 +42,25 @@ def padded_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
 
 
 class _LastMask:
-    """The last mask padded and its padded form: a model hands the same mask tensor to every layer (and its
-    backward hands it back), so one padding serves a whole step instead of one per layer.
+    """The last mask padded and its padded form: a model hands the same mask to every layer (and its backward
+    hands it back), so one padding serves a whole step instead of one per layer.
 
-    Held by a weak reference to the given mask, so a freed mask's memory, reused by the next step's mask,
-    never matches; a mask written in place does not either (its version moved)."""
+    A compiled graph may hand each layer another tensor over the same memory, so the mask is known by its
+    memory, shape, strides and version; the entry holds the mask it was made from, so that memory cannot be
+    freed and reused by another mask while the entry stands, and a mask written in place has another version."""
 
     def __init__(self) -> None:
-        self._source: weakref.ref[torch.Tensor] | None = None
+        self._source: torch.Tensor | None = None
         self._key: tuple[Any, ...] = ()
         self._padded: torch.Tensor | None = None
 
     def padded(self, mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:
         if mask.requires_grad:  # a learned bias: its padding must stay in the autograd graph
             return _padded_mask(mask, length, pad)
-        key = (mask._version, pad)
-        if self._source is not None and self._source() is mask and self._key == key and self._padded is not None:
-            return self._padded
-        self._padded = _padded_mask(mask, length, pad)
-        self._source, self._key = weakref.ref(mask, self._forget), key
+        key = (mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask.device, mask._version, pad)
+        if self._padded is None or self._key != key:
+            self._source, self._key, self._padded = mask, key, _padded_mask(mask, length, pad)
         return self._padded
-
-    def _forget(self, source: weakref.ref[torch.Tensor]) -> None:
-        if source is self._source:  # (a mask padded since holds the entry now)
-            self._source, self._padded = None, None
 
 
 _MASKS = _LastMask()
