@@ -113,6 +113,9 @@ def test_a_mask_is_padded_once_until_it_changes(monkeypatch):
     torch.testing.assert_close(got, TORCH_SDPA(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
     lengths.padded_attention(q, k, v, attn_mask=mask.clone())
     assert built == [3]
+    attention_padding.forget_masks()  # what a rung's removal does: the next call pads again
+    lengths.padded_attention(q, k, v, attn_mask=mask)
+    assert built == [4]
 
 
 @pytest.mark.parametrize("case", ["no mask, not causal", "causal without a mask", "cross-attention",
@@ -146,8 +149,12 @@ def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_remova
         monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", setting)
         applied = apply_rung(model, Rung(), spec, placement, None)
         assert (F.scaled_dot_product_attention is lengths.padded_attention) is routed
+        if routed:
+            lengths.padded_attention(*_inputs(13), attn_mask=_padding_mask(13, torch.bool))
+            assert attention_padding._MASKS._padded is not None
         applied.remove()
         assert F.scaled_dot_product_attention is TORCH_SDPA
+        assert attention_padding._MASKS._padded is None, "the rung's removal kept a padded mask alive"
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
     assert "AUTOTUNE_ATTENTION_BUCKETS=0" in lengths.note("cpu")[0]  # the reason names the way out
 

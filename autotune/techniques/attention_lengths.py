@@ -50,6 +50,7 @@ def install(device_type: str) -> Callable[[], None]:
 
     def undo() -> None:
         F.scaled_dot_product_attention = found
+        attention_padding.forget_masks()
 
     return undo
 

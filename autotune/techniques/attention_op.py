@@ -1,8 +1,8 @@
 """The padded attention as one operator of a compiled graph (`autotune::padded_attention`).
 
-Inside a graph the padded length is an expression of the dynamic length, and Inductor's lowering of the fused
-attention kernels fails on it; an eager call between graphs instead breaks each block's graph in two
-(docs/variable-lengths.md). Registered as a custom operator, the padded call is a single node that Inductor
+Padded with torch operations inside a graph, the padded length is an expression of the dynamic one, and
+autotune's compiled GPT-2 trials failed in Inductor; an eager call between graphs instead breaks each block's
+graph in two (docs/variable-lengths.md). Registered as a custom operator, the padded call is a single node that Inductor
 calls as it is: one graph per block still serves every length, and cuDNN sees one shape per `MULTIPLE` tokens.
 
 The operator saves its inputs, not the attention's own intermediates: its backward runs the padded attention

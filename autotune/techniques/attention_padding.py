@@ -62,8 +62,17 @@ class _LastMask:
             self._source, self._key, self._padded = mask, key, _padded_mask(mask, length, pad)
         return self._padded
 
+    def forget(self) -> None:
+        """Let the last mask go (when the padding is removed: its memory is not the next trial's)."""
+        self._source, self._key, self._padded = None, (), None
+
 
 _MASKS = _LastMask()
+
+
+def forget_masks() -> None:
+    """Drop the mask kept for the next layer (`_LastMask`)."""
+    _MASKS.forget()
 
 
 def _padded_mask(mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:
