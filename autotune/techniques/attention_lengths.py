@@ -35,8 +35,8 @@ def wanted(device_type: str) -> bool:
 
 def note(device_type: str) -> list[str]:
     """The plan's word on it, where attention is padded."""
-    return ([f"attention runs at the length rounded up to a multiple of {MULTIPLE} tokens (cuDNN's attention builds a "
-             f"plan per new length; {settings.ATTENTION_BUCKETS_ENV}=0 turns this off)"]
+    return ([f"masked attention runs at the length rounded up to a multiple of {MULTIPLE} tokens (cuDNN's attention "
+             f"builds a plan per new length; {settings.ATTENTION_BUCKETS_ENV}=0 turns this off)"]
             if wanted(device_type) else [])
 
 
