@@ -205,6 +205,48 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
         restore()
 
 
+def test_under_autocast_the_compiled_operator_trains_as_eager_attention_does(monkeypatch):
+    """Under bf16 autocast (the operator casts its inputs as autocast casts torch's attention, and its backward
+    runs without autocast): a compiled, padded GPT-2's losses and gradients are the unpadded eager ones, within
+    bf16's rounding."""
+    transformers = pytest.importorskip("transformers")
+    from autotune.techniques import compile as compiling
+    from autotune.techniques import find_blocks
+
+    def gpt2() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    torch._dynamo.reset()
+    model, eager = gpt2(), gpt2()
+    monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
+    restore = lengths.install("cpu")
+    undo = compiling.install(model, find_blocks(model), 0)
+    try:
+        for length in (40, 23):
+            ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
+            mask = torch.ones(3, length, dtype=torch.long)
+            mask[1, -5:] = 0
+            with pytest.MonkeyPatch.context() as spy, torch.autocast("cpu", torch.bfloat16):
+                seen = _record(spy)
+                got = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            got.backward()
+            assert {s[-2] for s in seen} == {64}
+            restore()
+            with torch.autocast("cpu", torch.bfloat16):
+                want = eager(input_ids=ids, attention_mask=mask, labels=ids).loss
+            want.backward()
+            restore = lengths.install("cpu")
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
+            for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=0.05, atol=5e-3, msg=name)
+    finally:
+        undo()
+        restore()
+
+
 @pytest.mark.parametrize("case", ["causal", "float-mask"])
 def test_the_operator_replays_the_forwards_dropout_in_its_backward(case):
     """The graph's operator: with dropout, its output and gradients equal the eager padded call's drawn from
