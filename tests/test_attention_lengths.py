@@ -159,15 +159,16 @@ def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_remova
     assert "AUTOTUNE_ATTENTION_BUCKETS=0" in lengths.note("cpu")[0]  # the reason names the way out
 
 
-def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monkeypatch):
+@pytest.mark.parametrize("recomputed", [0, 2])
+def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monkeypatch, recomputed):
     """Compiled per block, a GPT-2 with padding masks runs one graph for lengths 9-32, its attention reaches
     torch's kernel at 64 tokens only (the padded call is one operator of the graph), and each loss and gradient
-    is the unpadded eager one."""
+    is the unpadded eager one; with its blocks recomputed too (compiled inside their checkpoints)."""
     transformers = pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
+    from autotune.techniques import checkpointing, find_blocks
     from autotune.techniques import compile as compiling
-    from autotune.techniques import find_blocks
 
     def gpt2() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -179,7 +180,11 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
     model, eager = gpt2(), gpt2()
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
     restore = lengths.install("cpu")
-    undo = compiling.install(model, find_blocks(model), 0)
+    blocks = find_blocks(model)
+    undo = compiling.install(model, blocks, recomputed)
+    undo_checkpoints = (checkpointing.install(blocks, recomputed, offload_activations=False,
+                                              placement=resolve_device("cpu"), inner=compiling.forward)
+                        if recomputed else (lambda: None))
     before = int(counters["frames"]["ok"])
     try:
         for length in (32, 16, 24, 9):
@@ -201,6 +206,7 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-12, msg=name)
         assert int(counters["frames"]["ok"]) - before == 1, "a new length compiled another graph"
     finally:
+        undo_checkpoints()
         undo()
         restore()
 
