@@ -121,7 +121,7 @@ def test_a_mask_is_padded_once_until_it_changes(monkeypatch):
 @pytest.mark.parametrize("case", ["no mask, not causal", "causal without a mask", "cross-attention",
                                   "mask broadcast over keys", "at a multiple of 64"])
 def test_a_call_that_padding_would_change_or_not_help_runs_as_given(case, seen):
-    """Unmasked calls run flash attention (no plan per shape; not causal, padding would be seen), and a mask
+    """Unmasked calls come from batches of one fixed length (and, not causal, padding would be seen); a mask
     that is not over every key cannot hide the padded ones."""
     q, k, v = _inputs(64 if case == "at a multiple of 64" else 13)
     kwargs: dict = {}

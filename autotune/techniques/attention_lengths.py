@@ -4,7 +4,7 @@ cuDNN's attention, which torch picks on recent GPUs for masked training attentio
 for every new shape, a cost paid once per length that can double a step (benchmarks/RESULTS.md, "Real training
 data"). Padded batches bring a new length almost every step.
 While a rung is applied, `torch.nn.functional.scaled_dot_product_attention` pads the queries, keys and values
-of a masked self-attention call (what torch gives cuDNN) to the next multiple of `MULTIPLE` and slices the
+of a masked self-attention call (what padded batches bring) to the next multiple of `MULTIPLE` and slices the
 output back (`attention_padding`): every other layer runs at the batch's own length, and cuDNN sees at most
 one shape per 64 tokens. Eager calls pad in place; a compiled graph calls the padded attention as one operator
 (`attention_op`), so one graph still serves every length. Other calls run as given

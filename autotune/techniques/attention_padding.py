@@ -7,10 +7,12 @@ to the real keys only (so their rows stay finite) and their outputs are dropped,
 Dropout draws for the padded shape, the same distribution over the real positions.
 
 `paddable` says which calls are padded: masked self-attention (as many keys as queries, a mask over every
-key), not nested. Those are the calls torch gives cuDNN's attention, which builds a plan per shape (on an H200
-with torch 2.11, a bool padding mask ran cuDNN's kernels). A call without a mask runs flash attention, which
-builds nothing per shape, so padding would only add work (`padded_call` pads a causal call exactly all the
-same); a non-causal call without a mask would let real queries see the padded keys.
+key), not nested. A padding mask is what batches padded to their longest sample bring, and with it a new length
+almost every step. A causal call without a mask mostly comes from batches of one fixed length, where every
+step's shape is the same and padding would only add work (`padded_call` pads such a call exactly all the same,
+but it is not routed there); a non-causal call without a mask would let real queries see the padded keys.
+(On an H200 with torch 2.11 both the masked and the unmasked causal call ran cuDNN's kernels, so unmasked
+batches whose lengths vary still pay cuDNN's plan once per length.)
 """
 
 from __future__ import annotations
