@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import settings
 from . import attention_op, attention_padding
-from .attention_padding import MULTIPLE, paddable, padded_call
+from .attention_padding import MULTIPLE, paddable, padded_call, sdpa
 
 
 def wanted(device_type: str) -> bool:
@@ -59,12 +59,13 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                      scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """`scaled_dot_product_attention` over the length rounded up to `MULTIPLE`, sliced back to the given one."""
-    gqa = {"enable_gqa": True} if enable_gqa else {}  # (passed only where asked: torch before 2.5 lacks it)
+    compiling = torch.compiler.is_compiling()
     # (compiled, the length is symbolic: a test of it would guard the graph on it, and a padding of 0 is cheap)
-    at_multiple = not torch.compiler.is_compiling() and query.shape[-2] % MULTIPLE == 0
-    if at_multiple or not paddable(query, key, attn_mask):
-        return attention_padding.original(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                          scale=scale, **gqa)
-    if torch.compiler.is_compiling():
+    if not paddable(query, key, attn_mask) or (not compiling and query.shape[-2] % MULTIPLE == 0):
+        run = sdpa
+    elif compiling:
         return attention_op.padded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return padded_call(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa)
+    else:
+        run = padded_call
+    return run(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+               enable_gqa=enable_gqa)

@@ -37,12 +37,6 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out
 
 
-def _call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-          dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    gqa = {"enable_gqa": True} if enable_gqa else {}  # (passed only where asked: torch before 2.5 lacks it)
-    return padded_call(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa)
-
-
 @torch.library.custom_op("autotune::padded_attention", mutates_args=())
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
              dropout_p: float, is_causal: bool, scale: float | None,
@@ -50,7 +44,8 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_m
     """The output (contiguous, as the graph was told) and the random state its dropout drew from (empty
     without dropout)."""
     state = _rng_state(query.device) if dropout_p > 0 else torch.empty(0, dtype=torch.uint8)
-    out = _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    out = padded_call(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      enable_gqa=enable_gqa)
     return out.contiguous(), state
 
 
@@ -69,7 +64,8 @@ def _backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     """The gradients of query, key and value: the padded call run again under `torch.func.vjp`, with the
     forward's random state."""
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return padded_call(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                           enable_gqa=enable_gqa)
 
     with _replayed(state, query.device):
         vjp: Any = torch.func.vjp(attention, query, key, value)[1]  # (typed by torch as any number of outputs)

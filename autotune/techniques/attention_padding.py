@@ -33,14 +33,24 @@ def paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) 
     return mask.dim() >= 2 and mask.shape[-1] == key.shape[-2] and mask.shape[-2] in (1, query.shape[-2])
 
 
-def padded_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                **kwargs: Any) -> torch.Tensor:
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, *,
+         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """torch's own `scaled_dot_product_attention`, as given."""
+    gqa = {"enable_gqa": True} if enable_gqa else {}  # (passed only where asked: torch before 2.5 lacks it)
+    return original(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa)
+
+
+def padded_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, *,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
     """torch's `scaled_dot_product_attention` over the length rounded up to `MULTIPLE`, sliced back."""
     length = query.shape[-2]
     pad = (-length) % MULTIPLE
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
     mask = None if attn_mask is None else _MASKS.padded(attn_mask, length, pad)
-    return original(q, k, v, mask, **kwargs)[..., :length, :]
+    out = sdpa(q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return out[..., :length, :]
 
 
 class _LastMask:
