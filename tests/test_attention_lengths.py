@@ -42,6 +42,14 @@ def _count_masks(monkeypatch) -> list[int]:
     return built
 
 
+def _tiny_gpt2(transformers, positions: int) -> torch.nn.Module:
+    """A two-layer GPT-2 without dropout, the same weights on every call."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=positions,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
 @pytest.fixture
 def seen(monkeypatch) -> list[tuple[int, ...]]:
     return _record(monkeypatch)
@@ -170,14 +178,8 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
     from autotune.techniques import checkpointing, find_blocks
     from autotune.techniques import compile as compiling
 
-    def gpt2() -> torch.nn.Module:
-        torch.manual_seed(0)
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2LMHeadModel(cfg).double()
-
     torch._dynamo.reset()
-    model, eager = gpt2(), gpt2()
+    model, eager = _tiny_gpt2(transformers, 32).double(), _tiny_gpt2(transformers, 32).double()
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
     restore = lengths.install("cpu")
     blocks = find_blocks(model)
@@ -219,14 +221,8 @@ def test_under_autocast_the_compiled_operator_trains_as_eager_attention_does(mon
     from autotune.techniques import compile as compiling
     from autotune.techniques import find_blocks
 
-    def gpt2() -> torch.nn.Module:
-        torch.manual_seed(0)
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2LMHeadModel(cfg)
-
     torch._dynamo.reset()
-    model, eager = gpt2(), gpt2()
+    model, eager = _tiny_gpt2(transformers, 64), _tiny_gpt2(transformers, 64)
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
     restore = lengths.install("cpu")
     undo = compiling.install(model, find_blocks(model), 0)
@@ -309,10 +305,7 @@ def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):
     import autotune
 
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = _tiny_gpt2(transformers, 64)
     ids = torch.randint(0, 97, (8, 64), generator=torch.Generator().manual_seed(0))
     padding = (torch.arange(64)[None, :] < torch.tensor([64, 50, 30, 64, 9, 64, 40, 20])[:, None]).long()
     example = {"input_ids": ids, "attention_mask": padding, "labels": ids.masked_fill(padding == 0, -100)}
