@@ -1,4 +1,4 @@
-"""Which blocks to recompute: bytes per sample of a ResNet with the old choice and the new one (issues 17, 21).
+"""Which blocks to recompute: bytes per sample of a ResNet with the old choice and the new one.
 
 The old choice was the one group of same-class blocks holding the most parameters: on a ResNet its last stage
 (ResNet-152's `layer4`, 3 of 50 bottlenecks), which holds the fewest activations. The new one

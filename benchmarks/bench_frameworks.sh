@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Zero-change `autotune run` on the frameworks people use (issue 13): a LightningCLI script and the Hugging Face
+# Zero-change `autotune run` on the frameworks people use: a LightningCLI script and the Hugging Face
 # Trainer script, each tuned through its preset and trained STEPS optimizer steps under a memory ceiling;
 # the plan's claimed samples/s beside what the real run measured (the agent's median whole optimizer step).
 #

@@ -1,4 +1,4 @@
-"""Where optimizer offload's tail goes, on bare tensors (issue 12): the host AdamW against stepping the host
+"""Where optimizer offload's tail goes, on bare tensors: the host AdamW against stepping the host
 share on the GPU with its state streamed over PCIe, and the two side by side.
 
 W1's host share (GPT-2 large, 89% of 774 M parameters, about 690 M) in chunks of 16 Mi elements. For each

@@ -1,4 +1,4 @@
-"""The lattice search on W1 beside an expert grid that includes compile (issue 11), on one GPU.
+"""The lattice search on W1 beside an expert grid that includes compile, on one GPU.
 
 Methods, each in a process of its own (`--method`), JSON lines to `--out`:
     fit    autotune.fit on W1 (compile allowed), then `--steps` global steps through `plan.apply`;

@@ -1,5 +1,5 @@
 """A Mixtral-style mixture of experts (8 experts, top-2, router loss on) trained by autotune's plan at a tight
-budget beside an unsplit PyTorch reference over the same batches: does the loss curve match? (issue 38)
+budget beside an unsplit PyTorch reference over the same batches: does the loss curve match?
 
     python benchmarks/bench_moe.py --out benchmarks/data/moe               # one H200: under 90 s in all
     python benchmarks/bench_moe.py --device cpu --tiny --out /tmp/moe      # the simulated ceiling, seconds

@@ -1,4 +1,4 @@
-"""Several GPUs (issue 16): replicated scaling, a sharded plan chosen by `fit`, and every rung on FSDP2 shards.
+"""Several GPUs: replicated scaling, a sharded plan chosen by `fit`, and every rung on FSDP2 shards.
 
 Run under torchrun, one process per GPU (`bench_multi_gpu.sh` runs the three cases and the one-GPU baseline):
 

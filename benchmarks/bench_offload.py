@@ -1,4 +1,4 @@
-"""Optimizer offload, serial against overlapped (issue 12): where a global step's time goes.
+"""Optimizer offload, serial against overlapped: where a global step's time goes.
 
 For each mode, the same plan trains `--steps` global steps through `plan.apply` (after `--warmup`), and
 each step is split at the optimizer: `backward` is from the start of the step to the moment the step

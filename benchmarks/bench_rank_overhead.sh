@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16: is a replicated rank slower per sample than one GPU alone, and is it the ranks or the host?
+# Is a replicated rank slower per sample than one GPU alone, and is it the ranks or the host?
 #   AS=0.001@6 bash benchmarks/bench_rank_overhead.sh OUTDIR
 # The same configuration (fit's plan changed as AS says, bench_multi_gpu.py --shares form) trained three ways,
 # each with its step timed in parts (bench_replicated_parts.py):

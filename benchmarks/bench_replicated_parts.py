@@ -1,4 +1,4 @@
-"""Where a replicated step's time goes (issue 16): one `fit`, then the plan trained with parts switched off.
+"""Where a replicated step's time goes: one `fit`, then the plan trained with parts switched off.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_replicated_parts.py --model gpt2-medium --budget 16GiB
     python benchmarks/bench_replicated_parts.py ...        # one GPU: the plan's step, timed in parts

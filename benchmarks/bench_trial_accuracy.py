@@ -1,4 +1,4 @@
-"""How well a trial predicts training, under optimizer offload (issues 11, 16): the search ranks by trial
+"""How well a trial predicts training, under optimizer offload: the search ranks by trial
 estimates, so an estimate that is off for one kind of configuration biases the pick.
 
 For one configuration (`--config BLOCKS,MICRO`, optimizer offload of every parameter, `--compile`), in one

@@ -1,11 +1,11 @@
-"""Faults of issue 20 on a real GPU: what the CPU tests simulate.
+"""Faults met after and inside `fit`, on a real GPU: what the CPU tests simulate.
 
     python benchmarks/check_faults_gpu.py            # on a GPU machine; prints one JSON line per check
 
-1. `fit` without `memory_budget`, twice in a row, one process: the second is a cache hit (issue 20.2; the
+1. `fit` without `memory_budget`, twice in a row, one process: the second is a cache hit (the
    budget is the free memory rounded to 1/64 of the GPU's).
 2. A device-side assert inside a trial (an out-of-range index on the GPU): `fit` raises autotune's
-   `DeviceError`, not the `torch.AcceleratorError` that clean-up would raise on the poisoned context (20.3).
+   `DeviceError`, not the `torch.AcceleratorError` that clean-up would raise on the poisoned context.
    Run last: the context stays poisoned.
 
 On the CPU it runs check 1 under the simulated ceiling and skips check 2.

@@ -5,30 +5,30 @@
 #   PARTS="w1cold w1warm" bash benchmarks/gpu_session.sh     # on the GPU machine, after installing the wheels
 #
 # Parts:
-#   w1cold   issue 11: W1 (GPT-2 large, 24 GiB) fit with a cold Inductor cache, then 20 steps of the plan
-#   w1warm   issue 11: the same fit again with the compile cache warm (no training)
-#   offload  issue 12: benchmarks/bench_offload.py (serial vs overlapped optimizer offload on W1, W2 tok/s)
-#   frameworks  issue 13: benchmarks/bench_frameworks.sh (Lightning and HF Trainer under autotune run)
-#   grid     issue 11: the expert grid on W1 (compile x blocks recomputed {0, N/2, N} x offload), its best trained
-#   w2       issues 11, 12: W2 (GPT-2 XL, 16 GiB) autotune.fit cold, then 20 steps (bench_peers)
-#   w3       issue 11: W3 (ResNet-152, 12 GiB) the peers' grid and autotune.fit cold, 30 steps each (bench_peers)
-#   blocks   issues 17, 21: benchmarks/bench_blocks.py on W3's ResNet-152 (which blocks to recompute)
-#   ckpt     issues 11, 12: W2 at full recompute + optimizer offload, 8 x 8, compiled per block, then eager
-#   moe      issue 38: benchmarks/bench_moe.py (a Mixtral-style MoE's router loss over micro-batches, 20 steps)
-#   llama3b  issue 35: a 3B Llama-shaped decoder at 24 GiB, global batch 32, 20 steps (bench_llama.py)
-#   llama1b  issue 36: a 1.1B Llama (TinyLlama's shape) at 24 GiB, sequence 2048: plan.mfu, 5 steps (bench_llama.py)
-#   llama8b  issue 35: the 8B decoder at 76 GiB, global batch 64, 10 steps: its tune alone takes about 9
+#   w1cold   W1 (GPT-2 large, 24 GiB) fit with a cold Inductor cache, then 20 steps of the plan
+#   w1warm   the same fit again with the compile cache warm (no training)
+#   offload  benchmarks/bench_offload.py (serial vs overlapped optimizer offload on W1, W2 tok/s)
+#   frameworks  benchmarks/bench_frameworks.sh (Lightning and HF Trainer under autotune run)
+#   grid     the expert grid on W1 (compile x blocks recomputed {0, N/2, N} x offload), its best trained
+#   w2       W2 (GPT-2 XL, 16 GiB) autotune.fit cold, then 20 steps (bench_peers)
+#   w3       W3 (ResNet-152, 12 GiB) the peers' grid and autotune.fit cold, 30 steps each (bench_peers)
+#   blocks   benchmarks/bench_blocks.py on W3's ResNet-152 (which blocks to recompute)
+#   ckpt     W2 at full recompute + optimizer offload, 8 x 8, compiled per block, then eager
+#   moe      benchmarks/bench_moe.py (a Mixtral-style MoE's router loss over micro-batches, 20 steps)
+#   llama3b  a 3B Llama-shaped decoder at 24 GiB, global batch 32, 20 steps (bench_llama.py)
+#   llama1b  a 1.1B Llama (TinyLlama's shape) at 24 GiB, sequence 2048: plan.mfu, 5 steps (bench_llama.py)
+#   llama8b  the 8B decoder at 76 GiB, global batch 64, 10 steps: its tune alone takes about 9
 #            minutes, over one call's 10; start it with setsid and collect it in a second call
-#   lengths  issue 36: GPT-2 medium at 10 GiB over padded lengths 256-1024, 100 steps (bench_lengths.py)
-#   large100 issue 36: GPT-2 large at 24 GiB, one shape, 100 steps (bench_lengths.py)
+#   lengths  GPT-2 medium at 10 GiB over padded lengths 256-1024, 100 steps (bench_lengths.py)
+#   large100 GPT-2 large at 24 GiB, one shape, 100 steps (bench_lengths.py)
 #   lengths_fixed the lengths part with the allocator's fixed segments (bench_lengths.py --allocator fixed)
 #   lengths64 the lengths part with every batch padded to a multiple of 64 tokens, as a collator can pad
 #   lengths_nocudnn the lengths part with cuDNN's attention off (its execution plan is built per new shape)
 #   lengths_nobuckets the lengths part with attention at each batch's own length (AUTOTUNE_ATTENTION_BUCKETS=0)
 #   new_length the cost of a step at a new length, with and without attention's buckets (bench_new_length.py)
 #   large100_fixed the large100 part with the allocator's fixed segments
-#   lightning        issue 36: the Lightning script under `autotune run`, its trials forked (the default)
-#   lightning_fresh  issue 36: the same with AUTOTUNE_FORK_TRIALS=0, every trial a fresh process
+#   lightning        the Lightning script under `autotune run`, its trials forked (the default)
+#   lightning_fresh  the same with AUTOTUNE_FORK_TRIALS=0, every trial a fresh process
 # W1_STEPS sets w1cold's training steps (20). benchmarks/gpu_streams.sh runs several of these side by side, one per GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."

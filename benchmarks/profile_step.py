@@ -1,5 +1,5 @@
 """Where a training step's time goes: GPU busy time against wall time, the CPU's heaviest operators, and
-every point where the host waits for the device (issue 11: the fixed cost per micro-batch).
+every point where the host waits for the device (the fixed cost per micro-batch).
 
 A hand-built plan (as `bench_offload.py --config`) trains `--warmup` steps, then one step under
 `torch.cuda.set_sync_debug_mode("warn")` (each synchronizing call's stack, counted), then `--steps` steps

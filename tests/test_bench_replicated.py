@@ -1,4 +1,4 @@
-"""The two-GPU benchmarks of issue 16 on the CPU, under torchrun with two gloo ranks: they run, and what they
+"""The two-GPU benchmarks on the CPU, under torchrun with two gloo ranks: they run, and what they
 report is there (a broken benchmark found on the GPU machine costs a call of scarce device time).
 
 tiny-gpt at 5 MiB per rank: fit picks replicated optimizer offload of part of the parameters, partitioned.

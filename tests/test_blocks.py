@@ -1,4 +1,4 @@
-"""Which blocks checkpointing recomputes, on the models people bring (issue 17 items 3-5, issue 21 item 5).
+"""Which blocks checkpointing recomputes, on the models people bring.
 
 Real models on the CPU: tiny Hugging Face T5, Llama and GPT-2; a model holding its blocks as attributes; a
 torchvision-style ResNet. Plus the reason texts, sizes in their unit, and the shared-tensor mark.
@@ -91,7 +91,7 @@ class MLPBlock(nn.Module):
 
 
 class AttributeBlocks(nn.Module):
-    """Four blocks as plain attributes, no ModuleList: the layout issue 17 found unsupported."""
+    """Four blocks as plain attributes, no ModuleList: the block finder finds them too."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
@@ -292,7 +292,7 @@ def test_a_resnet_gets_every_stage_recomputed_early_stages_first():
     model = ResNetLike()
     batch = (torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
     params = {i: sum(p.numel() for p in getattr(model, f"layer{i}").parameters()) for i in range(1, 5)}
-    assert max(params, key=params.get) == 4  # by parameters layer4 alone would win (issue 21)
+    assert max(params, key=params.get) == 4  # by parameters layer4 alone would win
     stats = [b.clone() for b in model.buffers()]
     blocks = profile_blocks(model, batch, resolve(None), CPU)
     assert blocks is not None

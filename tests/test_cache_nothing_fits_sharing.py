@@ -1,4 +1,4 @@
-"""'Nothing fits' shared (issue 20.5): a search that found no configuration reaches a teammate as it reaches a retry.
+"""'Nothing fits' shared: a search that found no configuration reaches a teammate as it reaches a retry.
 
 Real SQLite files, the real `autotune.fit` on a tiny GPT on the CPU under a 64 KiB budget (nothing fits: a
 search of a few trials), exports and team directories as files. Alice searches; Bob, with a fresh cache,

@@ -44,7 +44,7 @@ def valid_line(i: int) -> bytes:
     return PlanRow(key=plan.key, parts=parts, plan=plan, updated=1.0).to_json().encode()
 
 
-# -- rows from elsewhere (issue 15.1, 20.4) ----------------------------------------------------------------------
+# -- rows from elsewhere ----------------------------------------------------------------------------------------------
 
 def test_a_deeply_nested_team_line_neither_stops_fit_nor_hides_the_teams_plans(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,7 +113,7 @@ def test_cache_show_escapes_terminal_control_characters(tmp_path: Path) -> None:
                           plan.key[:8]).output)["plan"]["evidence"]["reason"] == evil
 
 
-# -- autotune run: exit codes as promised (issue 15.2, 15.3) --------------------------------------------------
+# -- autotune run: exit codes as promised -----------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -190,7 +190,7 @@ def test_zero_change_passes_a_non_memory_exit_code_through(tmp_path: Path) -> No
     assert log.read_text().splitlines() == ["launch None"], "a failed trial is not retried, no real run started"
 
 
-# -- the file at the cache path (issue 15.4, 20.5) ------------------------------------------------------------
+# -- the file at the cache path ---------------------------------------------------------------------------------------
 
 def fit_counting_warnings(cache: object) -> tuple[Any, list[warnings.WarningMessage]]:
     model, batch = tiny_workload()
@@ -264,7 +264,7 @@ def test_a_negative_budget_is_called_negative() -> None:
         parse_bytes("-1GiB")
 
 
-# -- tests independent of order (issue 20.6) ------------------------------------------------------------------
+# -- tests independent of order ---------------------------------------------------------------------------------------
 
 def test_an_in_process_run_command_leaves_autotunes_logger_as_it_found_it() -> None:
     import logging
@@ -276,7 +276,7 @@ def test_an_in_process_run_command_leaves_autotunes_logger_as_it_found_it() -> N
     assert (logger.handlers, logger.level, logger.propagate) == before
 
 
-# -- connections and "nothing fits" (issue 20.5) --------------------------------------------------------------
+# -- connections and "nothing fits" -----------------------------------------------------------------------------------
 
 def open_files_under(directory: Path) -> list[str]:
     import psutil

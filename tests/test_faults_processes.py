@@ -1,4 +1,4 @@
-"""The fault table's scenarios of processes and signals (issue 15): Ctrl-C inside `fit`'s trials, 16 `fit` calls
+"""The fault table's scenarios of processes and signals: Ctrl-C inside `fit`'s trials, 16 `fit` calls
 in 16 processes at once, concurrent `autotune cache import`, DataLoader workers forked after `fit`, and a plan
 cached under another torch version.
 

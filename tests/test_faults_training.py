@@ -1,4 +1,4 @@
-"""Faults met after `fit` and inside it (issue 20): where a recovery writes, memory taken since tuning, and a
+"""Faults met after `fit` and inside it: where a recovery writes, memory taken since tuning, and a
 poisoned CUDA context whose clean-up fails too.
 
 Real `fit` and `plan.apply` on the CPU under the simulated ceiling. Where the decision reads the device, the
@@ -35,7 +35,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-# -- a recovery writes to the cache the plan came from (issue 20.1) --------------------------------------------
+# -- a recovery writes to the cache the plan came from ----------------------------------------------------------------
 
 @pytest.mark.parametrize("elsewhere", ["AUTOTUNE_CACHE", "the user cache"])
 def test_a_recovery_in_training_writes_to_the_cache_the_plan_came_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -62,7 +62,7 @@ def test_a_recovery_in_training_writes_to_the_cache_the_plan_came_from(tmp_path:
     assert not (home / ".cache").exists(), "nobody asked for the user cache"
 
 
-# -- memory taken since tuning (issue 20.2) -------------------------------------------------------------------
+# -- memory taken since tuning ----------------------------------------------------------------------------------------
 
 def host_with(monkeypatch: pytest.MonkeyPatch, *, available: float, total: int | None = None) -> None:
     """The host's memory as `default_budget` reads it (the simulated device's free memory), faked at psutil."""
@@ -118,7 +118,7 @@ def test_a_cached_plan_or_an_applied_one_that_no_longer_fits_is_warned_about_wit
     assert f"the plan peaks at {peak} but only 100 KiB is usable" in applied and "retune=True" in applied
 
 
-# -- a poisoned CUDA context (issue 20.3) ------------------------------------------------------------------------
+# -- a poisoned CUDA context ------------------------------------------------------------------------------------------
 
 class PoisonedInTrials(nn.Module):
     """The tiny GPT, whose forward raises CUDA's illegal-address error once a trial's steps run (the forwards

@@ -1,4 +1,4 @@
-"""The lattice search (issue 11) against a scripted GPU whose memory and time follow each knob: blocks
+"""The lattice search against a scripted GPU whose memory and time follow each knob: blocks
 recomputed (0..N), offload none / activations / optimizer, compile off / on. No model, no device: what the
 controller tries and what it picks, deterministically."""
 

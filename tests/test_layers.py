@@ -267,8 +267,11 @@ def test_no_module_over_the_line_limit_without_a_reason() -> None:
 # Development history that belongs to git and benchmarks/RESULTS.md, not to the code or the README: a numbered
 # round, run or call used as a label ("in run 12", "call 2 fit"; a count such as "run 3 optimizer steps",
 # "runs 3 trials" or "2 calls" is prose), a commit hash (7-12 lowercase hex characters with a digit and a
-# letter), a date, a line number in a Markdown file, and a Markdown file that is not in the repository.
+# letter), a date, a line number in a Markdown file, a Markdown file that is not in the repository, and an
+# issue of the tracker by number (what a module does is said in the module; the tracker is not shipped).
+ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
 HISTORY = {
+    "an issue by number": ISSUE,
     "a numbered round, run or call": re.compile(
         r"\brounds? #?\d+\b|\b(?:run|call) #?\d+\b(?!\s+(?:[A-Za-z-]+\s+)?[A-Za-z-]+s\b)", re.IGNORECASE),
     "a commit hash": re.compile(r"(?<![#\w])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}\b"),
@@ -298,8 +301,18 @@ def test_no_development_history_in_the_package_or_the_readme() -> None:
                        "benchmarks/RESULTS.md):\n" + "\n".join(found))
 
 
+def test_no_issue_numbers_in_the_tests_benchmarks_or_docs() -> None:
+    files = [p for folder in ("tests", "benchmarks", "docs", "examples") for p in (ROOT / folder).rglob("*")
+             if p.suffix in {".py", ".sh", ".md"}]
+    found = [f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r}" for path in files
+             for number, line in enumerate(path.read_text().splitlines(), 1) for match in ISSUE.finditer(line)
+             if path.name != "test_layers.py"]
+    assert not found, "say what a test or benchmark checks, not the tracker's number:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("text", [
-    "measured in round 3", "in run 12 the step", "(call 1, a host share)", "see a8acd7b", "on 2026-11-27",
+    "measured in round 3", "as issue 16 found", "(issues 17, 21)",
+    "in run 12 the step", "(call 1, a host share)", "see a8acd7b", "on 2026-11-27",
     "as NOTES.md says", "rounds 4-6", "benchmarks/RESULTS.md line 1367",
 ])
 def test_the_history_check_finds(text: str) -> None:

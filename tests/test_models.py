@@ -1,4 +1,4 @@
-"""Models as people bring them (issues 17 and 21): real tiny `transformers` models, float64 on the CPU.
+"""Models as people bring them: real tiny `transformers` models, float64 on the CPU.
 
 The default loss (`loss_fn=None`) on padded Hugging Face labels must give the update of one full-batch step:
 the model's `.loss` is a mean over the tokens that count, so micro-batches are weighted by their tokens'
@@ -91,7 +91,7 @@ def assert_close_params(got: nn.Module, want: nn.Module, start: nn.Module, tol: 
             assert ((p - p0) - (q - p0)).norm() <= tol * max(update, 1.0), f"{name}: updates differ"
 
 
-# -- issue 17, finding 1: the default loss on padded labels ------------------------------------------------------
+# -- the default loss on padded labels ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("micro", [4, 5], ids=["even", "uneven"])
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])

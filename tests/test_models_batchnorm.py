@@ -1,4 +1,4 @@
-"""Models with batch statistics (issue 21.1, 21.2): BatchNorm cannot train on one sample where a channel holds a
+"""Models with batch statistics: BatchNorm cannot train on one sample where a channel holds a
 single value (BatchNorm1d on (N, C), a ResNet whose last stage is 1x1 on 32x32 images), and an attempt at a step
 that ran out of memory must leave no running statistics behind.
 

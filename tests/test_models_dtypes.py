@@ -1,4 +1,4 @@
-"""Models in dtypes other than FP32 (issue 21.4): every rung keeps each parameter's dtype, through `fit`,
+"""Models in dtypes other than FP32: every rung keeps each parameter's dtype, through `fit`,
 `plan.apply` and `step.close()`; a rung that cannot train a dtype is left out with a note, never run into a crash.
 
 Before: a float64 model crashed `fit` once the search reached optimizer offload (its device weights were cast

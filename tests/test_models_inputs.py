@@ -1,4 +1,4 @@
-"""Batches and models as people bring them (issue 21.3, 21.5): a tokenizer's `BatchEncoding` and other
+"""Batches and models as people bring them: a tokenizer's `BatchEncoding` and other
 mappings are batches; `fit` leaves the inputs' gradients alone; a model on the `meta` device is refused
 with a setting error that says to materialize it.
 """

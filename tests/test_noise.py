@@ -1,5 +1,5 @@
 """Timings on a busy machine: noisy trials measure longer and say so, and a recompute win that recompute
-cannot explain is measured again instead of believed (issues 19.1, 21.5)."""
+cannot explain is measured again instead of believed."""
 
 from __future__ import annotations
 

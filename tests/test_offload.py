@@ -1,4 +1,4 @@
-"""Optimizer offload on the CPU test device (issue 12): overlapped with backward, partial, and 8-bit state.
+"""Optimizer offload on the CPU test device: overlapped with backward, partial, and 8-bit state.
 
 The overlapped step must give the parameters of the serial one, bitwise: both run the same per-parameter
 optimizer arithmetic on the same FP32 gradients, only the order in which tensors are stepped differs. The
@@ -522,7 +522,7 @@ def test_bench_offload_runs_every_mode_on_the_cpu(tmp_path):
 
 
 def test_bench_trial_accuracy_and_profile_step_run_on_the_cpu(tmp_path):
-    # The two scripts behind issue 12's trial-accuracy and sync-point figures, on the tiny CPU workload.
+    # The two scripts behind the trial-accuracy and sync-point figures, on the tiny CPU workload.
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
     bench = os.path.join(ROOT, "benchmarks")
     out = tmp_path / "acc.jsonl"

@@ -1,7 +1,7 @@
 """step.close() under optimizer offload when the optimizer state cannot come back to the device.
 
 On an H200 capped at 16 GiB, GPT-2 XL's AdamW moments (12 GB) were why the plan offloaded them, and
-`close()` then died loading them back (benchmarks/RESULTS.md, issue 12). The OOM is injected here at the
+`close()` then died loading them back (benchmarks/RESULTS.md). The OOM is injected here at the
 same call, the only place the CPU can meet it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a new user gets wrong first, answered with a clear message and a documented exit code (issue 19.4)."""
+"""What a new user gets wrong first, answered with a clear message and a documented exit code."""
 
 from __future__ import annotations
 
