@@ -167,3 +167,18 @@ def test_a_child_whose_spawn_gives_nothing_starts_itself_fresh(tmp_path: Path) -
     ended = child.start().wait()
     assert len(asked) == 1 and asked[0]["MARK"] == "1"
     assert ended.returncode == 3 and "fresh" in ended.output_tail
+
+
+def test_a_jobs_seconds_count_from_before_its_spawn(tmp_path: Path) -> None:
+    """A trial's start-up is its age at the first step, counted from the launch; its whole time must count from
+    the same moment, or a slow fork makes the start-up longer than the trial that holds it."""
+    from autotune.supervisor.process import Child
+
+    def slow(env: dict[str, str]) -> None:
+        time.sleep(0.5)  # a loaded machine's fork, or the fork server taking its time to answer
+
+    script = _write(tmp_path / "quick.py", "print('done', flush=True)\n")
+    launched = time.monotonic()
+    ended = Child([sys.executable, script], env=_env(), echo=False, capture_stdout=True, spawn=slow).start().wait()
+    assert ended.returncode == 0 and "done" in ended.output_tail
+    assert 0.5 <= ended.seconds <= time.monotonic() - launched

@@ -99,9 +99,11 @@ class Child:
         self._killed = False
         self._timed_out = False
         self._signal: int | None = None
+        self._launched = 0.0  # time.monotonic() when start() began: a job's seconds and its deadline count from there
 
     # -- launching -------------------------------------------------------------------------------------
     def start(self) -> Child:
+        self._launched = time.monotonic()
         if self.capture_stdout:
             stdout: int | None = subprocess.PIPE
         elif self.stdout_to_stderr:
@@ -136,7 +138,7 @@ class Child:
     def wait(self) -> ChildExit:
         """Wait for the child, enforcing the deadline and the grace period, then clean up its group."""
         assert self.proc is not None, "start() first"
-        started = time.monotonic()
+        started = self._launched  # from before the spawn: a fork or an interpreter's start is the job's time too
         sampler = MemorySampler(lambda: self._pids).start()
         host = HostSampler(lambda: {self.proc.pid, *self._pids}).start()  # type: ignore[union-attr]
         tracked_at = 0.0

@@ -218,8 +218,8 @@ class ScriptTrials:
                 f"the script finished after {steps} optimizer step(s) at micro-batch {micro}; a trial needs "
                 f"{1 + self.trial_steps}. Give it more data or steps, or lower --trial-steps (at least 1).")
         starts = [m["startup_seconds"] for m in measured if m.get("startup_seconds") is not None]
-        if starts:
-            self.startups.append((max(starts), ended.exit.seconds))
+        if starts:  # (the launch time is stamped a moment before the job's clock starts: never more than whole)
+            self.startups.append((min(max(starts), ended.exit.seconds), ended.exit.seconds))
         return self._trial(rung, micro, measured, ended.exit)
 
     def startup_note(self) -> str:
