@@ -10,7 +10,10 @@ counts, those inside functions too (a lazy import is still a dependency); only i
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,3 +329,13 @@ def test_the_history_check_finds(text: str) -> None:
 ])
 def test_the_history_check_leaves_prose_alone(text: str) -> None:
     assert not list(history_in(text))
+
+
+def test_starting_autotune_does_not_import_dtensors_module() -> None:
+    """`torch.distributed.tensor` brings sympy and takes about half a second: `autotune run` and each trial it
+    starts import autotune, and only FSDP2 needs that module (devices/shards.py asks without it)."""
+    code = ("import sys, autotune, autotune.cli.main, autotune.supervisor.bootstrap; "
+            "print('torch.distributed.tensor' in sys.modules, 'torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr

@@ -25,14 +25,17 @@ import math
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from ..sizes import format_bytes
+from .shards import is_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _state = threading.local()
 class HostLedger:
@@ -113,7 +116,7 @@ class SimulatedCeiling(TorchDispatchMode):
 
     def _count(self, t: torch.Tensor) -> None:
         shard_bytes = 0
-        if isinstance(t, DTensor):
+        if is_shard(t):
             # An FSDP2 shard: this rank holds its local tensor only. The DTensor wrapper's own storage is
             # sized like the global tensor (world x the bytes held), so count the local one. `_local_tensor`,
             # not `to_local()`: this runs inside the dispatch hook, where an op would dispatch again.
@@ -161,7 +164,7 @@ class SimulatedCeiling(TorchDispatchMode):
 
     def _count_host(self, t: torch.Tensor) -> None:
         """Count `t`'s storage in the host's ledger (an output made inside `host_memory()`), once."""
-        if isinstance(t, DTensor):
+        if is_shard(t):
             t = t._local_tensor
         if t.device.type != "cpu" or t.is_sparse or t.is_nested or is_traceable_wrapper_subclass(t):
             return

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..configuration import Rung
+from ..devices.shards import is_shard
 from ..sizes import format_bytes
 from ..techniques import optimizer_8bit
 from ..techniques.offload import device_dtype, local_part
@@ -87,7 +87,7 @@ def _state_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
     trainable = [p for p in params if p.requires_grad]
     if rung.offload == "optimizer":  # each weight and gradient at its device dtype: 2 bytes from FP32
         def size(p: nn.Parameter) -> int:
-            if isinstance(p, DTensor):  # an FSDP2 shard keeps its dtype (see HostOptimizer)
+            if is_shard(p):  # an FSDP2 shard keeps its dtype (see HostOptimizer)
                 return _held(p) * p.element_size()
             return _held(p) * torch.empty((), dtype=device_dtype(p, torch.bfloat16)).element_size()
         return sum(size(p) for p in params) + sum(size(p) for p in trainable)

@@ -13,9 +13,9 @@ against what is free.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..configuration import Rung
+from ..devices.shards import is_shard
 from ..errors import NoFeasiblePlan
 from ..sizes import format_bytes, format_share
 from ..techniques.host_need import HostNeed, offload_need, with_snapshot
@@ -38,7 +38,7 @@ def need(rung: Rung, model: nn.Module, spec: OptimizerSpec, device_type: str, *,
     offload = HostNeed()
     if rung.offload == "optimizer":
         params = [p for p in model.parameters() if p.requires_grad]
-        sharded = any(isinstance(p, DTensor) for p in params)
+        sharded = any(is_shard(p) for p in params)
         ranks = offload_partition.ranks(rung.precision, sharded)
         streamed = streams(device_type, spec.cls_name, rung.precision)
         overlapping = overlap_default() and overlap is not False and ranks == 1 and not sharded

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ..devices.shards import is_shard
 from ..errors import is_oom
 from ..sizes import format_bytes
 from ..techniques.offload import HostOptimizer
@@ -147,9 +147,11 @@ def state_by_position(state_dict: dict[str, Any]) -> dict[int, Any]:
 def _like_param(state: dict[str, Any], p: nn.Parameter) -> dict[str, Any]:
     """A parameter's state as the user's optimizer holds it: for an FSDP2 shard, each plain local tensor of
     the shard's shape (the host keeps those) wrapped as a DTensor laid out like the parameter."""
-    if not isinstance(p, DTensor):
+    if not is_shard(p):
         return state
+    from torch.distributed.tensor import DTensor  # (imported only where shards exist: devices/shards.py)
+
     local = p.to_local().shape
     return {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local else v
+            if isinstance(v, torch.Tensor) and not is_shard(v) and v.shape == local else v
             for k, v in state.items()}

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..devices.shards import is_shard
 from ..errors import InvalidSetting
 
 # Classes whose CPU implementation takes `fused=True` (a single vectorised kernel).
@@ -187,9 +188,7 @@ def _left_to_torch(group: dict[str, Any], device_type: str) -> bool:
 
 
 def _all_shards(params: Sequence[torch.Tensor]) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return all(isinstance(p, DTensor) and torch.is_floating_point(p) for p in params)
+    return all(is_shard(p) and torch.is_floating_point(p) for p in params)
 
 
 def _class_builder(klass: type, extra: dict[str, Any]) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:

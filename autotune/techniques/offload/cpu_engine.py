@@ -11,9 +11,9 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ...devices.ceiling import host_memory
+from ...devices.shards import is_shard
 from ...workload.optimizers import OptimizerSpec
 from . import partition as offload_partition
 from .engine_state import EngineState
@@ -62,8 +62,8 @@ class HostOptimizer(EngineState):
         self.dtype = dtype
         self.dtypes = [p.dtype for p in self.params]  # each comes back in its own dtype (restore)
         self.scaler = scaler
-        kept = {id(p) for p in keep_fp32} | {id(p) for p in self.params if isinstance(p, DTensor)}
-        sharded = any(isinstance(p, DTensor) for p in self.params)
+        kept = {id(p) for p in keep_fp32} | {id(p) for p in self.params if is_shard(p)}
+        sharded = any(is_shard(p) for p in self.params)
         numels = [p.numel() for p in self.params]
         host_all = host_share(numels, fraction)
         device_all = [i for i in range(len(self.params)) if i not in set(host_all)]

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ...devices.ceiling import host_memory
+from ...devices.shards import is_shard
 from ...workload.optimizers import OptimizerSpec
 from .partition import Gathered, Partition
 from .tensors import _master_dtype_of, local_part
@@ -209,7 +209,7 @@ class EngineState:
             p.grad = None
         for i, master in [*self.master.items(), *self.device_master.items()]:
             p = self.params[i]
-            if master is not p and not isinstance(p, DTensor):  # a shard's FP32 storage was updated in place
+            if master is not p and not is_shard(p):  # a shard's FP32 storage was updated in place
                 p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=True)
         if self.partition is not None:  # the weights other ranks held the masters of (norm weights are current)
             self._restore_foreign()

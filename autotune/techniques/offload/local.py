@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from ...devices.shards import is_shard
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -12,4 +13,4 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     Host copies are plain tensors: copying a DTensor into one raises "mixed torch.Tensor and DTensor",
     and each rank only ever updates its own shard.
     """
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_shard(t) else t
