@@ -215,3 +215,25 @@ def test_on_fsdp2_shards_each_unit_compiles_its_forward_and_gathers_outside_the_
         assert all("forward" not in b.__dict__ for b in blocks.blocks)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("regions", ["blocks", "whole"])
+def test_a_compiled_model_is_freed_once_the_user_drops_it(monkeypatch, regions):
+    """The compiled callables are kept per module for later trials and training; they must not keep the
+    module: a model `fit` compiled would otherwise hold its weights (on a GPU, its memory) for good."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("AUTOTUNE_COMPILE_REGIONS", regions)
+    model = _gpt2(2)
+    blocks = find_blocks(model)
+    undo = compiling.install(model, blocks, 0)
+    recomputed = compiling.forward(blocks.blocks[0])  # what checkpointing runs for a recomputed block
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    recomputed(model.transformer.h[0].ln_1(model.transformer.wte(ids)))
+    undo()
+    weights, whole = weakref.ref(model.transformer.h[1].mlp.c_fc.weight), weakref.ref(model)
+    del model, blocks, undo, recomputed
+    gc.collect()
+    assert whole() is None and weights() is None

@@ -33,6 +33,7 @@ a note (the search records the failed trial and goes on without compile).
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -100,7 +101,9 @@ def install(model: nn.Module, blocks: BlockGroup | None, checkpointed: int) -> C
 
 # One compiled callable per module, reused by every trial and by training: a fresh torch.compile wrapper
 # brings a fresh backend, whose guard would miss every graph compiled before and compile them again.
-# `_WRAPPERS` holds the module's whole call (`_call_impl`), `_FORWARDS` a recomputed block's forward.
+# `_WRAPPERS` holds the module's whole call (`_call_impl`), `_FORWARDS` a recomputed block's forward. Neither
+# may hold its module: a weak key whose value refers to it is never freed, and every model `fit` compiled
+# would stay on the GPU after the user dropped it (see `_weakly_bound`).
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
 _FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
 
@@ -120,14 +123,31 @@ def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], mo
     """`target()` compiled, once per module in `cache`, with the batch dimension of its inputs marked
     dynamic before each call (a block's inputs are the model's activations, marked here)."""
     if module not in cache:
-        compiled = torch.compile(target())
+        cache[module] = _weakly_bound(module, target())
+    return cache[module]
+
+
+def _weakly_bound(module: nn.Module, method: Callable[..., object]) -> Callable[..., object]:
+    """`method` compiled and called with its batch dimension marked, holding `module` by a weak reference.
+
+    A method of `module` is compiled as its class's function and handed the module at each call: Dynamo traces
+    the same frame (the method's code with `self` the module) as for the bound method, so graphs and guards
+    are unchanged. Anything else (a function set on the instance) is compiled as it is."""
+    if not (inspect.ismethod(method) and method.__self__ is module):
+        compiled = torch.compile(method)
 
         def call(*args: object, **kwargs: object) -> object:
             mark_batch_dynamic((args, kwargs), _SEQUENCE.length)
             return compiled(*args, **kwargs)
 
-        cache[module] = call
-    return cache[module]
+        return call
+    function, owner = torch.compile(method.__func__), weakref.ref(module)
+
+    def call_method(*args: object, **kwargs: object) -> object:
+        mark_batch_dynamic((args, kwargs), _SEQUENCE.length)
+        return function(owner(), *args, **kwargs)
+
+    return call_method
 
 
 def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
