@@ -30,6 +30,7 @@ TUNED_SEQ = 256
 SCHEDULE = [256, 256, 512, 1024, 1024, 2048, 2048, 256, 256]  # sequence length of each optimizer step
 GLOBAL_BATCH = 16
 VOCAB = 512
+EXPANDABLE_PAGE = 20 * 2**20  # bytes: the largest page torch's expandable segments map at a time
 
 MakeBatch = Callable[[int, int, torch.Generator], Any]
 
@@ -103,4 +104,7 @@ def test_training_outlives_sequences_longer_than_tuned(build, real_ceiling):
     assert SCHEDULE[first.step] > TUNED_SEQ  # the OOM came from the longer inputs
     assert (step.plan.micro_batch_size, step.plan.rung) != (plan.micro_batch_size, plan.rung)
     assert step.steps_taken == len(SCHEDULE)  # no step lost
-    assert torch.cuda.max_memory_reserved(0) <= real_ceiling
+    assert torch.cuda.max_memory_allocated(0) <= real_ceiling
+    # Under expandable segments (autotune's default) torch maps reserved memory in pages of up to 20 MiB, and
+    # its per-process cap can be passed by part of one: a second run in one process reserved 8 MiB past it.
+    assert torch.cuda.max_memory_reserved(0) <= real_ceiling + EXPANDABLE_PAGE
