@@ -33,6 +33,10 @@ from ..workload import batch as batches
 
 PART_FIELDS = ("format", "model", "batch", "global_batch_size", "world_size", "device", "budget_bytes", "margin",
                "techniques", "max_micro_batch", "optimizer", "loss", "runtime", "host")
+# The runtime part's fields, each with whether every key carries it: `runtime_versions` writes from this table and
+# `check_parts` reads with it, so a field one adds is one the other accepts. An optional field is written only where
+# it applies, so the keys of workloads it does not touch stay those already cached.
+RUNTIME_FIELDS: dict[str, bool] = {"torch": True, "cuda": True, "alloc_conf": True, "attention_multiple": False}
 _GIB = 1 << 30
 
 # Optimizer hyperparameters that change how much state or scratch memory a step needs; the others
@@ -147,11 +151,10 @@ def runtime_versions(kind: str) -> dict[str, Any]:
     """torch and CUDA versions, and on CUDA the allocator settings (expandable segments change peaks); the
     length attention is padded to, where it is (another shape per step, and another speed)."""
     alloc = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    versions: dict[str, Any] = {"torch": str(torch.__version__), "cuda": torch.version.cuda,
-                                "alloc_conf": alloc if kind == "cuda" else None}
-    if attention_lengths.wanted(kind):
-        versions["attention_multiple"] = attention_lengths.MULTIPLE
-    return versions
+    values: dict[str, Any] = {
+        "torch": str(torch.__version__), "cuda": torch.version.cuda, "alloc_conf": alloc if kind == "cuda" else None,
+        "attention_multiple": attention_lengths.MULTIPLE if attention_lengths.wanted(kind) else None}
+    return {name: values[name] for name, always in RUNTIME_FIELDS.items() if always or values[name] is not None}
 
 
 @functools.cache
@@ -245,12 +248,20 @@ def check_parts(parts: Any) -> None:
     _check_fields("parts.optimizer", parts["optimizer"], ("class", "groups"))
     _check_str("parts.optimizer.class", parts["optimizer"]["class"])
     _check_str("parts.loss", parts["loss"])
-    _check_fields("parts.runtime", parts["runtime"], ("torch", "cuda", "alloc_conf"))
+    _check_runtime(parts["runtime"])
     if parts["host"] is not None:
         _check_fields("parts.host", parts["host"], ("total_gib", "budget_bytes"))
         _check_int("parts.host.total_gib", parts["host"]["total_gib"], minimum=0)
         if parts["host"]["budget_bytes"] is not None:
             _check_int("parts.host.budget_bytes", parts["host"]["budget_bytes"], minimum=1)
+
+
+def _check_runtime(runtime: Any) -> None:
+    required = tuple(name for name, always in RUNTIME_FIELDS.items() if always)
+    _check_fields("parts.runtime", runtime, tuple(RUNTIME_FIELDS), required=required)
+    multiple = runtime.get("attention_multiple")
+    if multiple is not None:
+        _check_int("parts.runtime.attention_multiple", multiple, minimum=1)
 
 
 def _check_batch(batch: Any) -> None:
@@ -264,10 +275,12 @@ def _check_batch(batch: Any) -> None:
             raise ValueError(f"parts.batch entries must be [path, [dims...], dtype], got {entry!r}")
 
 
-def _check_fields(name: str, value: Any, fields: tuple[str, ...]) -> None:
+def _check_fields(name: str, value: Any, fields: tuple[str, ...], *, required: tuple[str, ...] | None = None) -> None:
+    """`value` is an object whose fields are among `fields`, with every one of `required` (default: all)."""
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be an object, got {type(value).__name__}")
-    unknown, missing = sorted(set(value) - set(fields)), sorted(set(fields) - set(value))
+    needed = fields if required is None else required
+    unknown, missing = sorted(set(value) - set(fields)), sorted(set(needed) - set(value))
     if unknown:
         raise ValueError(f"unknown field(s) in {name}: {', '.join(unknown)}")
     if missing:
