@@ -13,7 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
+from torch import nn
+
 from .configuration import RUNG_FIELDS, Configuration, Rung, state_sharded
+from .errors import InvalidSetting
 from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
 from .sizes import format_bytes, format_share
 from .training.step import TrainingStep
@@ -154,7 +157,14 @@ class Plan:
         model's own loss. `max_grad_norm` clips the whole global batch's gradient norm before each optimizer
         step; `before_optimizer_step(step)` / `after_optimizer_step(step)` run around it. See
         `autotune.training.step.TrainingStep`.
+
+        Raises:
+            InvalidSetting: `model` is not a `torch.nn.Module` (the optimizer passed first, a name, None), or
+                `optimizer` is none of None, an optimizer or a factory.
         """
+        if not isinstance(model, nn.Module):  # before the loss look-up, which keys on the model by weak reference
+            raise InvalidSetting(f"plan.apply needs the torch.nn.Module the plan was made for as its first argument, "
+                                 f"got {type(model).__name__}; call plan.apply(model, optimizer)")
         loss_fn = loss_fn if loss_fn is not None else fit_loss(model)
         return TrainingStep(self, model, optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
                             before_optimizer_step=before_optimizer_step,
