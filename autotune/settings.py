@@ -118,13 +118,13 @@ def _from_env(name: str) -> Any:
     raw = os.environ.get(var)
     if raw is None or raw == "":
         return None
+    if name == "retune":
+        return on_or_off(var, raw, default=False)
     try:
         if name in ("global_batch_size", "measured_steps", "max_micro_batch", "max_length"):
             return int(raw)
         if name == "margin":
             return float(raw)
-        if name == "retune":
-            return raw.lower() in ("1", "true", "yes")
         if name == "cache" and raw.lower() in ("0", "false", "off", "no"):
             return False
     except ValueError as exc:
@@ -180,6 +180,7 @@ VARIABLES: dict[str, str] = {
     TUNE_ONLY_ENV: "set by `autotune run --tune-only`: the job exits once fit has its plan",
     LOG_LEVEL_ENV: "set by `autotune run`: the verbosity of autotune's log in the job",
 }
+_ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
 
@@ -191,9 +192,28 @@ def read(name: str, default: str = "") -> str:
 
 
 def switch(name: str, default: bool = True) -> bool:
-    """An on/off variable: off for 0, false, no or off; `default` where it is unset or empty."""
-    value = read(name).lower()
-    return default if not value else value not in _OFF
+    """An on/off variable: on for 1, true, yes or on; off for 0, false, no or off (any case); `default` where it
+    is unset or empty.
+
+    Raises:
+        InvalidSetting: any other value, naming the variable and the values it takes.
+    """
+    return on_or_off(name, read(name), default=default)
+
+
+def on_or_off(name: str, raw: str, *, default: bool) -> bool:
+    """`raw`, the value of the on/off variable `name`, as a bool; `default` where it is empty.
+
+    Raises:
+        InvalidSetting: a value that is neither on nor off: a typo must not pick a side silently.
+    """
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise InvalidSetting(f"{name}={raw.strip()!r} is neither on nor off: set it to one of {', '.join(_ON)} (on) or "
+                         f"{', '.join(_OFF)} (off), or unset it for the default ({'on' if default else 'off'})")
 
 
 def result_file() -> str | None:
