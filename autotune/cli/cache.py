@@ -162,6 +162,10 @@ def delete(cache_path: Path | None, key: str) -> None:
     Example:
       autotune cache delete 3f2a9c
     """
+    if not key.strip():  # a blank prefix matches every key: it would delete whatever plan happens to be alone
+        raise click.UsageError(f"KEY {key!r} is blank, and a blank prefix matches every cached plan; give the first "
+                               "characters of one key, as `autotune cache list` prints them (`autotune cache clear` "
+                               "forgets them all)")
     store = _open(cache_path)
     entry = _one(store, key, team=False)
     _call(lambda: store.delete(entry.key))
