@@ -6,11 +6,14 @@ Real SQLite files, the real CLI through click's runner, and the real `autotune.f
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+import time
 from pathlib import Path
 
 import click
 import pytest
-from cache_samples import sample
+from cache_samples import clean_environment, fit, sample, tiny_workload  # noqa: F401
 from click.testing import CliRunner
 
 from autotune.cache.store import PlanCache
@@ -36,3 +39,35 @@ def test_delete_refuses_a_blank_key_whatever_the_cache_holds(tmp_path: Path, pla
     assert "autotune cache clear" in result.output
     assert len(PlanCache(path).entries()) == plans, "nothing was deleted"
     assert cli("--cache", str(path), "delete", sample(0)[0].key[:10]).exit_code == 0  # a real prefix still works
+
+
+# -- a retune after the clock stepped back --------------------------------------------------------------------------
+
+def dated(path: Path, seconds: float) -> None:
+    """Date every stored plan of the cache file at `path` `seconds` from now, as a clock later stepped back left it."""
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE plans SET updated = ?", (time.time() + seconds,))
+
+
+def test_a_new_plan_replaces_a_stored_one_dated_a_little_in_the_future(tmp_path: Path) -> None:
+    path = tmp_path / "plans.db"
+    first, parts = sample(0, micro=4)
+    second, _ = sample(0, micro=2)
+    with PlanCache(path) as store:
+        store.put(first, parts)
+    dated(path, 30.0)
+    with PlanCache(path) as store:
+        store.put(second, parts)
+        hit = store.get(second.key)
+    assert hit is not None and hit.micro_batch_size == 2, "the new plan was stored"
+
+
+def test_retune_stores_its_plan_over_a_row_dated_a_little_in_the_future(tmp_path: Path) -> None:
+    path = tmp_path / "plans.db"
+    model, batch = tiny_workload()
+    plan = fit(model, batch, path, max_trials=2)
+    dated(path, 30.0)
+    retuned = fit(model, batch, path, max_trials=2, retune=True)
+    assert retuned.source == "tuned"
+    (entry,) = PlanCache(path).entries()
+    assert entry.key == plan.key and entry.updated <= time.time(), "the retuned plan replaced the stored one"

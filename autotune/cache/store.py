@@ -169,7 +169,7 @@ class PlanCache(CacheConnection):
     # -- writes ----------------------------------------------------------------------------------------------
 
     def put(self, plan: Plan, parts: dict[str, Any]) -> None:
-        """Store `plan` (with its trials) under the key of `parts`, replacing what was there.
+        """Store `plan` (with its trials) under the key of `parts`, replacing what was there, whatever its date.
 
         Raises:
             ValueError: `parts` are malformed, or `plan` does not answer them (another key, budget...).

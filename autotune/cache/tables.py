@@ -46,20 +46,23 @@ def _snapshot(db: Database) -> Iterator[Database]:
 # -- plans -------------------------------------------------------------------------------------------------------
 
 def upsert(db: Database, row: PlanRow, origin: str) -> None:
-    """Store a plan under its key; an older row never overwrites a newer one (`updated`), and a stored row
-    dated in the future (a clock set wrong, a date written unclamped) counts as older than any."""
+    """Store a plan a search here just made under its key, replacing whatever is stored: a new search is the
+    latest word on its key, whatever date the stored row carries (a clock stepped back since it was written)."""
     with immediate(db):
-        _upsert(db, row, origin)
+        _upsert(db, row, origin, newer_only=False)
 
 
-def _upsert(db: Database, row: PlanRow, origin: str) -> None:
+def _upsert(db: Database, row: PlanRow, origin: str, *, newer_only: bool = True) -> None:
+    """Store `row`; with `newer_only` (an import), an older row never overwrites a newer one (`updated`), and a
+    stored row dated in the future (a clock set wrong, a date written unclamped) counts as older than any."""
     now = time.time()
     stored = _one(db, "plans", row.key, "updated")
     record = {"key": row.key, "parts": json.dumps(row.parts, sort_keys=True), "plan": json.dumps(row.plan.to_dict()),
               "origin": origin, "updated": row.updated}
     if stored is None:
         db.table("plans").insert({**record, "created": max(now, row.updated)})
-    elif row.updated >= (stored["updated"] or 0.0) or (stored["updated"] or 0.0) > now + CLOCK_SKEW:
+    elif (not newer_only or row.updated >= (stored["updated"] or 0.0)
+          or (stored["updated"] or 0.0) > now + CLOCK_SKEW):
         db.table("plans").update(row.key, record)
 
 
