@@ -7,8 +7,11 @@ Real SQLite files, the real CLI through click's runner, and the real `autotune.f
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
+import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -71,3 +74,36 @@ def test_retune_stores_its_plan_over_a_row_dated_a_little_in_the_future(tmp_path
     assert retuned.source == "tuned"
     (entry,) = PlanCache(path).entries()
     assert entry.key == plan.key and entry.updated <= time.time(), "the retuned plan replaced the stored one"
+
+
+# -- a cache path that is a dangling symlink ------------------------------------------------------------------------
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """The usual umask, under which a file made with default modes is 0644."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.usefixtures("umask_022")
+@pytest.mark.parametrize("where", ["plans.db", "made/for/it/plans.db"])
+def test_a_cache_path_that_is_a_dangling_symlink_gets_a_private_file(tmp_path: Path, where: str) -> None:
+    target = tmp_path / "real" / where
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.db"
+    link.symlink_to(target)
+    with PlanCache(link, strict=True) as store:
+        store.put(*sample(0))
+    assert link.is_symlink() and target.is_file(), "the file is made where the link points"
+    assert mode(target) == 0o600
+    made = [p for p in target.parents if tmp_path / "real" in p.parents]
+    assert [mode(d) for d in made] == [0o700] * len(made)  # the directories made for it (none for plans.db)
+    assert mode(tmp_path / "real") == 0o755, "an existing directory keeps its owner's mode"
+    assert PlanCache(link).get(sample(0)[0].key) is not None

@@ -127,8 +127,11 @@ def create_private(path: Path) -> None:
     """Create missing directories (0700) and the file (0600); SQLite gives -wal/-shm the file's mode.
 
     Every directory made here is 0700, $XDG_CACHE_HOME included when it was missing: a cache reveals
-    which models its user trains. An existing directory keeps its owner's choice.
+    which models its user trains. An existing directory keeps its owner's choice. Where `path` is a symlink
+    (dangling, or through linked directories), the file and directories are made where it points: that is the
+    file SQLite opens, and would otherwise create with its own default mode.
     """
+    path = Path(os.path.realpath(path))
     missing = []
     directory = path.parent
     while not directory.exists() and directory != directory.parent:
