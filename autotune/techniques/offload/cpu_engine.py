@@ -18,7 +18,7 @@ from ...workload.optimizers import OptimizerSpec
 from . import partition as offload_partition
 from .engine_state import EngineState
 from .partition import Gathered, Partition
-from .pipeline import OffloadPipeline, chunk_indices, optimizer_view, sync_view
+from .pipeline import OffloadPipeline, chunk_indices, momentum_apart, optimizer_view, sync_view
 from .streamed import DeviceStepper, stream_wanted, streamable
 from .tensors import device_dtype, give_gradients, host_masters, host_share, local_part, master_dtype, overlap_default
 
@@ -32,6 +32,11 @@ class HostOptimizer(EngineState):
 
     With `overlap` (the default), the step's work starts during the last backward (`arm`, see
     pipeline.py); without it, all of it runs in `step()`. The two give the same parameters.
+
+    Every share steps as torch's optimizer would: a parameter whose gradient is None after backward (a head
+    or expert this batch did not use) is not stepped, so it gets no weight decay, no moment update and no
+    step count, and keeps no state before its first gradient (each master's `.grad` is its FP32 buffer only
+    in a step where its parameter got a gradient).
 
     `fraction` < 1 is partial offload (`plan.offload_fraction`): only that share of the parameters (the
     last in model order, `host_share`) has its master and state on the host; the rest keep FP32 weights
@@ -115,6 +120,9 @@ class HostOptimizer(EngineState):
         self.stepper = self._make_stepper()
         if self.stepper is None:  # the CPU step reads FP32 host gradients; the streamed one, the device's
             give_gradients(self.master)
+        # Each host master's FP32 gradient buffer, kept here: the master's `.grad` is this buffer in a step where
+        # its device gradient exists and None where it does not, so the CPU optimizer skips it as torch would.
+        self._grads = {i: m.grad for i, m in self.master.items() if m.grad is not None}
         # `overlap` is the plan's (fit measured both ways); $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless.
         # Streamed, no pipeline: the stepper overlaps on its own, from the hooks, and only where the plan says
         # so (the pipeline's worker issuing the segments was no faster). Partitioned, neither: a rank that ran
@@ -215,8 +223,8 @@ class HostOptimizer(EngineState):
         self._staging[i].copy_(local_part(grad), non_blocking=True)
 
     def _host_grad(self, i: int) -> torch.Tensor:
-        """The FP32 gradient of host master `i`: the CPU step's engine gives each one (`give_gradients`)."""
-        return cast(torch.Tensor, self.master[i].grad)
+        """The FP32 gradient buffer of host master `i`: the CPU step's engine gives each one (`give_gradients`)."""
+        return self._grads[i]
 
     def _land(self, i: int) -> None:
         if self._staging:
@@ -226,6 +234,12 @@ class HostOptimizer(EngineState):
             assert grad is not None, f"parameter {i} landed before backward made its gradient"
             source = local_part(grad)
         self._host_grad(i).copy_(source)
+        self.master[i].grad = self._host_grad(i)  # (a worker-thread write: the main thread reads it after `drain`)
+
+    def _has_grad(self, i: int) -> bool:
+        """Whether position i got a gradient in this step: torch's optimizers step only those (no weight decay,
+        moment update or step count for the others), and so does every share of this engine."""
+        return self.params[i].grad is not None
 
     def _step_chunk(self, indices: list[int]) -> None:
         self._step_host(indices)
@@ -240,7 +254,8 @@ class HostOptimizer(EngineState):
             view = self._views.setdefault(key, optimizer_view(self.optimizer, [self.master[i] for i in indices]))
         sync_view(view)
         with host_memory():
-            view.step()
+            for part in momentum_apart(view):
+                part.step()
 
     # -- the step ----------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -282,14 +297,15 @@ class HostOptimizer(EngineState):
 
     def _copy_grads(self, indices: Sequence[int]) -> None:
         """The device gradients at `indices` into their FP32 host masters' (host-side copies: on the
-        simulated device, not device memory)."""
+        simulated device, not device memory); a master whose parameter got none has no gradient this step."""
         with host_memory():
             for i in indices:
                 grad = self.params[i].grad
                 if grad is None:
-                    self._host_grad(i).zero_()
+                    self.master[i].grad = None
                 else:
                     self._host_grad(i).copy_(local_part(grad), non_blocking=True)
+                    self.master[i].grad = self._host_grad(i)
 
     def _update(self, stepped: set[int]) -> None:
         """Unscale and clip what was not stepped yet, step it, and bring every host weight back."""
@@ -300,7 +316,7 @@ class HostOptimizer(EngineState):
                 return  # non-finite gradients: skip this step, as GradScaler.step would
             rest = [i for i in self.host_index if i not in stepped]
             if factor != 1.0:  # streamed, the stepper multiplies the device gradients as it widens them
-                host = [] if self.stepper is not None else [self._host_grad(i) for i in rest]
+                host = [] if self.stepper is not None else self._live_host_grads(rest)
                 for g in host + device_grads:
                     g.mul_(factor)
             self._step_device()  # queued on the device, while the host steps its share
@@ -310,19 +326,21 @@ class HostOptimizer(EngineState):
                     master.grad = None  # an FP32 copy made for the step: freed before the next forward
         self._step_host_share(stepped, rest, factor)
 
+    def _live_host_grads(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """The FP32 host gradients of those `indices` that got a gradient this step (`_copy_grads`)."""
+        return [g for g in (self.master[i].grad for i in indices) if g is not None]
+
     def _device_grads(self) -> list[torch.Tensor]:
-        """FP32 gradients of the device share, on its masters (a temporary copy of each 16-bit gradient)."""
+        """FP32 gradients of the device share, on its masters (a temporary copy of each 16-bit gradient); a
+        parameter that got none keeps none, and the device optimizer skips it."""
         grads = []
         for i, master in self.device_master.items():
             p = self.params[i]
+            if p.grad is None:
+                continue
             if master is not p:
-                grad = p.grad.to(master.dtype) if p.grad is not None else torch.zeros_like(master)
-                master.grad = grad
-            else:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)  # stepped with a zero gradient, as the host share is
-                grad = p.grad
-            grads.append(grad)
+                master.grad = p.grad.to(master.dtype)
+            grads.append(cast(torch.Tensor, master.grad))
         return grads
 
     def _step_device(self) -> None:
@@ -330,7 +348,7 @@ class HostOptimizer(EngineState):
             return
         self.device_optimizer.step()
         for i, master in self.device_master.items():
-            if master is not self.params[i]:
+            if master is not self.params[i] and master.grad is not None:  # stepped: its new weight to the device
                 self.params[i].data.copy_(master)
 
     def _step_host_share(self, stepped: set[int], rest: list[int], factor: float) -> None:
@@ -341,17 +359,18 @@ class HostOptimizer(EngineState):
                 self._step_streamed(factor)
                 return
             with host_memory():
-                self.optimizer.step()
-            self._write_back(self.host_index)
+                for part in momentum_apart(self.optimizer):
+                    part.step()
+            self._write_back([i for i in self.host_index if self.master[i].grad is not None])
             return
         staged = {i for c in self.pipeline.done for i in self.pipeline.chunks[c]} if self.pipeline else set()
         self._send_back(sorted(staged))  # narrowed by the worker during backward
         self._write_back(sorted(stepped - staged))  # stepped by an earlier attempt of this batch
         for chunk in self.pipeline.chunks if self.pipeline else [rest]:
             todo = [i for i in chunk if i not in stepped]
-            if todo:
+            if todo:  # (a master without a gradient this step is in the view, and skipped by its optimizer)
                 self._step_host(todo)
-                self._write_back(todo)
+                self._write_back([i for i in todo if self.master[i].grad is not None])
         if self._stream is not None:
             torch.cuda.current_stream(self.params[0].device).wait_stream(self._stream)  # the next forward waits
 
@@ -389,7 +408,7 @@ class HostOptimizer(EngineState):
         scaler = self.scaler
         assert scaler is not None, "unscaling without a loss scaler"
         scale = float(scaler.get_scale())
-        host = [self._host_grad(i) for i in self.host_index]
+        host = self._live_host_grads(self.host_index)
         finite = all(math.isfinite(float(g.abs().max())) for g in host + device if g.numel())
         if finite:
             for g in host + device:

@@ -27,6 +27,7 @@ class EngineState:
     spec: OptimizerSpec
     dtypes: list[torch.dtype]
     master: dict[int, torch.Tensor]
+    _grads: dict[int, torch.Tensor]
     device_master: dict[int, torch.Tensor]
     host_index: list[int]
     device_index: list[int]
@@ -214,6 +215,7 @@ class EngineState:
         if self.partition is not None:  # the weights other ranks held the masters of (norm weights are current)
             self._restore_foreign()
         self.master = {}
+        self._grads = {}
         self.device_master = {}
         self._staging = {}
         self._views = {}

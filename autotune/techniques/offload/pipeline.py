@@ -10,7 +10,8 @@ backward (the step `arm()`s the pipeline just before it):
    optimizer (fused AdamW where torch has it) on a chunk as soon as every gradient of the chunk has landed;
    the updated masters are narrowed into the same staging buffers;
 3. after backward the step copies the staged weights back (host to device, on the side stream) and steps
-   only what is left: the chunks whose gradients landed last, and parameters that got no gradient.
+   only what is left: the chunks whose gradients landed last, and those holding a parameter that got no
+   gradient this step (the optimizer skips that one, as torch's does: no weight decay, moments or step count).
 
 Exact, not a delayed update: each chunk is stepped once with its final gradient, by the same per-parameter
 optimizer arithmetic as the serial step (torch's built-in optimizers are elementwise per parameter, so
@@ -80,6 +81,26 @@ def optimizer_view(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     view.param_groups = [g for g in view.param_groups if g["params"]]
     view._owner_groups = [g for g in optimizer.param_groups if any(id(p) in keep for p in g["params"])]  # type: ignore[attr-defined]
     return view
+
+
+def momentum_apart(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """`optimizer`, or two views of it to step one after the other where one call cannot step it as torch's
+    loop would: torch's fused SGD starts every momentum buffer of a call from its gradient or none (a single
+    `is_first_step`), and refuses a call that mixes parameters with a buffer and parameters at their first
+    gradient (a head used from a later step on). The loop form starts each parameter's buffer on its own, so
+    the fresh ones go in a second call."""
+    fresh: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        if not (group.get("fused") and group.get("momentum", 0) != 0):
+            rest += group["params"]
+            continue
+        for p in group["params"]:
+            started = optimizer.state.get(p, {}).get("momentum_buffer") is not None
+            (fresh if p.grad is not None and not started else rest).append(p)
+    if not fresh or not any(p.grad is not None for p in rest):
+        return [optimizer]
+    return [optimizer_view(optimizer, rest), optimizer_view(optimizer, fresh)]
 
 
 def sync_view(view: torch.optim.Optimizer) -> None:

@@ -26,8 +26,10 @@ slot is reused once its copies out are done. Per-segment work, not per-parameter
 small: streaming each parameter on its own spends as long issuing copies as the link takes to carry them.
 
 The arithmetic is the host optimizer's: the same kernel, on the same FP32 gradient, with the step count
-kept in the host state (so `state_dict()` and a later CPU step see it). On the CPU test device the
-"device" is the CPU, there are no streams, and the result is bitwise the CPU step's.
+kept in the host state (so `state_dict()` and a later CPU step see it), and the same parameters: a piece
+whose parameter got no gradient is not stepped (torch's Adam skips it), it only passes through its segment.
+On the CPU test device the "device" is the CPU, there are no streams, and the result is bitwise the CPU
+step's.
 
 Only Adam and AdamW without amsgrad stream (their state is two moments the shape of the parameter and a
 step count); any other optimizer, or a GradScaler (FP16: the unscale and inf check run on the host
@@ -141,17 +143,20 @@ class DeviceStepper:
         self._waiting: list[set[int]] = []  # gradients each open segment still waits for
         self._of: dict[int, list[int]] = {}  # the open segments of each parameter
         self._issued: list[int] = []
+        self._stepped: set[int] = set()  # parameters the armed step's issued segments stepped
         self.early = 0  # segments the last overlapped step issued during backward (the rest: in `finish`)
 
     def step(self, indices: Sequence[int], *, factor: float = 1.0) -> None:
-        """Step the masters at `indices` with their parameters' device gradients (times `factor`), after
-        the current stream's work so far (backward), and write each updated weight into its parameter."""
+        """Step the masters at `indices` whose parameters got a gradient (torch's optimizers skip the others:
+        no weight decay, moments or step count) with those device gradients (times `factor`), after the
+        current stream's work so far (backward), and write each updated weight into its parameter."""
         ready = self._current()
-        for i in indices:
-            self._state(i)["step"] += 1  # the host's count, as the CPU step keeps it
-        self._device_counts(indices, ahead=0)
-        for start, stop, pieces in self._segments(indices):
+        live = [i for i in indices if self.params[i].grad is not None]
+        self._device_counts(live, ahead=1)
+        for start, stop, pieces in self._segments(live):
             self._segment(start, stop, pieces, factor, ready)
+        for i in live:
+            self._count(i)  # the host's count, as the CPU step keeps it
 
     # -- overlapped with the last backward --------------------------------------------------------------------
     def begin(self, indices: Sequence[int]) -> None:
@@ -166,6 +171,7 @@ class DeviceStepper:
             for i in waiting:
                 self._of.setdefault(i, []).append(k)
         self._issued = []
+        self._stepped = set()
         self.early = 0
 
     def reserve(self) -> None:
@@ -194,13 +200,14 @@ class DeviceStepper:
                 self._issue(k)
 
     def finish(self) -> None:
-        """Issue the segments still open, wait for all, and make the new masters and moments current."""
+        """Issue the segments still open, wait for all, and make the new masters and moments current (and the
+        step count of each parameter stepped: one that got no gradient keeps its state as it was)."""
         self.issue_rest()
         self.wait()
-        for i in self._of:
-            self.optimizer.state[self.masters[i]]["step"] += 1
         self._swap()
-        self._open, self._of = [], {}
+        for i in sorted(self._stepped):
+            self._count(i)
+        self._open, self._of, self._stepped = [], {}, set()
 
     def abort(self) -> None:
         """The armed backward failed: nothing changed but the weights of the segments issued, which go back
@@ -211,7 +218,7 @@ class DeviceStepper:
             for p in pieces:
                 old = self.flat[start + p.at:start + p.at + p.hi - p.lo]
                 self.params[p.index].data.view(-1)[p.lo:p.hi].copy_(old)
-        self._open, self._of, self._issued = [], {}, []
+        self._open, self._of, self._issued, self._stepped = [], {}, [], set()
 
     @property
     def armed(self) -> bool:
@@ -276,7 +283,10 @@ class DeviceStepper:
     def _segment(self, start: int, stop: int, pieces: list[Piece], factor: float, ready: Any,
                  out: Sequence[torch.Tensor] | None = None) -> None:
         """Stream one segment in, step it, stream it out (into `out`'s ranges, the spare buffers, when given;
-        else in place)."""
+        else in place). Only the pieces whose parameter has a gradient are stepped; the others go out as they
+        came in."""
+        pieces = [p for p in pieces if self.params[p.index].grad is not None]
+        self._stepped.update(p.index for p in pieces)
         n = stop - start
         slot = self._next % len(self._slots)
         self._next += 1
@@ -330,22 +340,32 @@ class DeviceStepper:
         decoupled = group.get("decoupled_weight_decay", type(self.optimizer).__name__ == "AdamW")
         return torch._fused_adamw_ if decoupled else torch._fused_adam_
 
-    def _state(self, i: int) -> dict[str, Any]:
-        """The host state of master i, its moments in the stepper's buffers (a loaded state dict's are
-        copied in: they arrive as separate, pageable tensors)."""
-        state = self.optimizer.state[self.masters[i]]
+    def _ready(self, i: int) -> float:
+        """Master i's moments in the stepper's buffers, its step count: zeros and 0 before its first step (it
+        has no host state then, as torch keeps none before a parameter's first gradient); a loaded state
+        dict's moments are copied in (they arrive as separate, pageable tensors)."""
+        state = self.optimizer.state.get(self.masters[i])
         m, v = self._moments[i]
         if not state:
             m.zero_()
             v.zero_()
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            return 0.0
         for key, mine in (("exp_avg", m), ("exp_avg_sq", v)):
             theirs = state.get(key)
             if theirs is not mine:
                 if theirs is not None:
                     mine.copy_(theirs)
                 state[key] = mine
-        return state
+        return float(state["step"])
+
+    def _count(self, i: int) -> None:
+        """Master i was stepped: one more in its host state's count (the state made at its first step), its
+        moments the stepper's buffers."""
+        state = self.optimizer.state[self.masters[i]]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"], state["exp_avg_sq"] = self._moments[i]
+        state["step"] += 1
 
     def _device_counts(self, indices: Sequence[int], *, ahead: int) -> None:
         """The step count the kernel reads, per parameter: the host's plus `ahead` (torch's Adam adds 1
@@ -361,7 +381,7 @@ class DeviceStepper:
             self._after_current()
         with self._on("compute"):
             for i in indices:
-                self._steps[i].fill_(float(self._state(i)["step"]) + ahead)
+                self._steps[i].fill_(self._ready(i) + ahead)
 
     # -- streams --------------------------------------------------------------------------------------------
     def _on(self, name: str, *, wait: Any = None, also: Any = None) -> Any:

@@ -1,0 +1,175 @@
+"""Optimizer offload follows torch's optimizer semantics, `grad is None` included.
+
+Plain torch steps only the parameters whose `.grad` is set: one that got no gradient in a step (a head used
+on some batches only, an MoE expert that got no tokens, a branch not taken) gets no weight decay, no moment
+update and no step count, and one never used yet has no state at all. The yardstick is that plain step, in
+float64, where optimizer offload keeps the device weights in their own dtype and the step is exact: every
+engine (serial, overlapped, streamed, a partial share stepped on the device) must give torch's weights to
+1e-12 and torch's per-parameter step counts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.plan import Plan
+from autotune.techniques.offload import pipeline as offload_pipeline
+from autotune.techniques.offload import streamed as offload_stream
+from autotune.workload.batching import solve_accumulation
+
+HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit
+N = 6  # samples a step: micro-batches of 4 + 2
+# Which head each step uses: `first` in step 1 only and again in step 4; `late` first in step 3 (its first
+# step count is 1 there, as torch keeps it per parameter); neither in steps 2 and 5.
+USES = [(1, 0), (0, 0), (0, 1), (1, 1), (0, 0)]
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(tmp_path, monkeypatch):
+    # Chunks and segments that mix a head used in every step with one used in some: [late, main.bias],
+    # [main.weight, first], [trunk] for the worker thread; [trunk.weight], [trunk.bias .. late.weight], [late]
+    # for the streamed step.
+    monkeypatch.setattr(offload_pipeline, "CHUNK_ELEMENTS", 10)
+    monkeypatch.setattr(offload_stream, "SEGMENT", 32)
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
+    monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+
+
+class Heads(nn.Module):
+    """`model(x, y, first, late)`: a trunk and a main head always, two more heads where the batch's flags say
+    (every sample of a step carries the same flag); mean squared error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 8)
+        self.first = nn.Linear(8, 1)
+        self.main = nn.Linear(8, 1)
+        self.late = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, first: torch.Tensor, late: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        out = self.main(h)
+        if bool(first[0]):
+            out = out + self.first(h)
+        if bool(late[0]):
+            out = out + self.late(h)
+        return ((out.squeeze(-1) - y) ** 2).mean()
+
+
+def data() -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for first, late in USES:
+        out.append((torch.randn(N, 4, generator=g, dtype=torch.float64),
+                    torch.randn(N, generator=g, dtype=torch.float64),
+                    torch.full((N,), first), torch.full((N,), late)))
+    return out
+
+
+def make_plan(*, offload: str, fraction: float | None = None) -> Plan:
+    steps, last = solve_accumulation(N, 4)
+    return Plan.of(precision="fp32", checkpointing="none", offload=offload, offload_fraction=fraction,
+                   micro_batch_size=4, accumulation_steps=steps, world_size=1, global_batch_size=N,
+                   last_micro_batch_size=last, peak_memory_bytes=0, memory_budget_bytes=HUGE, margin=0.1,
+                   samples_per_second=0.0, device="cpu")
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-2, weight_decay=0.1),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=3e-2, weight_decay=0.1),  # L2 decay: folded into the gradient
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=3e-2, momentum=0.9, weight_decay=0.1),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=3e-2, weight_decay=0.1),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=3e-2, weight_decay=0.1),
+}
+# (environment, fraction): the serial CPU step, the overlapped one (the worker steps chunks in backward),
+# the streamed one serial and overlapped (Adam and AdamW only), and a partial share: the trunk and `first`
+# stepped on the device.
+ENGINES = {
+    "serial": ({"AUTOTUNE_OFFLOAD_OVERLAP": "0", "AUTOTUNE_OFFLOAD_STREAM": "0"}, None),
+    "overlapped": ({"AUTOTUNE_OFFLOAD_OVERLAP": "1", "AUTOTUNE_OFFLOAD_STREAM": "0"}, None),
+    "streamed": ({"AUTOTUNE_OFFLOAD_OVERLAP": "0", "AUTOTUNE_OFFLOAD_STREAM": "1"}, None),
+    "streamed-overlapped": ({"AUTOTUNE_OFFLOAD_OVERLAP": "1", "AUTOTUNE_OFFLOAD_STREAM": "1"}, None),
+    "share-on-host": ({"AUTOTUNE_OFFLOAD_OVERLAP": "1", "AUTOTUNE_OFFLOAD_STREAM": "0"}, 0.2),  # main, late
+}
+
+
+def plain(model: nn.Module, make_opt, batches) -> tuple[list[list[torch.Tensor]], dict]:
+    """Plain torch full-batch steps: the weights after each step, and the optimizer's state dict at the end."""
+    opt = make_opt(model.parameters())
+    after = []
+    for b in batches:
+        model(*b).backward()
+        opt.step()
+        opt.zero_grad()
+        after.append([p.detach().clone() for p in model.parameters()])
+    return after, opt.state_dict()
+
+
+def steps_of(state_dict: dict) -> dict[int, float]:
+    return {k: float(s["step"]) for k, s in state_dict["state"].items() if "step" in s}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_parameter_without_a_gradient_is_not_stepped_under_offload(monkeypatch, name, engine):
+    env, fraction = ENGINES[engine]
+    streamed = env["AUTOTUNE_OFFLOAD_STREAM"] == "1"
+    if streamed and name not in ("adamw", "adam"):
+        pytest.skip("only Adam and AdamW stream")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    torch.manual_seed(0)
+    model = Heads().double()
+    batches = data()
+    want, want_state = plain(copy.deepcopy(model), OPTIMIZERS[name], batches)
+    opt = OPTIMIZERS[name](model.parameters())
+    plan = make_plan(offload="optimizer", fraction=fraction)
+    if env["AUTOTUNE_OFFLOAD_OVERLAP"] == "1":
+        plan = plan.with_config(offload_overlap=True)  # as fit decides it: the streamed step overlaps only then
+    with plan.apply(model, opt) as step:
+        assert (step.optimizer.stepper is not None) == streamed
+        for k, b in enumerate(batches):
+            step(b)
+            for (pname, got), w in zip(model.named_parameters(), want[k]):
+                torch.testing.assert_close(got, w, rtol=0, atol=1e-12, msg=f"{pname} after step {k + 1}")
+        got_state = opt.state_dict()
+        pipeline = step.optimizer.pipeline
+        assert (pipeline is not None and pipeline.chunks_stepped > 0) == (engine in ("overlapped", "share-on-host"))
+        if engine == "streamed-overlapped":
+            assert step.optimizer.stepper.early > 0  # segments issued from the hooks in backward
+    # `first` stepped in steps 1 and 4, `late` in 3 and 4, the others in all five (SGD counts no steps)
+    assert steps_of(got_state) == steps_of(want_state)
+    assert got_state["state"].keys() == want_state["state"].keys()
+    for k, entry in want_state["state"].items():
+        for key, value in entry.items():
+            mine = got_state["state"][k][key]
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(mine, value, rtol=0, atol=1e-12, msg=f"state {k} {key}")
+            else:
+                assert mine == value, f"state {k} {key}"
+
+
+def test_the_unused_heads_step_counts_are_torchs_per_parameter(monkeypatch):
+    """AdamW under overlapped offload: `late` has step 1 at its first gradient (step 3 of training), and a
+    head whose state exists keeps it untouched through a step without a gradient."""
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1")
+    torch.manual_seed(0)
+    model = Heads().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1)
+    names = [n for n, _ in model.named_parameters()]
+    with make_plan(offload="optimizer").with_config(offload_overlap=True).apply(model, opt) as step:
+        batches = data()
+        step(batches[0])
+        kept = {k: v.clone() for k, v in opt.state_dict()["state"][names.index("first.weight")].items()}
+        step(batches[1])
+        after = opt.state_dict()["state"]
+        assert names.index("late.weight") not in after  # never used: no state, as torch keeps none
+        assert all(torch.equal(after[names.index("first.weight")][k], v) for k, v in kept.items())
+        step(batches[2])
+        counts = {names[k]: float(s["step"]) for k, s in opt.state_dict()["state"].items()}
+    assert counts == {"trunk.weight": 3, "trunk.bias": 3, "first.weight": 1, "first.bias": 1, "main.weight": 3,
+                      "main.bias": 3, "late.weight": 1, "late.bias": 1}
