@@ -113,18 +113,19 @@ def test_optimizer_offload_clips_the_host_gradients(precision):
     model = new_model(dtype=torch.float32)
     batch = seq_batch(8, 6, dtype=torch.float32)
     plain = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-    seen = {}
-
-    def capture(step):
-        host = step.optimizer
-        scale = float(host.scaler.get_scale()) if host.scaler is not None else 1.0
-        seen["grads"] = [p.grad.double() / scale for p in host.params]
-
     m = copy.deepcopy(model)
     step = TrainingStep(make_plan(4, 8, precision=precision, offload="optimizer"), m, plain(m.parameters()),
-                        max_grad_norm=0.05, before_optimizer_step=capture)
+                        max_grad_norm=0.05)
+    final = {}  # each 16-bit gradient as backward leaves it (the last micro-batch's hook: the whole batch's), unscaled
+
+    def keep(i, p):
+        scaler = step.optimizer.scaler
+        final[i] = p.grad.double() / (float(scaler.get_scale()) if scaler is not None else 1.0)
+
+    for i, p in enumerate(m.parameters()):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: keep(i, p))
     step(batch)
-    grads = [g.clone() for g in seen["grads"]]
+    grads = [final[i].clone() for i in range(len(final))]
     params = [torch.zeros_like(g, requires_grad=True) for g in grads]
     for p, g in zip(params, grads):
         p.grad = g.clone()

@@ -1,4 +1,5 @@
-"""Optimizer offload follows torch's optimizer semantics, `grad is None` included.
+"""Optimizer offload follows torch's optimizer semantics, `grad is None` included, and the
+`before_optimizer_step` callback sees the same gradients under every plan.
 
 Plain torch steps only the parameters whose `.grad` is set: one that got no gradient in a step (a head used
 on some batches only, an MoE expert that got no tokens, a branch not taken) gets no weight decay, no moment
@@ -173,3 +174,46 @@ def test_the_unused_heads_step_counts_are_torchs_per_parameter(monkeypatch):
         counts = {names[k]: float(s["step"]) for k, s in opt.state_dict()["state"].items()}
     assert counts == {"trunk.weight": 3, "trunk.bias": 3, "first.weight": 1, "first.bias": 1, "main.weight": 3,
                       "main.bias": 3, "late.weight": 1, "late.bias": 1}
+
+
+def clipped_run(offload: str) -> tuple[list[list[torch.Tensor | None]], nn.Module]:
+    """Three clipped SGD steps under a plan: the gradients `before_optimizer_step` saw at each, and the model."""
+    torch.manual_seed(0)
+    model = Heads().double()
+    seen = []
+
+    def look(step):
+        seen.append([None if p.grad is None else p.grad.clone() for p in step.model.parameters()])
+
+    with make_plan(offload=offload).apply(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=0.05,
+                                          before_optimizer_step=look) as step:
+        for b in data()[:3]:
+            step(b)
+        assert step.last_grad_norm > 0.05  # it clips for real
+    return seen, model
+
+
+def test_before_optimizer_step_sees_the_clipped_gradients_on_every_plan():
+    """The callback runs after clipping (its documented place, and where a plain loop's code between
+    `clip_grad_norm_` and `optimizer.step()` looks), so it sees the clipped gradient under optimizer offload
+    as on a plain plan; and what it leaves there is what the optimizer steps with."""
+    torch.manual_seed(0)
+    ref = Heads().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for b in data()[:3]:
+        ref(*b).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        want.append([None if p.grad is None else p.grad.clone() for p in ref.parameters()])
+        opt.step()
+        opt.zero_grad()
+    names = [n for n, _ in ref.named_parameters()]
+    for offload in ("none", "optimizer"):
+        seen, model = clipped_run(offload)
+        for k, (mine, theirs) in enumerate(zip(seen, want, strict=True)):
+            for name, a, b in zip(names, mine, theirs):
+                assert (a is None) == (b is None), f"{offload}: {name} at step {k + 1}"
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"{offload}: {name} at step {k + 1}")
+        for name, p, q in zip(names, model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=f"{offload}: {name}")

@@ -12,7 +12,11 @@ Where the gradient lives differs by path, the arithmetic does not:
 - sharded (FSDP2): each rank holds a shard (`DTensor.to_local()`); the squares are summed over ranks;
 - optimizer offload: the device gradients (16-bit, loss-scaled under FP16) give the norm; the factor is
   applied to the FP32 host gradients after they are unscaled (`HostOptimizer.grad_factor`), so nothing is
-  rounded to 16 bits twice.
+  rounded to 16 bits twice. Except where a `before_optimizer_step` callback runs: it is documented to see
+  the gradients after clipping, as on every other plan (and as a plain loop's code between
+  `clip_grad_norm_` and `optimizer.step()` does), and what it leaves in them is what the optimizer steps
+  with. There the device gradients are clipped in place, as on a plain plan, and the engine, which reads
+  them after the callback (a callback turns the overlap with backward off), steps with them as they are.
 
 The factor is torch's: `min(1, max_norm / (norm + 1e-6))`.
 """
@@ -27,6 +31,7 @@ from torch import nn
 
 from .. import parallel
 from ..errors import InvalidSetting
+from ..techniques.offload import OptimizerOffload
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: keeps the factor finite at a zero norm
 
@@ -88,8 +93,23 @@ def scale_gradients(grads: Iterable[torch.Tensor], factor: float) -> None:
         _local(g).mul_(factor)
 
 
-def clip_model(model: nn.Module, max_norm: float, *, sharded: bool) -> float:
-    """Clip the model's gradients in place to `max_norm`; the norm before clipping."""
-    norm = global_norm(model, sharded=sharded)
-    scale_gradients(_gradients(model), clip_factor(norm, max_norm))
+def clip(model: nn.Module, max_norm: float, offload: OptimizerOffload, *, sharded: bool,
+         scaler: torch.amp.GradScaler | None = None, seen: bool = False) -> float:
+    """Clip the whole batch's gradient before the optimizer step; the norm before clipping.
+
+    Args:
+        offload: the plan's optimizer offload (`offload_of`): when engaged the engine applies the factor to
+            its FP32 copies, unless `seen`.
+        scaler: FP16's loss scaler: under optimizer offload the device gradients still carry its scale (the
+            engine unscales its own copies), which the norm is divided by; elsewhere they were unscaled.
+        seen: a `before_optimizer_step` callback looks at the gradients before the step: they are clipped in
+            place on every plan, so it sees the clipped gradients whatever the plan.
+    """
+    scale = float(scaler.get_scale()) if offload.engaged and scaler is not None else 1.0
+    norm = global_norm(model, sharded=sharded, scale=scale)
+    factor = clip_factor(norm, max_norm)
+    if offload.engaged and not seen:
+        offload.scale_gradients(factor)
+    else:
+        scale_gradients(_gradients(model), factor)
     return norm

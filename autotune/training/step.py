@@ -297,13 +297,8 @@ class TrainingStep:
             applied.scaler.unscale_(applied.optimizer)  # scaler.step sees it was unscaled and does not repeat it
         if self.max_grad_norm is None:
             return
-        if offload.engaged:  # the device gradients give the norm; the engine applies the factor to its FP32 copies
-            scale = float(applied.scaler.get_scale()) if applied.scaler is not None else 1.0
-            norm = clipping.global_norm(self.model, sharded=self._sharded, scale=scale)
-            offload.scale_gradients(clipping.clip_factor(norm, self.max_grad_norm))
-        else:
-            norm = clipping.clip_model(self.model, self.max_grad_norm, sharded=self._sharded)
-        self.last_grad_norm = norm
+        self.last_grad_norm = clipping.clip(self.model, self.max_grad_norm, offload, sharded=self._sharded,
+                                            scaler=applied.scaler, seen=self.before_optimizer_step is not None)
 
     def _optimizer_step(self) -> None:
         try:
