@@ -32,12 +32,20 @@ counts interleaved over groups in proportion to their sizes.
 A model whose library already checkpoints (Hugging Face `gradient_checkpointing_enable()`, timm
 `set_grad_checkpointing()`, torch's `checkpoint_wrapper`) gets no block from autotune: `library` says
 what is on, and the plan's reason reports it, so nothing is recomputed twice.
+
+A block whose forward writes state that its recompute would write a second time and that checkpointing
+cannot put back is never a block: a parameter written in place (a max-norm constraint applied in forward),
+or a buffer of a module outside the block (a model-wide step counter the block updates). The profile sees
+those writes by the tensors' version counters, leaves the block out with a note in `refused` (the plan's
+reason), and remembers the module (`refusal`), so no later install for it recomputes it. What a block
+writes of its own buffers, checkpointing puts back (`checkpointing._Writes`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +65,20 @@ FINER_SHARE = 0.75  # inner groups replace an outer one when their blocks hold a
 PROFILE_SAMPLES = 2  # two, not one: batch norm in training mode refuses a batch of one
 _NEVER_BLOCKS = (nn.ModuleList, nn.ModuleDict)  # holders, never called
 
+# The modules found unsafe to recompute, and why; weak keys: the user's model is not kept alive by them.
+_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def refuse(module: nn.Module, why: str) -> None:
+    """Remember that `module` must not be recomputed, and why (its forward writes state that a recompute
+    would write again and that cannot be put back)."""
+    _REFUSED[module] = why
+
+
+def refusal(module: nn.Module) -> str:
+    """Why `module` must not be recomputed; "" when it may be."""
+    return _REFUSED.get(module, "")
+
 
 @dataclass(kw_only=True, slots=True)
 class BlockGroup:
@@ -65,7 +87,8 @@ class BlockGroup:
     `blocks[i]` lives at `paths[i]`; the first k are the ones recomputed when k are. A module called at
     several depths appears once per call, its paths `module.path#i` for call i (`calls`). `held[i]` is the bytes
     the block holds for autograd per profiled sample (empty when not profiled). `library` is non-empty
-    when the model's own library checkpoints already; then `blocks` is empty.
+    when the model's own library checkpoints already; then `blocks` is empty. `refused` says which blocks
+    the profile left out because recomputing them would write state twice (`blocks` may then be empty).
     """
 
     path: str  # the groups' paths, e.g. "encoder.block, decoder.block"
@@ -73,6 +96,7 @@ class BlockGroup:
     paths: list[str] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
     library: str = ""
+    refused: list[str] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -152,8 +176,9 @@ def profile_blocks(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, A
     part = batches.unwrap(batches.resize(batch, n))  # as the model gets it: `Shared` tensors plain
     held: dict[int, int] | None = None
     calls: dict[int, int] = {}
+    writes = _WriteWatch(model)
     try:
-        held = _held_bytes(model, [m for _, m in candidates], part, n, loss_fn, calls)
+        held = _held_bytes(model, [m for _, m in candidates], part, n, loss_fn, calls, writes)
     except Exception as exc:  # an OOM only leaves the order structural; anything else is the model's
         if not is_oom(exc):
             raise
@@ -163,14 +188,32 @@ def profile_blocks(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, A
     if not placement.simulated and torch.cuda.is_available():
         torch.cuda.synchronize(placement.index)
         torch.cuda.empty_cache()  # the profile's tensors must not stay reserved: trials read reserved memory
+    for module, why in writes.why.items():
+        refuse(module, why)
     if found is None:
-        return _shared(candidates, held or {}, calls)
+        return _vetted(_shared(candidates, held or {}, calls))
     if not held:
-        return found
+        return _vetted(found)
     groups = [g for g in _groups_under(model, "", held) if sum(held.get(id(b), 0) for _, b in g.members) > 0]
     # No group holding anything: the profile could not see them (blocks called as `block.forward(x)` run no
     # hook); the checkpoint wrappers still work there, so the groups are kept as found.
-    return _by_activations(groups, held) if groups else found
+    return _vetted(_by_activations(groups, held) if groups else found)
+
+
+def _vetted(group: BlockGroup | None) -> BlockGroup | None:
+    """`group` without the blocks refused for recompute, which one note in `refused` names."""
+    if group is None or not any(refusal(b) for b in group.blocks):
+        return group
+    keep = [i for i, b in enumerate(group.blocks) if not refusal(b)]
+    left = {p.split(SHARED, 1)[0]: b for p, b in zip(group.paths, group.blocks) if refusal(b)}
+    names = list(left)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    kinds = ", ".join(dict.fromkeys(type(b).__name__ for b in left.values()))
+    note = (f"checkpointing leaves out {shown} ({kinds}): a recompute in backward would write a second time what "
+            f"the forward writes and cannot be put back ({names[0]}: {refusal(left[names[0]])})")
+    held = [group.held[i] for i in keep] if len(group.held) == len(group.blocks) else []
+    return BlockGroup(path=group.path, blocks=[group.blocks[i] for i in keep], paths=[group.paths[i] for i in keep],
+                      held=held, refused=[note])
 
 
 def library_checkpointing(model: nn.Module) -> str:
@@ -293,10 +336,11 @@ def _spread(members: list[Any]) -> list[Any]:
 
 # -- the profile ----------------------------------------------------------------------------------------
 def _held_bytes(model: nn.Module, modules: list[nn.Module], batch: Any, n: int,
-                loss_fn: Callable[[nn.Module, Any], Any], calls: dict[int, int]) -> dict[int, int]:
+                loss_fn: Callable[[nn.Module, Any], Any], calls: dict[int, int], writes: _WriteWatch) -> dict[int, int]:
     """Bytes autograd saves inside each of `modules` in one forward of `n` samples, per sample: every
     storage counted once per module (over all its calls), the module's inputs and the model's parameters
-    and buffers left out. `calls` is filled with how many times each module was called."""
+    and buffers left out. `calls` is filled with how many times each module was called, `writes` with what
+    each call wrote that a recompute could not put back."""
     fixed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     active: list[nn.Module] = []
     seen: dict[int, set[int]] = defaultdict(set)
@@ -305,9 +349,11 @@ def _held_bytes(model: nn.Module, modules: list[nn.Module], batch: Any, n: int,
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         active.append(module)
         calls[id(module)] = calls.get(id(module), 0) + 1
+        writes.enter(module)
         seen[id(module)].update(t.untyped_storage().data_ptr() for t in _tensors((args, kwargs)))
 
     def leave(module: nn.Module, *_: Any) -> None:
+        writes.leave(module)
         if active and active[-1] is module:
             active.pop()
 
@@ -339,6 +385,44 @@ def _held_bytes(model: nn.Module, modules: list[nn.Module], batch: Any, n: int,
             h.remove()
         model.train(was_training)
     return {k: v // n for k, v in held.items()}
+
+
+class _WriteWatch:
+    """What each profiled module's forward writes that its recompute could not put back: a parameter in place,
+    or a buffer (in place or reassigned) of a module outside it. Seen by version counters and identity, from
+    the module's forward pre-hook to its forward hook; `why` holds a reason for each module found so."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.named_parameters())
+        self.slots = [(f"{path}.{name}" if path else name, m, name)
+                      for path, m in model.named_modules() for name, b in m._buffers.items() if b is not None]
+        self.open: dict[int, list[tuple[list[int], list[tuple[int, int]]]]] = defaultdict(list)
+        self.why: dict[nn.Module, str] = {}
+
+    def _state(self) -> tuple[list[int], list[tuple[int, int]]]:
+        buffers = [m._buffers.get(name) for _, m, name in self.slots]
+        return ([p._version for _, p in self.params],
+                [(-1, -1) if b is None else (id(b), b._version) for b in buffers])
+
+    def enter(self, module: nn.Module) -> None:
+        self.open[id(module)].append(self._state())
+
+    def leave(self, module: nn.Module) -> None:
+        if not self.open[id(module)]:
+            return
+        params, buffers = self.open[id(module)].pop()
+        now_params, now_buffers = self._state()
+        inside = {id(m) for m in module.modules()}
+        param = next((n for (n, _), a, b in zip(self.params, params, now_params) if a != b), None)
+        outside = next((path for (path, m, _), a, b in zip(self.slots, buffers, now_buffers)
+                        if a != b and id(m) not in inside), None)
+        if param is not None:
+            what = f"parameter {param} in place"
+        elif outside is not None:
+            what = f"buffer {outside}, which is outside it"
+        else:
+            return
+        self.why.setdefault(module, f"its forward writes {what}")
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

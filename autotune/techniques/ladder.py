@@ -36,9 +36,10 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
     if blocks is not None and blocks.library:  # said whether checkpointing is allowed or not: it is on
         notes.append(f"{blocks.library}; autotune recomputes no block on top of it")
     elif "checkpointing" in allowed:
+        notes += blocks.refused if blocks is not None else []  # blocks whose recompute would write state twice
         if blocks is None:
             notes.append(f"checkpointing skipped: {NO_BLOCKS} found in the model")
-        else:
+        elif n:
             counts += [(n + 1) // 2, n] if n >= 4 else [n]
     rungs = [_rung(precision, k, n, "none", compile) for k in counts]
     top = counts[-1]

@@ -52,7 +52,7 @@ class BufferGuard:
     def save(self) -> None:
         """Before an attempt: copy what it may change."""
         buffers = list(self.model.buffers())
-        norms = {id(b) for m in self.model.modules() if _tracks_statistics(m) for b in m.buffers(recurse=False)}
+        norms = {id(b) for m in self.model.modules() if tracks_statistics(m) for b in m.buffers(recurse=False)}
         watched = [b for b in buffers if id(b) in norms or id(b) in self.learned]
         self._copy(watched)
         ids = {id(b) for b in watched}
@@ -98,6 +98,6 @@ class BufferGuard:
         self._versions = {}
 
 
-def _tracks_statistics(module: nn.Module) -> bool:
+def tracks_statistics(module: nn.Module) -> bool:
     """A normalization layer whose forward in training updates running statistics in place."""
     return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
