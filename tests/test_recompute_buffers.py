@@ -26,7 +26,7 @@ import autotune
 from autotune.configuration import Rung
 from autotune.devices.placement import resolve_device
 from autotune.search.trial import TrialRunner, Workload
-from autotune.techniques import find_blocks
+from autotune.techniques import apply_rung, find_blocks
 from autotune.training.step import TrainingStep
 from autotune.workload.optimizers import OptimizerSpec
 
@@ -131,12 +131,13 @@ def runs(model: nn.Module) -> list[int]:
     return seen
 
 
-def train(model: nn.Module, checkpointing: str, steps: int = 3, micro: int = 2, n: int = 6):
+def train(model: nn.Module, checkpointing: str, steps: int = 3, micro: int = 2, n: int = 6, **plan):
     """`steps` SGD steps of `model` through `TrainingStep`, `n` samples a step in micro-batches of `micro`;
-    the gradients of the last step, and how many times the blocks ran."""
+    the gradients of the last step, and how many times the blocks ran. `plan`: more of the plan's fields."""
     seen = runs(model)
     optimizer, grads = stepping(model)
-    step = TrainingStep(make_plan(micro, n, checkpointing=checkpointing, budget=HUGE), model, optimizer, loss_fn=mse)
+    made = make_plan(micro, n, checkpointing=checkpointing, budget=HUGE, offload=plan.pop("offload", "none"))
+    step = TrainingStep(made.with_config(**plan) if plan else made, model, optimizer, loss_fn=mse)
     for seed in range(steps):
         step(batch_of(n, seed))
     step.close()
@@ -175,14 +176,98 @@ def test_full_checkpointing_equals_none_with_buffers_written_in_forward(block):
         assert is_parametrized(recomputed.blocks[0].lin)
 
 
-def test_a_modules_own_ema_counter_and_reassigned_buffers_are_written_once():
+@pytest.mark.parametrize("offload", ["none", "activations"])
+def test_a_modules_own_ema_counter_and_reassigned_buffers_are_written_once(offload):
     plain, recomputed = new(StatefulBlock), new(StatefulBlock)
     want_grads, plain_runs = train(plain, "none")
-    got_grads, recomputed_runs = train(recomputed, "full")
+    got_grads, recomputed_runs = train(recomputed, "full", offload=offload)
     assert recomputed_runs == 2 * plain_runs
     assert [int(b.steps) for b in recomputed.blocks] == [9] * 4  # 3 micro-batches in each of 3 steps
     assert torch.equal(recomputed.blocks[0].scale, torch.tensor(1.1, dtype=torch.float64) ** 9)
     assert_same(recomputed, plain, got_grads, want_grads)
+
+
+class SpectralStatefulBlock(StatefulBlock):
+    """Every kind of state a compiled block may write: spectral norm's power iteration and the buffers above."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = spectral_norm(self.lin)
+
+
+class Shared(nn.Module):
+    """One block called at every depth (ALBERT's shared layer): each call writes the state the next call reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, WIDTH)
+        self.layer = SpectralStatefulBlock()
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(3):
+            h = self.layer(h)
+        return self.head(h).squeeze(-1)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return [self.layer]
+
+
+@pytest.mark.parametrize("recomputed_calls", [1, 3])
+def test_a_module_called_at_every_depth_has_each_calls_state_put_back(recomputed_calls):
+    paths = ("layer#2", "layer#0", "layer#1")  # call i of 3, the order a profile gives
+    torch.manual_seed(0)
+    plain = Shared().double()
+    recomputed = copy.deepcopy(plain)
+    want_grads, plain_runs = train(plain, "none")
+    got_grads, recomputed_runs = train(recomputed, "selective", block_paths=paths,
+                                       checkpointed_blocks=recomputed_calls)
+    assert recomputed_runs == plain_runs * (3 + recomputed_calls) // 3
+    assert int(recomputed.layer.steps) == 27  # 3 calls in each of 3 micro-batches of 3 steps
+    assert_same(recomputed, plain, got_grads, want_grads)
+
+
+def train_compiled(model: nn.Module, checkpointing: str) -> list[torch.Tensor]:
+    """Three SGD steps of two micro-batches each under `apply_rung` with compile on (the simulated CPU ceiling of
+    `TrainingStep` runs eager); the last step's gradients."""
+    optimizer, grads = stepping(model)
+    applied = apply_rung(model, Rung(precision="fp32", checkpointing=checkpointing, compile=True),
+                         OptimizerSpec.from_user(None, model), resolve_device("cpu"), find_blocks(model),
+                         optimizer=optimizer)
+    try:
+        for seed in range(3):
+            applied.zero_grad()
+            x, y = batch_of(6, seed)
+            for part in (slice(0, 3), slice(3, 6)):
+                applied.backward(mse(model, (x[part], y[part])))
+            applied.optimizer_step()
+    finally:
+        applied.remove()
+    return grads
+
+
+def test_a_block_compiled_inside_its_checkpoint_writes_its_state_once():
+    torch._dynamo.reset()
+    plain, recomputed = new(SpectralStatefulBlock), new(SpectralStatefulBlock)
+    want_grads = train_compiled(plain, "none")
+    got_grads = train_compiled(recomputed, "full")
+    assert [int(b.steps) for b in recomputed.blocks] == [6] * 4
+    assert_same(recomputed, plain, got_grads, want_grads)
+
+
+def test_a_hand_made_plan_recomputes_a_block_that_writes_a_parameter_once_then_runs_it_plain(caplog):
+    # Without fit's profile nothing has looked at the block before its first checkpointed forward: that
+    # forward's recompute writes the weight again, with a warning, and the block is never recomputed after.
+    model = new(MaxNormBlock)
+    with caplog.at_level("WARNING", logger="autotune.techniques.checkpointing"):
+        _, ran = train(model, "full", steps=1, micro=6)
+        assert ran == 8  # the first forward recomputed (each of 4 blocks twice)
+        _, ran = train(model, "full", steps=1, micro=6)
+        assert ran == 4
+    assert ("a recomputed block (MaxNormBlock) is not recomputed from now on: its forward writes parameter lin.weight "
+            "in place, which its recompute in backward writes a second time") in caplog.text
 
 
 # -- through fit ----------------------------------------------------------------------------------------------
