@@ -11,7 +11,9 @@ every step, so it copies, on the device, only the buffers that change in trainin
   `track_running_stats`): their kernels update `running_mean` and `running_var` in place without bumping
   the tensors' version counters, so they are known by module type;
 - any other buffer whose version counter moved during an earlier step (an EMA, a step counter a
-  module keeps with `add_`): learned after the first clean step.
+  module keeps with `add_`): learned after the first clean step;
+- a buffer the attempt reassigned (`self.steps = self.steps + 1`): the module gets back the tensor it had,
+  which the attempt left as it was.
 
 The copies are a few bytes per channel (ResNet-50: about 53k values), allocated once and refreshed before
 each attempt with one multi-tensor copy (about 0.4 ms for 53 BatchNorm layers on one CPU core).
@@ -45,6 +47,7 @@ class BufferGuard:
         self._live: list[torch.Tensor] = []  # the watched buffers, and their copies (kept: no allocation a step)
         self._copies: list[torch.Tensor] = []
         self._versions: dict[int, int] = {}
+        self._slots: list[tuple[nn.Module, str, torch.Tensor]] = []  # each buffer's module, name and tensor
         self._rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._too_large: set[str] = set()
         self._limit = LEARNED_SHARE * sum(p.numel() * p.element_size() for p in model.parameters())
@@ -52,7 +55,9 @@ class BufferGuard:
     def save(self) -> None:
         """Before an attempt: copy what it may change."""
         buffers = list(self.model.buffers())
-        norms = {id(b) for m in self.model.modules() if tracks_statistics(m) for b in m.buffers(recurse=False)}
+        modules = list(self.model.modules())
+        self._slots = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
+        norms = {id(b) for m in modules if tracks_statistics(m) for b in m.buffers(recurse=False)}
         watched = [b for b in buffers if id(b) in norms or id(b) in self.learned]
         self._copy(watched)
         ids = {id(b) for b in watched}
@@ -71,6 +76,9 @@ class BufferGuard:
 
     def restore(self) -> None:
         """After a failed attempt: every watched buffer and the RNG streams as `save()` found them."""
+        for module, name, tensor in self._slots:
+            if module._buffers.get(name) is not tensor:
+                module._buffers[name] = tensor
         with torch.no_grad():
             if self._live:
                 torch._foreach_copy_(self._live, self._copies)
