@@ -26,7 +26,7 @@ import autotune
 from autotune.configuration import Rung
 from autotune.devices.placement import resolve_device
 from autotune.search.trial import TrialRunner, Workload
-from autotune.techniques import apply_rung, find_blocks
+from autotune.techniques import apply_rung, find_blocks, profile_blocks
 from autotune.training.step import TrainingStep
 from autotune.workload.optimizers import OptimizerSpec
 
@@ -268,6 +268,44 @@ def test_a_hand_made_plan_recomputes_a_block_that_writes_a_parameter_once_then_r
         assert ran == 4
     assert ("a recomputed block (MaxNormBlock) is not recomputed from now on: its forward writes parameter lin.weight "
             "in place, which its recompute in backward writes a second time") in caplog.text
+
+
+class CountingBlock(nn.Module):
+    """A block that counts its calls in a buffer its model owns, handed to it as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, HIDDEN)
+        self.out = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor, calls: torch.Tensor) -> torch.Tensor:
+        calls.add_(1)
+        return x + self.out(torch.tanh(self.lin(x)))
+
+
+class Counted(Net):
+    def __init__(self) -> None:
+        super().__init__(CountingBlock)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, self.calls)
+        return self.head(h).squeeze(-1)
+
+
+def test_a_block_writing_a_buffer_outside_itself_is_left_out_by_the_profile_and_never_recomputed():
+    torch.manual_seed(0)
+    model = Counted().double()
+    found = profile_blocks(model, batch_of(2, 0), mse, resolve_device("cpu"))
+    assert found is not None and found.blocks == []
+    assert found.refused == ["checkpointing leaves out blocks.0, blocks.1, blocks.2, blocks.3 (CountingBlock): a "
+                             "recompute in backward would write a second time what the forward writes and cannot be "
+                             "put back (blocks.0: its forward writes buffer calls, which is outside it)"]
+    model.calls.zero_()
+    _, ran = train(model, "full", steps=1, micro=6)  # a plan made by hand: the blocks found again
+    assert ran == 4 and int(model.calls) == 4  # run once each, counted once each
 
 
 # -- through fit ----------------------------------------------------------------------------------------------

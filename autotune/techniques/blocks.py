@@ -38,14 +38,13 @@ cannot put back is never a block: a parameter written in place (a max-norm const
 or a buffer of a module outside the block (a model-wide step counter the block updates). The profile sees
 those writes by the tensors' version counters, leaves the block out with a note in `refused` (the plan's
 reason), and remembers the module (`refusal`), so no later install for it recomputes it. What a block
-writes of its own buffers, checkpointing puts back (`checkpointing._Writes`).
+writes of its own buffers, checkpointing puts back (`forward_writes.ForwardWrites`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from torch import nn
 from ..devices.placement import Placement
 from ..errors import is_oom
 from ..workload import batch as batches
+from .forward_writes import WriteWatch, refusal, refuse
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +64,6 @@ SHARED = "#"  # `path#i`: call i of a module called at several depths
 FINER_SHARE = 0.75  # inner groups replace an outer one when their blocks hold at least this share of its bytes
 PROFILE_SAMPLES = 2  # two, not one: batch norm in training mode refuses a batch of one
 _NEVER_BLOCKS = (nn.ModuleList, nn.ModuleDict)  # holders, never called
-
-# The modules found unsafe to recompute, and why; weak keys: the user's model is not kept alive by them.
-_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def refuse(module: nn.Module, why: str) -> None:
-    """Remember that `module` must not be recomputed, and why (its forward writes state that a recompute
-    would write again and that cannot be put back)."""
-    _REFUSED[module] = why
-
-
-def refusal(module: nn.Module) -> str:
-    """Why `module` must not be recomputed; "" when it may be."""
-    return _REFUSED.get(module, "")
-
 
 @dataclass(kw_only=True, slots=True)
 class BlockGroup:
@@ -176,7 +161,7 @@ def profile_blocks(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, A
     part = batches.unwrap(batches.resize(batch, n))  # as the model gets it: `Shared` tensors plain
     held: dict[int, int] | None = None
     calls: dict[int, int] = {}
-    writes = _WriteWatch(model)
+    writes = WriteWatch(model)
     try:
         held = _held_bytes(model, [m for _, m in candidates], part, n, loss_fn, calls, writes)
     except Exception as exc:  # an OOM only leaves the order structural; anything else is the model's
@@ -206,7 +191,7 @@ def _vetted(group: BlockGroup | None) -> BlockGroup | None:
         return group
     keep = [i for i, b in enumerate(group.blocks) if not refusal(b)]
     left = {p.split(SHARED, 1)[0]: b for p, b in zip(group.paths, group.blocks) if refusal(b)}
-    names = list(left)
+    names = sorted(left, key=lambda p: [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in p.split(".")])
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     kinds = ", ".join(dict.fromkeys(type(b).__name__ for b in left.values()))
     note = (f"checkpointing leaves out {shown} ({kinds}): a recompute in backward would write a second time what "
@@ -336,7 +321,7 @@ def _spread(members: list[Any]) -> list[Any]:
 
 # -- the profile ----------------------------------------------------------------------------------------
 def _held_bytes(model: nn.Module, modules: list[nn.Module], batch: Any, n: int,
-                loss_fn: Callable[[nn.Module, Any], Any], calls: dict[int, int], writes: _WriteWatch) -> dict[int, int]:
+                loss_fn: Callable[[nn.Module, Any], Any], calls: dict[int, int], writes: WriteWatch) -> dict[int, int]:
     """Bytes autograd saves inside each of `modules` in one forward of `n` samples, per sample: every
     storage counted once per module (over all its calls), the module's inputs and the model's parameters
     and buffers left out. `calls` is filled with how many times each module was called, `writes` with what
@@ -385,44 +370,6 @@ def _held_bytes(model: nn.Module, modules: list[nn.Module], batch: Any, n: int,
             h.remove()
         model.train(was_training)
     return {k: v // n for k, v in held.items()}
-
-
-class _WriteWatch:
-    """What each profiled module's forward writes that its recompute could not put back: a parameter in place,
-    or a buffer (in place or reassigned) of a module outside it. Seen by version counters and identity, from
-    the module's forward pre-hook to its forward hook; `why` holds a reason for each module found so."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.params = list(model.named_parameters())
-        self.slots = [(f"{path}.{name}" if path else name, m, name)
-                      for path, m in model.named_modules() for name, b in m._buffers.items() if b is not None]
-        self.open: dict[int, list[tuple[list[int], list[tuple[int, int]]]]] = defaultdict(list)
-        self.why: dict[nn.Module, str] = {}
-
-    def _state(self) -> tuple[list[int], list[tuple[int, int]]]:
-        buffers = [m._buffers.get(name) for _, m, name in self.slots]
-        return ([p._version for _, p in self.params],
-                [(-1, -1) if b is None else (id(b), b._version) for b in buffers])
-
-    def enter(self, module: nn.Module) -> None:
-        self.open[id(module)].append(self._state())
-
-    def leave(self, module: nn.Module) -> None:
-        if not self.open[id(module)]:
-            return
-        params, buffers = self.open[id(module)].pop()
-        now_params, now_buffers = self._state()
-        inside = {id(m) for m in module.modules()}
-        param = next((n for (n, _), a, b in zip(self.params, params, now_params) if a != b), None)
-        outside = next((path for (path, m, _), a, b in zip(self.slots, buffers, now_buffers)
-                        if a != b and id(m) not in inside), None)
-        if param is not None:
-            what = f"parameter {param} in place"
-        elif outside is not None:
-            what = f"buffer {outside}, which is outside it"
-        else:
-            return
-        self.why.setdefault(module, f"its forward writes {what}")
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -26,6 +26,8 @@ import logging
 import torch
 from torch import nn
 
+from ..techniques.forward_writes import tracks_statistics
+
 log = logging.getLogger(__name__)
 
 # A learned buffer (not a norm layer's) is copied every step only up to this share of the parameters'
@@ -104,8 +106,3 @@ class BufferGuard:
                             "(over %.0f%% of the parameters' bytes); a step re-run after an OOM keeps the failed "
                             "attempt's update of it", name, 100 * LEARNED_SHARE)
         self._versions = {}
-
-
-def tracks_statistics(module: nn.Module) -> bool:
-    """A normalization layer whose forward in training updates running statistics in place."""
-    return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
