@@ -217,3 +217,42 @@ def test_before_optimizer_step_sees_the_clipped_gradients_on_every_plan():
                     torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"{offload}: {name} at step {k + 1}")
         for name, p, q in zip(names, model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=f"{offload}: {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stream,overlap", [(True, False), (True, True), (False, False), (False, True)],
+                         ids=["streamed", "streamed-overlapped", "cpu-serial", "cpu-overlapped"])
+def test_on_cuda_a_head_without_a_gradient_keeps_its_weights_and_state(monkeypatch, stream, overlap):
+    """The CUDA paths (the GPU stepping the streamed share on its streams; pinned staging and the side stream
+    of the CPU step's pipeline) under BF16: a head's 16-bit weights stay bitwise as they were through a step
+    without its gradient (a decay of lr x weight_decay = 5% would show), and its state and count with them."""
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1" if stream else "0")
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "1" if overlap else "0")
+    torch.manual_seed(0)
+    model = Heads().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    plan = make_plan(offload="optimizer").with_config(precision="bf16", offload_overlap=True if overlap else None)
+    batches = [tuple(t.float().cuda() if t.is_floating_point() else t.cuda() for t in b) for b in data()]
+    names = [n for n, _ in model.named_parameters()]
+    counts = {n: 0 for n in names}
+    with plan.with_provenance(device="cuda").apply(model, opt) as step:
+        assert (step.optimizer.stepper is not None) == stream
+        for b, (first, late) in zip(batches, USES):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                     for k, s in opt.state_dict()["state"].items()}
+            step(b)
+            used = {"first": first, "late": late, "trunk": 1, "main": 1}
+            after = opt.state_dict()["state"]
+            for k, (name, p) in enumerate(model.named_parameters()):
+                if used[name.split(".")[0]]:
+                    counts[name] += 1
+                    assert not torch.equal(p, before[name]), name
+                    continue
+                assert torch.equal(p, before[name]), name
+                assert (k in after) == (k in state), name  # no state before its first gradient
+                for key, value in state.get(k, {}).items():
+                    assert torch.equal(torch.as_tensor(after[k][key]).cpu(), torch.as_tensor(value).cpu()), name
+        got = {names[k]: float(s["step"]) for k, s in opt.state_dict()["state"].items()}
+    assert got == {n: c for n, c in counts.items() if c}
