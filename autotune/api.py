@@ -10,28 +10,34 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import parallel as distributed
+from . import settings as variables
 from .cache import store as plan_cache
 from .cache.rows import MEASURED_HERE, check_plan_matches, check_plan_sane, printable, sanitized
 from .devices import allocator
 from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
+from .devices.peaks import device_peak
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import InvalidSetting, NoFeasiblePlan
 from .evidence import Trial
 from .plan import Plan
 from .search.anchors import keep_dtype
+from .search.flops import utilization
 from .search.progress import progress_for
 from .search.tune import Job, explicit_host_budget, host_limit, tune, verify
 from .settings import FitSettings
 from .sizes import format_bytes, parse_bytes, shorten
 from .techniques import parse_techniques
+from .techniques.precision import choose_precision
 from .training.recovery import report_recoveries_to
 from .workload import batch as batches
+from .workload import loss_checks
 from .workload.batching import per_rank_batch
 from .workload.losses import remember_fit_loss
 from .workload.optimizers import check_optimizer
@@ -117,12 +123,18 @@ def fit(
         allocator.expand_in_process()
     longest = _at_max_length(batch, settings.max_length)
     typical = batch if longest is not batch else None  # throughput is measured at the example's own length
+    # Before the search or a cached plan: what stands in for the user's loss is checked on the example first.
+    checked = loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(
+        settings.techniques), agree=loss_checks.on_every_rank(distributed.sum_over_ranks, distributed.world_size()))
+    if checked.warning is not None:
+        log.warning("autotune: %s", checked.warning)
     store = plan_cache.open_cache(settings.cache)
     try:
         plan = _fit(model, longest, optimizer, loss_fn, settings, placement, store, progress, typical)
     finally:
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
+    plan = plan.with_evidence(reason=checked.reason(plan.reason))
     remember_fit_loss(model, loss_fn)  # plan.apply(model, ...) trains with the loss fit tuned with
     if store is not None and plan.key:
         report_recoveries_to(plan.key, _recorder(store))  # a recovery in training is recorded in this cache
@@ -181,7 +193,9 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
               budget=budget, allowed=allowed, global_batch=global_batch, per_rank=per_rank, world=world,
               typical=typical)
     if store is not None and not settings.retune:
-        hit = _cached(store, parts, settings, placement, budget_now, lambda plan: verify(plan, job))
+        check = _Verification(placement=placement, trial=lambda plan: verify(plan, job),
+                             tokens_per_sample=batches.tokens_per_sample(batch), flops_at_trial_length=typical is None)
+        hit = _cached(store, parts, settings, placement, budget_now, check)
         if hit is not None:
             return hit
         _raise_if_nothing_fits(store, key)
@@ -220,14 +234,26 @@ def _at_max_length(batch: Any, max_length: int | None) -> Any:
     return batches.lengthen(batch, max_length)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Verification:
+    """How a plan from elsewhere is checked here before it is served: this device, one trial of the plan
+    (`search.tune.verify`), and what turns that trial's rate into the plan's figures."""
+
+    placement: Placement
+    trial: Callable[[Plan], Trial]
+    tokens_per_sample: int | None  # of the example the trial runs (at max_length); None for a batch of no tokens
+    flops_at_trial_length: bool  # a plan's FLOPs per sample are counted at that length (no shorter example given)
+
+
 def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSettings, placement: Placement,
-            budget_now: int, verify: Callable[[Plan], Trial]) -> Plan | None:
+            budget_now: int, check: _Verification) -> Plan | None:
     """The cached plan for `parts`, if one still fits today's memory.
 
     Under a default budget, the plans of the neighbouring budget steps serve too when their peak fits under
     today's reading less the margin. Under an explicit `memory_budget` the user's figure stands, and a plan
     whose peak no longer fits the memory usable now is served with a warning naming both figures. A plan
-    not measured on this machine (imported, or a teammate's) is served only once `verify` ran it (`_trusted`).
+    not measured on this machine (imported, or a teammate's) is served only once one trial of it ran here
+    (`_trusted`).
     """
     explicit = settings.memory_budget is not None
     budgets = [parts["budget_bytes"]] if explicit else neighbour_budgets(parts["budget_bytes"], placement.total_bytes)
@@ -238,7 +264,7 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
             continue
         if (hit.host_peak_bytes or 0) > host_limit(settings):  # tuned where the host had more room: tune here
             continue
-        hit = _trusted(store, key, {**parts, "budget_bytes": budget}, hit, verify)
+        hit = _trusted(store, key, {**parts, "budget_bytes": budget}, hit, check)
         if hit is None:
             continue
         log.info("plan cache hit %s: %s", key[:12], hit.summary())
@@ -251,12 +277,14 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
 
 
 def _trusted(store: plan_cache.PlanCache, key: str, parts: dict[str, Any], hit: Plan,
-             verify: Callable[[Plan], Trial]) -> Plan | None:
+             check: _Verification) -> Plan | None:
     """`hit` as it may be served, or None (then the search runs).
 
     A plan measured on this machine is served as stored. One from elsewhere is a claim: it must be a
-    configuration its key allows with numbers a measurement could give, and one trial of it here must fit;
-    a plan whose trial does not is marked unsafe, so neither this cache nor the team directory serves it again.
+    configuration its key allows, in the precision a search here would train in, with numbers a measurement
+    could give, and one trial of it here must fit. A plan whose trial fits is served with the figures that
+    trial measured, and an imported row is stored so (then measured here); one whose trial does not is marked
+    unsafe, so neither this cache nor the team directory serves it again.
     """
     origin = _origin(store, key, hit)
     hit = sanitized(hit)  # a row imported before its text was escaped on reading
@@ -264,16 +292,18 @@ def _trusted(store: plan_cache.PlanCache, key: str, parts: dict[str, Any], hit: 
         return hit
     try:
         check_plan_matches(hit, key, parts)
+        _check_precision(hit, check.placement)
         check_plan_sane(hit, parts)
     except ValueError as exc:
         log.warning("autotune: %s", printable(f"not serving the cached plan {key[:12]} from {origin}: {exc}"))
         return None
     log.info("autotune: %s", printable(f"verifying the cached plan {key[:12]} from {origin} with one trial"))
-    trial = verify(hit)
+    trial = check.trial(hit)
     if trial.fits:
-        clause = f"verified here by one trial (a plan from {origin}, peak {format_bytes(trial.peak_bytes)})"
-        return hit.with_evidence(peak_memory_bytes=trial.peak_bytes, trials=(*hit.trials, trial),
-                                   reason=printable(f"{hit.reason}; {clause}"))
+        verified = _as_measured(hit, trial, check, origin)
+        if distributed.is_writer():
+            store.keep_verified(key, verified, origin)
+        return verified
     what = f"{trial.outcome}{f' ({trial.note})' if trial.note else ''}"
     store.mark_unsafe(key, micro_batch_size=hit.micro_batch_size, note=shorten(printable(
         f"verification trial: {what}; a plan from {origin}"), 200))
@@ -281,6 +311,38 @@ def _trusted(store: plan_cache.PlanCache, key: str, parts: dict[str, Any], hit: 
         f"the cached plan {key[:12]} from {origin} ({hit.rung.name} at micro-batch {hit.micro_batch_size}) did not "
         f"fit in a trial here: {what}; marked unsafe, tuning instead"))
     return None
+
+
+def _check_precision(plan: Plan, placement: Placement) -> None:
+    """A 16-bit plan must train in the 16-bit type a search on this device picks: bf16 where the device has it,
+    fp16 (with loss scaling) only where it does not. FP32 passes: it gives up no range or precision on any device,
+    and the key already says whether 16 bits were allowed (`check_plan_matches`).
+
+    Raises:
+        ValueError: naming both precisions and why this device takes the other.
+    """
+    if plan.precision == "fp32":
+        return
+    wanted, why = choose_precision(True, placement)
+    if plan.precision != wanted:
+        raise ValueError(f"plan trains in {plan.precision}, and a search on this device picks {why}")
+
+
+def _as_measured(plan: Plan, trial: Trial, check: _Verification, origin: str) -> Plan:
+    """`plan` with what its verification `trial` measured here in place of the claims: peak, samples/s, tokens/s
+    and MFU (from the plan's FLOPs per sample, where they are of the trial's length), and no real run's rate
+    (that run was elsewhere); the trial joins its trials and its reason says so."""
+    rate = trial.samples_per_second
+    mfu = None
+    if check.flops_at_trial_length:
+        peak = device_peak(check.placement.name, check.placement.kind, variables.read(variables.PEAK_ENV))
+        mfu = utilization(plan.flops_per_sample, rate, plan.world_size, peak, plan.precision)
+    clause = (f"verified here by one trial (a plan from {origin}, peak {format_bytes(trial.peak_bytes)}, "
+              f"{rate:,.1f} samples/s measured here)")
+    return plan.with_evidence(peak_memory_bytes=trial.peak_bytes, samples_per_second=rate,
+                              tokens_per_second=rate * check.tokens_per_sample if check.tokens_per_sample else None,
+                              mfu=mfu, measured_samples_per_second=None, trials=(*plan.trials, trial),
+                              reason=printable(f"{plan.reason}; {clause}"))
 
 
 def _origin(store: plan_cache.PlanCache, key: str, plan: Plan) -> str:

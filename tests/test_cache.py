@@ -372,8 +372,10 @@ def test_a_team_directory_is_read_after_a_local_miss_and_never_written(
     assert hit.source == "cache" and trial_records(caplog) == []
     # Alice's plan, served once one trial of it fitted here (a teammate's plan is a claim until then).
     assert hit.trials[:-1] == tuned.trials and "verified here by one trial" in hit.reason
-    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials,
-                               peak_memory_bytes=tuned.peak_memory_bytes).with_provenance(source="tuned") == tuned
+    assert hit.samples_per_second == hit.trials[-1].samples_per_second  # measured here, not Alice's figure
+    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials, peak_memory_bytes=tuned.peak_memory_bytes,
+                             samples_per_second=tuned.samples_per_second, tokens_per_second=tuned.tokens_per_second,
+                             mfu=tuned.mfu).with_provenance(source="tuned") == tuned
     assert len(caught) == 1 and "bob.jsonl rejected" in str(caught[0].message)  # bob's bad rows, once
     assert PlanCache(tmp_path / "mine.db").entries() == []  # the team's plans are read, not copied
     assert {p.name: p.stat().st_mtime_ns for p in team.iterdir()} == before

@@ -61,8 +61,10 @@ def test_a_deeply_nested_team_line_neither_stops_fit_nor_hides_the_teams_plans(t
     assert hit.source == "cache"
     # Alice's plan, served once one trial of it fitted here (a teammate's plan is a claim until then).
     assert hit.trials[:-1] == tuned.trials and "verified here by one trial" in hit.reason
-    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials,
-                               peak_memory_bytes=tuned.peak_memory_bytes).with_provenance(source="tuned") == tuned
+    assert hit.samples_per_second == hit.trials[-1].samples_per_second  # measured here, not Alice's figure
+    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials, peak_memory_bytes=tuned.peak_memory_bytes,
+                             samples_per_second=tuned.samples_per_second, tokens_per_second=tuned.tokens_per_second,
+                             mfu=tuned.mfu).with_provenance(source="tuned") == tuned
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "mallory.jsonl" in str(caught[0].message) and "nested deeper" in str(caught[0].message)
 

@@ -35,7 +35,8 @@ MAX_LINE_BYTES = 4 * 2**20  # a plan with a few dozen trials is a few KiB; a lar
 MAX_LINE_CHARS = MAX_LINE_BYTES  # the same bound for a line already in memory
 MAX_DEPTH = 32  # a row nests about 6 deep (row > plan > trials > [i] > rung); JSON deeper than this is not ours
 MAX_MICRO_BATCHES = 2**20  # per rank per optimizer step: a plan holds its split, one entry per micro-batch
-MEASURED_HERE = ("tuned", "replaced")  # origins of plans measured on this machine (a search, a recovery)
+VERIFIED = "verified"  # the origin of an imported plan once one trial here measured it (its figures are ours)
+MEASURED_HERE = ("tuned", "replaced", VERIFIED)  # origins of plans measured on this machine (a search, a recovery)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +176,7 @@ class CacheEntry:
     failures: tuple[Failure, ...] = ()
     created: float = 0.0  # unix seconds the key first entered this cache
     updated: float = 0.0  # unix seconds the plan was tuned or last replaced
-    origin: str = ""  # "tuned", "replaced", "import:<file>" or "team:<dir>"
+    origin: str = ""  # "tuned", "replaced", "verified", "import:<file>" or "team:<dir>"
     stale: bool = False  # the stored plan is of another plan format: `fit` tunes this key again
 
     @property

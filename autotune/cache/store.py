@@ -189,6 +189,14 @@ class PlanCache(CacheConnection):
         if not self._use("replace the plan", lambda db: tables.replace_plan(db, key, plan), 1):
             log.debug("plan cache: no plan under %s to replace", key[:12])
 
+    def keep_verified(self, key: str, plan: Plan, origin: str) -> None:
+        """Store `plan`, a plan from `origin` ("import:<file>") with the figures one trial here measured in place
+        of its claims, over the imported row it came from; the row is then measured here, and served as stored.
+        A team directory's plan has no row here to keep it in, and is verified again by the next `fit`."""
+        plan = plan.with_provenance(key=key)
+        if not self._use("keep the verified plan", lambda db: tables.keep_verified(db, key, plan, origin), 0):
+            log.debug("plan cache: no row from %s under %s to keep the verified plan in", origin, key[:12])
+
     def mark_unsafe(self, key: str, *, micro_batch_size: int, shapes: dict | None = None, note: str = "") -> None:
         """Record an OOM seen in real training: `get` stops returning plans at or above `micro_batch_size`.
 

@@ -21,7 +21,7 @@ from sqlite_utils import Database
 from ..evidence import Trial
 from ..plan import Plan, StalePlanFormat
 from .db import immediate
-from .rows import CacheEntry, Failure, NothingFits, PlanRow
+from .rows import VERIFIED, CacheEntry, Failure, NothingFits, PlanRow
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,16 @@ def replace_plan(db: Database, key: str, plan: Plan) -> int:
             return 0
         db.table("plans").update(key, {"plan": json.dumps(plan.to_dict()), "origin": "replaced",
                                        "updated": time.time()})
+    return 1
+
+
+def keep_verified(db: Database, key: str, plan: Plan, origin: str) -> int:
+    """Swap the plan under `key` for `plan` (its figures measured here), where the row is still the one from
+    `origin` that was verified; its origin becomes `VERIFIED` and its date stays. Returns 0 where no such row is."""
+    with immediate(db):
+        if not db.table("plans").count_where("key = ? AND origin = ?", [key, origin]):
+            return 0
+        db.table("plans").update(key, {"plan": json.dumps(plan.to_dict()), "origin": VERIFIED})
     return 1
 
 
