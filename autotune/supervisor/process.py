@@ -27,6 +27,7 @@ import psutil
 
 from ..devices import host as host_memory
 from ..devices.nvml import MemorySampler
+from .oom_killer import KernelKill, OomKillWatch
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class ChildExit:
     peak_gpu_total_bytes: int | None = None  # all processes of the job together, per NVML
     peak_host_bytes: int | None = None  # the job's processes' resident memory together, at its largest
     least_available_bytes: int | None = None  # the machine's available memory at its least while the job ran
+    kernel_kill: KernelKill | None = None  # whether the kernel's OOM killer killed it (`oom_killer.py`)
 
 
 class Child:
@@ -100,10 +102,12 @@ class Child:
         self._timed_out = False
         self._signal: int | None = None
         self._launched = 0.0  # time.monotonic() when start() began: a job's seconds and its deadline count from there
+        self._oom_kills: OomKillWatch | None = None
 
     # -- launching -------------------------------------------------------------------------------------
     def start(self) -> Child:
         self._launched = time.monotonic()
+        self._oom_kills = OomKillWatch()
         if self.capture_stdout:
             stdout: int | None = subprocess.PIPE
         elif self.stdout_to_stderr:
@@ -159,11 +163,15 @@ class Child:
             host.stop()
         if self._reader is not None:
             self._reader.join(timeout=5)
-        return ChildExit(returncode=self.proc.returncode or 0, seconds=time.monotonic() - started,
+        returncode = self.proc.returncode or 0
+        kernel = None if self._oom_kills is None else self._oom_kills.ended(
+            {self.proc.pid, *self._pids}, sigkilled=returncode == -signal.SIGKILL)
+        return ChildExit(returncode=returncode, seconds=time.monotonic() - started,
                          timed_out=self._timed_out, signal_received=self._signal,
                          output_tail=self._tail.decode(errors="replace"),
                          peak_gpu_bytes=sampler.peak_process_bytes, peak_gpu_total_bytes=sampler.peak_total_bytes,
-                         peak_host_bytes=host.peak_rss_bytes, least_available_bytes=host.least_available_bytes)
+                         peak_host_bytes=host.peak_rss_bytes, least_available_bytes=host.least_available_bytes,
+                         kernel_kill=kernel)
 
     def _enforce(self, elapsed: float) -> None:
         """Stop the job at its deadline; kill it when it outlives the grace period after a stop."""

@@ -310,12 +310,18 @@ def _attempt(number: int, verdict: Verdict, plan: Plan | None) -> Attempt:
 
 def _finish(verdict: Verdict, plan: Plan | None, attempts: list[Attempt]) -> RunResult:
     """The run ends with this job's own outcome: success, autotune's own error (exit 2, 3 or 4, with its
-    message), or a failure of the script that is not about memory (its own exit code)."""
+    message), or a failure of the script that is not about memory (its own exit code; 137 for a SIGKILL that
+    neither the kernel's OOM killer nor exhausted host memory explains)."""
     if verdict.autotune_error is not None:
         return RunResult(exit_code=verdict.exit_code, plan=plan, attempts=attempts,
                          message=f"error: {verdict.autotune_error}")
-    message = "" if verdict.kind == "ok" else (
-        f"the script failed ({verdict.note}); not an out-of-memory error, so it is not retried")
+    if verdict.kind == "ok":
+        message = ""
+    elif verdict.exit.returncode == -signal.SIGKILL:  # a kill from elsewhere: the job's plan is not at fault
+        message = (f"the job was {verdict.note}: exit {verdict.exit_code}, not restarted, and nothing recorded "
+                   "against the plan")
+    else:
+        message = f"the script failed ({verdict.note}); not an out-of-memory error, so it is not retried"
     return RunResult(exit_code=verdict.exit_code, plan=plan, attempts=attempts, message=message)
 
 

@@ -2,9 +2,11 @@
 
 The agent's record (written while the exception object still existed, classified with `is_oom`) is
 trusted first; the job's output is read with `is_oom_text` only where no record says otherwise (the
-job died before the agent could write, or a launcher such as torchrun failed around it); a SIGKILL that
-left no record is a host-memory suspect (the kernel's OOM killer). Anything else is not an OOM and is
-never retried as one.
+job died before the agent could write, or a launcher such as torchrun failed around it). A SIGKILL that
+left no record is an OOM only with evidence: the kernel's OOM killer acted (`oom_killer.py`), or the
+sampled host memory was near exhausted when the job died. Without it the kill came from elsewhere (a
+person, a scheduler): the verdict is an error with exit 137, which is passed through, not restarted, and
+not recorded against the plan. Anything else is not an OOM and is never retried as one.
 """
 
 from __future__ import annotations
@@ -94,9 +96,20 @@ def classify(exit_: ChildExit, records: list[dict[str, Any]], host_budget: int |
                                   f"{format_bytes(exit_.peak_host_bytes or 0)} resident, "
                                   f"{format_bytes(exit_.least_available_bytes or 0)} available at the least)",
                            code, host=True)
-        return verdict("oom", "killed by SIGKILL without leaving a result: host memory suspected "
-                              "(the kernel's OOM killer)", code)
+        kernel = exit_.kernel_kill
+        if kernel is not None and kernel.killed:
+            return verdict("oom", f"killed by the kernel's OOM killer ({kernel.evidence})", code)
+        return verdict("error", _not_memory(exit_), code)
     return verdict("error", f"exited with code {code}", code)
+
+
+def _not_memory(exit_: ChildExit) -> str:
+    """The note on a SIGKILL with no sign of memory running out: what the kernel said, and the host's room."""
+    kernel = exit_.kernel_kill
+    said = [kernel.evidence] if kernel is not None and kernel.evidence else []
+    if exit_.least_available_bytes is not None:
+        said.append(f"host memory never below {format_bytes(exit_.least_available_bytes)} available")
+    return "killed by SIGKILL with no sign of running out of memory" + (f" ({'; '.join(said)})" if said else "")
 
 
 NEAR_EXHAUSTED = 0.9  # of the host budget the job reached, or of the machine's memory gone, to call it exhausted
