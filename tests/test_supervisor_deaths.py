@@ -98,3 +98,22 @@ def test_the_oom_kill_count_is_read_from_either_cgroup_version(tmp_path: Path) -
     if watch.path is None:
         pytest.skip("no memory cgroup's oom_kill count is readable here")
     assert watch.rose() == 0  # nothing was killed for memory since the line above
+
+
+# -- a restart's OOM ----------------------------------------------------------------------------------
+
+def test_a_restarts_oom_is_recorded_against_the_jobs_own_key_so_the_next_launch_starts_below_it(
+        tmp_path: Path) -> None:
+    log = tmp_path / "launches"
+    script = str(SCRIPTS / "cooperative_oom_above.py")
+    first = autotune_run(tmp_path, "--max-restarts", "1", script, str(log), "1")  # every micro-batch above 1 fails
+    assert first.returncode == 3, first.stderr
+    (_, micro0, key), (_, micro1, capped) = (line.split() for line in log.read_text().splitlines())
+    assert capped != key  # the restart ran under a micro-batch cap, which is part of its key
+    # Both OOMs stand against the job's own key, the one a launch without the supervisor's cap computes.
+    assert failures(tmp_path) == [(key, int(micro0)), (key, int(micro1))]
+
+    log.unlink()
+    again = autotune_run(tmp_path, "--max-restarts", "0", script, str(log), "1")
+    [(_, micro, key_again)] = (line.split() for line in log.read_text().splitlines())
+    assert key_again == key and int(micro) < min(int(micro0), int(micro1)), again.stderr

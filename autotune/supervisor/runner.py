@@ -3,8 +3,8 @@
 Two modes:
 
 - Cooperative: the script calls `autotune.fit`; the run's options reach it as `AUTOTUNE_*` environment
-  variables. When the job dies of an OOM, the failure is recorded in the plan cache against the plan in
-  force, and the script is restarted with `AUTOTUNE_MAX_MICRO_BATCH` below the failed micro-batch (so a
+  variables. When the job dies of an OOM, the failure is recorded in the plan cache under the job's own key
+  (its plan's key without the restart's cap), and the script is restarted with `AUTOTUNE_MAX_MICRO_BATCH` below the failed micro-batch (so a
   smaller plan comes back even with the cache off) and `AUTOTUNE_RESTART_COUNT` set.
 - Zero-change (`--map` or `--preset` given): the script is tuned through its own flags (`zero_change.py`),
   or its plan comes from the cache (`script_cache.py`), then it runs with the winning flags; after an OOM
@@ -140,6 +140,10 @@ def _cooperative(opts: RunOptions, launcher: Launcher, cache: RunCache) -> RunRe
     attempts: list[Attempt] = []
     cap: int | None = None
     plan: Plan | None = None
+    # The job's own key: its plan's, from a launch without our micro-batch cap. The cap is part of the key
+    # (cache/key.py), so a restart's plan has a key of its own, which the next launch without the cap never
+    # reads: every failure goes against the job's key, where that launch's `fit` finds it.
+    job_key = ""
     for number in range(opts.max_restarts + 1):
         env = {**base, RESTART_COUNT_ENV: str(number)}
         if cap is not None:
@@ -160,12 +164,14 @@ def _cooperative(opts: RunOptions, launcher: Launcher, cache: RunCache) -> RunRe
             base = _lower_host_budget(base, verdict, number, opts.max_restarts)
             continue
         failed = verdict.plan
+        if failed is not None and cap is None:
+            job_key = failed.key
         if failed is None:
             return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
                 f"the script ran out of memory ({verdict.note}) before autotune.fit reported a plan, so autotune "
                 "cannot choose a smaller one. If the script takes its batch size as flags, run it in zero-change "
                 "mode: --map micro_batch=FLAG --map accumulation=FLAG."))
-        _record_failure(cache, failed, verdict.note, number)
+        _record_failure(cache, job_key, failed, verdict.note, number)
         cap = failed.micro_batch_size - 1
         if cap < 1:
             return RunResult(exit_code=EXIT_NO_FIT, plan=plan, attempts=attempts, message=(
@@ -201,14 +207,15 @@ def _warn_if_ranks_alone(opts: RunOptions, plan: Plan | None) -> None:
                     "autotune.fit, or drop --nproc-per-node", opts.world_size, plan.global_batch_size)
 
 
-def _record_failure(cache: RunCache, plan: Plan, note: str, number: int) -> None:
-    """Mark `plan` unsafe in the cache so the next `fit` returns a smaller one; never fails the run."""
-    store = cache.store() if plan.key else None
+def _record_failure(cache: RunCache, key: str, plan: Plan, note: str, number: int) -> None:
+    """Record under `key` (the job's own) that `plan`'s micro-batch ran out of memory, so the job's next `fit`
+    starts below it; never fails the run."""
+    store = cache.store() if key else None
     if store is None:
         return
-    store.mark_unsafe(plan.key, micro_batch_size=plan.micro_batch_size,
+    store.mark_unsafe(key, micro_batch_size=plan.micro_batch_size,
                       note=shorten(f"OOM in the real run (autotune run, attempt {number + 1}): {note}", 500))
-    log.info("recorded the OOM against plan %s in the cache", plan.key[:12])
+    log.info("recorded the OOM at micro-batch %d against plan %s in the cache", plan.micro_batch_size, key[:12])
 
 
 def _record_run(cache: RunCache, plan: Plan) -> Plan:
