@@ -4,8 +4,9 @@ Two modes:
 
 - Cooperative: the script calls `autotune.fit`; the run's options reach it as `AUTOTUNE_*` environment
   variables. When the job dies of an OOM, the failure is recorded in the plan cache under the job's own key
-  (its plan's key without the restart's cap), and the script is restarted with `AUTOTUNE_MAX_MICRO_BATCH` below the failed micro-batch (so a
-  smaller plan comes back even with the cache off) and `AUTOTUNE_RESTART_COUNT` set.
+  (its plan's key without the restart's cap), and the script is restarted with `AUTOTUNE_MAX_MICRO_BATCH`
+  below the failed micro-batch (so a smaller plan comes back even with the cache off) and
+  `AUTOTUNE_RESTART_COUNT` set.
 - Zero-change (`--map` or `--preset` given): the script is tuned through its own flags (`zero_change.py`),
   or its plan comes from the cache (`script_cache.py`), then it runs with the winning flags; after an OOM
   it is re-tuned under a lower cap and restarted.
