@@ -18,7 +18,9 @@ from .validate import (
 )
 
 NOISY = "noisy timings"  # how a noisy trial's note says so (the plan's reason counts the `noisy` ones)
-OUTCOMES = ("ok", "oom", "over_budget", "error")  # error: compile failed; the search goes on eager
+# error: the configuration raised an error other than an OOM (compile's, a kernel this device lacks); non_finite:
+# its loss was NaN or infinite. The search goes on without either.
+OUTCOMES = ("ok", "oom", "over_budget", "error", "non_finite")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,7 +29,7 @@ class Trial:
 
     rung: Rung
     micro_batch_size: int
-    outcome: str  # "ok" | "oom" | "over_budget" (ran, but its peak left less than the margin)
+    outcome: str  # "ok" | "oom" | "over_budget" (ran, but its peak left less than the margin) | "error" | "non_finite"
     peak_bytes: int = 0  # peak device memory seen (reserved on CUDA, live storage under the simulation)
     seconds: float = 0.0  # wall time of the whole trial, set-up and clean-up included
     step_seconds: float = 0.0  # median forward+backward time of one micro-batch, from the second step on

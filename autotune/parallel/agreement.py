@@ -16,11 +16,11 @@ from ..evidence import NOISY, Trial
 from .oom import agree_oom
 from .ranks import active, collective_device
 
-# Worse outcomes have higher codes, so MAX over ranks is the worst. "error" (compile failed on a rank) is the
-# worst: every rank must then leave compile, or the ranks' searches part ways.
-_OUTCOME_CODE = {"ok": 0, "over_budget": 1, "oom": 2, "error": 3}
+# Worse outcomes have higher codes, so MAX over ranks is the worst. A failure other than memory (an error, such as
+# compile's, or a NaN or infinite loss) beats an OOM: every rank must then leave the configuration alike.
+_OUTCOME_CODE = {"ok": 0, "over_budget": 1, "oom": 2, "error": 3, "non_finite": 4}
 _ANOTHER_RANK = {"oom": "another rank ran out of memory", "over_budget": "another rank's peak was over the limit",
-                 "error": "compile failed on another rank"}
+                 "error": "an error on another rank", "non_finite": "a NaN or infinite loss on another rank"}
 
 
 def agree_trial(trial: Trial) -> Trial:

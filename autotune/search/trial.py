@@ -27,7 +27,7 @@ from .. import parallel as distributed
 from ..configuration import Rung, none_on_the_host
 from ..devices.host import ResidentPeak
 from ..devices.placement import MemoryMeter, Placement, now, release_memory
-from ..errors import DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
+from ..errors import AutotuneError, DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
 from ..evidence import NOISY, Trial
 from ..sizes import format_bytes, format_share, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
@@ -38,6 +38,7 @@ from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import global_step_seconds
 from ..workload.losses import LossFn, LossForm, label_counts
 from ..workload.optimizers import OptimizerSpec
+from .failures import FAILED, Failures, NonFiniteLoss, kept
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,18 @@ def agree_local(trial: Trial) -> Trial:
 
 
 class TrialRunner:
-    """Callable `(rung, micro_batch_size) -> Trial`; what the controller calls for every measurement."""
+    """Callable `(rung, micro_batch_size) -> Trial`; what the controller calls for every measurement.
 
-    def __init__(self, work: Workload, agree: Callable[[Trial], Trial] = agree_local) -> None:
+    A trial that runs out of memory, raises another error (not autotune's own) or computes a NaN or infinite
+    loss is returned as such (outcome "oom", "error", "non_finite"), its reason in its note and, for the last
+    two, in `failures`: the search goes on without the configuration.
+    """
+
+    def __init__(self, work: Workload, agree: Callable[[Trial], Trial] = agree_local,
+                 failures: Failures | None = None) -> None:
         self.work = work
         self.agree = agree
+        self.failures = failures if failures is not None else Failures()
 
     def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None,
                  offload_fraction: float = 1.0, overlap: bool = False, reduce_pairs: int = 0) -> Trial:
@@ -98,8 +106,8 @@ class TrialRunner:
         host = ResidentPeak()  # the host memory the configuration adds: offload's buffers, pinned copies
         applied: AppliedRung | None = None
         timings: tuple[float, float, float, float, float, str] | None = None
-        failure = ""
-        compile_failed = False
+        failure, failed_as = "", "oom"
+        error: BaseException | None = None  # an error other than an OOM, kept to raise again if all fail
         poisoned = False
         gate = ReduceGate(work.model)
         try:
@@ -109,19 +117,20 @@ class TrialRunner:
                                          offload_fraction=offload_fraction, overlap=True if overlap else None)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
                                          gate, reduce_pairs)
-            except Exception as exc:  # classified right here; anything not an OOM re-raised
+            except Exception as exc:  # classified right here: autotune's own errors and a poisoned context raise
                 if is_device_poisoned(exc):
                     poisoned = True  # clean-up must make no CUDA call: it would fail too and hide this error
                     raise DeviceError(f"CUDA error during a trial of {rung.name} at micro-batch {micro}: {exc}. "
                                       "The CUDA context is unusable; restart the process.") from exc
                 if micro == 1 and needs_more_samples(exc):
                     raise TooFewSamples(_first_line(exc)) from exc  # the search starts again at 2
-                if not is_oom(exc) and not rung.compile:
+                if isinstance(exc, AutotuneError):  # a setting autotune refuses: no configuration would do better
                     raise
-                # Every compiled trial follows an eager one of the same model that ran: an error that is
-                # not an OOM is compile's (tracing, lowering), and the search goes on without compile.
-                failure = _first_line(exc)
-                compile_failed = not is_oom(exc)
+                # Any other error fails this configuration alone (a kernel this device lacks in bf16, compile's
+                # tracing): the search goes on without it, and fit raises only where every configuration failed.
+                failure = str(exc) if isinstance(exc, NonFiniteLoss) else _first_line(exc)
+                failed_as = "oom" if is_oom(exc) else "non_finite" if isinstance(exc, NonFiniteLoss) else "error"
+                error = kept(exc) if failed_as == "error" else None
                 gate.fail()  # ranks still measuring learn of it where they would start the all-reduce
             # Out of the except block: the exception no longer pins the failed step's tensors. Read the
             # peak now, before clean-up resets the allocator's statistics.
@@ -130,7 +139,7 @@ class TrialRunner:
             _clean_up(work, applied, device_calls=not poisoned)
         del micro_batch, held
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
-                            time.perf_counter() - started, compile_failed)
+                            time.perf_counter() - started, failed_as)
         trial = dataclasses.replace(trial, host_peak_bytes=host.grown())
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
                 [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
@@ -140,7 +149,10 @@ class TrialRunner:
         tags += [REDUCE_BOTH_WAYS] if reduce_pairs and gate.opened and trial.fits else []
         if tags:
             trial = dataclasses.replace(trial, note="; ".join([*tags, trial.note] if trial.note else tags))
-        return self.agree(trial)
+        trial = self.agree(trial)
+        if trial.outcome in FAILED:  # here or, agreed, on another rank (its note says so)
+            self.failures.record(trial, failure if trial.outcome == failed_as else trial.note, error)
+        return trial
 
 
 def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int, overlap: bool = False,
@@ -365,10 +377,10 @@ def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
                 timings: tuple[float, float, float, float, float, str] | None, failure: str, seconds: float,
-                compile_failed: bool = False) -> Trial:
-    if timings is None:
-        return Trial(rung=rung, micro_batch_size=micro, outcome="error" if compile_failed else "oom",
-                     peak_bytes=peak, seconds=seconds, alloc_retries=retries, note=shorten(failure, 200))
+                failed_as: str = "oom") -> Trial:
+    if timings is None:  # the trial failed: `failed_as` says how
+        return Trial(rung=rung, micro_batch_size=micro, outcome=failed_as, peak_bytes=peak, seconds=seconds,
+                     alloc_retries=retries, note=shorten(failure, 200))
     step_s, opt_s, compile_s, reduce_s, after_s, noisy = timings
     rate = _rate(step_s, opt_s, work.per_rank, work.world_size, micro)
     outcome = "ok" if peak <= work.limit_bytes else "over_budget"

@@ -4,6 +4,7 @@ and `verify`, one trial of a plan from elsewhere before it is served."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from ..devices import allocator
 from ..devices import host as host_memory
 from ..devices.peaks import DevicePeak, device_peak
 from ..devices.placement import Placement
-from ..errors import NoFeasiblePlan
+from ..errors import DeviceError, NoFeasiblePlan
 from ..evidence import Trial
 from ..plan import Plan
 from ..settings import FitSettings, result_file
@@ -38,6 +39,7 @@ from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from . import host_budget, typical
 from .anchors import anchors, eight_bit_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
+from .failures import Failures
 from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
 from .ground import trials_on
@@ -125,6 +127,11 @@ def tune(job: Job) -> Plan:
             sharded = _tune_as(job, spec, peak, limit, plain.precision, "fsdp2", "", to_disk)
         except NoFeasiblePlan:
             return plan.with_config(reason=f"{plan.reason}; sharded with FSDP2: nothing fits")
+        except DeviceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every sharded configuration failed: the replicated plan stands
+            first = (str(exc).strip().splitlines() or [""])[0]
+            return plan.with_config(reason=f"{plan.reason}; sharded with FSDP2: {type(exc).__name__}: {first}")
         return replicated_or_sharded(plan, sharded)
     finally:
         if job.progress is not None:
@@ -154,10 +161,14 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
              sharding_reason: str, snapshot_to_disk: bool) -> Plan:
     """One search with the model replicated (`sharding` "none") or sharded with FSDP2, and its plan."""
     copied = sharding == "fsdp2" and not is_sharded(job.model)
+    failures = Failures()
     with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision,
                    snapshot_to_disk=snapshot_to_disk) as tuned:
-        state, setup, work, flops = _search(job, tuned, spec, limit, snapshot_in_ram=not snapshot_to_disk)
-        at_typical = _at_typical_length(job, state, work)
+        found = _search_or_fp32(job, tuned, spec, limit, not snapshot_to_disk, failures)
+        at_typical = None if isinstance(found, BaseException) else _at_typical_length(job, found[0], found[2])
+    if isinstance(found, BaseException):  # raised out here: the model is back as the user gave it, and the
+        raise found  # exception (the model's own, where every configuration raised it) chains to nothing of ours
+    state, setup, work, flops, fp32_note = found
     tokens = batches.tokens_per_sample(job.batch)
     rate, per_token = state.best.samples_per_second, tokens
     if at_typical is not None:  # throughput at the example's length, the peak at max_length's
@@ -166,8 +177,10 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     closing = _why_no_mfu(flops, peak, best_rung.precision, job.placement.kind)
     if best_rung.compile:
         closing.insert(0, graphs_note(setup.blocks, best_rung.checkpointed_blocks or 0, tokens is not None))
-    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes, *closing], first=sharding_reason or "",
-                  last=(work.loss_form.note,) if work.loss_form is not None and work.loss_form.note else ())
+    loss_note = work.loss_form.note if work.loss_form is not None else ""
+    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes, *closing],
+                  first="; ".join(n for n in (sharding_reason, fp32_note) if n),
+                  last=tuple(n for n in (failures.clause(best_rung.precision), loss_note) if n))
     best, fraction = state.best, state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
     host_fraction = fraction or 1.0  # what the host holds, for its need below
@@ -214,9 +227,33 @@ def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
     return max(arithmetic, best.host_peak_bytes) if device_type == "cuda" and offloads else arithmetic
 
 
-def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
-            snapshot_in_ram: bool) -> tuple[SearchState, _Setup, Workload, FlopCount]:
-    """The controller's search on `tuned`, then the phases; with what it started from and the workload."""
+def _search_or_fp32(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
+                    failures: Failures) -> tuple[SearchState, _Setup, Workload, FlopCount, str] | BaseException:
+    """`_search`, and where it found nothing in 16 bits because configurations failed for a reason other than
+    memory (a kernel this device lacks in bf16, a loss that overflows), the same in fp32, with a note for the
+    plan's reason. Where nothing is found, the exception `fit` raises (`Failures.error_for`), returned to be
+    raised once the model is put back."""
+    try:
+        return (*_search(job, tuned, spec, limit, snapshot_in_ram, failures), "")
+    except NoFeasiblePlan as exc:
+        nothing = exc
+    # A sharded copy keeps the dtype it was sharded with (`trials_on`): it searches in one precision.
+    note = (failures.fp32_instead(nothing.trials) if "bf16" in job.allowed and not is_sharded(tuned) else None)
+    if note is not None:
+        fp32 = dataclasses.replace(job, allowed=job.allowed - {"bf16"})
+        try:
+            return (*_search(fp32, tuned, spec, limit, snapshot_in_ram, failures, earlier=nothing.trials), note)
+        except NoFeasiblePlan as exc:
+            nothing = exc
+    return failures.error_for(nothing)
+
+
+def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
+            failures: Failures | None = None,
+            earlier: tuple[Trial, ...] = ()) -> tuple[SearchState, _Setup, Workload, FlopCount]:
+    """The controller's search on `tuned`, then the phases; with what it started from and the workload.
+    `failures` collects the trials that failed for a reason other than memory; `earlier` are trials of a search
+    before this one, kept in the record (and in the trial budget)."""
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
     example = batches.detached(batches.to_device(job.batch, job.placement.torch_device))
@@ -231,7 +268,7 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
                     measured_steps=job.settings.measured_steps, host_limit_bytes=host,
                     snapshot_in_ram=snapshot_in_ram)
     flops = count_flops(tuned, work.batch, work.loss_fn, job.placement)
-    runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial), host_shares)
+    runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial, failures=failures), host_shares)
     longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
     if job.progress is not None:
         pinned = _pinned_bytes(tuned, spec, job.placement.kind, host_shares)
@@ -241,6 +278,7 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int,
                             retry=longer if job.placement.simulated else None,  # search/noise.py
                             advice=RUN_ADVICE if result_file() is not None else FIT_ADVICE)
     controller.notes.extend(setup.dropped + host_notes)  # in the plan's reason, and in the error if nothing fits
+    controller.trials.extend(earlier)
     state = SearchState.of(controller.search(rungs, setup.lattice))
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
