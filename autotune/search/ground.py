@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,9 +22,18 @@ from .snapshot import Snapshot
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Ground:
+    """The model trials run on, and how to put its weights and buffers back as fit found them between trials
+    (None on a sharded copy, which the snapshot of the user's model does not cover)."""
+
+    model: nn.Module
+    reset: Callable[[], None] | None
+
+
 @contextlib.contextmanager
 def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied: bool,
-              precision: str, snapshot_to_disk: bool = False) -> Iterator[nn.Module]:
+              precision: str, snapshot_to_disk: bool = False) -> Iterator[Ground]:
     """The model trials run on: `model` moved to the device or, `copied`, an FSDP2-sharded copy of it (sharding
     is in place and for good, and fit leaves the model as it found it) while `model` waits on the host, where
     the trials' peaks do not count it. On the way out, `model` is put back; a sharded copy's device shards
@@ -38,7 +48,7 @@ def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied:
         tuned = sharded_copy(model, precision) if copied else model
         if is_sharded(tuned):
             distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
-        yield tuned
+        yield Ground(model=tuned, reset=None if copied else snapshot.restore_values)
         del tuned
     except DeviceError as error:
         poisoned = True

@@ -95,15 +95,7 @@ class Snapshot:
         return snapshot
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for (p, dtype) in self.dtypes:
-                if p.dtype != dtype:  # an offload rung that failed half-way left 16-bit weights
-                    p.data = p.data.to(dtype)
-            for live, saved in self.tensors:
-                if isinstance(saved, _Stored):
-                    assert self.disk is not None, "a tensor stored on disk without the snapshot's file"
-                    saved = self.disk.load(saved)
-                live.copy_(saved)
+        self.restore_values()
         for p, grad in self.grads:
             p.grad = grad
         for module, training in self.modes:
@@ -114,6 +106,20 @@ class Snapshot:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         random.setstate(self.python_rng)
+
+
+    def restore_values(self) -> None:
+        """The weights' and buffers' values (and dtypes) alone, wherever the model is now: between trials, after
+        one whose NaN or infinite loss left them NaN; gradients, modes, optimizer and RNG are left as they are."""
+        with torch.no_grad():
+            for (p, dtype) in self.dtypes:
+                if p.dtype != dtype:  # an offload rung that failed half-way left 16-bit weights
+                    p.data = p.data.to(dtype)
+            for live, saved in self.tensors:
+                if isinstance(saved, _Stored):
+                    assert self.disk is not None, "a tensor stored on disk without the snapshot's file"
+                    saved = self.disk.load(saved)
+                live.copy_(saved)
 
 
 def _copy_state(state: Any) -> Any:

@@ -38,7 +38,7 @@ from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import global_step_seconds
 from ..workload.losses import LossFn, LossForm, label_counts
 from ..workload.optimizers import OptimizerSpec
-from .failures import FAILED, Failures, NonFiniteLoss, kept
+from .failures import FAILED, Failures, LossCheck, NonFiniteLoss, kept
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,9 @@ class Workload:
     host_limit_bytes: int | None = None  # the host budget (fit refuses configurations over it before they run)
     snapshot_in_ram: bool = True  # fit's copy of the model is in host memory (not in a file: `snapshot_on_disk`)
     loss_form: LossForm | None = None  # what the model's own loss holds, learned by the trials; None: not yet
+    # Puts the model's weights and buffers back as fit found them: after a trial whose NaN or infinite loss
+    # stepped them to NaN, so the next trial starts from finite ones. None: not possible (a sharded copy).
+    reset: Callable[[], None] | None = None
 
 
 def agree_local(trial: Trial) -> Trial:
@@ -152,6 +155,8 @@ class TrialRunner:
         trial = self.agree(trial)
         if trial.outcome in FAILED:  # here or, agreed, on another rank (its note says so)
             self.failures.record(trial, failure if trial.outcome == failed_as else trial.note, error)
+        if trial.outcome == "non_finite" and work.reset is not None:
+            work.reset()
         return trial
 
 
@@ -180,14 +185,17 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     if work.loss_form is None:
         work.loss_form = LossForm.of(work.model)
     form = work.loss_form
-    step = lambda armed: _timed_step(applied, micro_batch, work, tokens, form, armed)  # noqa: E731
+    losses = LossCheck()  # a NaN or infinite loss fails the trial: such a configuration is never the plan
+    step = lambda armed: _timed_step(applied, micro_batch, work, tokens, form, armed, losses)  # noqa: E731
     warmup = sum(sum(step(True)) for _ in range(work.warmup_steps))
+    losses.check("the warm-up steps")  # read here, not in a timed step: reading a loss waits for the device
     times = [step(overlap) for _ in range(measured)]
     # Not under torch.distributed: each rank would judge its own spread and run its own number of steps (a
     # sharded model's steps are collectives); the ranks' MAX of the step time is the agreed figure there.
     while (work.placement.simulated and not distributed.active() and spread(times) > NOISY_SPREAD
            and len(times) < MAX_STEPS_FACTOR * measured):
         times.append(step(overlap))
+    losses.check("the measured steps")
     step_s, opt_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
     noisy = spread(times) > NOISY_SPREAD
     note = f"{NOISY} (step times spread {spread(times):.0%} over {len(times)} steps)" if noisy else ""
@@ -236,11 +244,14 @@ def _reduced_steps(reduced: Callable[[bool], float], order: list[bool]) -> tuple
 
 
 def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
-                form: LossForm, armed: bool) -> tuple[float, float]:
-    """One optimizer step at one micro-batch: (forward+backward seconds, optimizer seconds)."""
+                form: LossForm, armed: bool, losses: LossCheck | None = None) -> tuple[float, float]:
+    """One optimizer step at one micro-batch: (forward+backward seconds, optimizer seconds); its loss goes to
+    `losses`, read after the steps."""
     t0 = now(work.placement)
     weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
     loss = _loss(applied, micro_batch, work, weights, tokens, form)
+    if losses is not None:
+        losses.add(loss)
     if loss is not None:
         applied.backward(loss, last=armed)  # armed: the host optimizer steps during it (see `_run_steps`)
     del loss, weights

@@ -42,7 +42,7 @@ from .controller import FIT_ADVICE, Controller, Lattice
 from .failures import Failures
 from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
-from .ground import trials_on
+from .ground import Ground, trials_on
 from .lines import NOISE
 from .phases import PhaseContext, run_phases
 from .progress import Progress
@@ -163,8 +163,8 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     copied = sharding == "fsdp2" and not is_sharded(job.model)
     failures = Failures()
     with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision,
-                   snapshot_to_disk=snapshot_to_disk) as tuned:
-        found = _search_or_fp32(job, tuned, spec, limit, not snapshot_to_disk, failures)
+                   snapshot_to_disk=snapshot_to_disk) as ground:
+        found = _search_or_fp32(job, ground, spec, limit, not snapshot_to_disk, failures)
         at_typical = None if isinstance(found, BaseException) else _at_typical_length(job, found[0], found[2])
     if isinstance(found, BaseException):  # raised out here: the model is back as the user gave it, and the
         raise found  # exception (the model's own, where every configuration raised it) chains to nothing of ours
@@ -227,33 +227,35 @@ def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
     return max(arithmetic, best.host_peak_bytes) if device_type == "cuda" and offloads else arithmetic
 
 
-def _search_or_fp32(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
+def _search_or_fp32(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
                     failures: Failures) -> tuple[SearchState, _Setup, Workload, FlopCount, str] | BaseException:
     """`_search`, and where it found nothing in 16 bits because configurations failed for a reason other than
     memory (a kernel this device lacks in bf16, a loss that overflows), the same in fp32, with a note for the
     plan's reason. Where nothing is found, the exception `fit` raises (`Failures.error_for`), returned to be
     raised once the model is put back."""
     try:
-        return (*_search(job, tuned, spec, limit, snapshot_in_ram, failures), "")
+        return (*_search(job, ground, spec, limit, snapshot_in_ram, failures), "")
     except NoFeasiblePlan as exc:
         nothing = exc
     # A sharded copy keeps the dtype it was sharded with (`trials_on`): it searches in one precision.
-    note = (failures.fp32_instead(nothing.trials) if "bf16" in job.allowed and not is_sharded(tuned) else None)
+    note = (failures.fp32_instead(nothing.trials) if "bf16" in job.allowed and not is_sharded(ground.model)
+            else None)
     if note is not None:
         fp32 = dataclasses.replace(job, allowed=job.allowed - {"bf16"})
         try:
-            return (*_search(fp32, tuned, spec, limit, snapshot_in_ram, failures, earlier=nothing.trials), note)
+            return (*_search(fp32, ground, spec, limit, snapshot_in_ram, failures, earlier=nothing.trials), note)
         except NoFeasiblePlan as exc:
             nothing = exc
     return failures.error_for(nothing)
 
 
-def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
+def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
             failures: Failures | None = None,
             earlier: tuple[Trial, ...] = ()) -> tuple[SearchState, _Setup, Workload, FlopCount]:
-    """The controller's search on `tuned`, then the phases; with what it started from and the workload.
-    `failures` collects the trials that failed for a reason other than memory; `earlier` are trials of a search
-    before this one, kept in the record (and in the trial budget)."""
+    """The controller's search on the model `ground` holds, then the phases; with what it started from and the
+    workload. `failures` collects the trials that failed for a reason other than memory; `earlier` are trials of
+    a search before this one, kept in the record (and in the trial budget)."""
+    tuned = ground.model
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
     example = batches.detached(batches.to_device(job.batch, job.placement.torch_device))
@@ -266,7 +268,7 @@ def _search(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, snapsho
                     budget_bytes=job.budget, limit_bytes=limit, per_rank=job.per_rank, world_size=job.world,
                     blocks=setup.blocks, warmup_steps=job.settings.warmup_steps,
                     measured_steps=job.settings.measured_steps, host_limit_bytes=host,
-                    snapshot_in_ram=snapshot_in_ram)
+                    snapshot_in_ram=snapshot_in_ram, reset=ground.reset)
     flops = count_flops(tuned, work.batch, work.loss_fn, job.placement)
     runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial, failures=failures), host_shares)
     longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
@@ -360,7 +362,8 @@ def verify(plan: Plan, job: Job) -> Trial:
     spec = OptimizerSpec.from_user(job.optimizer, model)
     copied = plan.sharding == "fsdp2" and not is_sharded(model)
     with trials_on(model, job.optimizer, placement, copied=copied, precision=plan.precision,
-                   snapshot_to_disk=snapshot_on_disk(model)) as tuned:
+                   snapshot_to_disk=snapshot_on_disk(model)) as ground:
+        tuned = ground.model
         example = batches.detached(batches.to_device(job.batch, placement.torch_device))
         loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
         work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=placement,
