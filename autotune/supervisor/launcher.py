@@ -41,6 +41,7 @@ class Launcher:
     forks: ForkServer | None = None  # forks zero-change trials once started; None before, or where it cannot
     forks_off: str = ""  # why trials start as fresh processes, once that is decided
     forked: str = ""  # what the trials forked from, once they did (ForkServer.describe)
+    on_line: Callable[[str], None] | None = None  # reads each line a real run writes (`process.Child`)
 
     def command(self, args: list[str]) -> list[str]:
         opts = self.options
@@ -62,7 +63,8 @@ class Launcher:
             child = Child(self.command(args), env=self._environment(env, result_file),
                           echo=not trial or opts.verbose, capture_stdout=trial, stdout_to_stderr=opts.json_output,
                           timeout=opts.trial_timeout if trial else None, grace=opts.grace_period,
-                          name=os.path.basename(opts.script), spawn=self._forked(args) if trial else None)
+                          name=os.path.basename(opts.script), spawn=self._forked(args) if trial else None,
+                          on_line=None if trial else self.on_line)
             exit_ = self.forwarder.run(child)
             verdict = classify(exit_, agent.read_results(result_file), opts.host_budget_bytes)
         self.plan = verdict.plan or self.plan

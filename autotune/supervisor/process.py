@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, Protocol
+from typing import IO, Protocol, TextIO
 
 import psutil
 
@@ -78,11 +79,14 @@ class Child:
         spawn: starts the job instead of `subprocess.Popen`, given its environment (a trial forked by the
             fork server, `forkserver.py`), or returns None and the job starts fresh; used only where the output
             is captured.
+        on_line: called with each line the job writes, on stdout and stderr alike (`loss_lines.py`); stdout
+            is then read through a pipe too, and passed on where it would have gone.
     """
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str], echo: bool = True, capture_stdout: bool = False,
                  stdout_to_stderr: bool = False, timeout: float | None = None, grace: float = 10.0,
-                 name: str = "", spawn: Callable[[dict[str, str]], Started | None] | None = None) -> None:
+                 name: str = "", spawn: Callable[[dict[str, str]], Started | None] | None = None,
+                 on_line: Callable[[str], None] | None = None) -> None:
         self.argv = list(argv)
         self.spawn = spawn if capture_stdout else None
         self.name = name or os.path.basename(self.argv[0])
@@ -92,9 +96,10 @@ class Child:
         self.stdout_to_stderr = stdout_to_stderr
         self.timeout = timeout
         self.grace = grace
+        self.on_line = on_line
         self.proc: Started | None = None
         self._tail = bytearray()
-        self._reader: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
         self._tracked: dict[int, psutil.Process] = {}
         self._pids: frozenset[int] = frozenset()  # replaced whole, so the sampler thread reads it safely
         self._stop_at: float | None = None
@@ -108,7 +113,7 @@ class Child:
     def start(self) -> Child:
         self._launched = time.monotonic()
         self._oom_kills = OomKillWatch()
-        if self.capture_stdout:
+        if self.capture_stdout or self.on_line is not None:
             stdout: int | None = subprocess.PIPE
         elif self.stdout_to_stderr:
             stdout = _stderr_fd()
@@ -117,25 +122,41 @@ class Child:
         stderr = subprocess.STDOUT if self.capture_stdout else subprocess.PIPE
         log.debug("launching %s", " ".join(self.argv))
         self.proc = self.spawn(self.env) if self.spawn is not None else None
+        env = self.env
+        if self.on_line is not None and not self.capture_stdout:
+            # A Python job block-buffers a piped stdout: unbuffered, its lines come as printed, as at a terminal.
+            env = {"PYTHONUNBUFFERED": "1", **env}
         if self.proc is None:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=stdout,
+            self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
                                          stderr=stderr, start_new_session=True)
         self._pids = frozenset({self.proc.pid})
         pipe = self.proc.stdout if self.capture_stdout else self.proc.stderr
-        self._reader = threading.Thread(target=self._tee, args=(pipe,), name="autotune-tee", daemon=True)
-        self._reader.start()
+        self._read(pipe, _write_stderr if self.echo else None, tail=True)
+        if self.on_line is not None and not self.capture_stdout:  # stdout too, passed on where it would have gone
+            self._read(self.proc.stdout, _write_stderr if self.stdout_to_stderr else _write_stdout, tail=False)
         return self
 
-    def _tee(self, pipe: object) -> None:
+    def _read(self, pipe: object, write: Callable[[bytes], None] | None, *, tail: bool) -> None:
+        reader = threading.Thread(target=self._tee, args=(pipe, write, tail), name="autotune-tee", daemon=True)
+        self._readers.append(reader)
+        reader.start()
+
+    def _tee(self, pipe: object, write: Callable[[bytes], None] | None, tail: bool) -> None:
         fd = pipe.fileno()  # type: ignore[attr-defined]
+        lines = LineSplitter(self.on_line) if self.on_line is not None else None
         while True:
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            self._tail += chunk
-            del self._tail[:-TAIL_BYTES]
-            if self.echo:
-                _write_stderr(chunk)
+            if tail:
+                self._tail += chunk
+                del self._tail[:-TAIL_BYTES]
+            if write is not None:
+                write(chunk)
+            if lines is not None:
+                lines.feed(chunk)
+        if lines is not None:
+            lines.feed(b"\n")  # a last line without its newline
         pipe.close()  # type: ignore[attr-defined]
 
     # -- watching --------------------------------------------------------------------------------------
@@ -161,8 +182,8 @@ class Child:
         finally:
             sampler.stop()
             host.stop()
-        if self._reader is not None:
-            self._reader.join(timeout=5)
+        for reader in self._readers:
+            reader.join(timeout=5)
         returncode = self.proc.returncode or 0
         kernel = None if self._oom_kills is None else self._oom_kills.ended(
             {self.proc.pid, *self._pids}, sigkilled=returncode == -signal.SIGKILL)
@@ -234,6 +255,30 @@ class Child:
         psutil.wait_procs(alive, timeout=5)
 
 
+class LineSplitter:
+    """Cuts a stream's chunks into lines for `on_line`; a carriage return ends a line too (progress bars
+    redraw with one), and a line longer than `TAIL_BYTES` is cut there. An error in `on_line` is logged once
+    and the stream goes on: watching the output never breaks passing it on."""
+
+    def __init__(self, on_line: Callable[[str], None]) -> None:
+        self.on_line = on_line
+        self._partial = b""
+        self._failed = False
+
+    def feed(self, chunk: bytes) -> None:
+        *lines, self._partial = re.split(rb"\r\n|\r|\n", self._partial + chunk)
+        if len(self._partial) > TAIL_BYTES:
+            lines.append(self._partial)
+            self._partial = b""
+        for line in lines:
+            if line and not self._failed:
+                try:
+                    self.on_line(line.decode(errors="replace"))
+                except Exception:  # a watcher's fault must not stop the job's output
+                    self._failed = True
+                    log.exception("reading the job's output lines failed; its output still passes through")
+
+
 class HostSampler:
     """Samples, in a background thread, the job's resident memory (its processes together) and the machine's
     available memory: what tells a job the kernel killed for host memory from one killed for another reason."""
@@ -303,15 +348,23 @@ def _stderr_fd() -> int:
         return 2
 
 
+def _write_stdout(chunk: bytes) -> None:
+    _write(sys.stdout, chunk)
+
+
 def _write_stderr(chunk: bytes) -> None:
+    _write(sys.stderr, chunk)
+
+
+def _write(stream: TextIO, chunk: bytes) -> None:
     try:
-        buffer = getattr(sys.stderr, "buffer", None)
+        buffer = getattr(stream, "buffer", None)
         if buffer is not None:
             buffer.write(chunk)
         else:
-            sys.stderr.write(chunk.decode(errors="replace"))
-        sys.stderr.flush()
-    except (OSError, ValueError):  # our stderr closed: keep draining the child's pipe regardless
+            stream.write(chunk.decode(errors="replace"))
+        stream.flush()
+    except (OSError, ValueError):  # our stream closed: keep draining the child's pipe regardless
         pass
 
 

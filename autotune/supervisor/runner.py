@@ -12,7 +12,8 @@ Two modes:
   it is re-tuned under a lower cap and restarted.
 
 Either way the real run's optimizer steps are timed whole (`measure.py`), and its measured samples/s is
-set beside the plan's claim (`claims.py`) and stored on the cached plan.
+set beside the plan's claim (`claims.py`) and stored on the cached plan. A zero-change run's output lines
+are read as they pass: a NaN or infinite loss the script prints is told once (`loss_lines.py`).
 
 Every job runs in a process group of its own (`process.py`); SIGINT and SIGTERM are forwarded to it.
 The supervisor opens the plan cache once, when it first needs it, and closes it when the run ends
@@ -45,6 +46,7 @@ from ..workload.batching import per_rank_batch
 from . import agent, claims
 from .flags import FlagMap
 from .launcher import Interrupted, Launcher
+from .loss_lines import LossWatch
 from .options import RunOptions
 from .process import SignalForwarder
 from .script_cache import RunCache, ScriptCache, script_parts
@@ -243,7 +245,7 @@ def _zero_change(opts: RunOptions, launcher: Launcher, run_cache: RunCache,
     for number in range(opts.max_restarts + 1):
         args = tuner.arguments(plan)
         log.info("running: %s", shlex.join([opts.script, *args]))
-        launcher.plan = plan
+        launcher.plan, launcher.on_line = plan, LossWatch(plan)
         verdict = launcher.launch(args, {**env, RESTART_COUNT_ENV: str(number)})
         attempts.append(_attempt(number, verdict, plan))
         if verdict.kind != "oom":
