@@ -42,6 +42,14 @@ class OverlappedReduce:
     exit's buckets make an agreement before the last backward, a wait for the device, unnecessary.) An exception that is
     not an OOM only removes the hooks. `wait` finishes the all-reduces and returns the global mean loss.
 
+    A parameter with no gradient on this rank (a head or an MoE expert this rank's batch did not reach) goes
+    into its bucket as zeros, so the ranks that have one average it with zeros, as DDP with
+    `find_unused_parameters=True` does. One with no gradient on any rank keeps `.grad` None on every rank, so
+    the optimizer skips it as torch's does (no weight decay, no moment update, no step count): each bucket's
+    collective carries one flag per parameter (1 where the rank has a gradient), summed with the gradients,
+    and `wait` reads the summed flags only where this rank lacked a gradient (a wait for the device, in steps
+    that have such a parameter only).
+
     With `overlap` False (`Plan.reduce_overlap`) the gradients go in one bucket, all-reduced once backward has
     made the last of them: nothing runs beside the backward, which can be faster where the
     backward is bound by launches (the partitioned optimizer state); `fit` times both.
@@ -66,6 +74,8 @@ class OverlappedReduce:
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.started = 0  # buckets started, always a prefix
         self.works: list[Any] = []
+        # (bucket, its summed flags, positions in it this rank had no gradient for): the candidates for None
+        self.unused_here: list[tuple[list[torch.Tensor], torch.Tensor, list[int]]] = []
         self.handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
 
     def __enter__(self) -> OverlappedReduce:
@@ -86,14 +96,23 @@ class OverlappedReduce:
 
     @torch.no_grad()
     def _start(self) -> None:
-        grads = []
-        for p in self.buckets[self.started]:
+        bucket = self.buckets[self.started]
+        grads, missing = [], []
+        for k, p in enumerate(bucket):
             if p.grad is None:  # a branch this rank did not take (or an OOM): the others still send theirs
                 p.grad = torch.zeros_like(p)
+                missing.append(k)
             grads.append(p.grad)
         if self.factor != 1.0:
             torch._foreach_mul_(grads, self.factor)
-        self.works.append(all_reduce_together(grads))
+        # One flag per parameter, in the bucket's dtype so that the backend takes it in the same collective
+        # (gloo coalesces one dtype only); a sum of ones stays above 0 whatever the rounding.
+        flags = torch.ones(len(bucket), dtype=grads[0].dtype, device=grads[0].device)
+        for k in missing:
+            flags[k] = 0
+        if missing:
+            self.unused_here.append((bucket, flags, missing))
+        self.works.append(all_reduce_together([*grads, flags]))
         self.started += 1
 
     def wait(self, weights: LossWeights) -> torch.Tensor:
@@ -102,7 +121,18 @@ class OverlappedReduce:
         for work in self.works:
             work.wait()
         self.works = []
+        self._drop_unused()
         return weights.global_mean_loss(self.totals)
+
+    def _drop_unused(self) -> None:
+        """`.grad` back to None for each parameter no rank had a gradient for. Only a parameter this rank lacked
+        can be one, so a step where this rank had every gradient reads nothing back from the device."""
+        for bucket, flags, missing in self.unused_here:
+            summed = flags.tolist()
+            for k in missing:
+                if summed[k] == 0:
+                    bucket[k].grad = None
+        self.unused_here = []
 
 
 def all_reduce_together(tensors: list[torch.Tensor]) -> Any:
