@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from .. import parallel as distributed
@@ -32,13 +31,14 @@ from ..evidence import NOISY, Trial
 from ..sizes import format_bytes, format_share, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.offload import offload_of
-from ..techniques.sharding import is_sharded, reset_after_failure
+from ..techniques.sharding import reset_after_failure
 from ..workload import batch as batches
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import global_step_seconds
 from ..workload.losses import LossFn, LossForm, label_counts
 from ..workload.optimizers import OptimizerSpec
 from .failures import FAILED, Failures, LossCheck, NonFiniteLoss, kept
+from .reduced_steps import ReduceGate, abba, reduced_step, reduced_steps
 
 log = logging.getLogger(__name__)
 
@@ -202,45 +202,15 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     compile_s = max(0.0, warmup - work.warmup_steps * (step_s + opt_s))
     reduce_s = after_s = 0.0
     if gate is not None and gate.open():
-        reduced = lambda overlap: _reduced_step(applied, micro_batch, work, tokens, form, overlap)  # noqa: E731
-        order = _abba(reduce_pairs) if reduce_pairs else [True] * max(1, measured // work.measured_steps)
-        bucketed, after = _reduced_steps(reduced, order)
+        forward = lambda weights: _loss(applied, micro_batch, work, weights, tokens, form)  # noqa: E731
+        samples = batches.batch_size(micro_batch)
+        reduced = lambda overlap: reduced_step(applied, work.model, work.placement, forward,  # noqa: E731
+                                               samples=samples, tokens=tokens, overlap=overlap)
+        order = abba(reduce_pairs) if reduce_pairs else [True] * max(1, measured // work.measured_steps)
+        bucketed, after = reduced_steps(reduced, order)
         reduce_s = max(0.0, statistics.median(bucketed) - step_s)
         after_s = max(0.0, statistics.median(after) - step_s) if after else 0.0
     return step_s, opt_s + reduce_s, compile_s, reduce_s, after_s, note
-
-
-def _abba(pairs: int) -> list[bool]:
-    """`pairs` all-reduced steps each way (True: in buckets during backward; False: in one after it), in the
-    order ABBA... so a drift of the machine's speed falls on both alike."""
-    return [overlap for i in range(pairs) for overlap in ((True, False) if i % 2 == 0 else (False, True))]
-
-
-def _reduced_steps(reduced: Callable[[bool], float], order: list[bool]) -> tuple[list[float], list[float]]:
-    """Seconds of all-reduced steps in buckets and in one after backward, one step for each of `order`.
-
-    One step's reading of the all-reduce's cost is noisy (a few percent either way, enough to rank two close
-    plans the wrong way round). A trial of several times the measured steps takes as many readings of it
-    (`_run_steps`).
-
-    The ranks agree after each step whether any ran out of memory in it: a rank that did raises, the others
-    stop too (their trial is the OOM once agreed), so no rank starts a step's collectives alone."""
-    bucketed: list[float] = []
-    after: list[float] = []
-    for overlap in order:
-        seconds, failure = 0.0, None
-        try:
-            seconds = reduced(overlap)
-        except Exception as exc:  # an OOM is agreed first; anything else propagates
-            if not is_oom(exc):
-                raise
-            failure = exc
-        if distributed.agree_oom(failure is not None):
-            if failure is not None:
-                raise failure
-            return bucketed or [0.0], after or [0.0]
-        (bucketed if overlap else after).append(seconds)
-    return bucketed, after
 
 
 def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
@@ -268,74 +238,6 @@ def _loss(applied: AppliedRung, micro_batch: Any, work: Workload, weights: LossW
     with applied.autocast():
         return weighted_loss(work.loss_fn, work.model, applied.inputs(micro_batch), weights,
                              batches.batch_size(micro_batch), expected=tokens, form=form)
-
-
-class ReduceGate:
-    """Replicated on several ranks, a trial also times one step whose gradients are all-reduced during its
-    backward, as the last micro-batch's are in training (`distributed.OverlappedReduce`); what that adds is a
-    cost once per global step, like the optimizer's. Without it the estimate leaves the all-reduce out and
-    promises more than the plan trains.
-
-    The ranks must all start that step or none: a rank whose trial ran out of memory before it would leave
-    the others waiting in the all-reduce. So every rank meets the others once, at `open` (measured steps
-    done) or at `fail` (the trial's OOM or compile error), and the step runs only where no rank failed.
-    One process, or a sharded model (FSDP reduces inside backward, so its steps already pay for it): no gate.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.active = distributed.active() and not is_sharded(model)
-        self.met = False
-        self.opened = False  # every rank measured its steps: the all-reduced steps ran (or were started)
-
-    def open(self) -> bool:
-        """True on every rank when every rank measured its steps: time the all-reduced step."""
-        if not self.active or self.met:
-            return False
-        self.met = True
-        self.opened = not distributed.agree_oom(False)
-        return self.opened
-
-    def fail(self) -> None:
-        """This rank's trial failed before `open`: tell the others, where they wait for it."""
-        if self.active and not self.met:
-            self.met = True
-            distributed.agree_oom(True)
-
-
-def _reduced_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,
-                  form: LossForm, overlap: bool = True) -> float:
-    """Seconds of one forward+backward whose gradients are all-reduced in buckets during the backward (or,
-    `overlap` False, in one bucket after it).
-
-    A rank that runs out of memory here still joins every all-reduce (`OverlappedReduce` starts the buckets
-    it did not reach), then raises; `agree_trial` makes that the trial's outcome on every rank.
-    """
-    t0 = now(work.placement)
-    weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
-    loss, failure = None, None
-    try:
-        loss = _loss(applied, micro_batch, work, weights, tokens, form)
-    except Exception as exc:  # an OOM is held until the ranks' all-reduces are done
-        if not is_oom(exc):
-            raise
-        failure = exc
-    if weights.loss_total is None:  # its forward failed: it joins the others' collectives with nothing
-        weights.loss_total = torch.zeros((), dtype=torch.float64)
-    with distributed.OverlappedReduce(work.model, weights, overlap=overlap) as reduction:
-        if loss is not None:
-            try:
-                applied.backward(loss)
-            except Exception as exc:  # as above
-                if not is_oom(exc):
-                    raise
-                failure = exc
-    del loss
-    reduction.wait(weights)
-    seconds = now(work.placement) - t0
-    applied.zero_grad()
-    if failure is not None:
-        raise failure
-    return seconds
 
 
 def spread(times: list[tuple[float, float]]) -> float:
