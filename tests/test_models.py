@@ -156,7 +156,7 @@ def test_num_items_in_batch_goes_to_a_model_that_names_it():
     want = full_batch_step(model, batch)
     got, _, _ = planned_step(model, batch, 5)
     total = float((batch["labels"] != -100).sum())  # not causal: every label counts
-    assert got.seen == [total] * 3
+    assert got.seen[-3:] == [total] * 3  # the micro-batches (before them, the loss checked on a few samples)
     assert_close_params(got, want, model)
 
 
@@ -169,7 +169,7 @@ def test_default_loss_stays_exact_after_a_recovery():
     forward = m.forward
 
     def failing_forward(*args, **kwargs):  # the second micro-batch of the first attempt runs out of memory
-        calls["n"] += 1
+        calls["n"] += torch.is_grad_enabled()  # not the loss check's forwards, which run without gradients
         if calls["n"] == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return forward(*args, **kwargs)

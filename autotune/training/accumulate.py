@@ -18,9 +18,18 @@ from .. import parallel
 from ..devices.placement import Placement
 from ..errors import InvalidSetting
 from ..workload import batch as batches
+from ..workload import loss_checks
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import split_sizes
-from ..workload.losses import LossForm, label_counts
+from ..workload.losses import (
+    LossForm,
+    chunked_default_loss,
+    int_labels,
+    is_default,
+    label_counts,
+    recorded_choice,
+    resolve,
+)
 
 
 class Accumulator:
@@ -28,6 +37,10 @@ class Accumulator:
 
     `notes` collects (kind, note) about what of the loss could not be weighted part by part; the step takes
     them (`take_notes`) and says each kind once, in a warning and in `plan.reason`.
+
+    Where no check on an example ran for this model and loss (a plan applied without `fit` in this process),
+    the first batch is the example: the chunked loss and the weighting are checked on it before its first
+    micro-batch (`loss_checks.py`), and what fails is not used.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Any, placement: Placement, *, sharded: bool) -> None:
@@ -37,6 +50,8 @@ class Accumulator:
         self.sharded = sharded  # FSDP2: it reduces the gradients itself
         self.replicated = parallel.active() and not sharded  # autotune reduces them (OverlappedReduce)
         self.form = LossForm.of(model)  # whether the default loss passes num_items_in_batch; what it holds
+        self._user_loss_fn = None if is_default(loss_fn) else loss_fn
+        self._checked = recorded_choice(model, self._user_loss_fn) is not None
         self.notes: list[tuple[str, str | None]] = []
         self.micro_step = -1  # the micro-batch running now, for the record of a recovery
         self.micro_size = 0  # and its number of samples
@@ -69,6 +84,29 @@ class Accumulator:
             del loss, micro  # free the graph's last references before the next forward
         self.micro_step = -1  # all ran: an OOM reported now came from another rank
         return weights
+
+    def check_once(self, applied: Any, plan: Any, batch: Any) -> None:
+        """Before the first step of a model and loss no check ran for: check the loss on this batch
+        (`loss_checks.check`), follow what it found, and note what it refused. Its forwards take no more
+        samples than a micro-batch (2 at least, to split), outside the step's memory and its record. Only the
+        model's own loss is checked here, where autotune guesses how it counts labels or chunks it; a `loss_fn`
+        keeps its contract (a scalar is a mean over samples), which `fit` checks."""
+        if self._checked:
+            return
+        self._checked = True
+        chunked = self.loss_fn is chunked_default_loss
+        if self._user_loss_fn is not None or (int_labels(batch) is None and not chunked):
+            return
+        device = self.placement.torch_device
+        found = loss_checks.check_and_record(
+            self.model, batch, self._user_loss_fn, chunked=chunked,
+            prepare=lambda part: applied.inputs(batches.to_device(part, device)),
+            agree=loss_checks.on_every_rank(parallel.sum_over_ranks, parallel.world_size()),
+            most=max(2, plan.micro_batch_size))
+        self.loss_fn = resolve(self._user_loss_fn, self.model, chunked=chunked)
+        self.form = LossForm.of(self.model)
+        if found.notes:
+            self.notes.append(("check", "; ".join(found.notes)))
 
     def drop_last(self) -> None:
         """Another rank failed: this rank's last graph is dropped unused."""

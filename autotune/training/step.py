@@ -161,6 +161,7 @@ class TrainingStep:
         # A batch on the host goes to the device a micro-batch at a time (`Accumulator`); its shared tensors once.
         batch = batches.shared_to_device(batch, self.placement.torch_device)
         n = batches.batch_size(batch, "step(batch)")
+        self._accumulator.check_once(self._applied, self.plan, batch)  # the loss, where no check ran for it yet
         self._batch_warnings.check(self.plan, batch, n)
         self._maybe_grow()
         failed: list[Trial] = []

@@ -247,15 +247,19 @@ def weighted_loss(loss_fn: LossFn, model: nn.Module, micro: Any, weights: LossWe
     """One micro-batch's loss, weighted so that the accumulated gradient is the full batch's; None when
     it adds nothing (every label padded).
 
-    `expected` is the micro-batch's label-token count (`label_counts`), None without labels. The default
-    loss on labels is a token mean: weighted by its tokens' share of the total, or, where `form.num_items`
-    (the model's forward takes `num_items_in_batch`), computed by the model as a sum over that total. A
-    `loss_fn`'s return is weighted part by part (`weigh_parts`).
+    `expected` is the micro-batch's label-token count (`label_counts`), None without labels or where the
+    loss is a mean over samples. The default loss on labels is a token mean: weighted by its tokens' share of
+    the total, or, where `form.num_items` (the model's forward takes `num_items_in_batch`), computed by the
+    model as a sum over that total. A `loss_fn`'s return is weighted part by part (`weigh_parts`), except a
+    scalar a check found to be a mean over the label tokens (`form.by` "tokens"), weighted by their share.
     """
+    form = form if form is not None else LossForm(num_items=False)
     if is_default(loss_fn):
-        return _weighted_model_loss(loss_fn, model, micro, weights, size, expected,
-                                    form if form is not None else LossForm(num_items=False))
-    return weights.weigh_parts(loss_parts(loss_fn(model, micro)), size, expected=expected)
+        return _weighted_model_loss(loss_fn, model, micro, weights, size, expected, form)
+    value = loss_fn(model, micro)
+    if form.by == "tokens" and expected is not None and isinstance(value, torch.Tensor):
+        return weights.weigh(value, expected, size, expected=expected, mean=True, labelled=True)
+    return weights.weigh_parts(loss_parts(value), size, expected=expected)
 
 
 def _weighted_model_loss(loss_fn: LossFn, model: nn.Module, micro: Any, weights: LossWeights, size: int,

@@ -104,6 +104,12 @@ def take(batch: Batch, start: int, stop: int) -> Batch:
     return _map(batch, lambda t: t[start:stop] if t.dim() > 0 else t)
 
 
+def pick(batch: Batch, indices: list[int]) -> Batch:
+    """The samples at `indices`, in that order (copies)."""
+    rows = torch.tensor(indices, dtype=torch.long)
+    return _map(batch, lambda t: t[rows.to(t.device)] if t.dim() > 0 else t)
+
+
 def resize(batch: Batch, n: int) -> Batch:
     """A batch of exactly `n` samples: the first `n`, or the example repeated cyclically to reach `n`."""
     have = batch_size(batch)

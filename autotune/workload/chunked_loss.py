@@ -25,13 +25,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 IGNORE_INDEX = -100
+CAUSAL_LOSS = "ForCausalLMLoss"  # Hugging Face's next-token cross-entropy, the one loss the chunks compute
 CHUNK_BYTES = 256 << 20  # FP32 logits of one chunk; GPT-2: 1,335 tokens (transients ~2.5x this)
 
 
@@ -54,9 +56,11 @@ def why_not(model: nn.Module) -> str | None:
 
     Yes for a Hugging Face causal LM (bare, compiled or inside a peft wrapper) whose forward computes
     `self.lm_head(hidden)` with an `nn.Linear` head and hands those logits straight to `self.loss_function`
-    (GPT-2, Llama, Mistral, Qwen...), with a settable `loss_function` (transformers 4.48+). No where the logits
-    are changed in between (Gemma 2's soft-capping, Cohere's scale) or recast as the head returns them (Mamba's
-    `self.lm_head(...).float()`), or where an adapter wraps the head.
+    (GPT-2, Llama, Mistral, Qwen...), with a settable `loss_function` (transformers 4.48+) that is next-token
+    prediction (`ForCausalLMLoss`; LLaVA-style models' too). No where the loss is another (a masked LM's, CTC's)
+    or the user's own, where the logits are changed in between (Gemma 2's soft-capping, Cohere's scale) or recast
+    as the head returns them (Mamba's `self.lm_head(...).float()`), or where an adapter wraps the head. What
+    the source cannot show (a hook on the head) the check on the example batch finds (`loss_checks.py`).
     """
     model = unwrapped(model)
     head = getattr(model, "lm_head", None)
@@ -67,6 +71,10 @@ def why_not(model: nn.Module) -> str | None:
     prop = inspect.getattr_static(type(model), "loss_function", None)
     if not isinstance(prop, property) or prop.fset is None:
         return "the model has no settable loss_function (a Hugging Face model, transformers 4.48 or later)"
+    loss = hf_loss_name(model)
+    if loss != CAUSAL_LOSS:
+        return (f"{type(model).__name__}'s loss_function is {loss or 'unknown'}, not next-token prediction "
+                f"({CAUSAL_LOSS})")
     try:
         source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
@@ -80,6 +88,28 @@ def why_not(model: nn.Module) -> str | None:
     if re.search(r"\blogits\s*(=|\*=|/=|\+=)", between.group(2)):
         return f"{type(model).__name__}.forward changes the logits before its loss (soft-capping or scaling)"
     return None
+
+
+def hf_loss_name(model: nn.Module, *, fallback: bool = True) -> str | None:
+    """The name of the function a Hugging Face model's `loss_function` is (`ForCausalLMLoss`, `ForMaskedLMLoss`,
+    `ForCTCLoss`...), read without calling the property (which warns once for a loss_type it does not know);
+    None for a model without one. A `loss_type` Hugging Face does not map falls back to the causal LM's loss, as
+    the property does (`fallback`), or gives None."""
+    if not isinstance(inspect.getattr_static(type(model), "loss_function", None), property):
+        return None
+    own = vars(model).get("_loss_function")
+    if own is not None:  # set on the model (by the user, or by a library such as Liger)
+        return str(getattr(own, "__name__", type(own).__name__))
+    mapping = getattr(sys.modules.get("transformers.loss.loss_utils"), "LOSS_MAPPING", None)
+    if not isinstance(mapping, Mapping):
+        return None
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type not in mapping:
+        if not fallback:
+            return None
+        loss_type = "ForCausalLM"
+    name = getattr(mapping.get(loss_type), "__name__", None)
+    return name if isinstance(name, str) else None
 
 
 def _recast(call: str) -> bool:

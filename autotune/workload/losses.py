@@ -25,6 +25,10 @@ field ending in `_loss`, Bamba's z-loss) is weighted the same way and said in `L
 With "chunked_loss" allowed (the default) and a Hugging Face causal LM whose head allows it, the default
 loss is `chunked_default_loss`: the same loss with the head's logits computed a chunk of tokens at a time
 (`chunked_loss.py` says why and what changes).
+
+Both substitutes, the chunked loss and the weighting of micro-batches, are checked on the user's model and
+example batch before they are used (`loss_checks.py`); what the check found for a model is its `LossChoice`,
+which `resolve`, `label_counts` and `LossForm` follow. Until a check ran, the choice is the one above.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class ModelLoss:
     loss: torch.Tensor  # `output.loss` as the model returned it
     terms: tuple[str, ...] = ()  # per-batch terms inside `loss` with a known coefficient (a MoE's aux_loss)
     hidden: tuple[str, ...] = ()  # other terms the output names, which autotune cannot tell apart from the rest
+    per_batch: torch.Tensor | float = 0.0  # the sum of coefficient x term over `terms`: what `loss` adds to its mean
 
 
 # Where Hugging Face MoE models keep the weight of `aux_loss` in their loss: on the model (Mixtral, Qwen2-MoE,
@@ -112,8 +117,10 @@ def _with_terms(model: torch.nn.Module, out: Any, loss: torch.Tensor) -> ModelLo
     model added coefficient x aux_loss to its loss); any other 0-dim `*_loss` field is `hidden`."""
     fields = [k for k, v in out.items() if k != "loss" and k.endswith("_loss") and isinstance(v, torch.Tensor)
               and v.dim() == 0] if isinstance(out, Mapping) else []
-    terms = tuple(k for k in fields if k == "aux_loss" and aux_coefficient(model) is not None)
-    return ModelLoss(loss=loss, terms=terms, hidden=tuple(k for k in fields if k not in terms))
+    coefficient = aux_coefficient(model)
+    terms = tuple(k for k in fields if k == "aux_loss" and coefficient is not None)
+    per_batch = sum((coefficient * out[k].detach() for k in terms), 0.0) if coefficient is not None else 0.0
+    return ModelLoss(loss=loss, terms=terms, hidden=tuple(k for k in fields if k not in terms), per_batch=per_batch)
 
 
 def aux_coefficient(model: torch.nn.Module) -> float | None:
@@ -153,12 +160,14 @@ class LossForm:
 
     num_items: bool
     note: str | None = None
+    by: str = "returned"  # how a `loss_fn`'s scalar is weighted: `LossChoice.by`
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> LossForm:
         hidden = hidden_terms(model)
-        return cls(num_items=takes_num_items(model) and not hidden and not routes_with_loss(model),
-                   note=_unseparable(hidden) if hidden else None)
+        choice = chosen(model)
+        return cls(num_items=choice.num_items and takes_num_items(model) and not hidden and not routes_with_loss(model),
+                   note=_unseparable(hidden) if hidden else None, by=choice.by)
 
     def learn(self, loss: ModelLoss) -> None:
         """Stop dividing by the total once `loss` holds a per-batch term; note those it cannot tell apart."""
@@ -244,10 +253,13 @@ def _explain_unpacking(model: torch.nn.Module, batch: Any, exc: TypeError) -> No
 
 
 def resolve(loss_fn: LossFn | None, model: torch.nn.Module | None = None, *, chunked: bool = False) -> LossFn:
-    """The loss to call: the user's, else the model's own, chunked when allowed (`chunked`) and `model` takes it."""
+    """The loss to call: the user's, else the model's own, chunked when allowed (`chunked`), `model` takes it and
+    no check on an example batch found the chunked loss to differ from the model's own (`LossChoice.chunked`)."""
     if loss_fn is None:
-        return chunked_default_loss if chunked and model is not None and chunked_loss.why_not(model) is None \
-            else default_loss
+        if not chunked or model is None or chunked_loss.why_not(model) is not None:
+            return default_loss
+        checked = recorded_choice(model, None)
+        return chunked_default_loss if checked is None or checked.chunked else default_loss
     if not callable(loss_fn):
         raise InvalidSetting(f"loss_fn must be callable (model, batch) -> loss, got {type(loss_fn).__name__}")
     return loss_fn
@@ -304,35 +316,132 @@ def full_batch_loss(value: Any) -> torch.Tensor:
     return total
 
 
-# -- token counts of Hugging Face labels -----------------------------------------------------------------
+# -- what a check found, and the token counts of labels ----------------------------------------------------
 
-def label_counts(model: torch.nn.Module, batch: Any) -> torch.Tensor | None:
-    """Per sample, the label tokens a Hugging Face loss averages over (float64, shape (B,)), or None.
+WEIGHTINGS = ("tokens", "samples", "returned")
 
-    None when the batch is not a mapping with an integer `labels` tensor: then the default loss is a mean
-    over samples. Labels of shape (B,) (sequence classification) count 1 per sample unless -100.
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossChoice:
+    """How autotune computes a model's loss over micro-batches: what a check on an example batch found
+    (`loss_checks.py`), or, before one ran, what the model's kind suggests (`LossChoice.default`).
+
+    by: how each micro-batch's loss is weighted. "tokens": it is a mean over the label tokens `ignore_index`
+        and `shifted` count, weighted by its share of the batch's tokens; "samples": a mean over samples,
+        weighted by its share of the samples; "returned": as the loss says itself (the model's own loss on
+        integer labels by tokens, else by samples; a `loss_fn`'s scalar by samples, its `(loss_sum, count)` by
+        the count, its named parts part by part).
+    ignore_index: the label value that counts for nothing (Hugging Face's -100; Segformer's 255).
+    shifted: the first label of each sequence counts for nothing (a causal LM predicts token t+1 from token t).
+    num_items: the model may be passed `num_items_in_batch` (where `takes_num_items`): its loss is then the sum
+        over that total.
+    chunked: the chunked loss may stand in for the model's own (`resolve`).
     """
+
+    by: str = "returned"
+    ignore_index: int = IGNORE_INDEX
+    shifted: bool = False
+    num_items: bool = True
+    chunked: bool = True
+
+    def __post_init__(self) -> None:
+        if self.by not in WEIGHTINGS:
+            raise ValueError(f"by must be one of {WEIGHTINGS}, got {self.by!r}")
+
+    @classmethod
+    def default(cls, model: torch.nn.Module) -> LossChoice:
+        """Before a check: Hugging Face's convention (-100 ignored, a causal LM's first label left out)."""
+        return cls(shifted=is_causal_lm(model))
+
+    def counts(self, labels: torch.Tensor) -> torch.Tensor:
+        """Per sample, the labels that count (float64 on the host, shape (B,)); a (B,) tensor counts 1 a sample."""
+        if labels.dim() == 2 and self.shifted:
+            labels = labels[:, 1:]  # position t's label is predicted from token t-1: the first never counts
+        counted = (labels != self.ignore_index).reshape(labels.shape[0], -1)
+        return counted.sum(dim=1).to(torch.float64).cpu()
+
+    def describe(self) -> str:
+        """The weighting in words, for a plan's reason."""
+        if self.by == "samples":
+            return "by samples (the loss is a mean over samples)"
+        if self.by == "returned":
+            return "by what the loss returns"
+        first = ", the first of each sequence left out" if self.shifted else ""
+        return f"by label tokens (labels other than {self.ignore_index}{first})"
+
+
+def int_labels(batch: Any) -> torch.Tensor | None:
+    """The batch's integer `labels` tensor (a mapping batch, one or more dimensions), else None."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not isinstance(labels, torch.Tensor) or labels.dim() == 0 or labels.is_floating_point() \
-            or labels.dtype == torch.bool:
+            or labels.is_complex() or labels.dtype == torch.bool:
         return None
-    if labels.dim() >= 2 and is_causal_lm(model):
-        labels = labels[:, 1:]  # position t's label is predicted from token t-1: the first never counts
-    counted = (labels != IGNORE_INDEX).reshape(labels.shape[0], -1)
-    return counted.sum(dim=1).to(torch.float64).cpu()
+    return labels
+
+
+def label_counts(model: torch.nn.Module, batch: Any) -> torch.Tensor | None:
+    """Per sample, the label tokens the model's loss averages over (float64, shape (B,)), or None.
+
+    None when the batch is not a mapping with an integer `labels` tensor, or where the loss was found to be a
+    mean over samples (`LossChoice.by`): then micro-batches are weighted by their samples. Which labels count
+    is the model's `LossChoice`: Hugging Face's -100 and causal shift, unless a check found otherwise. Labels
+    of shape (B,) (sequence classification) count 1 per sample unless ignored.
+    """
+    labels = int_labels(batch)
+    if labels is None:
+        return None
+    choice = chosen(model)
+    return None if choice.by == "samples" else choice.counts(labels)
 
 
 def is_causal_lm(model: torch.nn.Module) -> bool:
-    """Whether a Hugging Face model shifts its labels by one inside its loss (a causal language model)."""
+    """Whether a Hugging Face model shifts its labels by one inside its loss (a causal language model, or a
+    vision-language model whose loss is the causal LM's: LLaVA's `ForConditionalGeneration`)."""
     model = chunked_loss.unwrapped(model)
-    loss_type = getattr(model, "loss_type", None)
-    if isinstance(loss_type, str):
-        return loss_type == "ForCausalLM"
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
+    loss = chunked_loss.hf_loss_name(model, fallback=False)
+    if loss is not None:
+        return loss == chunked_loss.CAUSAL_LOSS
     name = type(model).__name__
     return name.endswith(("ForCausalLM", "LMHeadModel"))  # GPT-2 has no loss_type but a causal loss
+
+
+# What a check found for each model, for the loss_fn it was made with (None: the model's own loss). Weak on
+# the model and, where it takes one, on the loss_fn: a dead loss_fn matches nothing.
+_CHOICES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Callable[[], Any] | None, LossChoice]] = \
+    weakref.WeakKeyDictionary()
+
+
+def record_choice(model: torch.nn.Module, loss_fn: LossFn | None, choice: LossChoice) -> None:
+    """Record `choice` as what a check found for `model` trained on `loss_fn` (None: its own loss)."""
+    _CHOICES[chunked_loss.unwrapped(model)] = (None if loss_fn is None else _weakly(loss_fn), choice)
+
+
+def recorded_choice(model: torch.nn.Module, loss_fn: LossFn | None) -> LossChoice | None:
+    """What a check found for `model` trained on `loss_fn`, or None where none was made for that loss_fn."""
+    held = _CHOICES.get(chunked_loss.unwrapped(model))
+    if held is None:
+        return None
+    ref, choice = held
+    same = loss_fn is None if ref is None else loss_fn is not None and ref() is loss_fn
+    return choice if same else None
+
+
+def chosen(model: torch.nn.Module) -> LossChoice:
+    """The choice last recorded for `model`, else `LossChoice.default`."""
+    held = _CHOICES.get(chunked_loss.unwrapped(model))
+    return held[1] if held is not None else LossChoice.default(model)
+
+
+def _weakly(fn: Any) -> Callable[[], Any]:
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    try:
+        return weakref.ref(fn)
+    except TypeError:  # an object that takes no weak reference: held (as `remember_fit_loss` holds it)
+        return lambda: fn
 
 
 def takes_num_items(model: torch.nn.Module) -> bool:
