@@ -137,13 +137,10 @@ def test_the_chunked_loss_is_not_used_where_its_value_differs_from_the_models_ow
     assert "chunked_loss not used: on the example batch its loss differs from the model's own" in plan.reason
     with plan.apply(model, sgd(model.parameters())) as step:
         assert step.loss_fn is not chunked_default_loss
-
-
-def test_the_chunked_loss_is_used_where_it_gives_the_models_own_loss():
-    model, batch = tiny_llama(), lm_batch()
-    plan = tune(model, batch, techniques=("chunked_loss",))
+    plain = tiny_llama()  # without the hook the chunks give its loss, and are used
+    plan = tune(plain, batch, techniques=("chunked_loss",))
     assert "chunked_loss not used" not in plan.reason
-    with plan.apply(model, sgd(model.parameters())) as step:
+    with plan.apply(plain, sgd(plain.parameters())) as step:
         assert step.loss_fn is chunked_default_loss
 
 
@@ -167,7 +164,7 @@ def test_ctc_with_a_mean_over_samples_fits_and_equals_a_full_batch_step():
         labels[i, length:] = -100  # transcripts of different lengths: a token share is not a sample share
     batch = {"input_values": torch.randn(8, 400, generator=g, dtype=torch.float64), "labels": labels}
     model = ctc_model()
-    plan = tune(model, batch)
+    plan = tune(model, batch, techniques=None)  # the default techniques, the chunked loss among them
     assert "weighted by samples" in plan.reason
     plan = plan.with_config(micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2)  # 4, whatever it chose
     start = copy.deepcopy(model)
@@ -278,14 +275,11 @@ def test_a_scalar_token_mean_loss_fn_no_weighting_reproduces_is_said_once_with_t
     assert "(loss_sum, count)" in plan.reason
 
 
-def test_a_loss_fn_returning_sum_and_count_is_checked_and_used():
-    def summed(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, targets = batch
-        nll = F.cross_entropy(model.logits(ids).flatten(0, 1), targets.flatten(), ignore_index=-100,
-                              reduction="sum")
-        return nll, (targets != -100).sum()
+def test_a_loss_fn_whose_counts_do_not_add_up_over_samples_is_flagged():
+    def summed(model: nn.Module, batch: Any) -> tuple[torch.Tensor, float]:
+        ids, targets = batch  # a sum over the batch's tokens, "over" one item whatever the batch holds
+        return F.cross_entropy(model.logits(ids).flatten(0, 1), targets.flatten(), reduction="sum"), 1.0
 
-    batch = padded(pad=-100)
-    pairs = (batch["input_ids"], batch["labels"])
-    plan = tune(PadZeroLM().double(), pairs, loss_fn=summed)
-    assert "no micro-batch weighting" not in plan.reason and "weighted" not in plan.reason
+    batch = padded(pad=5)
+    plan = tune(PadZeroLM().double(), (batch["input_ids"], batch["labels"]), loss_fn=summed)
+    assert "no micro-batch weighting reproduces loss_fn's loss on the example batch" in plan.reason
