@@ -1,11 +1,12 @@
 """Optimizer offload and the offload rung's tensors, behind one interface (`interface.py`).
 
 `interface` (what training and the trials call) · `cpu_engine` (`HostOptimizer`: masters and state on the
-host) · `engine_state` (its weights and state as the user's model and optimizer read them) · `streamed`
-(the host share stepped by the GPU, its state streamed) · `pipeline` (the CPU step during the last
-backward) · `partition` (the shares partitioned over replicated ranks) · `tensors` (host copies, dtypes,
-which parameters go to the host) · `pinned` (large pinned buffers at their exact size) · `local` (a rank's part
-of an FSDP2 shard).
+host) · `engine_state` (its weights and state as the user's model and optimizer read them) · `host_copies`
+(its gradients to the host and weights back) · `streamed` (the host share stepped by the GPU, its state
+streamed) · `flat_layout` (one buffer viewed as many tensors, cut into segments) · `pipeline` (the CPU step
+during the last backward) · `partition` (the shares partitioned over replicated ranks) · `tensors` (host
+copies, dtypes, which parameters go to the host) · `pinned` (large pinned buffers at their exact size) ·
+`local` (a rank's part of an FSDP2 shard).
 """
 
 from .cpu_engine import HostOptimizer

@@ -1,7 +1,8 @@
 """The CPU engine of optimizer offload: FP32 masters and optimizer state on the host, stepped by a fused CPU
 optimizer (during the last backward by a worker thread, `pipeline.py`), or by the GPU with the state streamed
 (`streamed.py`); partitioned over replicated ranks (`partition.py`). Its state dict and weights, as the
-user's optimizer and model read them, are in `engine_state.py`."""
+user's optimizer and model read them, are in `engine_state.py`; its copies between device and host in
+`host_copies.py`."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from ...devices.shards import is_shard
 from ...workload.optimizers import OptimizerSpec
 from . import partition as offload_partition
 from .engine_state import EngineState
+from .host_copies import HostCopies
 from .partition import Gathered, Partition
 from .pipeline import OffloadPipeline, chunk_indices, momentum_apart, optimizer_view, sync_view
 from .streamed import DeviceStepper, stream_wanted, streamable
 from .tensors import device_dtype, give_gradients, host_masters, host_share, local_part, master_dtype, overlap_default
 
 
-class HostOptimizer(EngineState):
+class HostOptimizer(HostCopies, EngineState):
     """Optimizer offload: FP32 masters and state on the host, 16-bit weights and gradients on the device.
 
     `step()` copies the device gradients into FP32 host gradients, steps a CPU optimizer over the masters,
@@ -218,24 +220,6 @@ class HostOptimizer(EngineState):
         """`restore()` hands every rank's weights and state back (partitioned over ranks)."""
         self.gather_on_restore = True
 
-    def _stage(self, i: int, grad: torch.Tensor) -> None:
-        # on the side stream, in the hook (see the pipeline)
-        self._staging[i].copy_(local_part(grad), non_blocking=True)
-
-    def _host_grad(self, i: int) -> torch.Tensor:
-        """The FP32 gradient buffer of host master `i`: the CPU step's engine gives each one (`give_gradients`)."""
-        return self._grads[i]
-
-    def _land(self, i: int) -> None:
-        if self._staging:
-            source = self._staging[i]
-        else:
-            grad = self.params[i].grad
-            assert grad is not None, f"parameter {i} landed before backward made its gradient"
-            source = local_part(grad)
-        self._host_grad(i).copy_(source)
-        self.master[i].grad = self._host_grad(i)  # (a worker-thread write: the main thread reads it after `drain`)
-
     def _has_grad(self, i: int) -> bool:
         """Whether position i got a gradient in this step: torch's optimizers step only those (no weight decay,
         moment update or step count for the others), and so does every share of this engine."""
@@ -295,18 +279,6 @@ class HostOptimizer(EngineState):
             if pipeline is not None:
                 pipeline.reset()
 
-    def _copy_grads(self, indices: Sequence[int]) -> None:
-        """The device gradients at `indices` into their FP32 host masters' (host-side copies: on the
-        simulated device, not device memory); a master whose parameter got none has no gradient this step."""
-        with host_memory():
-            for i in indices:
-                grad = self.params[i].grad
-                if grad is None:
-                    self.master[i].grad = None
-                else:
-                    self._host_grad(i).copy_(local_part(grad), non_blocking=True)
-                    self.master[i].grad = self._host_grad(i)
-
     def _update(self, stepped: set[int]) -> None:
         """Unscale and clip what was not stepped yet, step it, and bring every host weight back."""
         factor, self.grad_factor = self.grad_factor, 1.0
@@ -325,10 +297,6 @@ class HostOptimizer(EngineState):
                 if master is not None and not isinstance(master, nn.Parameter):
                     master.grad = None  # an FP32 copy made for the step: freed before the next forward
         self._step_host_share(stepped, rest, factor)
-
-    def _live_host_grads(self, indices: Sequence[int]) -> list[torch.Tensor]:
-        """The FP32 host gradients of those `indices` that got a gradient this step (`_copy_grads`)."""
-        return [g for g in (self.master[i].grad for i in indices) if g is not None]
 
     def _device_grads(self) -> list[torch.Tensor]:
         """FP32 gradients of the device share, on its masters (a temporary copy of each 16-bit gradient); a
@@ -383,25 +351,6 @@ class HostOptimizer(EngineState):
         else:
             self.stepper.step(self.streamed_index, factor=factor)
             self.stepper.wait()
-
-    def _write_back(self, indices: Sequence[int]) -> None:
-        """Updated masters into the device weights (narrowed to their dtype)."""
-        if self._staging:
-            for i in indices:
-                self._staging[i].copy_(self.master[i])  # narrowed on the CPU: 2 bytes a parameter cross PCIe
-            self._send_back(indices)
-            return
-        for i in indices:
-            local_part(self.params[i].data).copy_(self.master[i], non_blocking=True)
-
-    def _send_back(self, indices: Sequence[int]) -> None:
-        """Staged weights host to device on the side stream (the simulated device has no staging)."""
-        if not self._staging:
-            self._write_back(indices)
-            return
-        with torch.cuda.stream(self._stream):
-            for i in indices:
-                local_part(self.params[i].data).copy_(self._staging[i], non_blocking=True)
 
     def _unscale(self, device: list[torch.Tensor]) -> bool:
         """FP16 only: divide the gradients by the loss scale; False (and a smaller scale) on inf/NaN."""

@@ -40,17 +40,16 @@ reduced gradients on its own stream, outside the hooks an overlapped step is iss
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ... import settings
 from ...devices.ceiling import host_memory
+from .flat_layout import Piece, cut_segments, flat_views, piece_views
 from .local import local_part
-from .pinned import pinned_empty, pinned_like
+from .pinned import pinned_like
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
@@ -79,27 +78,6 @@ def streamable(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def flat_views(shapes: Sequence[torch.Size], *, pin: bool, dtype: torch.dtype = torch.float32
-               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One buffer of `dtype` (pinned when `pin`) and a view of it per shape, in order."""
-    numel = sum(math.prod(s) for s in shapes)
-    flat = pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
-    views, offset = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        views.append(flat[offset:offset + n].view(shape))
-        offset += n
-    return flat, views
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    index: int  # parameter position
-    lo: int  # elements [lo, hi) of the parameter
-    hi: int
-    at: int  # where the piece starts in its segment
-
-
 class DeviceStepper:
     """Steps the host masters (`masters[i]`, views of the pinned FP32 buffer `flat`, in `order`) with
     `optimizer`'s state on `device`.
@@ -119,10 +97,11 @@ class DeviceStepper:
         self.device = device
         self.cuda = device.type == "cuda"
         self._start: dict[int, int] = {}
+        self._numel = {i: masters[i].numel() for i in order}
         offset = 0
         for i in order:
             self._start[i] = offset
-            offset += masters[i].numel()
+            offset += self._numel[i]
         # The moments, laid out as the masters (host memory: 8 bytes a parameter, what torch's Adam holds).
         self._m, m_views = flat_views([masters[i].shape for i in order], pin=self.cuda, dtype=flat.dtype)
         self._v, v_views = flat_views([masters[i].shape for i in order], pin=self.cuda, dtype=flat.dtype)
@@ -266,19 +245,7 @@ class DeviceStepper:
     # -- segments -------------------------------------------------------------------------------------------
     def _segments(self, indices: Sequence[int]) -> list[tuple[int, int, list[Piece]]]:
         """(start, stop, pieces) over the flat layout: runs of neighbouring parameters cut every SEGMENT."""
-        out: list[tuple[int, int, list[Piece]]] = []
-        for i in sorted(indices, key=self._start.__getitem__):
-            lo, n = 0, self.masters[i].numel()
-            while lo < n:
-                here = self._start[i] + lo
-                if not out or out[-1][1] != here or out[-1][1] - out[-1][0] >= self._largest:
-                    out.append((here, here, []))
-                start, stop, pieces = out[-1]
-                take = min(n - lo, self._largest - (stop - start))
-                pieces.append(Piece(i, lo, lo + take, stop - start))
-                out[-1] = (start, stop + take, pieces)
-                lo += take
-        return out
+        return cut_segments(indices, self._start, self._numel, self._largest)
 
     def _segment(self, start: int, stop: int, pieces: list[Piece], factor: float, ready: Any,
                  out: Sequence[torch.Tensor] | None = None) -> None:
@@ -300,7 +267,7 @@ class DeviceStepper:
         with self._on("compute", wait=arrived, also=ready):
             self._gather_grads(grad, pieces, factor)
             for group, members in self._by_group(pieces):
-                self._kernel(group)(*self._lists(members, master, grad, m, v), [],
+                self._kernel(group)(*piece_views(members, master, grad, m, v), [],
                                     [self._steps[p.index] for p in members],
                                     amsgrad=False, lr=float(group["lr"]), beta1=float(group["betas"][0]),
                                     beta2=float(group["betas"][1]), weight_decay=group["weight_decay"],
@@ -323,10 +290,6 @@ class DeviceStepper:
                 into.copy_(local_part(source.detach()).reshape(-1)[piece.lo:piece.hi])
         if factor != 1.0:
             grad.mul_(factor)
-
-    @staticmethod
-    def _lists(pieces: list[Piece], *buffers: torch.Tensor) -> list[list[torch.Tensor]]:
-        return [[b[p.at:p.at + p.hi - p.lo] for p in pieces] for b in buffers]
 
     def _by_group(self, pieces: list[Piece]) -> list[tuple[dict[str, Any], list[Piece]]]:
         """The pieces by param group (each group's lr, betas... go to its own kernel call)."""

@@ -23,8 +23,8 @@ from torch import nn
 
 from ... import settings
 from ...devices.ceiling import host_memory
+from .flat_layout import flat_views
 from .local import local_part
-from .streamed import flat_views
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
