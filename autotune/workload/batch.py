@@ -9,6 +9,13 @@ A tensor that is not per-sample (an attention bias or a lookup table every sampl
 to the device with the batch, and reaches the model (and a `loss_fn`) as the plain tensor. Without the
 mark, a tensor whose dimension 0 happens to equal the batch size would be split across micro-batches like
 the samples, and one whose dimension 0 differs is refused.
+
+Inside the batch, a list or tuple that holds no tensor (strings, numbers, lists of them), or one record (a
+mapping) per sample such as a detection model's targets, is a list of per-sample values: as long as the
+batch, it is split, picked and repeated like a tensor; of another length it goes whole to every micro-batch,
+except a list of records, which is refused (a record per sample must be one per sample). Its tensors (a
+record's) move to the device with the batch but are never counted as a batch dimension. A list or tuple of
+tensors is part of the batch's structure, each tensor split along dimension 0 (the batch itself, `(x, y)`).
 """
 
 from __future__ import annotations
@@ -39,31 +46,74 @@ class Shared:
             raise InvalidSetting(f"autotune.Shared marks a tensor; got {type(self.tensor).__name__}")
 
 
-def _leaves(batch: Batch) -> list[torch.Tensor]:
-    if isinstance(batch, Shared):
-        return []  # not a batch: no dimension 0 to agree on, nothing to slice
+def _leaves(batch: Batch, top: bool = True) -> list[torch.Tensor]:
+    if isinstance(batch, Shared) or (not top and _per_sample(batch)):
+        return []  # not a batch: no dimension 0 to agree on
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _leaves(v)]
+        return [t for v in batch.values() for t in _leaves(v, False)]
     if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _leaves(v)]
+        return [t for v in batch for t in _leaves(v, False)]
     return []
 
 
-def _map(batch: Batch, fn: Any, shared: Any = None) -> Batch:
-    """`batch` with `fn` applied to every per-sample tensor and `shared` to every `Shared` one (None: kept)."""
+def _per_sample(value: Any) -> bool:
+    """Whether `value`, inside a batch, is a list of per-sample values (see the module's docstring)."""
+    if not isinstance(value, (list, tuple)) or not value or hasattr(value, "_fields"):  # a namedtuple: structure
+        return False
+    return all(isinstance(v, Mapping) for v in value) or not _holds_tensor(value)
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, Shared)):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _map(batch: Batch, fn: Any, shared: Any = None, samples: Any = None, top: bool = True) -> Batch:
+    """`batch` with `fn` applied to every per-sample tensor and `shared` to every `Shared` one (None: kept),
+    and `samples` to every list of per-sample values (None: `fn` applied to the tensors inside it)."""
     if isinstance(batch, Shared):
         return batch if shared is None else shared(batch)
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if not top and _per_sample(batch):
+        return samples(batch) if samples is not None else type(batch)(_map(v, fn, shared) for v in batch)
     if isinstance(batch, Mapping):
-        return _rebuild(batch, {k: _map(v, fn, shared) for k, v in batch.items()})
+        return _rebuild(batch, {k: _map(v, fn, shared, samples, False) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_map(v, fn, shared) for v in batch))
+        return type(batch)(*(_map(v, fn, shared, samples, False) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_map(v, fn, shared) for v in batch)
+        return type(batch)(_map(v, fn, shared, samples, False) for v in batch)
     return batch
+
+
+def _sample_lists(batch: Batch, path: str = "batch", top: bool = True) -> list[tuple[str, list | tuple]]:
+    """(path, list) of every list of per-sample values in the batch."""
+    if not top and _per_sample(batch):
+        return [(path, batch)]
+    if isinstance(batch, Mapping):
+        return [x for k, v in batch.items() for x in _sample_lists(v, f"{path}[{k!r}]", False)]
+    if isinstance(batch, (list, tuple)):
+        return [x for i, v in enumerate(batch) for x in _sample_lists(v, f"{path}[{i}]", False)]
+    return []
+
+
+def _of_samples(batch: Batch, select: Any) -> Any:
+    """A `samples` for `_map`: `select(list)` for a list as long as the batch, the list itself otherwise."""
+    size: list[int] = []
+
+    def apply(values: list | tuple) -> Any:
+        if not size:
+            size.append(batch_size(batch))
+        return type(values)(select(values)) if len(values) == size[0] else values
+
+    return apply
 
 
 def _rebuild(batch: Mapping, items: dict) -> Mapping:
@@ -96,18 +146,24 @@ def batch_size(batch: Batch, setting: str = "batch") -> int:
     size = sizes.pop()
     if size == 0:
         raise InvalidSetting(f"{setting} is empty (batch dimension 0); pass at least one example")
+    for path, values in _sample_lists(batch, setting):
+        if len(values) != size and all(isinstance(v, Mapping) for v in values):
+            raise InvalidSetting(f"{path} is a list of {len(values)} records (mappings), but {setting} holds {size} "
+                                 "samples; give one record per sample, in the samples' order")
     return size
 
 
 def take(batch: Batch, start: int, stop: int) -> Batch:
-    """Samples [start, stop) of every tensor (views, no copy)."""
-    return _map(batch, lambda t: t[start:stop] if t.dim() > 0 else t)
+    """Samples [start, stop) of every tensor (views, no copy) and of every list of per-sample values."""
+    return _map(batch, lambda t: t[start:stop] if t.dim() > 0 else t,
+                samples=_of_samples(batch, lambda values: values[start:stop]))
 
 
 def pick(batch: Batch, indices: list[int]) -> Batch:
     """The samples at `indices`, in that order (copies)."""
     rows = torch.tensor(indices, dtype=torch.long)
-    return _map(batch, lambda t: t[rows.to(t.device)] if t.dim() > 0 else t)
+    return _map(batch, lambda t: t[rows.to(t.device)] if t.dim() > 0 else t,
+                samples=_of_samples(batch, lambda values: [values[i] for i in indices]))
 
 
 def resize(batch: Batch, n: int) -> Batch:
@@ -115,7 +171,8 @@ def resize(batch: Batch, n: int) -> Batch:
     have = batch_size(batch)
     if n <= have:
         return take(batch, 0, n)
-    return _map(batch, lambda t: t[torch.arange(n, device=t.device) % have] if t.dim() > 0 else t)
+    return _map(batch, lambda t: t[torch.arange(n, device=t.device) % have] if t.dim() > 0 else t,
+                samples=_of_samples(batch, lambda values: [values[i % have] for i in range(n)]))
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -147,8 +204,10 @@ def signature(batch: Batch) -> list[tuple[str, tuple[int, ...], str]]:
     """(path, shape without the batch dimension, dtype) of every tensor: what the cache keys on."""
     out: list[tuple[str, tuple[int, ...], str]] = []
 
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, Shared):  # the whole shape: it is not per-sample
+    def walk(obj: Any, path: str, top: bool = False) -> None:
+        if not top and _per_sample(obj):  # one entry: its values are data, not shapes
+            out.append((f"{path}(per-sample {type(obj).__name__})", (), type(obj).__name__))
+        elif isinstance(obj, Shared):  # the whole shape: it is not per-sample
             out.append((f"{path}(shared)", tuple(obj.tensor.shape), str(obj.tensor.dtype).replace("torch.", "")))
         elif isinstance(obj, torch.Tensor):
             out.append((path, tuple(obj.shape[1:]), str(obj.dtype).replace("torch.", "")))
@@ -159,7 +218,7 @@ def signature(batch: Batch) -> list[tuple[str, tuple[int, ...], str]]:
             for i, v in enumerate(obj):
                 walk(v, f"{path}[{i}]")
 
-    walk(batch, "")
+    walk(batch, "", top=True)
     return out
 
 
@@ -186,7 +245,7 @@ def lengthen(batch: Batch, length: int) -> Batch:
         reps[1] = -(-length // t)
         return x.repeat(*reps)[:, :length].contiguous()
 
-    return _map(batch, longer)
+    return _map(batch, longer, samples=lambda values: values)
 
 
 def tensors(batch: Batch) -> list[torch.Tensor]:
