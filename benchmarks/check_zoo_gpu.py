@@ -16,6 +16,7 @@ import argparse
 import concurrent.futures
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def train_plain(model, batch, dtype):  # type: ignore[no-untyped-def]
     return losses
 
 
+def _gap(got: list[float], want: list[float]) -> float:
+    """The largest relative gap between two loss curves; inf where either holds a NaN or an infinity (a
+    plain max would skip a NaN)."""
+    if not all(math.isfinite(x) for x in [*got, *want]):
+        return math.inf
+    return max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(got, want))
+
+
 def one_family(name: str) -> dict:
     import torch
 
@@ -65,14 +74,14 @@ def one_family(name: str) -> dict:
     tune_seconds = time.perf_counter() - started
     step = plan.apply(model, optimizer)
     plan_losses = [float(step(batch)) for _ in range(STEPS)]
-    noise = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(bf16_losses, fp32_losses))
-    off = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(plan_losses, bf16_losses))
+    noise = _gap(bf16_losses, fp32_losses)
+    off = _gap(plan_losses, bf16_losses)
     return {"family": name, "task": family.task, "plan": plan.summary().split(";")[0], "reason": plan.reason,
             "micro_batch": plan.micro_batch_size, "accumulation": plan.accumulation_steps,
             "compile": plan.compile, "precision": plan.precision, "tune_s": round(tune_seconds, 1),
             "loss_first": plan_losses[0], "loss_last": plan_losses[-1], "bf16_last": bf16_losses[-1],
             "fp32_last": fp32_losses[-1], "bf16_noise": noise, "plan_vs_bf16": off,
-            "within_noise": off <= max(2 * noise, 0.02)}
+            "finite": math.isfinite(off), "within_noise": off <= max(2 * noise, 0.02)}
 
 
 def main() -> int:
@@ -89,7 +98,10 @@ def main() -> int:
     import zoo_models
 
     names = [n for n in args.families.split(",") if n] or [f.name for f in zoo_models.FAMILIES]
-    env = {**os.environ, "AUTOTUNE_MAX_MICRO_BATCH": MAX_MICRO_BATCH, "AUTOTUNE_CACHE": "0"}
+    # One plan cache for every family, fresh for this run, as a team shares one: concurrent writers included.
+    cache = Path(args.out).with_suffix(".cache.db")
+    cache.unlink(missing_ok=True)
+    env = {**os.environ, "AUTOTUNE_MAX_MICRO_BATCH": MAX_MICRO_BATCH, "AUTOTUNE_CACHE": str(cache)}
 
     def run(name: str) -> dict:
         done = subprocess.run([sys.executable, __file__, "--one", name], env=env, capture_output=True, text=True,

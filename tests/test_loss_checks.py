@@ -252,6 +252,20 @@ def test_a_plan_applied_without_fit_checks_the_loss_on_the_first_batch():
     assert_same_update(model, want, start)
 
 
+def test_a_first_batch_check_on_a_micro_batch_takes_samples_whose_counts_differ():
+    # The first two samples count 2 label tokens each: on them alone a token mean and a mean over samples give
+    # the same loss. The check (two samples, as many as the micro-batch) must take one whose count differs.
+    model, batch = MeanOfSequenceMeans().double(), padded(pad=-100)
+    batch["labels"][1, 2:] = -100
+    plan = make_plan(2, 7)
+    start = copy.deepcopy(model)
+    want, want_loss = plain_step(model, batch)
+    with plan.apply(model, sgd(model.parameters())) as step:
+        assert step(batch) == pytest.approx(want_loss, rel=1e-12)
+        assert "weighted by samples" in step.plan.reason
+    assert_same_update(model, want, start)
+
+
 def smoothed(model: nn.Module, batch: Any) -> torch.Tensor:
     """Label smoothing as people write it: a scalar mean over the tokens that are not padding."""
     ids, targets = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else batch

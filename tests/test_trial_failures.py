@@ -109,7 +109,9 @@ def test_an_error_at_larger_micro_batches_only_leaves_those_out() -> None:
             return super().forward(tokens, tags)
 
     plan = _fit(Capped(), _tagging(), techniques=("bf16",))
-    assert plan.micro_batch_size == 2 and plan.accumulation_steps == 4
+    # The search goes on at 2 and below (which of them wins is a matter of timing): only the larger are out.
+    assert plan.micro_batch_size <= 2 and plan.micro_batch_size * plan.accumulation_steps == 8
+    assert any(t.outcome == "ok" and t.micro_batch_size == 2 for t in plan.trials), plan.trials
     assert any(t.outcome == "error" and "at most 2 sequences" in t.note for t in plan.trials)
     assert "left out after failing: RuntimeError: kernel supports at most 2 sequences" in plan.reason, plan.reason
 

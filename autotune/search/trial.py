@@ -35,7 +35,8 @@ from ..techniques.sharding import reset_after_failure
 from ..workload import batch as batches
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import global_step_seconds
-from ..workload.losses import LossFn, LossForm, label_counts
+from ..workload.loss_choice import label_counts
+from ..workload.losses import LossFn, LossForm
 from ..workload.optimizers import OptimizerSpec
 from .failures import FAILED, Failures, LossCheck, NonFiniteLoss, kept
 from .reduced_steps import ReduceGate, abba, reduced_step, reduced_steps

@@ -21,15 +21,8 @@ from ..workload import batch as batches
 from ..workload import loss_checks
 from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import split_sizes
-from ..workload.losses import (
-    LossForm,
-    chunked_default_loss,
-    int_labels,
-    is_default,
-    label_counts,
-    recorded_choice,
-    resolve,
-)
+from ..workload.loss_choice import int_labels, label_counts, recorded_choice
+from ..workload.losses import LossForm, chunked_default_loss, is_default, resolve
 
 
 class Accumulator:

@@ -19,15 +19,14 @@ whole, `CheckedLoss.warning` names the fix (a `loss_fn` returning `(loss_sum, co
 The forwards run on a slice of at most `SLICE` samples, in the model's dtype (no autocast), without gradients
 and in eval mode: dropout would draw other masks for the parts than for the whole, and BatchNorm's batch
 statistics tie the samples together, while their running statistics do not. The modules' train/eval flags, the
-buffers and the random streams are put back after.
+buffers, the parameters and the random streams are put back after (`evaluation.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,19 +36,9 @@ from torch import nn
 from ..errors import AutotuneError
 from . import batch as batches
 from . import chunked_loss
-from .losses import (
-    IGNORE_INDEX,
-    LossChoice,
-    LossFn,
-    hidden_terms,
-    int_labels,
-    is_causal_lm,
-    loss_parts,
-    model_loss,
-    record_choice,
-    routes_with_loss,
-    takes_num_items,
-)
+from .evaluation import evaluating
+from .loss_choice import IGNORE_INDEX, LossChoice, int_labels, is_causal_lm, record_choice, takes_num_items
+from .losses import LossFn, hidden_terms, loss_parts, model_loss, routes_with_loss
 
 SLICE = 4  # samples of the example the check runs on: enough for two parts of different token counts
 # Relative tolerance of "the same value", by the least precise floating dtype among the model's and the loss's:
@@ -95,6 +84,7 @@ class _Value:
     dtype: torch.dtype  # the loss's: a float64 model's Hugging Face loss is computed in float32
     parts: tuple[tuple[str, float, float | None], ...] = ()
     scalar: bool = True  # a plain scalar (not (loss_sum, count) or a mapping of parts)
+    terms: tuple[str, ...] = ()  # the per-batch terms the model's loss holds (a MoE's aux_loss)
 
 
 def check(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool,
@@ -137,8 +127,10 @@ def check(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool
     except Exception as exc:  # noqa: BLE001 - the model's error in eval mode: nothing checked, nothing substituted
         failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     flags = agree(flags)
-    return _decide(model, whole_batch, loss_fn, whole, flags, (countings, primary), split, m, failure, try_chunked,
-                   separable, prepare, agree)
+    found = _decide(model, whole_batch, loss_fn, whole, flags, (countings, primary), split, m, failure, try_chunked,
+                    separable, prepare, agree)
+    whole_batch_only = [note for note in (_per_batch_terms(whole), _batch_statistics(model)) if note]
+    return dataclasses.replace(found, notes=(*found.notes, *whole_batch_only)) if whole_batch_only else found
 
 
 def check_and_record(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool,
@@ -197,6 +189,27 @@ def _decide(model: nn.Module, batch: Any, loss_fn: LossFn | None, whole: _Value 
     return CheckedLoss(choice=choice, notes=tuple(notes))
 
 
+def _per_batch_terms(whole: _Value | None) -> str | None:
+    """What to say of a term the model's loss computes over the batch as a whole (a MoE's router loss)."""
+    if whole is None or not whole.terms:
+        return None
+    return (f"the model's loss holds {', '.join(whole.terms)} (a router loss over the batch's routing): over "
+            "several micro-batches it is the share-weighted mean of the micro-batches' values, not the whole "
+            "batch's")
+
+
+def _batch_statistics(model: nn.Module) -> str | None:
+    """What to say of normalization layers that train on batch statistics (BatchNorm in train mode): they
+    normalize over each micro-batch's samples, so no weighting gives the whole batch's loss."""
+    names = sorted({type(m).__name__ for m in model.modules()
+                    if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training})
+    if not names:
+        return None
+    return (f"{', '.join(names)} normalizes over each micro-batch's samples in training (batch statistics), so "
+            "over several micro-batches the loss and gradients are the accumulated micro-batches', not one "
+            "whole-batch step's")
+
+
 def _choice(flag: int, countings: list[tuple[int, bool]], chunked: bool) -> LossChoice:
     if flag == 1:
         return LossChoice(by="samples", chunked=chunked)
@@ -243,15 +256,29 @@ def _countings(model: nn.Module, labels: torch.Tensor | None) -> tuple[list[tupl
 
 
 def _samples(model: nn.Module, batch: Any, most: int) -> list[int]:
-    """The samples the check runs on: the first `most` whose labels hold something that counts (a sample whose
-    labels are all ignored has a loss of nothing to compare), or the first `most` where fewer have."""
+    """The samples the check runs on: `most` whose labels hold something that counts (a sample whose labels are
+    all ignored has a loss of nothing to compare), or the first `most` where fewer have. Among those, the first
+    and the one whose count differs most from it come in: samples of equal counts cannot tell a token mean
+    from a mean over samples."""
     n = batches.batch_size(batch)
     labels = int_labels(batch)
     if labels is not None:
-        counted = [i for i, c in enumerate(LossChoice.default(model).counts(labels).tolist()) if c > 0][:most]
-        if len(counted) >= min(n, most, 2):
-            return counted
+        counts = dict((i, c) for i, c in enumerate(LossChoice.default(model).counts(labels).tolist()) if c > 0)
+        if len(counts) >= min(n, most, 2):
+            return _differing(counts, most)
     return list(range(min(n, most)))
+
+
+def _differing(counts: dict[int, float], most: int) -> list[int]:
+    """`most` of the samples (index -> count), in order: the first, the one whose count differs most from the
+    first's, then the others in order."""
+    order = list(counts)
+    if len(order) <= most or most < 2:
+        return order[:most]
+    first = order[0]
+    apart = max(order[1:], key=lambda i: abs(counts[i] - counts[first]))
+    rest = [i for i in order[1:] if i != apart][:most - 2]
+    return sorted([first, apart, *rest])
 
 
 def _split(countings: list[tuple[int, bool]], labels: torch.Tensor | None, m: int) -> int | None:
@@ -272,7 +299,7 @@ def _split(countings: list[tuple[int, bool]], labels: torch.Tensor | None, m: in
 def _evaluate(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> _Value:
     if loss_fn is None:
         out = model_loss(model, batch)
-        return _Value(value=float(out.loss.double()) - float(out.per_batch), dtype=out.loss.dtype)
+        return _Value(value=float(out.loss.double()) - float(out.per_batch), dtype=out.loss.dtype, terms=out.terms)
     value = loss_fn(model, batch)
     split = loss_parts(value)
     parts = tuple((p.name, float(torch.as_tensor(p.loss).double()),
@@ -346,23 +373,3 @@ def _tolerance(model: nn.Module, *values: _Value) -> float:
 def _on_model_device(model: nn.Module) -> Callable[[Any], Any]:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return lambda b: batches.unwrap(batches.to_device(b, device))
-
-
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """Eval mode without gradients; the train/eval flags, the buffers and the random streams put back after."""
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(module, name, buffer, buffer.detach().clone()) for module in model.modules()
-               for name, buffer in module._buffers.items() if buffer is not None]
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda), torch.no_grad():
-        model.eval()
-        try:
-            yield
-        finally:
-            for module, training in modes:
-                module.training = training
-            for module, name, buffer, saved in buffers:
-                module._buffers[name] = buffer
-                buffer.copy_(saved)
-
