@@ -7,6 +7,7 @@
 
 from .api import fit
 from .cache import PlanCache
+from .cache.guard import CacheWarning
 from .configuration import Rung
 from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
 from .evidence import Trial
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutotuneError",
+    "CacheWarning",
     "DeviceError",
     "InvalidSetting",
     "NoFeasiblePlan",
