@@ -24,6 +24,9 @@ _UNITS = {
 MAX_BYTES = 2**60
 # A string without a unit under this many bytes is refused: "40" is a budget whose unit was left out.
 UNITLESS_MIN = 2**20
+# A plain number under this many bytes is refused too: `memory_budget=40` is 40 GiB with its unit left out, and
+# nothing trains in 64 KiB, while simulated ceilings of a few hundred KiB stay expressible as integers.
+BARE_NUMBER_MIN = 2**16
 
 
 def format_bytes(n: int | float) -> str:
@@ -52,6 +55,10 @@ def parse_bytes(value: int | float | str, setting: str = "memory_budget") -> int
     if isinstance(value, (int, float)):
         if value <= 0:
             raise InvalidSetting(f"{setting} must be positive, got {value!r}")
+        if value < BARE_NUMBER_MIN:
+            raise InvalidSetting(f"{setting}={value!r} is a number without a unit, so it reads as {value:g} bytes: "
+                                 f"did you mean '{value:g}GiB'? Write a unit ('24GiB', '512MiB'); a plain number "
+                                 f"is bytes and must be at least {BARE_NUMBER_MIN} (64 KiB).")
         return _bounded(value, value, setting)
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)

@@ -62,7 +62,7 @@ def test_a_budget_without_a_unit_on_the_command_line_is_a_usage_error_with_the_h
 def test_bytes_as_an_integer_and_large_unitless_strings_stay_bytes() -> None:
     from autotune.sizes import parse_bytes
 
-    assert parse_bytes(40) == 40 and parse_bytes("25769803776") == 24 * 2**30
+    assert parse_bytes(200_000) == 200_000 and parse_bytes("25769803776") == 24 * 2**30
 
 
 def _ends_between_words(text: str, whole: str) -> bool:
