@@ -35,7 +35,8 @@ from gpt import GPT, GPTConfig, random_batch  # noqa: E402
 import autotune  # noqa: E402
 from autotune import parallel as distributed  # noqa: E402
 from autotune.cache import store as plan_cache  # noqa: E402
-from autotune.devices.placement import parse_bytes, resolve_device  # noqa: E402
+from autotune.devices.placement import resolve_device  # noqa: E402
+from autotune.sizes import parse_bytes  # noqa: E402
 from autotune.techniques import parse_techniques  # noqa: E402
 
 REPEATS_IN_PROCESS = 50

@@ -29,8 +29,8 @@ from workloads import GRID_MICRO, Spec, cap_memory, grid, trial_runner
 from workloads import build_gpt as build
 
 import autotune
-from autotune.devices.placement import parse_bytes
 from autotune.plan import Rung
+from autotune.sizes import parse_bytes
 from autotune.workload.losses import resolve
 
 

@@ -35,9 +35,10 @@ from workloads import build_gpt as build
 from workloads import cap_memory, environment
 
 import autotune
-from autotune.devices.placement import now, parse_bytes, resolve_device
+from autotune.devices.placement import now, resolve_device
 from autotune.plan import Plan, Rung
 from autotune.search.trial import TrialRunner, Workload
+from autotune.sizes import parse_bytes
 from autotune.techniques import find_blocks
 from autotune.workload import batch as batches
 from autotune.workload.batching import solve_accumulation

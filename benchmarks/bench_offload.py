@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import build_gpt, cap_memory, environment
 
 import autotune
-from autotune.devices.placement import parse_bytes
 from autotune.plan import Plan
+from autotune.sizes import parse_bytes
 from autotune.techniques.offload import streamed as offload_stream
 from autotune.workload import batch as batches
 from autotune.workload.batching import solve_accumulation

@@ -74,7 +74,7 @@ elif [ "$COMPARE" = 1 ]; then
   # HF's own finder: starts at the global batch per device and halves it on OOM, with accumulation 1.
   python - "$BUDGET" > "$out/budget_bytes" <<'PY'
 import sys
-from autotune.devices.placement import parse_bytes
+from autotune.sizes import parse_bytes
 print(parse_bytes(sys.argv[1]))
 PY
   echo "+ AUTOTUNE_AGENT_BUDGET=$(cat "$out/budget_bytes") python -m autotune.supervisor.bootstrap examples/train_hf_trainer.py --auto_find_batch_size --per_device_train_batch_size $GLOBAL --bf16 ..." > "$out/hf_auto.log"

@@ -23,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offload import config_parser, run_mode, set_up
 from workloads import environment
 
-from autotune.devices.placement import parse_bytes, resolve_device
+from autotune.devices.placement import resolve_device
 from autotune.plan import Plan
 from autotune.search.trial import TrialRunner, Workload
+from autotune.sizes import parse_bytes
 from autotune.techniques import find_blocks
 from autotune.workload import batch as batches
 from autotune.workload.losses import resolve

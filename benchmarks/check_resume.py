@@ -35,8 +35,8 @@ VARIANTS = {
 
 
 def _plan(variant: str, spec, device: str):
-    from autotune.devices.placement import parse_bytes
     from autotune.plan import Plan
+    from autotune.sizes import parse_bytes
     from autotune.workload.batching import solve_accumulation
 
     fields = dict(VARIANTS[variant])

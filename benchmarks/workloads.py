@@ -41,10 +41,11 @@ sys.path.insert(0, os.path.join(_HERE, ".."))
 
 from autotune.configuration import Rung  # noqa: E402
 from autotune.devices.ceiling import SimulatedCeiling  # noqa: E402
-from autotune.devices.placement import Placement, now, parse_bytes, resolve_device  # noqa: E402
+from autotune.devices.placement import Placement, now, resolve_device  # noqa: E402
 from autotune.errors import DeviceError, is_oom  # noqa: E402
 from autotune.plan import Trial  # noqa: E402
 from autotune.search.trial import TrialRunner, Workload  # noqa: E402
+from autotune.sizes import parse_bytes  # noqa: E402
 from autotune.techniques import apply_rung, find_blocks, ladder, parse_techniques  # noqa: E402
 from autotune.workload import batch as batches  # noqa: E402
 from autotune.workload.batching import split_sizes  # noqa: E402

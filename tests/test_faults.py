@@ -259,8 +259,8 @@ def test_a_disk_already_full_when_the_cache_opens_is_named_full(tmp_path: Path) 
 
 
 def test_a_negative_budget_is_called_negative() -> None:
-    from autotune.devices.placement import parse_bytes
     from autotune.errors import InvalidSetting
+    from autotune.sizes import parse_bytes
 
     with pytest.raises(InvalidSetting, match="memory_budget='-1GiB' is negative"):
         parse_bytes("-1GiB")

@@ -325,7 +325,7 @@ def test_a_bug_in_the_users_model_propagates_untouched():
 
 
 def test_budget_strings_parse():
-    from autotune.devices.placement import parse_bytes
+    from autotune.sizes import parse_bytes
 
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("16 GB") == 16 * 10**9

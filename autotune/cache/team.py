@@ -33,10 +33,6 @@ class TeamDir:
         """How a row from here is labelled: "team:<dir>"."""
         return f"team:{self.path}"
 
-    def lookup(self, key: str) -> PlanRow | None:
-        """The team's plan row for `key`, or None."""
-        return self.rows().get(key)
-
     def rows(self) -> dict[str, PlanRow]:
         """Every valid plan row, by key."""
         if self._rows is None:

@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from ..errors import DeviceError, InvalidSetting
-from ..sizes import format_bytes, parse_bytes  # noqa: F401 - re-exported: where callers found them first
+from ..sizes import format_bytes
 from . import host as host_memory
 from .ceiling import SimulatedCeiling
 

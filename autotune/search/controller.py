@@ -29,7 +29,6 @@ from .placement import Placing, ruled_out
 
 __all__ = ["Controller", "FIT_ADVICE", "Lattice", "NOISE", "SearchResult", "ruled_out"]
 
-_ruled_out = ruled_out  # the name search/partitioned_state.py imports
 
 
 @dataclass(kw_only=True)

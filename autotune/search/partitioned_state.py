@@ -24,7 +24,8 @@ from collections.abc import Callable
 from ..configuration import Rung
 from ..evidence import Trial
 from ..techniques.offload import partition as offload_partition
-from .controller import NOISE, Controller, SearchResult, _ruled_out
+from .controller import NOISE, Controller, SearchResult
+from .placement import ruled_out
 from .state import SearchState
 
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it
@@ -70,7 +71,7 @@ def price(result: SearchResult | SearchState, best: Trial, controller: Controlle
             ran.append(trial)
             if trial.fits:
                 break
-            pool = [c for c in pool if not _ruled_out(c, rung, micro)]  # `rung` as the candidates are: no offload
+            pool = [c for c in pool if not ruled_out(c, rung, micro)]  # `rung` as the candidates are: no offload
     leader = max((t for t in ran if t.fits), key=lambda t: t.samples_per_second, default=None)
     judged = best
     if leader is not None:

@@ -37,8 +37,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
          enable_gqa: bool = False) -> torch.Tensor:
     """torch's own `scaled_dot_product_attention`, as given."""
-    gqa = {"enable_gqa": True} if enable_gqa else {}  # (passed only where asked: torch before 2.5 lacks it)
-    return original(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa)
+    return original(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
 
 
 def padded_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, *,

@@ -7,8 +7,8 @@ wrapper, whose hooks would leave the other ranks waiting in a collective that a 
 
 Sharded: FSDP2 `fully_shard` on every repeated block and then on the root, so each rank holds 1/world of the
 parameters, gradients and optimizer state and all-gathers one block at a time. `MixedPrecisionPolicy`
-computes in BF16 and reduces gradients in FP32; `CPUOffloadPolicy` is the offload rung there (the sharded
-parameters, gradients and optimizer state on the host, the optimizer stepping on the CPU).
+computes in BF16 and reduces gradients in FP32. Offload under sharding is autotune's own (the optimizer state
+of the shards on the host, `offload/`), not FSDP2's `CPUOffloadPolicy`.
 
 `shard` works in place and cannot be undone (FSDP2 has no public "unshard for good"), and the optimizer
 must be built after it over the sharded parameters. So it is not flipped on and off between trials: the
@@ -46,30 +46,27 @@ def is_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard(model: nn.Module, *, precision: str = "bf16", offload: bool = False,
-          blocks: BlockGroup | None = None) -> nn.Module:
+def shard(model: nn.Module, *, precision: str = "bf16", blocks: BlockGroup | None = None) -> nn.Module:
     """Shard `model` in place with FSDP2: each repeated block is one unit, the root holds the rest.
 
     Args:
         model: the model, on this rank's device; torch.distributed must be initialised.
         precision: "bf16" computes with BF16 parameters and reduces gradients in FP32; "fp32" keeps FP32.
-        offload: keep the sharded parameters, gradients and optimizer state on the host (`CPUOffloadPolicy`).
         blocks: the repeated blocks; default `find_blocks(model)`. Without any, the root is the only unit.
 
     Returns:
         The same module object, now an FSDP module: build the optimizer after this call.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if precision == "bf16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mixed = MixedPrecisionPolicy()
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     group = blocks if blocks is not None else find_blocks(model)
     for block in group.modules() if group is not None else []:
-        fully_shard(block, mp_policy=mixed, offload_policy=policy)
-    fully_shard(model, mp_policy=mixed, offload_policy=policy)
+        fully_shard(block, mp_policy=mixed)
+    fully_shard(model, mp_policy=mixed)
     return model
 
 

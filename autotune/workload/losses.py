@@ -19,8 +19,9 @@ A Hugging Face mixture-of-experts model with `output_router_logits` adds `router
 Such a loss is weighted whole by the micro-batch's token share and never divided by `num_items_in_batch`
 (the model would add its term whole to a sum already divided by the total), so the accumulated term is the
 share-weighted mean of the micro-batches' values however many micro-batches there are (Megatron-Core takes
-an unweighted mean; docs/moe-router-loss.md compares the conventions). A term the loss holds with no known coefficient (another output
-field ending in `_loss`, Bamba's z-loss) is weighted the same way and said in `LossForm.note`.
+an unweighted mean; docs/moe-router-loss.md compares the conventions). A term the loss holds with no known
+coefficient (another output field ending in `_loss`, Bamba's z-loss) is weighted the same way and said in
+`LossForm.note`.
 
 With "chunked_loss" allowed (the default) and a Hugging Face causal LM whose head allows it, the default
 loss is `chunked_default_loss`: the same loss with the head's logits computed a chunk of tokens at a time
