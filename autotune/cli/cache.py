@@ -7,6 +7,7 @@ to report (exit code 4, an environment error), not something to carry on without
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -30,9 +31,24 @@ class CacheUnusable(click.ClickException):
     exit_code = 4
 
 
+CACHE_HELP = "The plan cache file (default: $AUTOTUNE_CACHE, else ~/.cache/autotune/plans.db)."
+CACHE_FILE = click.Path(dir_okay=False, path_type=Path)
+
+
+def cache_file(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` given the cache file as its first argument, from `--cache FILE` before the subcommand
+    (`autotune cache --cache F list`) or after it (`autotune cache list --cache F`, as `autotune plot` takes
+    it); the one after wins."""
+    @click.option("--cache", "cache_here", type=CACHE_FILE, default=None, help=CACHE_HELP)
+    @click.pass_obj
+    @functools.wraps(command)
+    def with_cache(group_path: Path | None, cache_here: Path | None, **kwargs: Any) -> None:
+        command(cache_here or group_path, **kwargs)
+    return with_cache
+
+
 @click.group()
-@click.option("--cache", "cache_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The plan cache file (default: $AUTOTUNE_CACHE, else ~/.cache/autotune/plans.db).")
+@click.option("--cache", "cache_path", type=CACHE_FILE, default=None, help=CACHE_HELP)
 @click.pass_context
 def cache(ctx: click.Context, cache_path: Path | None) -> None:
     """Inspect and share cached plans: what autotune tuned before, and for what.
@@ -40,6 +56,7 @@ def cache(ctx: click.Context, cache_path: Path | None) -> None:
     \b
     Examples:
       autotune cache list                          plans cached for this user
+      autotune cache list --cache gpu-box.db       plans in another cache file
       autotune cache export team/plans.jsonl       share them; teammates run `autotune cache import`
       autotune cache show 3f2a9c                   one plan in full (a key prefix is enough)
     """
@@ -49,7 +66,7 @@ def cache(ctx: click.Context, cache_path: Path | None) -> None:
 @cache.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the plans (and 'nothing fits' records) as a JSON list.")
 @click.option("--team", is_flag=True, help="Also list the plans and 'nothing fits' records in $AUTOTUNE_TEAM_DIR.")
-@click.pass_obj
+@cache_file
 def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
     """List cached plans: model, GPU, budget, plan, throughput (tokens/s or samples/s), age and status; then
     the searches that found nothing fits (`fit` refuses those at once; retune=True searches again).
@@ -79,7 +96,7 @@ def list_(cache_path: Path | None, as_json: bool, team: bool) -> None:
 @cache.command()
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan, its key parts and failures as JSON.")
-@click.pass_obj
+@cache_file
 def show(cache_path: Path | None, key: str, as_json: bool) -> None:
     """Show one cached plan in full: what it was tuned for, the plan, why, its trials and failures (or a
     search that found nothing fits: its message and trials).
@@ -96,7 +113,7 @@ def show(cache_path: Path | None, key: str, as_json: bool) -> None:
 
 @cache.command("export")
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
-@click.pass_obj
+@cache_file
 def export_(cache_path: Path | None, file: Path) -> None:
     """Write every cached plan, with its key parts and failures, to FILE as JSON lines (`-`: standard output),
     and every "nothing fits" record (a search that found no configuration), so teammates skip that search.
@@ -123,7 +140,7 @@ def export_(cache_path: Path | None, file: Path) -> None:
 
 @cache.command("import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True, path_type=Path))
-@click.pass_obj
+@cache_file
 def import_(cache_path: Path | None, file: Path) -> None:
     """Validate every row of an export FILE (`-`: standard input) and store the valid ones; rejected rows are
     listed with the reason.
@@ -153,7 +170,7 @@ def import_(cache_path: Path | None, file: Path) -> None:
 
 @cache.command()
 @click.argument("key")
-@click.pass_obj
+@cache_file
 def delete(cache_path: Path | None, key: str) -> None:
     """Forget one cached plan (and the failures recorded against it), or a 'nothing fits' record; KEY may be
     a prefix.
@@ -174,7 +191,7 @@ def delete(cache_path: Path | None, key: str) -> None:
 
 @cache.command()
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.pass_obj
+@cache_file
 def clear(cache_path: Path | None, yes: bool) -> None:
     """Forget every cached plan and failure (asks first, unless --yes).
 
@@ -194,7 +211,7 @@ def clear(cache_path: Path | None, yes: bool) -> None:
 
 
 @cache.command()
-@click.pass_obj
+@cache_file
 def path(cache_path: Path | None) -> None:
     """Print where the plan cache lives: --cache, else $AUTOTUNE_CACHE, else the user cache directory.
 

@@ -336,8 +336,7 @@ def _finish(verdict: Verdict, plan: Plan | None, attempts: list[Attempt]) -> Run
 
 
 def _nothing_tuned(opts: RunOptions, verdict: Verdict, attempts: list[Attempt]) -> RunResult:
-    name = os.path.basename(opts.script)
-    log.warning("nothing was tuned: %s finished without calling autotune.fit, and no --map was given", name)
+    name = os.path.basename(opts.script)  # the command line prints the message once; no log line repeats it
     return RunResult(exit_code=EXIT_NOTHING_TUNED, attempts=attempts, message=(
         f"nothing was tuned (exit {EXIT_NOTHING_TUNED}): {name} ran to the end (exit {verdict.exit_code}) without "
         "calling autotune.fit. Call autotune.fit(model, batch) in the script (cooperative mode), or name the "
