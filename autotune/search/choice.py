@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Sequence
 
 from ..configuration import Rung
@@ -14,6 +15,27 @@ from ..workload.batching import fit_line, global_step_seconds
 from .lines import MIN_OVERHEAD, NOISE, RUNOFF, Lines, RungState, Runner, timed
 
 log = logging.getLogger("autotune.search.controller")
+
+# The clause of the caller's advice that asks for more techniques; the techniques searched are known only here,
+# so it is narrowed to those left out (or dropped when none was) rather than suggesting what is already on.
+_TECHNIQUES_CLAUSE = re.compile(r"allow more techniques[^(]*\(techniques=\([^)]*\)\), ")
+_SUGGESTED = ("bf16", "checkpointing", "offload")
+
+
+def _searched(rung: Rung, technique: str) -> bool:
+    if technique == "bf16":
+        return rung.precision != "fp32"  # FP16 with loss scaling stands in for it where the GPU lacks BF16
+    return (rung.checkpointing if technique == "checkpointing" else rung.offload) != "none"
+
+
+def narrowed_advice(advice: str, rungs: Sequence[Rung]) -> str:
+    """`advice` asking only for the techniques no rung of the search used: "allow offload (add 'offload' to
+    techniques)", or nothing about techniques when the search used them all."""
+    missing = [name for name in _SUGGESTED if not any(_searched(r, name) for r in rungs)]
+    if not missing:
+        return _TECHNIQUES_CLAUSE.sub("", advice)
+    names = ", ".join(repr(name) for name in missing)
+    return _TECHNIQUES_CLAUSE.sub(f"allow {' and '.join(missing)} (add {names} to fit's techniques), ", advice)
 
 
 class Choice(Lines):
@@ -150,4 +172,4 @@ class Choice(Lines):
         skipped = "".join(f" {n}." for n in self.notes)  # why rungs were left out, or the trial budget ran out
         return (f"no configuration fits under {format_bytes(self.limit)} (the budget less the margin) even at "
                 f"micro-batch 1 on the top rung ({rungs[-1].name if rungs else 'none'}); {seen}. "
-                f"Tried: {tried}.{skipped} {self.advice}")
+                f"Tried: {tried}.{skipped} {narrowed_advice(self.advice, rungs)}")
