@@ -18,6 +18,7 @@ from torch import nn
 from .configuration import RUNG_FIELDS, Configuration, Rung, state_sharded
 from .errors import InvalidSetting
 from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
+from .settings import DEFAULT_MARGIN
 from .sizes import format_bytes, format_share
 from .training.step import TrainingStep
 from .validate import dict_field
@@ -27,6 +28,33 @@ __all__ = ["PLAN_FORMAT_VERSION", "SOURCES", "Plan", "StalePlanFormat"]
 
 T = TypeVar("T")
 _PARTS = {"config": Configuration, "evidence": Evidence, "provenance": Provenance}
+
+
+def _of_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """What `Plan.of` fills in for the fields a hand-made plan leaves out; the split of the global batch follows
+    from the fields given, as the search derives it."""
+    missing = [name for name in ("micro_batch_size", "memory_budget_bytes") if name not in fields]
+    if "global_batch_size" not in fields and "accumulation_steps" not in fields:
+        missing.append("global_batch_size (or accumulation_steps)")
+    if missing:
+        raise InvalidSetting(f"Plan.of() needs {', '.join(missing)}: e.g. Plan.of(precision='bf16', "
+                             "micro_batch_size=8, global_batch_size=64, memory_budget_bytes=24 * 2**30)")
+    micro, world = fields["micro_batch_size"], fields.get("world_size", 1)
+    for name, n in (("micro_batch_size", micro), ("world_size", world)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidSetting(f"Plan.of() {name} must be a positive integer, got {n!r}")
+    filled: dict[str, Any] = {"world_size": 1, "margin": DEFAULT_MARGIN, "peak_memory_bytes": 0,
+                              "samples_per_second": 0.0}
+    if "global_batch_size" in fields:
+        per_rank = fields["global_batch_size"] // world
+        filled["accumulation_steps"] = max(1, -(-per_rank // micro))
+    else:
+        per_rank = micro * fields["accumulation_steps"]
+        filled["global_batch_size"] = per_rank * world
+    steps = fields.get("accumulation_steps", filled.get("accumulation_steps"))
+    if isinstance(steps, int) and isinstance(per_rank, int):
+        filled["last_micro_batch_size"] = per_rank - (steps - 1) * micro
+    return filled
 
 
 class StalePlanFormat(ValueError):
@@ -118,13 +146,21 @@ class Plan:
 
     @classmethod
     def of(cls, **fields: Any) -> Plan:
-        """A plan from flat fields, as a hand-made plan or a test writes it:
-        `Plan.of(precision="bf16", micro_batch_size=8, ..., peak_memory_bytes=..., reason="...")`.
+        """A plan written by hand from the fields a user knows, flat:
+        `Plan.of(precision="bf16", checkpointing="full", micro_batch_size=8, global_batch_size=64,
+        memory_budget_bytes=24 * 2**30)`.
+
+        Needed: `micro_batch_size`, `memory_budget_bytes`, and `global_batch_size` or `accumulation_steps`
+        (the other follows). Left out: one rank, fit's default margin, the rung's knobs at `Rung`'s defaults,
+        the last micro-batch from the split, and the measured figures (`peak_memory_bytes`,
+        `samples_per_second`) at 0, for none was measured.
 
         Raises:
-            TypeError: a field no part of a plan has, or a required one missing.
+            InvalidSetting: a needed field is missing (the message names it).
+            TypeError: a field no part of a plan has.
             ValueError: a value out of range, or fields that disagree.
         """
+        fields = {**_of_defaults(fields), **fields}
         parts: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
         for name, value in fields.items():
             part = _field_part(name)
@@ -184,10 +220,11 @@ class Plan:
         share += " (serial)" if self.offload_overlap is False else ""
         share += ", gradients all-reduced after backward" if self.reduce_overlap is False else ""
         host = f", {format_bytes(self.host_peak_bytes)} on the host" if self.host_peak_bytes else ""
+        measured = (f"{rate}; peak {format_bytes(self.peak_memory_bytes)} of {format_bytes(self.memory_budget_bytes)}"
+                    if self.samples_per_second or self.peak_memory_bytes  # both 0: a plan written by hand
+                    else f"not measured; budget {format_bytes(self.memory_budget_bytes)}")
         return (f"{self.rung.name}{share}, micro-batch {self.micro_batch_size} x {self.accumulation_steps} "
-                f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {rate}; "
-                f"peak {format_bytes(self.peak_memory_bytes)} of {format_bytes(self.memory_budget_bytes)}"
-                f"{host}{mfu}{trained}")
+                f"accumulation x {self.world_size} rank(s) = {self.global_batch_size}; {measured}{host}{mfu}{trained}")
 
     def trial_mfu(self, trial: Trial) -> float | None:
         """A trial's MFU, from the plan's: the same FLOPs per sample on the same GPU, so it scales with
