@@ -72,8 +72,10 @@ def with_measurement(plan: Plan, run: Measured) -> Plan:
 
 def describe(plan: Plan, run: Measured) -> str:
     """One line: claimed against measured, their ratio, and the clock both were read on (`measure.clock`)."""
-    clock = ("both in the job's CPU time, the clock on the simulated device; a rate the script prints by the wall "
-             "clock differs when other processes share the cores" if plan.device == "cpu" else "wall clock")
+    # On the CPU two rates reach the user: this one and the script's own; each line says which is which.
+    clock = ("both in the job's CPU time, the clock on the simulated device: trust these two to compare the plan "
+             "with the run; a rate the script prints by the wall clock differs when other processes share the "
+             "cores, and is the one that says how long training takes" if plan.device == "cpu" else "wall clock")
     return (f"the plan claimed {plan.samples_per_second:,.1f} samples/s; the run trained at "
             f"{run.samples_per_second:,.1f} samples/s (median of {run.measured_steps} whole optimizer steps, "
             f"{run.median_step_seconds * 1000:,.1f} ms each; {clock}): claimed/measured "
