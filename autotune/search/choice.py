@@ -148,19 +148,32 @@ class Choice(Lines):
         second = ""
         if runner_up is not None:
             margin = best.samples_per_second / runner_up.samples_per_second
-            second = (f"; {margin:.2f}x the runner-up, {runner_up.rung.name} at micro-batch "
-                      f"{runner_up.micro_batch_size}")
+            second = "; " + self._against(best, runner_up)
         if best.rung.checkpointing == "none" and best.rung.offload == "none" and not best.rung.compile:
             return f"{head}: the fastest of {fitting} configurations that fit{second}"
         if plain:
             top = max(plain, key=lambda t: t.samples_per_second)
             return (f"{head}: {best.samples_per_second / top.samples_per_second:.2f}x the fastest plan without "
                     f"checkpointing, offload or compile (micro-batch {top.micro_batch_size}){second}")
-        if runner_up is not None:  # say what happened to the others: they fitted, only slower
+        if runner_up is not None:  # say what happened to the others: they fitted, only slower (or tied)
+            slower = (f"; {runner_up.rung.name} at micro-batch {runner_up.micro_batch_size} fitted but "
+                      f"{margin:.2f}x slower" if margin >= 1 + NOISE else second)
             return (f"{head}: none without checkpointing, offload or compile fits under the limit "
-                    f"({format_bytes(self.limit)}); {runner_up.rung.name} at micro-batch "
-                    f"{runner_up.micro_batch_size} fitted but {margin:.2f}x slower")
+                    f"({format_bytes(self.limit)}){slower}")
         return f"{head}: nothing lighter fits under the limit ({format_bytes(self.limit)})"
+
+    @staticmethod
+    def _against(best: Trial, runner_up: Trial) -> str:
+        """How the pick compares with the runner-up, in words: a lead within the timing noise is called a tie,
+        and a slower pick is the tie-break `_best` makes for headroom."""
+        margin = best.samples_per_second / runner_up.samples_per_second
+        other = f"{runner_up.rung.name} at micro-batch {runner_up.micro_batch_size}"
+        if margin < 1:
+            return (f"{other} measured {1 / margin:.2f}x as fast, within the {NOISE:.0%} timing noise, so the "
+                    f"pick is the one with the lower peak ({format_bytes(best.peak_bytes)} against "
+                    f"{format_bytes(runner_up.peak_bytes)}), for headroom")
+        tie = f", within the {NOISE:.0%} timing noise" if margin < 1 + NOISE else ""
+        return f"{margin:.2f}x the runner-up, {other}{tie}"
 
     def _nothing_fits(self, rungs: Sequence[Rung]) -> str:
         ran = [t for t in self.trials if t.peak_bytes]
