@@ -186,7 +186,8 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
                                  placement=placement, budget_bytes=budget, techniques=allowed,
                                  margin=settings.margin, optimizer=optimizer, loss_fn=loss_fn,
                                  max_micro_batch=settings.max_micro_batch,
-                                 host_budget_bytes=explicit_host_budget(settings))
+                                 host_budget_bytes=explicit_host_budget(settings),
+                                 nodes=distributed.topology().nodes)
     key = plan_cache.plan_key(parts)
 
     job = Job(model=model, batch=batch, optimizer=optimizer, loss_fn=loss_fn, settings=settings, placement=placement,

@@ -14,8 +14,10 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer")
 # "optimizer_state": replicated ranks, each keeping the FP32 masters and optimizer state of its 1/world of the
-# parameters on its device (ZeRO stage 1, `Plan.partitioned_state`)
-SHARDING = ("none", "fsdp2", "optimizer_state")
+# parameters on its device (ZeRO stage 1, `Plan.partitioned_state`); "hsdp": FSDP2 over a 2-D mesh, sharded within
+# each node and replicated across nodes (hybrid sharding: only the shards' gradient all-reduce crosses nodes)
+SHARDING = ("none", "fsdp2", "optimizer_state", "hsdp")
+FSDP = ("fsdp2", "hsdp")  # the shardings FSDP2 runs: parameters, gradients and optimizer state sharded
 
 
 def none_on_the_host(world: int | None = None) -> str:
@@ -101,7 +103,7 @@ class Configuration:
     # on the host: None resolves to 1.0 under optimizer offload, else 0.0
     offload_overlap: bool | None = None  # optimizer offload steps the host during the last backward; None
     # (a configuration made by hand) leaves it on
-    sharding: str = "none"  # "none" | "fsdp2"
+    sharding: str = "none"  # one of SHARDING
     reduce_overlap: bool | None = None  # replicated ranks: the gradient all-reduce in buckets during the last
     # backward (True), or in one after it (False); None (one rank, FSDP2 shards, made by hand) is the buckets
     techniques: tuple[str, ...] | None = None  # what fit was allowed: recovery climbs only within it
@@ -109,6 +111,7 @@ class Configuration:
     block_paths: tuple[str, ...] = ()  # the repeated blocks (module paths), in the order checkpointing
     # recomputes them: the first checkpointed_blocks are; () where unknown (found again from the model)
     max_length: int | None = None  # the longest sequence the trials ran (fit's max_length); None: not a token batch
+    nodes: int = 1  # the machines the ranks spread over, world_size / nodes on each (torchrun's LOCAL_WORLD_SIZE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rung, Rung):
@@ -147,7 +150,7 @@ class Configuration:
     def _check_reduce_overlap(self) -> None:
         if self.reduce_overlap is not None and not isinstance(self.reduce_overlap, bool):
             raise ValueError(f"Configuration.reduce_overlap must be True, False or None, got {self.reduce_overlap!r}")
-        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding == "fsdp2"):
+        if self.reduce_overlap is not None and (self.world_size < 2 or self.sharding in FSDP):
             raise ValueError(f"Configuration.reduce_overlap {self.reduce_overlap} times the gradient all-reduce of "
                              f"replicated ranks; this configuration has world_size {self.world_size} and sharding "
                              f"{self.sharding!r}, where autotune all-reduces nothing: leave it None")
@@ -165,6 +168,7 @@ class Configuration:
                 "Configuration.sharding 'optimizer_state' partitions the optimizer state over replicated ranks; this "
                 f"configuration has world_size {self.world_size}, offload {self.offload!r}, precision "
                 f"{self.precision!r}, where it would save nothing or cannot: use sharding='none'")
+        self._check_nodes()
         if self.last_micro_batch_size > self.micro_batch_size:
             raise ValueError("Configuration.last_micro_batch_size cannot exceed Configuration.micro_batch_size")
         per_rank = self.global_batch_size // self.world_size
@@ -176,6 +180,15 @@ class Configuration:
         if split != (self.accumulation_steps, self.last_micro_batch_size):
             raise ValueError(f"the configuration covers {covered} samples per rank but the global batch needs "
                              f"{per_rank}: micro_batch_size, accumulation_steps and last_micro_batch_size disagree")
+
+    def _check_nodes(self) -> None:
+        check_positive_int("Configuration.nodes", self.nodes)
+        if self.world_size % self.nodes:
+            raise ValueError(f"Configuration.nodes {self.nodes} does not divide world_size {self.world_size}: every "
+                             "node runs as many ranks")
+        if self.sharding == "hsdp" and self.nodes < 2:
+            raise ValueError("Configuration.sharding 'hsdp' shards within each node and replicates across nodes; "
+                             f"this configuration has {self.nodes} node: use sharding='fsdp2'")
 
     @classmethod
     def of(cls, **fields: Any) -> Configuration:
@@ -230,6 +243,12 @@ class Configuration:
         its 1/world of the parameters on the device, with 16-bit weights and gradients, and sends the weights it
         updated to the others (ZeRO stage 1)."""
         return self.sharding == "optimizer_state"
+
+    @property
+    def shard_ranks(self) -> int:
+        """Over how many ranks each parameter is sharded: all of them under FSDP2, a node's under hybrid sharding,
+        none (1) with the model replicated."""
+        return {"fsdp2": self.world_size, "hsdp": self.world_size // self.nodes}.get(self.sharding, 1)
 
     @property
     def per_rank_batch_size(self) -> int:

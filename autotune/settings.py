@@ -148,6 +148,7 @@ AGENT_LAUNCHED_ENV = "AUTOTUNE_AGENT_LAUNCHED"
 FORK_TRIALS_ENV = "AUTOTUNE_FORK_TRIALS"
 TUNE_ONLY_ENV = "AUTOTUNE_TUNE_ONLY"
 LOG_LEVEL_ENV = "AUTOTUNE_LOG_LEVEL"
+CROSS_NODE_DELAY_ENV = "AUTOTUNE_TEST_CROSS_NODE_DELAY_MS"
 
 # Every AUTOTUNE_* variable autotune reads, and what it means (the README lists the same).
 VARIABLES: dict[str, str] = {
@@ -179,6 +180,7 @@ VARIABLES: dict[str, str] = {
     FORK_TRIALS_ENV: "0: zero-change trials start as fresh processes, not forked from one that imported once",
     TUNE_ONLY_ENV: "set by `autotune run --tune-only`: the job exits once fit has its plan",
     LOG_LEVEL_ENV: "set by `autotune run`: the verbosity of autotune's log in the job",
+    CROSS_NODE_DELAY_ENV: "tests only: milliseconds every collective between simulated nodes waits (a slow link)",
 }
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")

@@ -1,10 +1,10 @@
 """The plan cache's key: everything about a workload that changes which plan is right, hashed.
 
-`key_parts` describes a workload as plain JSON (model fingerprint, batch signature, batch sizes, device,
-budget, margin, techniques, optimizer, loss, runtime versions, the host where offload may spend it, plan
-format); `plan_key` hashes it. The parts are stored beside each plan, so a row from a teammate's export is
-checked by hashing its parts again (`check_parts` validates their shape first): a row whose key does not
-match is rejected.
+`key_parts` describes a workload as plain JSON (model fingerprint, batch signature, batch sizes, the nodes the
+ranks spread over, device, budget, margin, techniques, optimizer, loss, runtime versions, the host where offload
+may spend it, plan format); `plan_key` hashes it. The parts are stored beside each plan, so a row from a
+teammate's export is checked by hashing its parts again (`check_parts` validates their shape first): a row whose
+key does not match is rejected.
 
 The model enters through a digest of its structure, not its weights' values: module classes and their
 plain settings (`n_head`, `eps`, `p`...), parameter names, shapes, dtypes and `requires_grad` (frozen
@@ -31,8 +31,11 @@ from ..techniques import TECHNIQUES as TECHNIQUE_NAMES
 from ..techniques import attention_lengths
 from ..workload import batch as batches
 
-PART_FIELDS = ("format", "model", "batch", "global_batch_size", "world_size", "device", "budget_bytes", "margin",
-               "techniques", "max_micro_batch", "optimizer", "loss", "runtime", "host")
+# The key's parts, each with whether every key carries it, as `RUNTIME_FIELDS` below: `key_parts` writes an optional
+# part only where it applies ("nodes" on two or more nodes), so the keys of one-node jobs stay those already cached.
+PARTS: dict[str, bool] = {"format": True, "model": True, "batch": True, "global_batch_size": True, "world_size": True,
+                          "nodes": False, "device": True, "budget_bytes": True, "margin": True, "techniques": True,
+                          "max_micro_batch": True, "optimizer": True, "loss": True, "runtime": True, "host": True}
 # The runtime part's fields, each with whether every key carries it: `runtime_versions` writes from this table and
 # `check_parts` reads with it, so a field one adds is one the other accepts. An optional field is written only where
 # it applies, so the keys of workloads it does not touch stay those already cached.
@@ -49,7 +52,7 @@ _MAX_SEQUENCE = 16  # tuples longer than this are data, not settings
 def key_parts(*, model: torch.nn.Module, batch: Any, global_batch_size: int, world_size: int, placement: Any,
               budget_bytes: int, techniques: frozenset[str], margin: float, optimizer: Any = None,
               loss_fn: Any = None, max_micro_batch: int | None = None,
-              host_budget_bytes: int | None = None) -> dict[str, Any]:
+              host_budget_bytes: int | None = None, nodes: int = 1) -> dict[str, Any]:
     """Describe a workload as JSON-ready parts of its cache key.
 
     Args:
@@ -65,16 +68,19 @@ def key_parts(*, model: torch.nn.Module, batch: Any, global_batch_size: int, wor
         loss_fn: what `fit` got: None (the model's own loss) or a callable.
         max_micro_batch: an explicit cap on the micro-batch, if any.
         host_budget_bytes: an explicit `host_memory_budget` in bytes, if any.
+        nodes: the machines the ranks spread over (`parallel.topology`): a plan for 2 nodes x 8 GPUs pays for a
+            link between nodes that 16 GPUs of one machine do not, so it serves that topology only.
 
     Returns:
         A dict of JSON values; `plan_key(parts)` is the key.
     """
-    return {
+    parts = {
         "format": PLAN_FORMAT_VERSION,
         "model": model_fingerprint(model),
         "batch": [[path, list(shape), dtype] for path, shape, dtype in batches.signature(batch)],
         "global_batch_size": int(global_batch_size),
         "world_size": int(world_size),
+        "nodes": int(nodes) if nodes > 1 else None,
         "device": {"kind": placement.kind, "name": placement.name, "total_bytes": int(placement.total_bytes)},
         "budget_bytes": int(budget_bytes),
         "margin": float(margin),
@@ -85,6 +91,7 @@ def key_parts(*, model: torch.nn.Module, batch: Any, global_batch_size: int, wor
         "runtime": runtime_versions(placement.kind),
         "host": host_part(techniques, host_budget_bytes),
     }
+    return {name: parts[name] for name, always in PARTS.items() if always or parts[name] is not None}
 
 
 def host_part(techniques: frozenset[str], host_budget_bytes: int | None) -> dict[str, Any] | None:
@@ -221,7 +228,7 @@ def check_parts(parts: Any) -> None:
     """
     if not isinstance(parts, dict):
         raise ValueError(f"parts must be an object, got {type(parts).__name__}")
-    _check_fields("parts", parts, PART_FIELDS)
+    _check_fields("parts", parts, tuple(PARTS), required=tuple(name for name, always in PARTS.items() if always))
     if parts["format"] != PLAN_FORMAT_VERSION:
         raise ValueError(f"parts.format is {parts['format']!r}, this autotune reads {PLAN_FORMAT_VERSION}")
     _check_fields("parts.model", parts["model"], ("class", "parameters", "trainable", "digest"))
@@ -232,6 +239,10 @@ def check_parts(parts: Any) -> None:
     _check_batch(parts["batch"])
     for name in ("global_batch_size", "world_size", "budget_bytes"):
         _check_int(f"parts.{name}", parts[name], minimum=1)
+    if "nodes" in parts:
+        _check_int("parts.nodes", parts["nodes"], minimum=2)
+        if parts["world_size"] % parts["nodes"]:
+            raise ValueError(f"parts.nodes {parts['nodes']} does not divide parts.world_size {parts['world_size']}")
     if parts["max_micro_batch"] is not None:
         _check_int("parts.max_micro_batch", parts["max_micro_batch"], minimum=1)
     margin = parts["margin"]

@@ -217,7 +217,7 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
         ValueError: naming the first disagreement.
     """
     pairs = [("key", plan.key, key), ("global_batch_size", plan.global_batch_size, parts["global_batch_size"]),
-             ("world_size", plan.world_size, parts["world_size"]),
+             ("world_size", plan.world_size, parts["world_size"]), ("nodes", plan.config.nodes, parts.get("nodes", 1)),
              ("memory_budget_bytes", plan.memory_budget_bytes, parts["budget_bytes"]),
              ("margin", plan.margin, parts["margin"]), ("device", plan.device, parts["device"]["kind"])]
     for name, have, want in pairs:
@@ -254,7 +254,7 @@ def check_plan_sane(plan: Plan, parts: dict[str, Any]) -> None:
         raise ValueError(f"plan.micro_batch_size {plan.micro_batch_size} is over the per-rank batch {per_rank} "
                          f"(global batch {plan.global_batch_size} over {plan.world_size} rank(s))")
     parameters = parts["model"]["parameters"]
-    held = parameters // plan.world_size if plan.sharding == "fsdp2" else parameters
+    held = parameters // plan.config.shard_ranks  # a rank's shard under FSDP2 or hybrid sharding
     floor = max(1, held)  # every parameter sits on the device during a step, in one byte or more
     if plan.peak_memory_bytes < floor:
         raise ValueError(f"plan.peak_memory_bytes {plan.peak_memory_bytes:,} is under {floor:,}, the least "

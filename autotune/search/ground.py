@@ -33,11 +33,11 @@ class Ground:
 
 @contextlib.contextmanager
 def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied: bool,
-              precision: str, snapshot_to_disk: bool = False) -> Iterator[Ground]:
+              precision: str, snapshot_to_disk: bool = False, nodes: int = 1) -> Iterator[Ground]:
     """The model trials run on: `model` moved to the device or, `copied`, an FSDP2-sharded copy of it (sharding
     is in place and for good, and fit leaves the model as it found it) while `model` waits on the host, where
     the trials' peaks do not count it. On the way out, `model` is put back; a sharded copy's device shards
-    are freed."""
+    are freed. A copy on `nodes` > 1 is hybrid-sharded: within each node, replicated across them."""
     home = device_of(model)
     away = torch.device("cpu") if copied else placement.torch_device
     snapshot = Snapshot.take(model, optimizer, to_disk=snapshot_to_disk)
@@ -45,7 +45,7 @@ def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied:
     try:
         if home != away:
             model.to(away)
-        tuned = sharded_copy(model, precision) if copied else model
+        tuned = sharded_copy(model, precision, nodes) if copied else model
         if is_sharded(tuned):
             distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
         yield Ground(model=tuned, reset=None if copied else snapshot.restore_values)

@@ -7,8 +7,11 @@ wrapper, whose hooks would leave the other ranks waiting in a collective that a 
 
 Sharded: FSDP2 `fully_shard` on every repeated block and then on the root, so each rank holds 1/world of the
 parameters, gradients and optimizer state and all-gathers one block at a time. `MixedPrecisionPolicy`
-computes in BF16 and reduces gradients in FP32. Offload under sharding is autotune's own (the optimizer state
-of the shards on the host, `offload/`), not FSDP2's `CPUOffloadPolicy`.
+computes in BF16 and reduces gradients in FP32. Hybrid (`nodes` > 1): the same over a 2-D mesh, each parameter
+sharded over the ranks of one node and replicated across nodes, so the all-gathers and reduce-scatters stay
+inside a node and only an all-reduce of each shard's gradients crosses the link between nodes. Offload under
+sharding is autotune's own (the optimizer state of the shards on the host, `offload/`), not FSDP2's
+`CPUOffloadPolicy`.
 
 `shard` works in place and cannot be undone (FSDP2 has no public "unshard for good"), and the optimizer
 must be built after it over the sharded parameters. So it is not flipped on and off between trials: the
@@ -27,6 +30,8 @@ import torch
 from torch import nn
 
 from ..parallel.oom import param_groups  # the FSDP2 state's parameter groups, read the same way there
+from ..parallel.ranks import collective_device
+from ..parallel.topology import hybrid_mesh, slow_link, topology
 from ..sizes import format_bytes
 from .blocks import BlockGroup, find_blocks
 
@@ -46,13 +51,15 @@ def is_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard(model: nn.Module, *, precision: str = "bf16", blocks: BlockGroup | None = None) -> nn.Module:
+def shard(model: nn.Module, *, precision: str = "bf16", blocks: BlockGroup | None = None, nodes: int = 1) -> nn.Module:
     """Shard `model` in place with FSDP2: each repeated block is one unit, the root holds the rest.
 
     Args:
         model: the model, on this rank's device; torch.distributed must be initialised.
         precision: "bf16" computes with BF16 parameters and reduces gradients in FP32; "fp32" keeps FP32.
         blocks: the repeated blocks; default `find_blocks(model)`. Without any, the root is the only unit.
+        nodes: 1 shards over every rank; more shards within each node and replicates across (hybrid sharding,
+            on the job's own topology: `parallel.topology`).
 
     Returns:
         The same module object, now an FSDP module: build the optimizer after this call.
@@ -63,10 +70,12 @@ def shard(model: nn.Module, *, precision: str = "bf16", blocks: BlockGroup | Non
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mixed = MixedPrecisionPolicy()
+    mesh = hybrid_mesh(nodes, collective_device().type) if nodes > 1 else None
     group = blocks if blocks is not None else find_blocks(model)
     for block in group.modules() if group is not None else []:
-        fully_shard(block, mp_policy=mixed)
-    fully_shard(model, mp_policy=mixed)
+        fully_shard(block, mp_policy=mixed, mesh=mesh)
+    fully_shard(model, mp_policy=mixed, mesh=mesh)
+    slow_link(model, hybrid=nodes > 1, nodes=topology().nodes)
     return model
 
 
@@ -142,16 +151,16 @@ def choose_sharding(model: nn.Module, replicated_floor: int, limit_bytes: int, w
                      f"need {format_bytes(replicated_floor)} per rank, over the {format_bytes(limit_bytes)} limit")
 
 
-def sharded_copy(model: nn.Module, precision: str) -> nn.Module:
+def sharded_copy(model: nn.Module, precision: str, nodes: int = 1) -> nn.Module:
     """A sharded deep copy of `model`, for the trials: `fit` must leave the user's model as it found it.
 
     Copy a model that is on the host (`fit` moves it there first): FSDP2 moves each shard to the mesh's
     device, so the device never holds a second whole model.
     """
-    return shard(copy.deepcopy(model), precision=precision)
+    return shard(copy.deepcopy(model), precision=precision, nodes=nodes)
 
 
-def shard_for_training(model: nn.Module, optimizer: object, *, precision: str) -> None:
+def shard_for_training(model: nn.Module, optimizer: object, *, precision: str, nodes: int = 1) -> None:
     """`plan.apply` under a sharded plan: shard `model` in place and re-point `optimizer` at the shards.
 
     The user's optimizer object is kept (an LR scheduler holds it, and so may a checkpointing callback):
@@ -159,7 +168,7 @@ def shard_for_training(model: nn.Module, optimizer: object, *, precision: str) -
     and any state it holds is cut to this rank's shard of each tensor.
     """
     old = {id(p): name for name, p in model.named_parameters()}
-    shard(model, precision=precision)
+    shard(model, precision=precision, nodes=nodes)
     if isinstance(optimizer, torch.optim.Optimizer):
         _repoint(optimizer, old, dict(model.named_parameters()))
 

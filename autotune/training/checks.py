@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import parallel
+from ..configuration import FSDP
 from ..devices import host as host_memory
 from ..devices.headroom import shortfall
 from ..devices.placement import Placement, refuse_meta, resolve_device
@@ -42,7 +43,7 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any) -> Placement:
     if short is not None:
         log.warning("autotune: %s", short)
     _check_host(plan)
-    if plan.sharding == "fsdp2" and not is_sharded(model):  # fit chose FSDP2: shard here, for good
+    if plan.sharding in FSDP and not is_sharded(model):  # fit chose FSDP2: shard here, for good
         _shard(plan, model, optimizer)
     return placement
 
@@ -114,6 +115,8 @@ def _placement(plan: Any, model: nn.Module) -> Placement:
 
 def _shard(plan: Any, model: nn.Module, optimizer: Any) -> None:
     if not parallel.active():
-        raise InvalidSetting("the plan shards the model with FSDP2 (plan.sharding='fsdp2') but torch.distributed "
-                             "is not initialised: launch with torchrun as when tuning, or tune again on one process")
-    shard_for_training(model, optimizer, precision=plan.precision)
+        raise InvalidSetting(f"the plan shards the model with FSDP2 (plan.sharding={plan.sharding!r}) but "
+                             "torch.distributed is not initialised: launch with torchrun as when tuning, or tune again "
+                             "on one process")
+    shard_for_training(model, optimizer, precision=plan.precision,
+                       nodes=plan.config.nodes if plan.sharding == "hsdp" else 1)
