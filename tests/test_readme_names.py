@@ -31,3 +31,14 @@ def test_a_corrupt_cache_warns_with_the_cache_warning_autotune_exports(tmp_path:
     corrupt.write_bytes(b"this is not a database" * 100)
     with pytest.warns(autotune.CacheWarning):
         autotune.PlanCache(corrupt).list()
+
+
+def test_every_doc_is_linked_from_the_readme() -> None:
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    unlinked = sorted(p.name for p in docs.glob("*.md") if f"](docs/{p.name}" not in README)
+    assert not unlinked, f"docs the README links nowhere: {unlinked}"
+
+
+def test_the_readme_says_how_long_the_tests_take() -> None:
+    after = README.split("<!-- test-command -->", 1)[1].split("\n## ", 1)[0]
+    assert "about 8 minutes" in after and '-m "not slow"' in after
