@@ -111,10 +111,13 @@ def main() -> int:
             return json.loads(lines[-1][len("RESULT "):])
         return {"family": name, "error": (done.stderr or done.stdout)[-1500:]}
 
+    rows = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool, open(args.out, "w") as out:
-        rows = list(pool.map(run, names))
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
+        for done in concurrent.futures.as_completed([pool.submit(run, name) for name in names]):
+            rows.append(done.result())
+            out.write(json.dumps(rows[-1]) + "\n")  # each as it ends: a run cut short keeps what finished
+            out.flush()
+    rows.sort(key=lambda r: names.index(r["family"]))
     print(f"{'family':26} {'plan':34} {'m x a':>6} {'loss@20':>8} {'bf16':>8} {'noise':>7} {'off':>7}  ok")
     for r in rows:
         if "error" in r:
