@@ -28,9 +28,11 @@ from .errors import InvalidSetting, NoFeasiblePlan
 from .evidence import Trial
 from .plan import Plan
 from .search.anchors import keep_dtype
+from .search.deadline import Deadline
 from .search.flops import utilization
 from .search.progress import progress_for
 from .search.tune import Job, explicit_host_budget, host_limit, tune, verify
+from .search.tune_time import Laps, account_of, timed
 from .settings import FitSettings
 from .sizes import format_bytes, parse_bytes, shorten
 from .techniques import parse_techniques
@@ -63,6 +65,7 @@ def fit(
     trial_steps: int | None = None,
     max_trials: int | None = None,
     progress: bool | None = None,
+    max_tune_seconds: float | None = None,
 ) -> Plan:
     """Find the fastest plan that fits: precision, checkpointing, offload, micro-batch and accumulation.
 
@@ -95,6 +98,10 @@ def fit(
         max_trials: stop the search after this many trials.
         progress: None (default): a live line per trial on a terminal, else plain lines through the
             `autotune` logger; True: always a line per trial on stderr; False: nothing.
+        max_tune_seconds: a bound on the tune, from this call: once it has passed and a configuration fitted, no
+            new trial starts, and the plan is the best measured (its reason says the search was cut short and
+            what it left untried); default $AUTOTUNE_MAX_TUNE_SECONDS, else none. Such a plan is cached marked,
+            and served only to a fit that bounds its tune too.
 
     Returns:
         The `Plan`, with `source` "tuned" or "cache".
@@ -109,7 +116,7 @@ def fit(
         >>> step = plan.apply(model, optimizer)
         >>> loss = step(global_batch)
     """
-    started = time.perf_counter()
+    laps = Laps()  # the tune's time outside its trials (the trials time their own phases)
     if not isinstance(model, nn.Module):
         raise InvalidSetting(f"model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_meta(model)
@@ -117,20 +124,23 @@ def fit(
     settings = FitSettings.resolve(global_batch_size=global_batch_size, memory_budget=memory_budget,
                                    host_memory_budget=host_memory_budget, max_length=max_length, margin=margin,
                                    device=device, cache=cache, techniques=techniques,
-                                   measured_steps=trial_steps, max_trials=max_trials, retune=retune)
+                                   measured_steps=trial_steps, max_trials=max_trials, retune=retune,
+                                   max_tune_seconds=max_tune_seconds)
     placement = resolve_device(settings.device)
     if not placement.simulated:  # before any trial: the trials measure under it, and training keeps it
         allocator.expand_in_process()
     longest = _at_max_length(batch, settings.max_length)
     typical = batch if longest is not batch else None  # throughput is measured at the example's own length
     # Before the search or a cached plan: what stands in for the user's loss is checked on the example first.
-    checked = loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(
-        settings.techniques), agree=loss_checks.on_every_rank(distributed.sum_over_ranks, distributed.world_size()))
+    with laps.phase("loss check"):
+        checked = loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(
+            settings.techniques), agree=loss_checks.on_every_rank(distributed.sum_over_ranks,
+                                                                  distributed.world_size()))
     if checked.warning is not None:
         log.warning("autotune: %s", checked.warning)
     store = plan_cache.open_cache(settings.cache)
     try:
-        plan = _fit(model, longest, optimizer, loss_fn, settings, placement, store, progress, typical)
+        plan = _fit(model, longest, optimizer, loss_fn, settings, placement, store, progress, typical, laps)
     finally:
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
@@ -139,8 +149,7 @@ def fit(
     if store is not None and plan.key:
         report_recoveries_to(plan.key, _recorder(store))  # a recovery in training is recorded in this cache
     if plan.source == "tuned":
-        log.info("autotune: %s (%s) in %.1f s, %d trials", plan.summary(), plan.reason,
-                 time.perf_counter() - started, len(plan.trials))
+        log.info("autotune: %s (%s); %s", plan.summary(), plan.reason, account_of(plan))
     for callback in _plan_callbacks:
         callback(plan)
     return plan
@@ -170,9 +179,11 @@ def _recorder(store: plan_cache.PlanCache) -> Callable[[Plan, Plan | None, str, 
 
 
 def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: FitSettings, placement: Placement,
-         store: plan_cache.PlanCache | None, progress: Any, typical: Any = None) -> Plan:
+         store: plan_cache.PlanCache | None, progress: Any, typical: Any = None, laps: Laps | None = None) -> Plan:
     """The cached plan when one still fits, else a search (whose result, or its failure, is cached). `batch` is
-    the example at `max_length`; `typical`, the example at its own length where that is shorter."""
+    the example at `max_length`; `typical`, the example at its own length where that is shorter. `laps` times
+    the tune's phases outside its trials, from fit's call."""
+    laps = laps if laps is not None else Laps()
     example_size = batches.batch_size(batch)
     world = distributed.world_size()
     global_batch = settings.global_batch_size or example_size * world
@@ -192,29 +203,34 @@ def _fit(model: nn.Module, batch: Any, optimizer: Any, loss_fn: Any, settings: F
 
     job = Job(model=model, batch=batch, optimizer=optimizer, loss_fn=loss_fn, settings=settings, placement=placement,
               budget=budget, allowed=allowed, global_batch=global_batch, per_rank=per_rank, world=world,
-              typical=typical)
+              typical=typical, laps=laps, deadline=Deadline(seconds=settings.max_tune_seconds, started=laps.started))
     if store is not None and not settings.retune:
         check = _Verification(placement=placement, trial=lambda plan: verify(plan, job),
                              tokens_per_sample=batches.tokens_per_sample(batch), flops_at_trial_length=typical is None)
-        hit = _cached(store, parts, settings, placement, budget_now, check)
-        if hit is not None:
-            return hit
-        _raise_if_nothing_fits(store, key)
+        with laps.phase("cache look-up"):
+            hit = _cached(store, parts, settings, placement, budget_now, check)
+            if hit is not None:
+                return hit
+            _raise_if_nothing_fits(store, key)
     bound = store.max_safe_micro_batch(key) if store is not None else None
     if settings.max_micro_batch is not None:
         bound = min(bound or settings.max_micro_batch, settings.max_micro_batch)
 
     log.info("autotune: tuning on %s with a %s budget (%s), global batch %d over %d rank(s)",
              placement.name, format_bytes(budget), budget_source, global_batch, world)
+    shown = progress_for(progress) if distributed.is_writer() else None
     try:
-        plan = tune(dataclasses.replace(job, bound=bound,
-                                        progress=progress_for(progress) if distributed.is_writer() else None))
+        plan = tune(dataclasses.replace(job, bound=bound, progress=shown))
     except NoFeasiblePlan as exc:
         # Cached only when the search ran to its end: one cut short by max_trials may find a plan with more.
         if store is not None and distributed.is_writer() and len(exc.trials) < settings.max_trials:
             store.record_nothing_fits(parts, str(exc), exc.trials)
         raise
+    plan = timed(plan, laps)
+    if shown is not None:
+        shown.finish(account_of(plan))
     # A plan carries its key only when it is cached: a recovery during training writes back by key, to `store`.
+    # One cut short by max_tune_seconds is cached marked (`untried`), and served only to a fit bounded too.
     plan = plan.with_provenance(key=key if store is not None else "")
     if store is not None and distributed.is_writer():
         store.put(plan, parts)
@@ -262,6 +278,8 @@ def _cached(store: plan_cache.PlanCache, parts: dict[str, Any], settings: FitSet
         key = plan_cache.plan_key({**parts, "budget_bytes": budget})
         hit = store.get(key)
         if hit is None or not (explicit or fits(hit.peak_memory_bytes, settings.margin, budget_now)):
+            continue
+        if hit.evidence.untried is not None and settings.max_tune_seconds is None:  # cut short: a full tune now
             continue
         if (hit.host_peak_bytes or 0) > host_limit(settings):  # tuned where the host had more room: tune here
             continue

@@ -4,7 +4,7 @@ and figures a plan was chosen on, with its reason; `Provenance`, where the plan 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .configuration import Rung
@@ -21,6 +21,20 @@ NOISY = "noisy timings"  # how a noisy trial's note says so (the plan's reason c
 # error: the configuration raised an error other than an OOM (compile's, a kernel this device lacks); non_finite:
 # its loss was NaN or infinite. The search goes on without either.
 OUTCOMES = ("ok", "oom", "over_budget", "error", "non_finite")
+# A trial's phases, in the order they run: applying the configuration (its FP32 copy and casts included), the
+# offloaded optimizer's host buffers, compiling (the warm-up beyond a steady step, compiled configurations only),
+# the rest of the warm-up, the measured steps, putting the weights back, and giving the memory back.
+TRIAL_PHASES = ("set-up", "host buffers", "compile", "warm-up", "measured", "restore", "clean-up")
+
+
+def check_phases(name: str, phases: Any) -> None:
+    """`phases` must map phase names to non-negative seconds."""
+    if not isinstance(phases, dict):
+        raise ValueError(f"{name} must be a dict of phase name -> seconds, got {type(phases).__name__}")
+    for key, seconds in phases.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{name} keys must be phase names, got {key!r}")
+        check_non_negative_number(f"{name}[{key!r}]", seconds)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +61,9 @@ class Trial:
     noisy: bool = False  # its step times spread wide (on this rank or another): the plan's reason counts these
     overlapped: bool = False  # its measured steps overlapped the host optimizer with the last backward
     note: str = ""  # for people: what happened, in words; decisions read the fields above
+    # Where `seconds` went, in order: set-up, host buffers, compile, warm-up, measured, restore, clean-up (seconds
+    # each; `TRIAL_PHASES`); empty for a trial recorded before trials timed their phases. Not hashed: a dict.
+    phases: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rung, Rung):
@@ -61,6 +78,7 @@ class Trial:
         for name in ("noisy", "overlapped"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Trial.{name} must be a bool, got {getattr(self, name)!r}")
+        check_phases("Trial.phases", self.phases)
 
     @property
     def fits(self) -> bool:
@@ -69,6 +87,7 @@ class Trial:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["rung"] = dataclasses.asdict(self.rung)
+        d["phases"] = dict(self.phases)
         return d
 
     @classmethod
@@ -94,6 +113,13 @@ class Evidence:
     measured_samples_per_second: float | None = None  # what a real run under `autotune run` then trained
     # at (global batch over its median whole optimizer step); None until one did
     host_peak_bytes: int | None = None  # host bytes the configuration allocates (offload's buffers); None: unknown
+    tune_seconds: float = 0.0  # the tune's wall time, from fit's call to the plan (0: not tuned here, or unknown)
+    # Where the tune's time outside the trials went (the loss check, the cache look-up, the model's snapshot and
+    # its putting back, the search's set-up, "other"); the trials' own time is in their `phases`.
+    tune_phases: dict[str, float] = field(default_factory=dict, hash=False)
+    # Cut short by max_tune_seconds: how many configurations the search left untried (the plan is the best found
+    # in time, and the cache serves it only to a fit that bounds its tune too); None: the search ran to its end.
+    untried: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.trials, list):  # as JSON gives it back
@@ -108,12 +134,17 @@ class Evidence:
                 check_non_negative_number(f"Evidence.{name}", getattr(self, name))
         if self.host_peak_bytes is not None:
             check_non_negative_number("Evidence.host_peak_bytes", self.host_peak_bytes)
+        check_non_negative_number("Evidence.tune_seconds", self.tune_seconds)
+        check_phases("Evidence.tune_phases", self.tune_phases)
+        if self.untried is not None:
+            check_non_negative_int("Evidence.untried", self.untried)
         if not isinstance(self.reason, str):
             raise ValueError(f"Evidence.reason must be a string, got {type(self.reason).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["trials"] = [t.to_dict() for t in self.trials]
+        d["tune_phases"] = dict(self.tune_phases)
         return d
 
     @classmethod

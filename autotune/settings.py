@@ -35,6 +35,7 @@ ENV = {
     "measured_steps": "AUTOTUNE_TRIAL_STEPS",
     "max_micro_batch": "AUTOTUNE_MAX_MICRO_BATCH",
     "retune": "AUTOTUNE_RETUNE",
+    "max_tune_seconds": "AUTOTUNE_MAX_TUNE_SECONDS",
 }
 
 
@@ -53,6 +54,7 @@ class FitSettings:
     max_trials: int = DEFAULT_MAX_TRIALS
     max_micro_batch: int | None = None
     retune: bool = False
+    max_tune_seconds: float | None = None  # no new trial starts past it, once a configuration fitted
 
     def __post_init__(self) -> None:
         if self.global_batch_size is not None:
@@ -83,6 +85,10 @@ class FitSettings:
             raise InvalidSetting(f"max_micro_batch must be a positive integer, got {brief(self.max_micro_batch)}")
         if self.techniques is not None:
             object.__setattr__(self, "techniques", _technique_names(self.techniques))
+        bound = self.max_tune_seconds
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0
+                                  or bound == float("inf")):
+            raise InvalidSetting(f"max_tune_seconds must be a positive number of seconds, e.g. 120; got {brief(bound)}")
 
     @classmethod
     def resolve(cls, **given: Any) -> FitSettings:
@@ -123,7 +129,7 @@ def _from_env(name: str) -> Any:
     try:
         if name in ("global_batch_size", "measured_steps", "max_micro_batch", "max_length"):
             return int(raw)
-        if name == "margin":
+        if name in ("margin", "max_tune_seconds"):
             return float(raw)
         if name == "cache" and raw.lower() in ("0", "false", "off", "no"):
             return False
@@ -163,6 +169,7 @@ VARIABLES: dict[str, str] = {
     ENV["measured_steps"]: "measured steps per trial",
     ENV["max_micro_batch"]: "the largest micro-batch the search tries",
     ENV["retune"]: "1: tune again even where the cache has a plan",
+    ENV["max_tune_seconds"]: "fit's max_tune_seconds: no new trial starts past it, once a configuration fitted",
     TEAM_DIR_ENV: "a shared folder of plan files the team reads and writes",
     PROGRESS_ENV: "live, lines or off: how trials' progress is shown",
     PEAK_ENV: "the GPU's peak TFLOP/s, where autotune's table does not know it",

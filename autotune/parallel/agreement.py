@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..evidence import NOISY, Trial
+from ..evidence import NOISY, TRIAL_PHASES, Trial
 from .oom import agree_oom
 from .ranks import active, collective_device
 
@@ -43,12 +43,15 @@ def trial_figures(trial: Trial) -> list[float]:
     return [float(_OUTCOME_CODE[trial.outcome]), float(trial.peak_bytes), trial.step_seconds,
             trial.optimizer_seconds, float(trial.alloc_retries), -trial.samples_per_second, trial.seconds,
             trial.compile_seconds, float(trial.noisy), trial.reduce_seconds, trial.reduce_after_seconds,
-            float(trial.host_peak_bytes)]
+            float(trial.host_peak_bytes), *(trial.phases.get(name, 0.0) for name in TRIAL_PHASES)]
 
 
 def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
-    """This rank's `trial` with the figures agreed over ranks (`trial_figures`, MAX over ranks)."""
-    code, peak, step_s, opt_s, retries, neg_rate, seconds, compile_s, noisy, reduce_s, after_s, host = agreed
+    """This rank's `trial` with the figures agreed over ranks (`trial_figures`, MAX over ranks): each phase the
+    slowest rank's, and its seconds their sum (where the trial timed its phases)."""
+    code, peak, step_s, opt_s, retries, neg_rate, seconds, compile_s, noisy, reduce_s, after_s, host = agreed[:12]
+    phases = {name: s for name, s in zip(TRIAL_PHASES, agreed[12:]) if s > 0}
+    seconds = sum(phases.values()) if phases else seconds
     outcome = next(k for k, v in _OUTCOME_CODE.items() if v == int(code))
     ran = outcome in ("ok", "over_budget")
     note = trial.note if outcome == trial.outcome else _ANOTHER_RANK[outcome]
@@ -59,4 +62,5 @@ def merged_trial(trial: Trial, agreed: list[float]) -> Trial:
                                samples_per_second=-neg_rate if ran else 0.0, seconds=seconds,
                                compile_seconds=compile_s, reduce_seconds=reduce_s if ran else 0.0,
                                reduce_after_seconds=after_s if ran else 0.0, host_peak_bytes=int(host),
-                               noisy=bool(noisy), note=note)  # every rank counts the same noisy trials
+                               noisy=bool(noisy), note=note,  # every rank counts the same noisy trials
+                               phases=phases)

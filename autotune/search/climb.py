@@ -34,6 +34,7 @@ class Climb(Lines):
     max_trials: int
     notes: list[str]
     _settled: set[tuple[Rung, int]]  # (rung, micro-batch) already measured again: each is, once
+    skipped: set[Rung]  # rungs the time model ruled out unmeasured
     smallest: int
     floor: int
     floor_note: str
@@ -51,6 +52,7 @@ class Climb(Lines):
                 if bound is not None and bound <= best.samples_per_second * (1 + NOISE):
                     self.notes.append(f"skipped {rung.name}: at best {bound:,.1f} samples/s, "
                                       f"not above the {best.samples_per_second:,.1f} already measured")
+                    self.skipped.add(rung)
                     continue
             if len(self.trials) >= self.max_trials:
                 self.notes.append(f"stopped before {rung.name}: trial budget ({self.max_trials}) spent")

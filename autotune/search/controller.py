@@ -24,6 +24,7 @@ from ..configuration import Rung
 from ..errors import NoFeasiblePlan
 from ..evidence import Trial
 from .choice import Choice
+from .deadline import OutOfTime
 from .lines import NOISE, Compiled, Lattice, RungState, Runner
 from .placement import Placing, ruled_out
 
@@ -41,6 +42,7 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
     smallest: int = 1  # the fewest samples a micro-batch may hold (2 when batch statistics need them)
     floor_note: str = ""  # why micro-batch 1 was skipped (also first in `notes`), or ""
+    cut: bool = False  # max_tune_seconds stopped the search before it ran to its end
 
 
 # What to change when nothing fits, in `fit`'s words; `autotune run` gives its own options' (`advice`).
@@ -78,27 +80,55 @@ class Controller(Placing, Choice):
         self.smallest = 1  # fewest samples a micro-batch may hold: 2 once batch statistics refused 1
         self.floor = 1  # the smallest micro-batch tried: no split of per_rank at it holds fewer than `smallest`
         self.floor_note = ""  # why micro-batch 1 was skipped, once it was
+        self.lined_up: list[Rung] = []  # the configurations the search set out to measure
+        self.skipped: set[Rung] = set()  # of those, the ones the time model ruled out unmeasured
+        self.cut = False  # max_tune_seconds stopped it (`deadline.OutOfTime`)
 
     # -- top level -------------------------------------------------------------------------------------
     def search(self, rungs: Sequence[Rung], lattice: Lattice | None = None) -> SearchResult:
         """Measure the anchor `rungs` in order; then, given a `lattice`, place an intermediate block count
-        per offload and try compile where the measurements say they can win; pick the fastest."""
+        per offload and try compile where the measurements say they can win; pick the fastest. Cut short by
+        the runner's `OutOfTime` (max_tune_seconds), it picks from what it measured."""
         self.lattice = lattice or Lattice()
-        if lattice is None:
-            self._climb(rungs)
-        else:
-            # No recompute first, then compile beside it: compile's gain bounds what the recompute rungs
-            # can still win, so they are skipped rather than measured when they cannot.
-            self._climb([r for r in rungs if r.checkpointed_blocks == 0])
-            self._place_compile()
-            self._climb([r for r in rungs if r.checkpointed_blocks != 0])
-            self._place_blocks()
-            self._place_compile()
-            self._place_compiled_recompute()
+        self.lined_up = list(rungs)
+        try:
+            self._explore_all(rungs, lattice)
+        except OutOfTime:
+            self.cut = True
         best = self._best()
         if best is None:
             raise NoFeasiblePlan(self._nothing_fits(rungs), tuple(self.trials))
-        best = self._recheck_recompute(best)
-        best = self._runoff(best)
+        try:
+            best = self._recheck_recompute(best)
+            best = self._runoff(best)
+        except OutOfTime:
+            self.cut = True
+            best = self._best() or best
         return SearchResult(best=best, trials=list(self.trials), reason=self._reason(best), notes=self.notes,
-                            smallest=self.smallest, floor_note=self.floor_note)
+                            smallest=self.smallest, floor_note=self.floor_note, cut=self.cut)
+
+    def _explore_all(self, rungs: Sequence[Rung], lattice: Lattice | None) -> None:
+        if lattice is None:
+            self._climb(rungs)
+            return
+        # No recompute first, then compile beside it: compile's gain bounds what the recompute rungs
+        # can still win, so they are skipped rather than measured when they cannot.
+        self._climb([r for r in rungs if r.checkpointed_blocks == 0])
+        self._place_compile()
+        self._climb([r for r in rungs if r.checkpointed_blocks != 0])
+        self._place_blocks()
+        self._place_compile()
+        self._place_compiled_recompute()
+
+    def untried(self) -> int:
+        """How many of the configurations the search lined up have no trial yet and were not ruled out."""
+        tried = {t.rung for t in self.trials} | self.skipped
+        return sum(r not in tried for r in dict.fromkeys(self.lined_up))
+
+    def trials_planned(self) -> int:
+        """The trials the search still plans, estimated: each configuration lined up and not yet tried at the mean
+        number of trials a tried one took (at least two: a point and a prediction), and one more for the
+        configuration in progress or the final re-measurement, within the trial budget."""
+        tried = {t.rung for t in self.trials}
+        per_rung = max(2.0, len(self.trials) / len(tried)) if tried else 2.0
+        return min(max(0, self.max_trials - len(self.trials)), round(self.untried() * per_rung) + 1)

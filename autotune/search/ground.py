@@ -18,6 +18,7 @@ from ..devices.placement import Placement
 from ..errors import DeviceError
 from ..techniques.sharding import is_sharded, sharded_copy
 from .snapshot import Snapshot
+from .tune_time import Laps
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +34,26 @@ class Ground:
 
 @contextlib.contextmanager
 def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied: bool,
-              precision: str, snapshot_to_disk: bool = False, nodes: int = 1) -> Iterator[Ground]:
+              precision: str, snapshot_to_disk: bool = False, nodes: int = 1,
+              laps: Laps | None = None) -> Iterator[Ground]:
     """The model trials run on: `model` moved to the device or, `copied`, an FSDP2-sharded copy of it (sharding
     is in place and for good, and fit leaves the model as it found it) while `model` waits on the host, where
     the trials' peaks do not count it. On the way out, `model` is put back; a sharded copy's device shards
-    are freed. A copy on `nodes` > 1 is hybrid-sharded: within each node, replicated across them."""
+    are freed. A copy on `nodes` > 1 is hybrid-sharded: within each node, replicated across them. `laps` times
+    the snapshot with the move ("snapshot") and putting the model back ("put back")."""
+    laps = laps if laps is not None else Laps()
     home = device_of(model)
     away = torch.device("cpu") if copied else placement.torch_device
-    snapshot = Snapshot.take(model, optimizer, to_disk=snapshot_to_disk)
+    with laps.phase("snapshot"):
+        snapshot = Snapshot.take(model, optimizer, to_disk=snapshot_to_disk)
     poisoned = False
     try:
-        if home != away:
-            model.to(away)
-        tuned = sharded_copy(model, precision, nodes) if copied else model
-        if is_sharded(tuned):
-            distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
+        with laps.phase("snapshot"):
+            if home != away:
+                model.to(away)
+            tuned = sharded_copy(model, precision, nodes) if copied else model
+            if is_sharded(tuned):
+                distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
         yield Ground(model=tuned, reset=None if copied else snapshot.restore_values)
         del tuned
     except DeviceError as error:
@@ -56,7 +62,8 @@ def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied:
         raise
     finally:
         if not poisoned:
-            _put_back(model, home, snapshot)
+            with laps.phase("put back"):
+                _put_back(model, home, snapshot)
     if copied:  # the sharded copy holds reference cycles (FSDP's hooks): free its device shards now
         gc.collect()
         if placement.kind == "cuda":

@@ -12,11 +12,15 @@ against what is free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch import nn
 
 from ..configuration import Rung
 from ..devices.shards import is_shard
 from ..errors import NoFeasiblePlan
+from ..evidence import Trial
 from ..sizes import format_bytes, format_share
 from ..techniques.host_need import HostNeed, offload_need, with_snapshot
 from ..techniques.offload import overlap_default
@@ -93,3 +97,29 @@ def keep_within(rungs: list[Rung], model: nn.Module, spec: OptimizerSpec, device
     notes.append(f"{names} skipped: host memory {format_bytes(needs[least].total)} or more "
                  f"({needs[least].describe()}), over the host budget of {format_bytes(limit_bytes)}")
     return [r for r in rungs if r not in over], notes, caps
+
+
+def pinned_bytes(model: nn.Module, spec: OptimizerSpec, device_type: str,
+                 shares: dict[Rung, float]) -> Callable[[Rung, dict[str, Any]], int]:
+    """The host bytes a trial's optimizer offload allocates before it runs, for the progress line."""
+    def pinned(rung: Rung, kwargs: dict[str, Any]) -> int:
+        if rung.offload != "optimizer":
+            return 0
+        fraction = kwargs.get("offload_fraction", shares.get(rung, 1.0))
+        return need(rung, model, spec, device_type, fraction=fraction, snapshot=False).total
+
+    return pinned
+
+
+def at_shares(runner: Callable[..., Trial], shares: dict[Rung, float]) -> Callable[..., Trial]:
+    """`runner`, with each rung in `shares` run at its host share unless the call names one: the search's
+    trials of a rung whose whole optimizer would not fit the host measure it as it would train."""
+    if not shares:
+        return runner
+
+    def run(rung: Rung, micro: int, **kw: Any) -> Trial:
+        if rung in shares and "offload_fraction" not in kw:
+            kw["offload_fraction"] = shares[rung]
+        return runner(rung, micro, **kw)
+
+    return run

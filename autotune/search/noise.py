@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from ..evidence import Trial
+from .tune_time import merged
 
 RETRIES = 2  # readings more, at most, of a trial whose timing is in doubt
 # One micro-batch's time per sample over this times a smaller one's, on the same configuration, or its whole
@@ -47,7 +48,7 @@ def settle(first: Trial, again: Callable[[], Trial], siblings: Sequence[Trial] =
            retries: int = RETRIES) -> Trial:
     """`first`, in doubt, measured again up to `retries` times; the first reading no longer in doubt is kept
     (or the first that did not fit: a memory verdict stands), else the fastest. Its note gives every reading's
-    rate, and its `seconds` all of them."""
+    rate, and its `seconds` and `phases` all of them."""
     readings = [first]
     for _ in range(retries):
         reading = again()
@@ -59,4 +60,5 @@ def settle(first: Trial, again: Callable[[], Trial], siblings: Sequence[Trial] =
     rates = ", ".join(f"{t.samples_per_second:,.1f}" for t in readings if t.fits)
     note = f"timings in doubt, measured {len(readings)} times ({rates} samples/s)"
     return dataclasses.replace(kept, seconds=sum(t.seconds for t in readings),
+                               phases=merged([t.phases for t in readings]),
                                note=f"{kept.note}; {note}" if kept.note else note)

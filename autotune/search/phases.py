@@ -16,6 +16,7 @@ from ..techniques.offload.streamed import streams
 from ..workload.optimizers import state_tensors_per_parameter
 from . import host_budget, offload_overlap, partitioned_state, reduce_timing
 from .controller import NOISE, Controller
+from .deadline import OutOfTime
 from .offload_share import choose_offload_fraction, offload_rival
 from .state import SearchState
 from .trial import Workload
@@ -151,9 +152,14 @@ PHASES: tuple[Phase, ...] = (offload_share, partitioned, overlap, reduce)
 
 
 def run_phases(state: SearchState, ctx: PhaseContext, phases: tuple[Phase, ...] = PHASES) -> SearchState:
-    """Run `phases` in order over `state`; each refines the pick and records what it found."""
+    """Run `phases` in order over `state`; each refines the pick and records what it found. Once max_tune_seconds
+    has passed (a trial refused with `OutOfTime`), the phase in progress keeps what it had and the rest are skipped."""
     for phase in phases:
-        phase(state, ctx)
+        try:
+            phase(state, ctx)
+        except OutOfTime:
+            state.cut = True
+            break
     return state
 
 

@@ -23,6 +23,7 @@ from .. import settings
 from ..configuration import Rung
 from ..evidence import Trial
 from ..sizes import format_bytes, shorten
+from .tune_time import estimate_left
 
 log = logging.getLogger("autotune.progress")
 
@@ -70,6 +71,10 @@ class Progress:
         self.count = 0
         self.ooms = 0
         self._drawn = False
+        self.seconds: list[float] = []  # each finished trial's wall time
+        # The trials the search still plans (`Controller.trials_planned`), for the estimate of the time left;
+        # None: no estimate (a search not started, or one that cannot say)
+        self.planned: Callable[[], int] | None = None
 
     def watch(self, runner: Runner, what: str = "trial",
               host_bytes: Callable[[Rung, dict[str, Any]], int] | None = None) -> Runner:
@@ -94,7 +99,17 @@ class Progress:
     def end(self, trial: Trial, what: str = "trial") -> None:
         self.count += 1
         self.ooms += trial.outcome == "oom"
-        line = f"autotune: {what} {self.count}: {describe(trial)} ({self._so_far()})"
+        self.seconds.append(trial.seconds)
+        self.say(f"autotune: {what} {self.count}: {describe(trial)} ({self._so_far()})")
+
+    def finish(self, account: str) -> None:
+        """The last line: where the tune's time went (`tune_time.account`). Through logging, `fit`'s own closing
+        log line says it already."""
+        if self.live or self.direct:
+            self.say(f"autotune: {account}")
+
+    def say(self, line: str) -> None:
+        """A permanent line: under the live line's place on a terminal, else plain."""
         if self.live:
             self._write(_ERASE + line + "\n")
             self._drawn = False
@@ -111,7 +126,17 @@ class Progress:
 
     def _so_far(self) -> str:
         ooms = f", {self.ooms} OOM" if self.ooms else ""
-        return f"{self.count} trial(s){ooms}, {time.perf_counter() - self.started:.1f} s"
+        return f"{self.count} trial(s){ooms}, {time.perf_counter() - self.started:.1f} s{self._left()}"
+
+    def _left(self) -> str:
+        """", ~40 s left (estimate)": the mean trial's time so far times the trials the search still plans."""
+        if self.planned is None or not self.seconds:
+            return ""
+        planned = self.planned()
+        left = estimate_left(self.seconds, planned)
+        if left is None:
+            return ""
+        return f", ~{_duration(left)} left (estimate, {planned} more trial(s))" if planned else ", nearly done"
 
     def _draw(self, text: str) -> None:
         self._write(_ERASE + text)
@@ -123,6 +148,11 @@ class Progress:
             self.stream.flush()
         except (OSError, ValueError):  # stderr closed under us: progress is never worth failing a tune
             pass
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a person reads an estimate: "40 s", "3 min"."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def describe(trial: Trial) -> str:

@@ -35,12 +35,14 @@ class SearchState:
     overlap: bool | None = None  # `plan.offload_overlap`
     reduce_overlap: bool | None = None  # `plan.reduce_overlap`
     findings: list[Finding] = field(default_factory=list)
+    cut: bool = False  # max_tune_seconds stopped the search or the phases after it (`deadline.OutOfTime`)
+    untried: int = 0  # configurations the search lined up and neither measured nor ruled out
 
     @classmethod
     def of(cls, result: SearchResult) -> SearchState:
         """The state the controller's `result` starts the phases from (its trial and note lists shared)."""
         return cls(best=result.best, trials=result.trials, notes=result.notes, head=result.reason,
-                   smallest=result.smallest, floor_note=result.floor_note)
+                   smallest=result.smallest, floor_note=result.floor_note, cut=result.cut)
 
     def found(self, phase: str, clause: str, *, leads: bool = False) -> None:
         self.findings.append(Finding(phase=phase, clause=clause, leads=leads))

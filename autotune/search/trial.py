@@ -15,7 +15,6 @@ import dataclasses
 import gc
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from ..workload.losses import LossFn, LossForm
 from ..workload.optimizers import OptimizerSpec
 from .failures import FAILED, Failures, LossCheck, NonFiniteLoss, kept
 from .reduced_steps import ReduceGate, abba, reduced_step, reduced_steps
+from .tune_time import Laps, merged
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class TrialRunner:
         host during the measured steps' backward; replicated on several ranks, `reduce_pairs` times the
         all-reduced step that many times each way, in buckets and in one after backward (`ReduceGate`)."""
         work = self.work
-        started = time.perf_counter()
+        laps = Laps("set-up")  # every second of the trial, in its phases (`Trial.phases`)
         # Training may hold this rank's whole batch on the device (the caller put it there) while its micro-batches
         # run: the trial holds one of that size too, its micro-batch a view of it, so every peak counts it.
         held = batches.resize(work.batch, work.per_rank)
@@ -119,8 +119,10 @@ class TrialRunner:
                 with meter.watching(work.model, held), distributed.armed():  # a trial may run out of memory
                     applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
                                          offload_fraction=offload_fraction, overlap=True if overlap else None)
+                    laps.enter("warm-up")
+                    laps.move("set-up", "host buffers", applied.host_buffer_seconds)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
-                                         gate, reduce_pairs)
+                                         gate, reduce_pairs, laps)
             except Exception as exc:  # classified right here: autotune's own errors and a poisoned context raise
                 if is_device_poisoned(exc):
                     poisoned = True  # clean-up must make no CUDA call: it would fail too and hide this error
@@ -140,16 +142,16 @@ class TrialRunner:
             # peak now, before clean-up resets the allocator's statistics.
             reading = meter.read()
         finally:
-            _clean_up(work, applied, device_calls=not poisoned)
+            _clean_up(work, applied, laps, device_calls=not poisoned)
         del micro_batch, held
-        trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure,
-                            time.perf_counter() - started, failed_as)
+        trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure, failed_as)
         trial = dataclasses.replace(trial, host_peak_bytes=host.grown())
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
                 [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
                 [f"offload fraction {format_share(offload_fraction)}"])
         tags += [OVERLAPPED] if overlap else []
-        trial = dataclasses.replace(trial, overlapped=bool(overlap))
+        phases = laps.close()  # the trial's end: what follows is the ranks agreeing, and a reset
+        trial = dataclasses.replace(trial, overlapped=bool(overlap), seconds=sum(phases.values()), phases=phases)
         tags += [REDUCE_BOTH_WAYS] if reduce_pairs and gate.opened and trial.fits else []
         if tags:
             trial = dataclasses.replace(trial, note="; ".join([*tags, trial.note] if trial.note else tags))
@@ -157,13 +159,16 @@ class TrialRunner:
         if trial.outcome in FAILED:  # here or, agreed, on another rank (its note says so)
             self.failures.record(trial, failure if trial.outcome == failed_as else trial.note, error)
         if trial.outcome == "non_finite" and work.reset is not None:
-            work.reset()
+            reset = Laps("restore")  # the weights a NaN loss stepped put back: this rank's restore, counted in
+            work.reset()  # after the ranks agreed on the rest
+            trial = dataclasses.replace(trial, seconds=trial.seconds + sum(reset.close().values()),
+                                        phases=merged([trial.phases, reset.phases]))
         return trial
 
 
 def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured: int, overlap: bool = False,
-               gate: ReduceGate | None = None,
-               reduce_pairs: int = 0) -> tuple[float, float, float, float, float, str]:
+               gate: ReduceGate | None = None, reduce_pairs: int = 0,
+               laps: Laps | None = None) -> tuple[float, float, float, float, float, str]:
     """Median (forward+backward seconds, optimizer seconds) over the measured steps, the warm-up steps' time
     beyond them (compile time, on a compiled configuration), the all-reduce's cost in buckets (`ReduceGate`;
     in the optimizer seconds too) and in one after backward (with `reduce_pairs`, else 0), and a note when the
@@ -179,7 +184,11 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     On the CPU, timings whose spread is wide (another process competing for the cores: on a busy 2-core
     machine micro-batch 1 once "measured" 15x micro-batch 2) earn more measured steps, up to
     `MAX_STEPS_FACTOR` times as many, so the median rests on more than two or three readings.
+
+    `laps` (the trial's phases) is in its warm-up when called; it leaves the warm-up's compiling (compiled
+    configurations only) to "compile", and is in "measured" from the first measured step on.
     """
+    laps = laps if laps is not None else Laps()
     work.model.train()
     counts = label_counts(work.model, micro_batch)
     tokens = None if counts is None else float(counts.sum())
@@ -190,6 +199,7 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     step = lambda armed: _timed_step(applied, micro_batch, work, tokens, form, armed, losses)  # noqa: E731
     warmup = sum(sum(step(True)) for _ in range(work.warmup_steps))
     losses.check("the warm-up steps")  # read here, not in a timed step: reading a loss waits for the device
+    laps.enter("measured")
     times = [step(overlap) for _ in range(measured)]
     # Not under torch.distributed: each rank would judge its own spread and run its own number of steps (a
     # sharded model's steps are collectives); the ranks' MAX of the step time is the agreed figure there.
@@ -201,6 +211,8 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     noisy = spread(times) > NOISY_SPREAD
     note = f"{NOISY} (step times spread {spread(times):.0%} over {len(times)} steps)" if noisy else ""
     compile_s = max(0.0, warmup - work.warmup_steps * (step_s + opt_s))
+    if applied.rung.compile:
+        laps.move("warm-up", "compile", compile_s)
     reduce_s = after_s = 0.0
     if gate is not None and gate.open():
         forward = lambda weights: _loss(applied, micro_batch, work, weights, tokens, form)  # noqa: E731
@@ -258,7 +270,8 @@ def noise_note(trials: list[Trial]) -> str:
             "competing for the CPU?), so the pick between close configurations may not hold")
 
 
-def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool = True) -> None:
+def _clean_up(work: Workload, applied: AppliedRung | None, laps: Laps | None = None, *,
+              device_calls: bool = True) -> None:
     """Undo the rung and give every byte of the trial back before the next one measures its peak.
 
     The trial's optimizer (and its state: 8 bytes a parameter for AdamW) must be dropped before
@@ -269,12 +282,15 @@ def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool
     Raises:
         DeviceError: the synchronize or `empty_cache()` reported a poisoned context.
     """
+    laps = laps if laps is not None else Laps()
+    laps.enter("restore")  # the weights back as they were: FP32 copies, shards, the host optimizer's masters
     reset_after_failure(work.model)  # FSDP2: a step that failed left blocks unsharded
     if applied is not None:
         offload_of(applied.optimizer).discard_state()  # its moments go before the FP32 weights come back
         applied.remove()
         applied.optimizer = None
         applied.scaler = None
+    laps.enter("clean-up")
     for p in work.model.parameters():
         p.grad = None
     gc.collect()
@@ -290,17 +306,18 @@ def _clean_up(work: Workload, applied: AppliedRung | None, *, device_calls: bool
 
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,
-                timings: tuple[float, float, float, float, float, str] | None, failure: str, seconds: float,
+                timings: tuple[float, float, float, float, float, str] | None, failure: str,
                 failed_as: str = "oom") -> Trial:
+    """The trial's record; its `seconds` and `phases` are set once it has cleaned up."""
     if timings is None:  # the trial failed: `failed_as` says how
-        return Trial(rung=rung, micro_batch_size=micro, outcome=failed_as, peak_bytes=peak, seconds=seconds,
+        return Trial(rung=rung, micro_batch_size=micro, outcome=failed_as, peak_bytes=peak,
                      alloc_retries=retries, note=shorten(failure, 200))
     step_s, opt_s, compile_s, reduce_s, after_s, noisy = timings
     rate = _rate(step_s, opt_s, work.per_rank, work.world_size, micro)
     outcome = "ok" if peak <= work.limit_bytes else "over_budget"
     note = noisy if outcome == "ok" else (f"peak {format_bytes(peak)} is above the {format_bytes(work.limit_bytes)} "
                                           "limit (budget less margin)")
-    return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak, seconds=seconds,
+    return Trial(rung=rung, micro_batch_size=micro, outcome=outcome, peak_bytes=peak,
                  step_seconds=step_s, optimizer_seconds=opt_s, samples_per_second=rate,
                  alloc_retries=retries, compile_seconds=compile_s if rung.compile else 0.0, reduce_seconds=reduce_s,
                  reduce_after_seconds=after_s, noisy=outcome == "ok" and bool(noisy), note=note)

@@ -5,8 +5,7 @@ and `verify`, one trial of a plan from elsewhere before it is served."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -39,6 +38,7 @@ from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from . import host_budget, typical
 from .anchors import anchors, eight_bit_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
+from .deadline import Deadline, OutOfTime
 from .failures import Failures
 from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
@@ -48,6 +48,7 @@ from .phases import PhaseContext, run_phases
 from .progress import Progress
 from .state import SearchState, reason
 from .trial import TrialRunner, Workload
+from .tune_time import Laps
 
 # When nothing fits in a job of `autotune run` (cooperative): its --budget is the budget, unless the script
 # passes its own to fit.
@@ -75,6 +76,8 @@ class Job:
     bound: int | None = None
     progress: Progress | None = None
     typical: Any = None  # the example at its own length, where `batch` is it lengthened to max_length
+    laps: Laps = field(default_factory=Laps)  # the tune's time outside its trials, from fit's call
+    deadline: Deadline = field(default_factory=Deadline)  # max_tune_seconds
 
 
 @dataclass(kw_only=True)
@@ -121,7 +124,7 @@ def tune(job: Job) -> Plan:
     to_disk = snapshot_on_disk(job.model)  # once: the snapshot's own file takes the disk room it asks for
     try:
         plan = _tune_as(job, spec, peak, limit, plain.precision, sharding, sharding_reason, to_disk)
-        if job.placement.simulated or not sharding_may_win(plan, job.model, job.world):
+        if job.placement.simulated or not sharding_may_win(plan, job.model, job.world) or job.deadline.passed():
             return plan
         try:
             sharded = _tune_as(job, spec, peak, limit, plain.precision, "fsdp2", "", to_disk)
@@ -163,7 +166,7 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     copied = sharding == "fsdp2" and not is_sharded(job.model)
     failures = Failures()
     with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision,
-                   snapshot_to_disk=snapshot_to_disk) as ground:
+                   snapshot_to_disk=snapshot_to_disk, laps=job.laps) as ground:
         found = _search_or_fp32(job, ground, spec, limit, not snapshot_to_disk, failures)
         at_typical = None if isinstance(found, BaseException) else _at_typical_length(job, found[0], found[2])
     if isinstance(found, BaseException):  # raised out here: the model is back as the user gave it, and the
@@ -180,7 +183,8 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     loss_note = work.loss_form.note if work.loss_form is not None else ""
     text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes, *closing],
                   first="; ".join(n for n in (sharding_reason, fp32_note) if n),
-                  last=tuple(n for n in (failures.clause(best_rung.precision), loss_note) if n))
+                  last=tuple(n for n in (failures.clause(best_rung.precision), loss_note, job.deadline.clause(
+                      state.cut, len(state.trials), state.untried)) if n))
     best, fraction = state.best, state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
     host_fraction = fraction or 1.0  # what the host holds, for its need below
@@ -202,6 +206,7 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
                 reduce_overlap=state.reduce_overlap,
                 mfu=utilization(flops.per_sample, rate, job.world, peak, best.rung.precision),
                 min_micro_batch_size=state.smallest, techniques=tuple(sorted(job.allowed)), max_length=tokens,
+                untried=state.untried if state.cut else None,
                 host_peak_bytes=_host_peak(best, host_budget.need(best.rung, job.model, spec, job.placement.kind,
                                                                   fraction=host_fraction, overlap=state.overlap,
                                                                   snapshot=False).total, job.placement.kind))
@@ -256,34 +261,41 @@ def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_
     workload. `failures` collects the trials that failed for a reason other than memory; `earlier` are trials of
     a search before this one, kept in the record (and in the trial budget)."""
     tuned = ground.model
+    job.deadline.begin_search()
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
     example = batches.detached(batches.to_device(job.batch, job.placement.torch_device))
     loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
-    setup = _setup(job, tuned, spec, limit, example, loss)
-    host = host_limit(job.settings)  # read once: the default follows the machine's free memory
-    rungs, host_notes, host_shares = host_budget.keep_within(setup.rungs, tuned, spec, job.placement.kind, host,
-                                                             snapshot=snapshot_in_ram)
+    with job.laps.phase("search set-up"):  # the blocks' profile (a forward), the anchors, the FLOP count
+        setup = _setup(job, tuned, spec, limit, example, loss)
+        host = host_limit(job.settings)  # read once: the default follows the machine's free memory
+        rungs, host_notes, host_shares = host_budget.keep_within(setup.rungs, tuned, spec, job.placement.kind, host,
+                                                                 snapshot=snapshot_in_ram)
     work = Workload(model=tuned, batch=example, loss_fn=loss, spec=spec, placement=job.placement,
                     budget_bytes=job.budget, limit_bytes=limit, per_rank=job.per_rank, world_size=job.world,
                     blocks=setup.blocks, warmup_steps=job.settings.warmup_steps,
                     measured_steps=job.settings.measured_steps, host_limit_bytes=host,
                     snapshot_in_ram=snapshot_in_ram, reset=ground.reset)
-    flops = count_flops(tuned, work.batch, work.loss_fn, job.placement)
-    runner = _at_host_shares(TrialRunner(work, agree=distributed.agree_trial, failures=failures), host_shares)
+    with job.laps.phase("search set-up"):
+        flops = count_flops(tuned, work.batch, work.loss_fn, job.placement)
+    runner = host_budget.at_shares(TrialRunner(work, agree=distributed.agree_trial, failures=failures), host_shares)
     longer = lambda rung, micro: runner(rung, micro, measured_steps=2 * work.measured_steps)  # noqa: E731
     if job.progress is not None:
-        pinned = _pinned_bytes(tuned, spec, job.placement.kind, host_shares)
+        pinned = host_budget.pinned_bytes(tuned, spec, job.placement.kind, host_shares)
         runner, longer = job.progress.watch(runner, host_bytes=pinned), job.progress.watch(longer, "re-measure")
+    runner, longer = job.deadline.guard(runner), job.deadline.guard(longer)  # no trial starts past the bound
     controller = Controller(runner, per_rank=job.per_rank, limit_bytes=limit, max_micro=job.bound,
                             max_trials=job.settings.max_trials, world_size=job.world, remeasure=longer,
                             retry=longer if job.placement.simulated else None,  # search/noise.py
                             advice=RUN_ADVICE if result_file() is not None else FIT_ADVICE)
     controller.notes.extend(setup.dropped + host_notes)  # in the plan's reason, and in the error if nothing fits
     controller.trials.extend(earlier)
+    if job.progress is not None:
+        job.progress.planned = controller.trials_planned  # for the estimate of the time left
     state = SearchState.of(controller.search(rungs, setup.lattice))
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
+    state.untried = controller.untried()
     return state, setup, work, flops
 
 
@@ -292,35 +304,19 @@ def _at_typical_length(job: Job, state: SearchState, work: Workload) -> typical.
     note goes to the plan's reason); None otherwise, or where that trial did not run clean."""
     if job.typical is None:
         return None
-    rate, note = typical.measure(state, work, job.typical, job.progress.watch if job.progress is not None else None)
+    progress = job.progress
+
+    def watch(runner: typical.Runner, what: str) -> typical.Runner:
+        return job.deadline.guard(progress.watch(runner, what) if progress is not None else runner)
+
+    try:
+        rate, note = typical.measure(state, work, job.typical, watch)
+    except OutOfTime:
+        state.cut = True
+        rate, note = None, ("rate at the example's length not measured (max_tune_seconds passed): the figures are "
+                            "at max_length")
     state.notes.append(note)
     return rate
-
-
-def _pinned_bytes(model: nn.Module, spec: OptimizerSpec, device_type: str,
-                  shares: dict[Rung, float]) -> Callable[[Rung, dict[str, Any]], int]:
-    """The host bytes a trial's optimizer offload allocates before it runs, for the progress line."""
-    def pinned(rung: Rung, kwargs: dict[str, Any]) -> int:
-        if rung.offload != "optimizer":
-            return 0
-        fraction = kwargs.get("offload_fraction", shares.get(rung, 1.0))
-        return host_budget.need(rung, model, spec, device_type, fraction=fraction, snapshot=False).total
-
-    return pinned
-
-
-def _at_host_shares(runner: Callable[..., Trial], shares: dict[Rung, float]) -> Callable[..., Trial]:
-    """`runner`, with each rung in `shares` run at its host share unless the call names one: the search's
-    trials of a rung whose whole optimizer would not fit the host measure it as it would train."""
-    if not shares:
-        return runner
-
-    def run(rung: Rung, micro: int, **kw: Any) -> Trial:
-        if rung in shares and "offload_fraction" not in kw:
-            kw["offload_fraction"] = shares[rung]
-        return runner(rung, micro, **kw)
-
-    return run
 
 
 def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example: Any, loss: Any) -> _Setup:

@@ -5,6 +5,7 @@ A technique that is off is a null context or a no-op, so the training step has o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class AppliedRung:
     autocast: Callable[[], AbstractContextManager[object]]
     scaler: torch.amp.GradScaler | None
     _undo: list[Callable[[], None]]
+    host_buffer_seconds: float = 0.0  # of `apply_rung`'s time, what building the host optimizer's buffers took
 
     def inputs(self, micro_batch: Any) -> Any:
         """The micro-batch as the model should get it: `Shared` tensors unwrapped; under compile, with a
@@ -84,6 +86,7 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
     stepping them during the last backward unless `overlap` is False (`Plan.offload_overlap`).
     """
     undo: list[Callable[[], None]] = []
+    host_seconds = 0.0
     try:
         scaler = make_scaler(rung.precision, placement)
         count = block_count(rung, blocks)  # refuses checkpointing on a model without repeated blocks
@@ -101,8 +104,10 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             # fp32 (a float64 model's): the device weights keep their dtype, only the optimizer moves
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(rung.precision, torch.float32)
             held = [trainable[i] for i in spec.held()]  # no master or state for a parameter no group holds
+            started = time.perf_counter()
             opt: Any = HostOptimizer(held, spec.over_held(), dtype, scaler, state, keep_fp32=norm_parameters(model),
                                      fraction=offload_fraction, overlap=overlap)
+            host_seconds = time.perf_counter() - started  # masters, moments, pinned buffers: a trial's phase
             undo.append(opt.restore)
         elif rung.optimizer_8bit:  # a given 8-bit optimizer is kept (recovery); the user's FP32 one is not
             opt = (optimizer if optimizer_8bit.is_eight_bit(optimizer)
@@ -111,7 +116,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             opt = optimizer if optimizer is not None else spec.build(trainable)
             step_fused_on_shards(opt)  # the user's own, under plan.apply (`spec.build` fused its own)
         return AppliedRung(rung=rung, model=model, optimizer=opt, scaler=scaler,
-                           autocast=autocast_factory(rung.precision, placement), _undo=undo)
+                           autocast=autocast_factory(rung.precision, placement), _undo=undo,
+                           host_buffer_seconds=host_seconds)
     except BaseException:
         for fn in reversed(undo):
             fn()

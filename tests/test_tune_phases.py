@@ -1,0 +1,83 @@
+"""Every second of a trial is in one of its phases, on the CPU under the simulated ceiling: real trials of a small
+GPT, fitting and out of memory, with the phases adding up to the wall time a caller measures around the trial."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig, random_batch
+
+from autotune.configuration import Rung
+from autotune.devices.placement import resolve_device
+from autotune.evidence import TRIAL_PHASES, Evidence, Trial
+from autotune.search.trial import TrialRunner, Workload
+from autotune.techniques import find_blocks
+from autotune.workload.losses import resolve
+from autotune.workload.optimizers import OptimizerSpec
+
+CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
+
+
+def _runner(budget: int) -> TrialRunner:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    work = Workload(model=model, batch=random_batch(CFG, 8), loss_fn=resolve(None),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=budget,
+                    limit_bytes=int(0.9 * budget), per_rank=8, blocks=find_blocks(model), measured_steps=2)
+    return TrialRunner(work)
+
+
+def _timed(runner: TrialRunner, rung: Rung, micro: int) -> tuple[Trial, float]:
+    started = time.perf_counter()
+    trial = runner(rung, micro)
+    return trial, time.perf_counter() - started
+
+
+def _adds_up(trial: Trial, wall: float) -> None:
+    total = sum(trial.phases.values())
+    assert abs(total - wall) <= 0.05 * wall, (trial.phases, wall)
+    assert trial.seconds == pytest.approx(total)
+    assert set(trial.phases) <= set(TRIAL_PHASES), trial.phases
+
+
+@pytest.mark.parametrize("rung", [Rung(), Rung(checkpointing="full"), Rung(checkpointing="full", offload="optimizer")],
+                         ids=lambda r: r.name)
+def test_a_fitting_trials_phases_add_up_to_its_wall_time(rung: Rung) -> None:
+    runner = _runner(2**40)
+    trial, wall = _timed(runner, rung, 4)
+    assert trial.fits, trial.note
+    _adds_up(trial, wall)
+    for phase in ("set-up", "warm-up", "measured", "restore", "clean-up"):
+        assert trial.phases.get(phase, 0) > 0, (phase, trial.phases)
+    # the measured steps take most of the step time the trial recorded: at least its median steps' worth
+    assert trial.phases["measured"] >= 2 * (trial.step_seconds + trial.optimizer_seconds) * 0.9
+    if rung.offload == "optimizer":  # the host optimizer's masters and moments: a phase of their own
+        assert trial.phases["host buffers"] > 0, trial.phases
+
+
+def test_an_out_of_memory_trials_phases_add_up_too() -> None:
+    runner = _runner(2**40)
+    fitting = runner(Rung(), 8)
+    runner = _runner(fitting.peak_bytes // 3)  # the weights and state fit, the step's activations do not
+    trial, wall = _timed(runner, Rung(), 8)
+    assert trial.outcome == "oom", trial
+    _adds_up(trial, wall)
+    assert "measured" not in trial.phases  # it never got there
+
+
+def test_phases_round_trip_and_a_trial_recorded_before_them_still_loads() -> None:
+    trial = Trial(rung=Rung(), micro_batch_size=2, outcome="ok", seconds=1.5,
+                  phases={"set-up": 0.5, "measured": 1.0})
+    assert Trial.from_dict(trial.to_dict()) == trial
+    old = trial.to_dict()
+    del old["phases"]
+    assert Trial.from_dict(old).phases == {}
+    evidence = Evidence(peak_memory_bytes=1, samples_per_second=1.0, trials=(trial,), tune_seconds=2.0,
+                        tune_phases={"snapshot": 0.3, "other": 0.2})
+    assert Evidence.from_dict(evidence.to_dict()) == evidence
+    before = {k: v for k, v in evidence.to_dict().items() if k not in ("tune_seconds", "tune_phases", "untried")}
+    assert Evidence.from_dict(before).tune_phases == {}
+    with pytest.raises(ValueError, match=r"Trial.phases\['measured'\] must be a non-negative number"):
+        Trial(rung=Rung(), micro_batch_size=2, outcome="ok", phases={"measured": -1.0})
