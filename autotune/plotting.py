@@ -4,7 +4,9 @@ Left, throughput against micro-batch, one line per configuration tried; right, p
 micro-batch with the budget and the limit (budget less margin) drawn across, and under offload the host memory
 each trial raised as a dotted line of squares. The chosen plan is a star
 on both; an out-of-memory trial is a cross (on the axis for throughput, which it never measured); a trial
-that ran but left too little headroom is a hollow circle. Everything comes from the plan itself, so a
+that ran but left too little headroom is a hollow circle. Below, where the trials recorded their phases, one
+stacked bar per trial in the order they ran: where its seconds went (set-up, host buffers, compile, warm-up,
+measured steps, restore, clean-up). Everything comes from the plan itself, so a
 plan from the cache, from `autotune run --json` or from a benchmark's log draws the same.
 
 matplotlib is optional (the `plot` extra, or `pip install matplotlib`), imported only here and only when drawing.
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AutotuneError
-from .evidence import Trial
+from .evidence import TRIAL_PHASES, Trial
 from .plan import Plan
 
 INSTALL_HINT = "pip install matplotlib (what the 'plot' extra installs)"
@@ -65,8 +67,12 @@ def search_figure(plan: Plan, *, title: str = "") -> Any:
 
     if not plan.trials:
         raise ValueError("the plan holds no trials to draw; plot a plan that was tuned (not one built by hand)")
-    fig = Figure(figsize=(13, 5.2), layout="constrained")
-    speed, memory = fig.subplots(1, 2)
+    timed = any(t.phases for t in plan.trials)  # a plan tuned before trials timed their phases has no third panel
+    fig = Figure(figsize=(13, 9.0 if timed else 5.2), layout="constrained")
+    grid = fig.add_gridspec(2 if timed else 1, 2, height_ratios=[3, 2] if timed else [1])
+    speed, memory = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    if timed:
+        _draw_phases(fig.add_subplot(grid[1, :]), plan.trials)
     unit, scale = _rate_unit(plan)
     size_unit, size = ("GiB", GIB) if plan.memory_budget_bytes >= GIB else ("MiB", 2**20)
     colors = _colors(plan.trials)
@@ -86,6 +92,22 @@ def search_figure(plan: Plan, *, title: str = "") -> Any:
     memory.legend(fontsize=8, loc="best")
     fig.suptitle(_title(plan, title), fontsize=11)
     return fig
+
+
+def _draw_phases(ax: Any, trials: Sequence[Trial]) -> None:
+    """One stacked bar per trial, in the order they ran: the seconds of each of its phases."""
+    runs = range(1, len(trials) + 1)
+    bottom = [0.0] * len(trials)
+    for i, phase in enumerate(p for p in TRIAL_PHASES if any(t.phases.get(p) for t in trials)):
+        heights = [t.phases.get(phase, 0.0) for t in trials]
+        ax.bar(runs, heights, bottom=bottom, color=f"C{i % 10}", label=phase, width=0.7)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks(list(runs), [f"{n}\n{t.micro_batch_size}" for n, t in zip(runs, trials)], fontsize=7)
+    ax.set_xlabel("trial, in the order run (micro-batch below)")
+    ax.set_ylabel("seconds")
+    ax.set_title("where each trial's time went", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", ncols=4)
+    ax.grid(True, axis="y", alpha=0.3)
 
 
 def _rate_unit(plan: Plan) -> tuple[str, float]:
@@ -189,5 +211,6 @@ def _title(plan: Plan, title: str) -> str:
             else f"{plan.samples_per_second:,.1f} samples/s")
     mfu = f", MFU {plan.mfu:.1%}" if plan.mfu is not None else ""
     what = f"{title} on " if title else ""
-    return (f"{what}{plan.device_name or plan.device}: {len(plan.trials)} trials; chosen {plan.rung.name}, "
+    took = f" in {plan.evidence.tune_seconds:,.1f} s" if plan.evidence.tune_seconds else ""
+    return (f"{what}{plan.device_name or plan.device}: {len(plan.trials)} trials{took}; chosen {plan.rung.name}, "
             f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation, {rate}{mfu}")

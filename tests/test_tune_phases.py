@@ -1,9 +1,12 @@
 """Every second of a trial is in one of its phases, on the CPU under the simulated ceiling: real trials of a small
-GPT, fitting and out of memory, with the phases adding up to the wall time a caller measures around the trial."""
+GPT, fitting and out of memory, with the phases adding up to the wall time a caller measures around the trial; and
+`autotune plot` stacks them per trial."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from gpt import GPT, GPTConfig, random_batch
 from autotune.configuration import Rung
 from autotune.devices.placement import resolve_device
 from autotune.evidence import TRIAL_PHASES, Evidence, Trial
+from autotune.plan import Plan
+from autotune.plotting import draw_search, search_figure
 from autotune.search.trial import TrialRunner, Workload
 from autotune.techniques import find_blocks
 from autotune.workload.losses import resolve
@@ -81,3 +86,26 @@ def test_phases_round_trip_and_a_trial_recorded_before_them_still_loads() -> Non
     assert Evidence.from_dict(before).tune_phases == {}
     with pytest.raises(ValueError, match=r"Trial.phases\['measured'\] must be a non-negative number"):
         Trial(rung=Rung(), micro_batch_size=2, outcome="ok", phases={"measured": -1.0})
+
+
+def test_the_plot_stacks_each_trials_phases_in_the_order_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    runner = _runner(2**40)
+    trials = (runner(Rung(), 2), runner(Rung(checkpointing="full", offload="optimizer"), 4))
+    plan = Plan.of(precision="bf16", micro_batch_size=4, global_batch_size=8, memory_budget_bytes=2**30,
+                   peak_memory_bytes=trials[1].peak_bytes, samples_per_second=trials[1].samples_per_second,
+                   trials=trials, reason="tuned", tune_seconds=3.0, tune_phases={"loss check": 0.5, "other": 0.1})
+    figure = search_figure(plan)
+    assert len(figure.axes) == 3
+    time_axis = figure.axes[2]
+    shown = [text.get_text() for text in time_axis.get_legend().get_texts()]
+    assert shown == [p for p in TRIAL_PHASES if any(t.phases.get(p) for t in trials)] and "host buffers" in shown
+    tops = [max(bar.get_y() + bar.get_height() for c in time_axis.containers for bar in c if bar.get_x() < n + 0.5
+                and bar.get_x() > n - 0.5) for n in (1, 2)]
+    assert tops == pytest.approx([t.seconds for t in trials])  # each bar is the whole trial, stacked
+    assert "in 3.0 s" in figure._suptitle.get_text()
+    assert draw_search(plan, tmp_path / "search.png").stat().st_size > 0
+    untimed = Plan.of(precision="bf16", micro_batch_size=4, global_batch_size=8, memory_budget_bytes=2**30,
+                      peak_memory_bytes=1, samples_per_second=1.0, reason="by hand",
+                      trials=tuple(dataclasses.replace(t, phases={}) for t in trials))
+    assert len(search_figure(untimed).axes) == 2  # a plan from before phases: no third panel
