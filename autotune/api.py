@@ -145,6 +145,7 @@ def fit(
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
     plan = plan.with_evidence(reason=checked.reason(plan.reason))
+    distributed.agree_on_plan(plan.config.to_dict())  # one plan on every rank, or an error naming the odd ones
     remember_fit_loss(model, loss_fn)  # plan.apply(model, ...) trains with the loss fit tuned with
     if store is not None and plan.key:
         report_recoveries_to(plan.key, _recorder(store))  # a recovery in training is recorded in this cache

@@ -184,7 +184,9 @@ def cross_node_seconds(mesh: Any, nbytes: int, repeats: int = 3) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    median = torch.tensor([sorted(times[1:])[len(times[1:]) // 2]], dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the slowest pair of nodes, the same figure on every rank
+    return float(median.item())
 
 
 # -- one plan on every rank ---------------------------------------------------------------------------------
@@ -206,6 +208,8 @@ def agree_on_plan(config: dict[str, Any]) -> None:
     """
     if not active():
         return
+    # The longest sequence each rank's own example held: trials agree on the worst, the record may differ.
+    config = {name: value for name, value in config.items() if name != "max_length"}
     mine = torch.tensor(list(bytes.fromhex(digest(config))), dtype=torch.int32, device=collective_device())
     gathered = [torch.zeros_like(mine) for _ in range(world_size())]
     dist.all_gather(gathered, mine)

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import parallel as distributed
 from .. import settings
-from ..configuration import Rung
+from ..configuration import FSDP, Rung
 from ..devices import allocator
 from ..devices import host as host_memory
 from ..devices.peaks import DevicePeak, device_peak
@@ -43,9 +43,9 @@ from .failures import Failures
 from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
 from .ground import Ground, trials_on
-from .lines import NOISE
 from .phases import PhaseContext, run_phases
 from .progress import Progress
+from .sharding_choice import replicated_or_sharded, sharding_may_win, with_hybrid
 from .state import SearchState, reason
 from .trial import TrialRunner, Workload
 from .tune_time import Laps
@@ -124,6 +124,8 @@ def tune(job: Job) -> Plan:
     to_disk = snapshot_on_disk(job.model)  # once: the snapshot's own file takes the disk room it asks for
     try:
         plan = _tune_as(job, spec, peak, limit, plain.precision, sharding, sharding_reason, to_disk)
+        hybrid = lambda: _tune_as(job, spec, peak, limit, plain.precision, "hsdp", "", to_disk)  # noqa: E731
+        plan = with_hybrid(plan, job.model, hybrid)  # on several nodes, flat FSDP2 or hybrid, by measurement
         if job.placement.simulated or not sharding_may_win(plan, job.model, job.world) or job.deadline.passed():
             return plan
         try:
@@ -141,31 +143,14 @@ def tune(job: Job) -> Plan:
             job.progress.close()
 
 
-def sharding_may_win(plan: Plan, model: nn.Module, world: int) -> bool:
-    """Whether a sharded search could beat replicated `plan`: on two or more ranks, for a model not sharded
-    already, where the replicated plan spends time on memory (blocks recomputed, something offloaded)."""
-    if world < 2 or is_sharded(model) or plan.sharding != "none":
-        return False
-    return plan.checkpointing != "none" or plan.offload != "none"
-
-
-def replicated_or_sharded(replicated: Plan, sharded: Plan) -> Plan:
-    """The faster of the two measured plans, replicated on a tie (within `NOISE`), the other's figure said."""
-    faster = sharded.samples_per_second > (1 + NOISE) * replicated.samples_per_second
-    kept, other = (sharded, replicated) if faster else (replicated, sharded)
-    ratio = kept.samples_per_second / max(other.samples_per_second, 1e-12)
-    how = "sharded with FSDP2" if faster else "replicated"
-    note = (f"{how}: {kept.samples_per_second:,.1f} samples/s, {ratio:.2f}x the "
-            f"{'replicated' if faster else 'sharded'} plan's {other.samples_per_second:,.1f} ({other.summary()})")
-    return kept.with_config(reason=f"{note}; {kept.reason}")
-
-
 def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precision: str, sharding: str,
              sharding_reason: str, snapshot_to_disk: bool) -> Plan:
     """One search with the model replicated (`sharding` "none") or sharded with FSDP2, and its plan."""
-    copied = sharding == "fsdp2" and not is_sharded(job.model)
+    copied = sharding in FSDP and not is_sharded(job.model)
+    nodes = distributed.topology().nodes  # the plan's; the copy is sharded within each node under "hsdp"
     failures = Failures()
     with trials_on(job.model, job.optimizer, job.placement, copied=copied, precision=precision,
+                   nodes=nodes if sharding == "hsdp" else 1,
                    snapshot_to_disk=snapshot_to_disk, laps=job.laps) as ground:
         found = _search_or_fp32(job, ground, spec, limit, not snapshot_to_disk, failures)
         at_typical = None if isinstance(found, BaseException) else _at_typical_length(job, found[0], found[2])
@@ -203,7 +188,7 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
                 samples_per_second=rate, tokens_per_second=rate * per_token if per_token else None,
                 device=job.placement.kind, device_name=job.placement.name, source="tuned", reason=text,
                 trials=tuple(state.trials), flops_per_sample=flops.per_sample, sharding=sharding,
-                reduce_overlap=state.reduce_overlap,
+                reduce_overlap=state.reduce_overlap, nodes=nodes,
                 mfu=utilization(flops.per_sample, rate, job.world, peak, best.rung.precision),
                 min_micro_batch_size=state.smallest, techniques=tuple(sorted(job.allowed)), max_length=tokens,
                 untried=state.untried if state.cut else None,
@@ -356,9 +341,10 @@ def verify(plan: Plan, job: Job) -> Trial:
     if conflict is not None:  # such a rung crashes in its first step: the search never tries it either
         return Trial(rung=plan.rung, micro_batch_size=plan.micro_batch_size, outcome="error", note=conflict)
     spec = OptimizerSpec.from_user(job.optimizer, model)
-    copied = plan.sharding == "fsdp2" and not is_sharded(model)
+    copied = plan.sharding in FSDP and not is_sharded(model)
     with trials_on(model, job.optimizer, placement, copied=copied, precision=plan.precision,
-                   snapshot_to_disk=snapshot_on_disk(model)) as ground:
+                   snapshot_to_disk=snapshot_on_disk(model),
+                   nodes=plan.config.nodes if plan.sharding == "hsdp" else 1) as ground:
         tuned = ground.model
         example = batches.detached(batches.to_device(job.batch, placement.torch_device))
         loss = resolve_loss(job.loss_fn, tuned, chunked="chunked_loss" in job.allowed)
