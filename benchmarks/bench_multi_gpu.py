@@ -49,13 +49,11 @@ from workloads import build_gpt, cap_memory
 
 import autotune
 from autotune import parallel
-from autotune.devices.placement import (
-    parse_bytes,
-    resolve_device,
-)
+from autotune.devices.placement import resolve_device
 from autotune.errors import is_oom
 from autotune.parallel import reduce as distributed
 from autotune.plan import Plan
+from autotune.sizes import parse_bytes
 from autotune.techniques import TECHNIQUES, find_blocks, ladder
 from autotune.techniques.sharding import is_sharded, shard
 from autotune.training.recovery import engine_rung

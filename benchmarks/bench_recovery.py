@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import autotune  # noqa: E402
-from autotune.devices.placement import parse_bytes  # noqa: E402
+from autotune.sizes import parse_bytes  # noqa: E402
 from autotune.training.step import TrainingStep  # noqa: E402
 
 # Defaults per device: a GPT-2-small-sized model on a GPU, a toy on the CPU (the simulation is slow).

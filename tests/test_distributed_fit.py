@@ -16,9 +16,11 @@ WORLD = 2
 
 
 def _flat(plan: Any) -> dict:
-    """The plan's fields in one flat dict, as the checks below read them."""
+    """The plan's fields in one flat dict, as the checks below read them; without the seconds each rank spent
+    outside trials (its own loss check, snapshot, set-up), which the ranks do not agree on."""
     d = plan.to_dict()
-    return {**d["config"], **d["config"]["rung"], **d["evidence"], **d["provenance"]}
+    evidence = {k: v for k, v in d["evidence"].items() if k not in ("tune_seconds", "tune_phases")}
+    return {**d["config"], **d["config"]["rung"], **evidence, **d["provenance"]}
 
 
 def _rank_main(rank: int, init_file: str, out_dir: str, budgets: list[int]) -> None:
