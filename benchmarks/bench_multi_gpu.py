@@ -96,8 +96,9 @@ def run_replicated(args: argparse.Namespace, device: str, world: int, rank: int)
                         device=args.device, cache=False)
     tune_s = time.perf_counter() - started
     differ = _differs_between_ranks({**plan.config.to_dict(), **plan.evidence.to_dict()})
-    # The decisions must agree; a trial's note (each rank's own words on its timings) may differ.
-    agreed = not [k for k in differ if k not in ("trials", "reason")]
+    # The decisions must agree; a trial's note (each rank's own words on its timings) and the seconds each rank
+    # spent outside trials may differ.
+    agreed = not [k for k in differ if k not in ("trials", "reason", "tune_seconds", "tune_phases")]
     out = {"plan": plan.summary(), "sharding": plan.sharding, "reduce_overlap": plan.reduce_overlap,
            "reason": plan.reason, "tune_seconds": tune_s,
            "estimate_tokens_per_second": plan.tokens_per_second,
