@@ -65,7 +65,24 @@ def run(rank: int, world: int) -> dict:
     config = {k: v for k, v in plan.config.to_dict().items() if k != "max_length"}
     return {"nodes": plan.config.nodes, "sharding": plan.sharding, "micro": plan.micro_batch_size,
             "reason": plan.reason, "digest": digest(config), "loss": loss,
-            "trials": [[t.rung.name, t.micro_batch_size, t.outcome, t.note] for t in plan.trials]}
+            "trials": [[t.rung.name, t.micro_batch_size, t.outcome, t.note] for t in plan.trials],
+            "uneven_trials": _uneven(rank, world)}
+
+
+def _uneven(rank: int, world: int) -> list[list]:
+    """A second fit where only the last rank (on node 1) holds 16x longer samples: its activations run out of
+    memory at a micro-batch the other ranks take (their samples fit at 4, above), and every rank must fail
+    that trial with it and go on to the same plan."""
+    from test_step import Net, seq_batch
+
+    import autotune
+
+    torch.manual_seed(0)
+    model = Net(width=WIDTH, depth=DEPTH).to(torch.float64)
+    batch = seq_batch(PER_RANK, 96 if rank == world - 1 else 6, seed=70 + rank)
+    plan = autotune.fit(model, batch, global_batch_size=PER_RANK * world, memory_budget="7MiB", device="cpu",
+                        cache=False, trial_steps=1, techniques=("checkpointing",), progress=False)
+    return [[t.rung.name, t.micro_batch_size, t.outcome] for t in plan.trials]
 
 
 if __name__ == "__main__":
