@@ -222,6 +222,14 @@ class MeanOfSequenceMeans(PadZeroLM):
         return {"loss": (nll.sum(1) / counted).mean()}
 
 
+class SummedTokens(PadZeroLM):
+    """A model whose own loss is a sum over the batch's label tokens (-100 ignored), as CTC's "sum" is."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.logits(input_ids)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")}
+
+
 def padded(pad: int, n: int = 7, t: int = 9) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 32, (n, t), generator=g)
@@ -239,6 +247,13 @@ def test_a_loss_that_ignores_pad_id_0_is_weighted_by_the_tokens_it_counts():
 def test_a_mean_of_per_sequence_means_is_weighted_by_samples():
     plan = check_fit_against_plain(MeanOfSequenceMeans().double(), padded(pad=-100), rel=1e-12)
     assert "weighted by samples" in plan.reason
+
+
+def test_a_loss_summed_over_the_batch_adds_its_micro_batches_whole(caplog):
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        plan = check_fit_against_plain(SummedTokens().double(), padded(pad=-100), rel=1e-12)
+    assert "weighted as a sum" in plan.reason
+    assert "no micro-batch weighting reproduces" not in caplog.text
 
 
 def test_a_plan_applied_without_fit_checks_the_loss_on_the_first_batch():

@@ -70,10 +70,12 @@ def pixels(batch: dict) -> float:
 
 
 # Families whose whole-batch loss no micro-batching gives: the reference accumulates the plan's micro-batches,
-# each weighted by its share (`SPLIT`), and the plan's reason must say it (`FLAGGED`, a regex).
+# each weighted by its share (`SPLIT`), and the plan's reason must say it (`FLAGGED`, a regex). FLAGGED also
+# holds what the reason says of a loss weighted other than as a token or sample mean.
 SPLIT = {"mixtral_moe": tokens, "qwen2_moe": tokens, "resnet_image_cls": samples,
          "segformer_segmentation": pixels}  # its decode head holds a BatchNorm2d
 FLAGGED = {"mixtral_moe": r"(?i)router|aux_loss", "qwen2_moe": r"(?i)router|aux_loss",
+           "wav2vec2_ctc": r"weighted as a sum",  # ctc_loss_reduction "sum": said, and exact
            "resnet_image_cls": r"(?i)batch ?norm|batch statistics",
            "segformer_segmentation": r"(?i)batch ?norm|batch statistics"}
 

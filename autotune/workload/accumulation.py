@@ -121,7 +121,8 @@ class LossWeights:
         return share if weighted is None else weighted + share
 
     def weigh_divided(self, loss: torch.Tensor, count: float) -> torch.Tensor:
-        """A loss the model already divided by the known `total` (`num_items_in_batch`): backward as it is."""
+        """A loss the model already divided by the known `total` (`num_items_in_batch`), or a sum over the batch
+        (`LossChoice.by` "sum"): backward as it is."""
         assert self.total is not None  # the step passes num_items_in_batch only when it knows the total
         self.by_tokens = True
         self.estimate = torch.tensor(self.total, dtype=torch.float64)
@@ -269,6 +270,10 @@ def _weighted_model_loss(loss_fn: LossFn, model: nn.Module, micro: Any, weights:
         out = model_loss(model, micro, chunked=chunked)
         form.learn(out)
         return weights.weigh(out.loss, None, size)
+    if form.by == "sum" and weights.total is not None:  # a sum over the batch: each micro-batch's added whole
+        out = model_loss(model, micro, chunked=chunked)
+        form.learn(out)
+        return weights.weigh_divided(out.loss, expected)
     divided = form.num_items and weights.total is not None
     out = model_loss(model, micro, weights.total if divided else None, chunked=chunked)
     if divided and (out.terms or out.hidden):

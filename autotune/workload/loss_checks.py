@@ -107,8 +107,8 @@ def check(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool
     split = _split(countings, labels, m)
     try_chunked = chunked and loss_fn is None and chunked_loss.why_not(model) is None
     separable = loss_fn is not None or not hidden_terms(model)
-    # flags: the chunked loss; then each weighting: samples, returned, then tokens by each counting
-    flags = [False] * (3 + len(countings))
+    # flags: the chunked loss; then each weighting: samples, returned, tokens by each counting, then a sum
+    flags = [False] * (4 + len(countings))
     whole: _Value | None = None
     failure = ""
     try:
@@ -211,6 +211,8 @@ def _batch_statistics(model: nn.Module) -> str | None:
 
 
 def _choice(flag: int, countings: list[tuple[int, bool]], chunked: bool) -> LossChoice:
+    if flag == 3 + len(countings):
+        return LossChoice(by="sum", num_items=False, chunked=chunked)
     if flag == 1:
         return LossChoice(by="samples", chunked=chunked)
     if flag == 2:
@@ -221,10 +223,11 @@ def _choice(flag: int, countings: list[tuple[int, bool]], chunked: bool) -> Loss
 
 def _order(loss_fn: LossFn | None, whole: _Value, countings: list[tuple[int, bool]], primary: int) -> list[int]:
     """The flags' indices in the order the weightings are tried: as the loss says first; a guessed way of
-    counting (another shift, a pad id) only after the samples, which it may equal on the example."""
+    counting (another shift, a pad id) only after the samples, which it may equal on the example; a sum over
+    the batch (CTC's "sum", the default of Wav2Vec2's config) last, for the model's own loss only."""
     counted = list(range(3, 3 + len(countings)))
     if loss_fn is None:  # the model's own: a token mean on labels (Hugging Face's), else a mean over samples
-        return [*counted[:primary], 1, *counted[primary:]]
+        return [*counted[:primary], 1, *counted[primary:], 3 + len(countings)]
     if not whole.scalar:  # (loss_sum, count) or named parts: what it returns, nothing else
         return [2]
     return [1, *counted]  # a scalar loss_fn: a mean over samples, unless it is found to be a token mean
@@ -311,7 +314,8 @@ def _evaluate(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> _Value:
 
 def _reproduces(whole: _Value, a: _Value, b: _Value, k: int, m: int, labels: torch.Tensor | None,
                 countings: list[tuple[int, bool]], tol: float) -> list[bool]:
-    """Whether each weighting gives the whole's loss from the parts': samples, returned, then each counting."""
+    """Whether each weighting gives the whole's loss from the parts': samples, returned, each counting, then
+    the parts added (a sum over the batch)."""
     samples = _close((k * a.value + (m - k) * b.value) / m, whole.value, tol)
     returned = not whole.scalar and _close(_returned(a, b, k, m), whole.value, tol)
     tokens = []
@@ -321,7 +325,8 @@ def _reproduces(whole: _Value, a: _Value, b: _Value, k: int, m: int, labels: tor
         ca, cb = float(counts[:k].sum()), float(counts[k:].sum())
         parts = [c * v for c, v in ((ca, a.value), (cb, b.value)) if c > 0]  # a part of no tokens adds nothing
         tokens.append(ca + cb > 0 and _close(sum(parts) / (ca + cb), whole.value, tol))
-    return [samples, returned, *tokens]
+    summed = labels is not None and _close(a.value + b.value, whole.value, tol)
+    return [samples, returned, *tokens, summed]
 
 
 def _returned(a: _Value, b: _Value, k: int, m: int) -> float:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["IGNORE_INDEX", "LossChoice", "chosen", "int_labels", "is_causal_lm", "label_counts", "record_choice",
            "recorded_choice", "takes_num_items"]
 
-WEIGHTINGS = ("tokens", "samples", "returned")
+WEIGHTINGS = ("tokens", "samples", "returned", "sum")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +35,8 @@ class LossChoice:
 
     by: how each micro-batch's loss is weighted. "tokens": it is a mean over the label tokens `ignore_index`
         and `shifted` count, weighted by its share of the batch's tokens; "samples": a mean over samples,
-        weighted by its share of the samples; "returned": as the loss says itself (the model's own loss on
+        weighted by its share of the samples; "sum": a sum over the batch (CTC's "sum" reduction), each
+        micro-batch's loss added whole; "returned": as the loss says itself (the model's own loss on
         integer labels by tokens, else by samples; a `loss_fn`'s scalar by samples, its `(loss_sum, count)` by
         the count, its named parts part by part).
     ignore_index: the label value that counts for nothing (Hugging Face's -100; Segformer's 255).
@@ -73,6 +74,8 @@ class LossChoice:
             return "by samples (the loss is a mean over samples)"
         if self.by == "returned":
             return "by what the loss returns"
+        if self.by == "sum":
+            return "as a sum (the loss is a sum over the batch: each micro-batch's added whole)"
         first = ", the first of each sequence left out" if self.shifted else ""
         return f"by label tokens (labels other than {self.ignore_index}{first})"
 
