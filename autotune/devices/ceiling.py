@@ -81,6 +81,13 @@ def host_memory() -> Iterator[None]:
         ceiling._host_depth -= 1
 
 
+def hosted() -> bool:
+    """Whether an allocation here is host memory to the ceiling in force: inside `host_memory()`, or no
+    ceiling at all."""
+    ceiling = active_ceiling()
+    return ceiling is None or ceiling._host_depth > 0
+
+
 class SimulatedCeiling(TorchDispatchMode):
     """Counts live CPU storage bytes and raises `torch.OutOfMemoryError` above `limit_bytes`.
 

@@ -16,6 +16,7 @@ from torch import nn
 from .. import parallel as distributed
 from ..devices.placement import Placement
 from ..errors import DeviceError
+from ..techniques.offload import host_buffers
 from ..techniques.sharding import is_sharded, sharded_copy
 from .snapshot import Snapshot
 from .tune_time import Laps
@@ -39,8 +40,9 @@ def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied:
     """The model trials run on: `model` moved to the device or, `copied`, an FSDP2-sharded copy of it (sharding
     is in place and for good, and fit leaves the model as it found it) while `model` waits on the host, where
     the trials' peaks do not count it. On the way out, `model` is put back; a sharded copy's device shards
-    are freed. A copy on `nodes` > 1 is hybrid-sharded: within each node, replicated across them. `laps` times
-    the snapshot with the move ("snapshot") and putting the model back ("put back")."""
+    are freed, and so are the host buffers the trials passed on to each other (`host_buffers`). A copy on
+    `nodes` > 1 is hybrid-sharded: within each node, replicated across them. `laps` times the snapshot with the
+    move ("snapshot") and putting the model back ("put back")."""
     laps = laps if laps is not None else Laps()
     home = device_of(model)
     away = torch.device("cpu") if copied else placement.torch_device
@@ -54,7 +56,8 @@ def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied:
             tuned = sharded_copy(model, precision, nodes) if copied else model
             if is_sharded(tuned):
                 distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
-        yield Ground(model=tuned, reset=None if copied else snapshot.restore_values)
+        with host_buffers.reusing():  # optimizer offload's host buffers, kept from trial to trial until the end
+            yield Ground(model=tuned, reset=None if copied else snapshot.restore_values)
         del tuned
     except DeviceError as error:
         poisoned = True

@@ -29,7 +29,7 @@ from ..errors import AutotuneError, DeviceError, TooFewSamples, is_device_poison
 from ..evidence import NOISY, Trial
 from ..sizes import format_bytes, format_share, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
-from ..techniques.offload import offload_of
+from ..techniques.offload import host_buffers, offload_of
 from ..techniques.sharding import reset_after_failure
 from ..workload import batch as batches
 from ..workload.accumulation import LossWeights, weighted_loss
@@ -114,6 +114,7 @@ class TrialRunner:
         error: BaseException | None = None  # an error other than an OOM, kept to raise again if all fail
         poisoned = False
         gate = ReduceGate(work.model)
+        reused = 0  # host bytes the trial was lent from the tune's pool (`host_buffers`): its rise does not show them
         try:
             try:
                 with meter.watching(work.model, held), distributed.armed():  # a trial may run out of memory
@@ -142,10 +143,10 @@ class TrialRunner:
             # peak now, before clean-up resets the allocator's statistics.
             reading = meter.read()
         finally:
-            _clean_up(work, applied, laps, device_calls=not poisoned)
+            reused = _clean_up(work, applied, laps, device_calls=not poisoned)
         del micro_batch, held
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure, failed_as)
-        trial = dataclasses.replace(trial, host_peak_bytes=host.grown())
+        trial = dataclasses.replace(trial, host_peak_bytes=host.grown() + reused)
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
                 [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
                 [f"offload fraction {format_share(offload_fraction)}"])
@@ -271,8 +272,9 @@ def noise_note(trials: list[Trial]) -> str:
 
 
 def _clean_up(work: Workload, applied: AppliedRung | None, laps: Laps | None = None, *,
-              device_calls: bool = True) -> None:
-    """Undo the rung and give every byte of the trial back before the next one measures its peak.
+              device_calls: bool = True) -> int:
+    """Undo the rung and give every byte of the trial back before the next one measures its peak; the host
+    buffers it was lent go back to the tune's pool for the next trial (the bytes lent again are returned).
 
     The trial's optimizer (and its state: 8 bytes a parameter for AdamW) must be dropped before
     `empty_cache()`: freed later, its blocks would stay cached and count in the next trial's reserved peak.
@@ -290,12 +292,13 @@ def _clean_up(work: Workload, applied: AppliedRung | None, laps: Laps | None = N
         applied.remove()
         applied.optimizer = None
         applied.scaler = None
+    reused = host_buffers.reclaim()  # nothing holds them now: the next trial may be lent them
     laps.enter("clean-up")
     for p in work.model.parameters():
         p.grad = None
     gc.collect()
     if not device_calls:
-        return
+        return reused
     try:
         release_memory(work.placement, reset_peak=True)
     except Exception as exc:  # classified here; anything else propagates untouched
@@ -303,6 +306,7 @@ def _clean_up(work: Workload, applied: AppliedRung | None, laps: Laps | None = N
             raise DeviceError(f"CUDA error while cleaning up after a trial: {exc}. The CUDA context is unusable; "
                               "restart the process.") from exc
         raise
+    return reused
 
 
 def _make_trial(rung: Rung, micro: int, work: Workload, peak: int, retries: int,

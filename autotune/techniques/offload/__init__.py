@@ -6,6 +6,7 @@ host) · `engine_state` (its weights and state as the user's model and optimizer
 streamed) · `flat_layout` (one buffer viewed as many tensors, cut into segments) · `pipeline` (the CPU step
 during the last backward) · `partition` (the shares partitioned over replicated ranks) · `tensors` (host
 copies, dtypes, which parameters go to the host) · `pinned` (large pinned buffers at their exact size) ·
+`host_buffers` (those buffers kept from one of a tune's trials to the next) ·
 `local` (a rank's part of an FSDP2 shard).
 """
 

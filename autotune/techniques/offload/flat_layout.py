@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .pinned import pinned_empty
+from .host_buffers import host_empty
 
 
 def flat_views(shapes: Sequence[torch.Size], *, pin: bool, dtype: torch.dtype = torch.float32
                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One buffer of `dtype` (pinned when `pin`) and a view of it per shape, in order."""
     numel = sum(math.prod(s) for s in shapes)
-    flat = pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
+    flat = host_empty(numel, dtype, pin=pin)  # from the tune's pool, between trials
     views, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)

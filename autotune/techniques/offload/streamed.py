@@ -48,8 +48,8 @@ import torch
 from ... import settings
 from ...devices.ceiling import host_memory
 from .flat_layout import Piece, cut_segments, flat_views, piece_views
+from .host_buffers import host_like
 from .local import local_part
-from .pinned import pinned_like
 
 SEGMENT = 1 << 22  # 4 Mi elements: 16 MiB per FP32 buffer; a slot holds 4 (master, 2 moments, gradient)
 RING = 3  # slots: copy in, step and copy out of three segments run at once
@@ -158,8 +158,8 @@ class DeviceStepper:
         for a large share: `HostOptimizer` reserves them when it is built, not in a timed step)."""
         if self._spare is None:
             with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
-                spare = pinned_like if self.cuda else torch.empty_like
-                self._spare = (spare(self.flat), spare(self._m), spare(self._v))
+                self._spare = (host_like(self.flat, pin=self.cuda), host_like(self._m, pin=self.cuda),
+                               host_like(self._v, pin=self.cuda))
 
     def landed(self, i: int) -> None:
         """Parameter i's gradient is final (a hook in the last backward): issue every segment now complete."""
