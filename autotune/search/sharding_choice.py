@@ -53,19 +53,27 @@ def hybrid_may_win(flat: Plan, model: nn.Module) -> bool:
     return flat.sharding == "fsdp2" and flat.config.nodes > 1 and not is_sharded(model)
 
 
+def searched_beside(plan: Plan, what: str, search: Callable[[], Plan]) -> tuple[Plan | None, Plan]:
+    """The plan a second search (`what`: another placement) finds beside `plan`, and `plan`; or None and `plan`
+    with why in its reason, where nothing fits there or every configuration failed (`plan` stands)."""
+    try:
+        return search(), plan
+    except NoFeasiblePlan:
+        return None, plan.with_config(reason=f"{plan.reason}; {what}: nothing fits")
+    except DeviceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every configuration of the second search failed: `plan` stands
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return None, plan.with_config(reason=f"{plan.reason}; {what}: {type(exc).__name__}: {first}")
+
+
 def with_hybrid(flat: Plan, model: nn.Module, search: Callable[[], Plan]) -> Plan:
     """`flat`, or the hybrid-sharded plan `search()` finds where it measured faster (`flat_or_hybrid`)."""
     if not hybrid_may_win(flat, model):
         return flat
-    try:
-        hybrid = search()
-    except NoFeasiblePlan:
-        return flat.with_config(reason=f"{flat.reason}; hybrid sharding: nothing fits")
-    except DeviceError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every hybrid configuration failed: the flat plan stands
-        first = (str(exc).strip().splitlines() or [""])[0]
-        return flat.with_config(reason=f"{flat.reason}; hybrid sharding: {type(exc).__name__}: {first}")
+    hybrid, flat = searched_beside(flat, "hybrid sharding", search)
+    if hybrid is None:
+        return flat
     shard_bytes = _REDUCE_BYTES * sum(p.numel() for p in model.parameters()) * flat.config.nodes // flat.world_size
     mesh = hybrid_mesh(flat.config.nodes, distributed.collective_device().type)
     return flat_or_hybrid(flat, hybrid, link_seconds=cross_node_seconds(mesh, shard_bytes), shard_bytes=shard_bytes)

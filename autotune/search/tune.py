@@ -17,7 +17,7 @@ from ..devices import allocator
 from ..devices import host as host_memory
 from ..devices.peaks import DevicePeak, device_peak
 from ..devices.placement import Placement
-from ..errors import DeviceError, NoFeasiblePlan
+from ..errors import NoFeasiblePlan
 from ..evidence import Trial
 from ..plan import Plan
 from ..settings import FitSettings, result_file
@@ -45,7 +45,7 @@ from .flops import FlopCount, count_flops, utilization
 from .ground import Ground, trials_on
 from .phases import PhaseContext, run_phases
 from .progress import Progress
-from .sharding_choice import replicated_or_sharded, sharding_may_win, with_hybrid
+from .sharding_choice import replicated_or_sharded, searched_beside, sharding_may_win, with_hybrid
 from .state import SearchState, reason
 from .trial import TrialRunner, Workload
 from .tune_time import Laps
@@ -128,16 +128,9 @@ def tune(job: Job) -> Plan:
         plan = with_hybrid(plan, job.model, hybrid)  # on several nodes, flat FSDP2 or hybrid, by measurement
         if job.placement.simulated or not sharding_may_win(plan, job.model, job.world) or job.deadline.passed():
             return plan
-        try:
-            sharded = _tune_as(job, spec, peak, limit, plain.precision, "fsdp2", "", to_disk)
-        except NoFeasiblePlan:
-            return plan.with_config(reason=f"{plan.reason}; sharded with FSDP2: nothing fits")
-        except DeviceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every sharded configuration failed: the replicated plan stands
-            first = (str(exc).strip().splitlines() or [""])[0]
-            return plan.with_config(reason=f"{plan.reason}; sharded with FSDP2: {type(exc).__name__}: {first}")
-        return replicated_or_sharded(plan, sharded)
+        sharded, plan = searched_beside(plan, "sharded with FSDP2", lambda: _tune_as(
+            job, spec, peak, limit, plain.precision, "fsdp2", "", to_disk))
+        return plan if sharded is None else replicated_or_sharded(plan, sharded)
     finally:
         if job.progress is not None:
             job.progress.close()
