@@ -4,6 +4,8 @@ mask widened to match, the output sliced back to the given length.
 Nothing a real position computes changes: the padded keys are masked for every real query (by the causal mask
 past the last real position, or by mask columns of `False` / the dtype's minimum), the padded queries attend
 to the real keys only (so their rows stay finite) and their outputs are dropped, so their gradients are zero.
+A real query row that the given mask hides entirely (padding beyond a sliding window) is opened to the real keys
+as well: no kernel then returns NaN for it, and its output reaches no real position.
 Dropout draws for the padded shape, the same distribution over the real positions.
 
 `paddable` says which calls are padded: masked self-attention (as many keys as queries, a mask over every
@@ -97,5 +99,11 @@ def _padded_mask(mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:
         return mask
     row = torch.full((length + pad,), hidden, dtype=mask.dtype, device=mask.device)
     row[:length] = seen
+    # A query row the model's own mask hides entirely (a padding position beyond a sliding window) has no
+    # defined attention: torch's kernels at the unpadded length return a finite row, cuDNN's at the padded
+    # one NaN, whose gradient then spreads to every weight. Such a row sees the real keys instead; its output
+    # reaches no real position (its key is hidden from every real query), so no real gradient changes.
+    dead = (~mask if mask.dtype == torch.bool else mask <= hidden).all(dim=-1, keepdim=True)
+    mask = torch.where(dead, row, mask)
     rows = row.expand(*mask.shape[:-2], pad, length + pad)
     return torch.cat([mask, rows], dim=-2)
