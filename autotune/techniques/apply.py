@@ -40,7 +40,9 @@ class AppliedRung:
 
     def inputs(self, micro_batch: Any) -> Any:
         """The micro-batch as the model should get it: `Shared` tensors unwrapped; under compile, with a
-        dynamic batch dimension (on the per-sample tensors only)."""
+        dynamic batch dimension (on the per-sample tensors only). Its token length is counted, for the
+        attention padding of batches whose length varies (`attention_lengths.observe`)."""
+        attention_lengths.observe(micro_batch)
         if self.rung.compile:
             compiling.mark_batch_dynamic(micro_batch)
         return batches.unwrap(micro_batch)
