@@ -14,6 +14,7 @@ from ..techniques import fp8, optimizer_8bit
 from ..techniques.blocks import BlockGroup
 from ..techniques.ladder import is_float64, ladder
 from ..techniques.names import parse_techniques
+from ..techniques.sharding import is_sharded
 from ..workload.optimizers import OptimizerSpec
 
 
@@ -70,6 +71,8 @@ def fp8_anchors(rungs: list[Rung], allowed: frozenset[str], placement: Placement
     why = fp8.unavailable(placement)
     if why is not None:
         return rungs, [why]
+    if is_sharded(model):  # torchao casts FSDP2's shards through its own all-gather, not set up here
+        return rungs, ["fp8 left out under FSDP2 sharding: it is searched on replicated ranks"]
     chosen = fp8.layers(model)
     twins = [dataclasses.replace(r, fp8=True) for r in rungs if r.precision == "bf16"]
     if not chosen.converted or not twins:
