@@ -149,3 +149,35 @@ def test_on_a_gpu_fp8_is_measured_beside_bf16_or_left_out_by_capability():
     assert any(t.rung.fp8 for t in plan.trials) and any(not t.rung.fp8 for t in plan.trials)
     assert "fp8 tried on 9 of 9 linear layers" in plan.reason
     assert ("fp8" in plan.rung.name) == plan.fp8
+
+
+def test_an_fp8_rung_trains_a_recomputed_step_and_its_removal_restores_the_layers():
+    """Where torchao is installed (its float8 matmul runs on the CPU too): `apply_rung` converts the layers
+    before checkpointing wraps the blocks, a bf16 step trains through them, and the removal restores them."""
+    pytest.importorskip("torchao.float8")
+    from gpt import GPT, GPTConfig, random_batch
+
+    from autotune.techniques import apply_rung, find_blocks
+    from autotune.workload.optimizers import OptimizerSpec
+
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16, vocab_size=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    spec = OptimizerSpec.from_user(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    applied = apply_rung(model, Rung(precision="bf16", fp8=True, checkpointing="full"), spec,
+                         resolve_device("cpu"), find_blocks(model))
+    try:
+        assert {type(m).__name__ for m in (model.blocks[0].qkv, model.blocks[1].mlp[2], model.head)} == {
+            "Float8Linear"}
+        ids, labels = random_batch(cfg, 4)
+        with applied.autocast():
+            loss = model(**applied.inputs({"input_ids": ids, "labels": labels}))
+        applied.backward(loss)
+        applied.optimizer_step()
+        assert torch.isfinite(loss)
+    finally:
+        applied.remove()
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, start[k])]
+    assert "blocks.0.qkv.weight" in moved and "head.weight" in moved, "the step did not train the user's weights"
