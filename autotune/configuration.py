@@ -45,16 +45,20 @@ class Rung:
     checkpointed_blocks: int | None = None
     compile: bool = False
     optimizer_8bit: bool = False  # AdamW with 8-bit state (torchao or bitsandbytes): opt-in, it changes numerics
+    fp8: bool = False  # torchao's float8 matmuls in the linear layers (CUDA 8.9+): opt-in, it changes numerics
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         check_choice("offload", self.offload, OFFLOAD)
-        for name in ("compile", "optimizer_8bit"):
+        for name in ("compile", "optimizer_8bit", "fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Rung.{name} must be a bool, got {getattr(self, name)!r}")
         if self.optimizer_8bit and self.offload == "optimizer":
             raise ValueError("Rung.optimizer_8bit is for optimizers stepped on the device, not under optimizer offload")
+        if self.fp8 and self.precision != "bf16":
+            raise ValueError(f"Rung.fp8 runs the linear layers' matmuls in float8 beside bf16 autocast; precision "
+                             f"is {self.precision!r}: use precision='bf16'")
         if self.checkpointed_blocks is None and self.checkpointing == "none":
             object.__setattr__(self, "checkpointed_blocks", 0)  # no recompute is 0 blocks, known or not
         blocks = self.checkpointed_blocks
@@ -78,10 +82,12 @@ class Rung:
             parts.append("compile")
         if self.optimizer_8bit:
             parts.append("8-bit optimizer")
+        if self.fp8:
+            parts.append("fp8")
         return "+".join(parts)
 
 
-RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit")
+RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -236,6 +242,10 @@ class Configuration:
     @property
     def optimizer_8bit(self) -> bool:
         return self.rung.optimizer_8bit
+
+    @property
+    def fp8(self) -> bool:
+        return self.rung.fp8
 
     @property
     def partitioned_state(self) -> bool:

@@ -106,6 +106,7 @@ class Plan:
     checkpointed_blocks = _Read[int | None]("config")
     compile = _Read[bool]("config")
     optimizer_8bit = _Read[bool]("config")
+    fp8 = _Read[bool]("config")
     micro_batch_size = _Read[int]("config")
     accumulation_steps = _Read[int]("config")
     last_micro_batch_size = _Read[int]("config")

@@ -36,7 +36,7 @@ from ..workload.losses import chunked_default_loss
 from ..workload.losses import resolve as resolve_loss
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from . import host_budget, typical
-from .anchors import anchors, eight_bit_anchors
+from .anchors import anchors, eight_bit_anchors, fp8_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
 from .deadline import Deadline, OutOfTime
 from .failures import Failures
@@ -171,7 +171,7 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
         sharding, fraction = "optimizer_state", None
     return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing,
                 offload="none" if sharded_state else best.rung.offload, offload_fraction=fraction,
-                offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit,
+                offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit, fp8=best.rung.fp8,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 block_paths=tuple(setup.blocks.paths) if setup.blocks is not None else (),
                 compile_seconds=sum(t.compile_seconds for t in state.trials),
@@ -311,6 +311,8 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
     if batches.tokens_per_sample(example) is not None:  # (a model of token batches, the kind that attends)
         notes += attention_lengths.note(placement.torch_device.type)
     rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
+    notes += more
+    rungs, more = fp8_anchors(rungs, allowed, placement, tuned)
     notes += more
     rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried
     floors = [resident_floor(r, tuned, state_tensors_per_parameter(spec)) for r in rungs]
