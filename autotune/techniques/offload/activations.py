@@ -52,11 +52,12 @@ _WEIGHT_PATH = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0",
 @dataclass(kw_only=True, slots=True)
 class Moved:
     """What the hooks copied to the host in the latest forward (tests read it): the number of tensors, their
-    bytes, and the storage address each was read from."""
+    bytes, the storage address each was read from, and each one's shape and dtype."""
 
     tensors: int = 0
     bytes: int = 0
     storages: set[int] = field(default_factory=set)
+    shapes: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -185,8 +186,8 @@ class ActivationOffload:
             record.device.append(t)
             return record, i
         assert record.slot is not None
-        host = _as_layout(self._staging(record.slot, i, nbytes), t.shape, t.stride(), t.dtype)
-        with self._side():
+        with host_memory(), self._side():  # (host memory: the simulated device counts none of this)
+            host = _as_layout(self._staging(record.slot, i, nbytes), t.shape, t.stride(), t.dtype)
             if self.stream is not None:
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is written by now
             host.copy_(t.detach(), non_blocking=self.cuda)
@@ -198,6 +199,7 @@ class ActivationOffload:
         self.moved.tensors += 1
         self.moved.bytes += nbytes
         self.moved.storages.add(key[0])
+        self.moved.shapes.append((t.shape, t.dtype))
         return record, i
 
     def _movable(self, t: torch.Tensor, weights: set[int]) -> bool:
@@ -215,13 +217,15 @@ class ActivationOffload:
         with host_memory():
             record.stored = [self._take_stored(n) for *_, n in record.layouts]
         arrived = self._event()
-        staged = [b[:n] for b, (*_, n) in zip(slot.buffers, record.layouts)]
+        with host_memory():
+            staged = [b[:n] for b, (*_, n) in zip(slot.buffers, record.layouts)]
 
         def drain() -> None:
             if arrived is not None:
                 arrived.synchronize()
-            for stored, buffer in zip(record.stored, staged):
-                stored.copy_(buffer)
+            with host_memory():
+                for stored, buffer in zip(record.stored, staged):
+                    stored.copy_(buffer)
 
         record.on_host = slot.busy = self._submit(drain)
         record.slot = None
@@ -266,10 +270,10 @@ class ActivationOffload:
                 on_host.result()
             with self._side():
                 for i, (shape, stride, dtype, n) in layouts:
-                    staged = slot.buffers[i][:n]
-                    staged.copy_(record.stored[i])
+                    with host_memory():
+                        staged = _as_layout(slot.buffers[i][:n].copy_(record.stored[i]), shape, stride, dtype)
                     out = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
-                    out.copy_(_as_layout(staged, shape, stride, dtype), non_blocking=self.cuda)
+                    out.copy_(staged, non_blocking=self.cuda)
                     record.device[i] = out
             record.arrived = self._event()
 
@@ -316,10 +320,10 @@ class ActivationOffload:
 
     def _staging(self, slot: _Slot, i: int, nbytes: int) -> torch.Tensor:
         """Slot buffer `i`, grown to `nbytes` where it is smaller (the first steps only: blocks repeat)."""
-        while len(slot.buffers) <= i:
-            slot.buffers.append(torch.empty(0, dtype=torch.uint8))
-        if slot.buffers[i].numel() < nbytes:
-            with host_memory():
+        with host_memory():
+            while len(slot.buffers) <= i:
+                slot.buffers.append(torch.empty(0, dtype=torch.uint8))
+            if slot.buffers[i].numel() < nbytes:
                 slot.buffers[i] = host_empty(nbytes, torch.uint8, pin=self.cuda)
         return slot.buffers[i]
 
