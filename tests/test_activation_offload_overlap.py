@@ -84,11 +84,13 @@ def _gradients(model: nn.Module, batch: dict[str, torch.Tensor], seed: int) -> l
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.parametrize("worker", [False, True], ids=["in-line", "worker"])
 @pytest.mark.parametrize("build", [_llama, _gpt2, _cnn], ids=["llama", "gpt2", "cnn"])
-def test_gradients_equal_no_offload_in_float64(build):
+def test_gradients_equal_no_offload_in_float64(build, worker):
     model, blocks, batch = build()
     twin, twin_blocks = copy.deepcopy((model, blocks))  # the blocks, as modules of the twin
-    with offloaded(twin_blocks, CPU, min_bytes=SMALL) as offload:
+    # `worker`: the host copies on the worker thread, ordered by its futures, as on CUDA
+    with offloaded(twin_blocks, CPU, min_bytes=SMALL, worker=worker) as offload:
         moved = []
         for step in range(3):  # the first forward offloads every block; later ones keep the last on the device
             expected = _gradients(model, batch, seed=step)

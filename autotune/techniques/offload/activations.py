@@ -101,9 +101,11 @@ class ActivationOffload:
     Args:
         device: the device the blocks compute on.
         min_bytes: saved tensors smaller than this stay on the device.
+        worker: host copies on a worker thread (None: on CUDA, where they overlap compute; on the CPU they
+            run in line, unless a test asks for the worker's ordering there too).
     """
 
-    def __init__(self, device: torch.device, *, min_bytes: int = MIN_BYTES) -> None:
+    def __init__(self, device: torch.device, *, min_bytes: int = MIN_BYTES, worker: bool | None = None) -> None:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -112,7 +114,7 @@ class ActivationOffload:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         # one worker, so its jobs (a block's drain, a block's fetch) run in the order they were given
         self.worker = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autotune-activations")
-                       if self.cuda else None)
+                       if (self.cuda if worker is None else worker) else None)
         self.slots = (_Slot(), _Slot())
         self.turn = 0  # the slot the next copy stages through
         self.records: list[weakref.ref[_Record]] = []  # in pack order, while their tensors may be unpacked
@@ -186,10 +188,11 @@ class ActivationOffload:
             record.device.append(t)
             return record, i
         assert record.slot is not None
+        compute = torch.cuda.current_stream(self.device) if self.stream is not None else None
         with host_memory(), self._side():  # (host memory: the simulated device counts none of this)
             host = _as_layout(self._staging(record.slot, i, nbytes), t.shape, t.stride(), t.dtype)
-            if self.stream is not None:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is written by now
+            if self.stream is not None and compute is not None:
+                self.stream.wait_stream(compute)  # the copy reads t once the kernel writing it is done
             host.copy_(t.detach(), non_blocking=self.cuda)
             if self.stream is not None:
                 t.record_stream(self.stream)  # its memory is not reused before this copy has read it
@@ -243,10 +246,11 @@ class ActivationOffload:
             record.backward_started = True
             self._fetch(record)
             self._prefetch_before(record)
+        self._arrive(record)
         if record.device[i] is None:  # unpacked a second time (retain_graph): brought back again
             record.fetched, record.waited = None, False
             self._fetch(record)
-        self._arrive(record)
+            self._arrive(record)
         t = record.device[i]
         assert t is not None
         record.left[i] -= 1
@@ -390,13 +394,14 @@ def _from_weight(t: torch.Tensor) -> bool:
     return False
 
 
-def install(blocks: list[nn.Module], device: torch.device, *, min_bytes: int = MIN_BYTES
-            ) -> tuple[ActivationOffload, Callable[[], None]]:
+def install(blocks: list[nn.Module], device: torch.device, *, min_bytes: int = MIN_BYTES,
+            worker: bool | None = None) -> tuple[ActivationOffload, Callable[[], None]]:
     """Offload the saved tensors of `blocks` (each module's every call); returns the offload and the undo.
 
     Each block's current `forward` (its own, or what another technique set on the instance) is wrapped.
+    `min_bytes` and `worker` as `ActivationOffload` takes them.
     """
-    offload = ActivationOffload(device, min_bytes=min_bytes)
+    offload = ActivationOffload(device, min_bytes=min_bytes, worker=worker)
     had = {b: b.__dict__.get("forward") for b in blocks}
     for block in blocks:
         block.forward = offload.wrap(block, block.forward)
@@ -413,10 +418,10 @@ def install(blocks: list[nn.Module], device: torch.device, *, min_bytes: int = M
 
 
 @contextlib.contextmanager
-def offloaded(blocks: list[nn.Module], device: torch.device, *, min_bytes: int = MIN_BYTES
-              ) -> Iterator[ActivationOffload]:
+def offloaded(blocks: list[nn.Module], device: torch.device, *, min_bytes: int = MIN_BYTES,
+              worker: bool | None = None) -> Iterator[ActivationOffload]:
     """`install` for the duration of a `with` block."""
-    offload, remove = install(blocks, device, min_bytes=min_bytes)
+    offload, remove = install(blocks, device, min_bytes=min_bytes, worker=worker)
     try:
         yield offload
     finally:
