@@ -13,7 +13,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from autotune.configuration import Rung
-from autotune.devices.placement import resolve_device
+from autotune.devices.placement import Placement, resolve_device
+from autotune.search.anchors import anchors
 from autotune.search.trial import TrialRunner, Workload
 from autotune.techniques import find_blocks
 from autotune.techniques.offload import host_buffers
@@ -168,3 +169,19 @@ def test_a_trial_of_the_plan_option_holds_less_on_the_device():
     plain, streamed = runner(Rung(), 8), runner(Rung(offload="saved_activations"), 8)
     assert streamed.fits and streamed.rung.name == "bf16+saved activations offload"
     assert streamed.peak_bytes < 0.8 * plain.peak_bytes, (streamed.peak_bytes, plain.peak_bytes)
+
+
+def test_the_search_measures_it_beside_the_recomputing_offload_on_cuda():
+    cfg = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
+    blocks = find_blocks(GPT(cfg))
+    allowed = frozenset({"bf16", "checkpointing", "offload"})
+    on_gpu, _ = anchors(allowed, Placement(kind="cuda", name="H100", total_bytes=80 << 30), blocks)
+    on_cpu, _ = anchors(allowed, resolve_device("cpu"), blocks)
+    precision = on_gpu[0].precision  # what this machine's CUDA check gives a device it cannot see
+    assert [r for r in on_gpu if r.offload == "saved_activations"] == [
+        Rung(precision=precision, offload="saved_activations")]  # no block recomputed: the other offload's corner
+    assert Rung(precision=precision, checkpointing="full", checkpointed_blocks=4, offload="activations") in on_gpu
+    # the CPU device's copies are plain, in the step's time: nothing there for a side stream to hide them behind
+    assert not [r for r in on_cpu if r.offload == "saved_activations"]
+    assert not [r for r in anchors(allowed - {"offload"}, Placement(kind="cuda"), blocks)[0]
+                if r.offload == "saved_activations"]
