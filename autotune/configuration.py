@@ -12,7 +12,10 @@ from .workload.batching import solve_accumulation
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
-OFFLOAD = ("none", "activations", "optimizer")
+# "saved_activations": what autograd saves inside the blocks not recomputed streams to the host behind compute
+# (`techniques/offload/activations.py`); "activations": the recomputed blocks' inputs parked on the host. In order
+# of strength (recovery climbs it)
+OFFLOAD = ("none", "saved_activations", "activations", "optimizer")
 # "optimizer_state": replicated ranks, each keeping the FP32 masters and optimizer state of its 1/world of the
 # parameters on its device (ZeRO stage 1, `Plan.partitioned_state`); "hsdp": FSDP2 over a 2-D mesh, sharded within
 # each node and replicated across nodes (hybrid sharding: only the shards' gradient all-reduce crosses nodes)
@@ -77,7 +80,7 @@ class Rung:
         elif self.checkpointing != "none":
             parts.append(f"{self.checkpointing} ckpt")
         if self.offload != "none":
-            parts.append(f"{self.offload} offload")
+            parts.append(f"{self.offload.replace('_', ' ')} offload")
         if self.compile:
             parts.append("compile")
         if self.optimizer_8bit:

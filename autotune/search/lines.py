@@ -18,7 +18,8 @@ Runner = Callable[[Rung, int], Trial]
 # Least extra time per sample a rung adds over plain BF16 (optimistic on purpose: a rung is skipped only
 # when even this cannot win). Full recompute is about one more forward (~+33% of a step), and typically
 # costs 10-20% of the throughput.
-MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10}
+MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10,
+                "saved_activations": 0.02}
 MAX_PLACED = 2  # trials per offload spent placing an intermediate block count, or compile, after a miss
 NOISE = 0.03  # step-time medians closer than this are a tie
 RUNOFF = 0.08  # rungs whose best is this close to the leader get re-measured with a longer run
@@ -165,9 +166,10 @@ class Compiled:
     time: float
 
 
-def activations(rung: Rung) -> tuple[str, str, int | None, bool, bool]:
+def activations(rung: Rung) -> tuple[str, str, int | None, bool, str]:
     """What sets the bytes each sample adds: precision, blocks recomputed, compile, activation offload."""
-    return rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.compile, rung.offload == "activations"
+    offload = "none" if rung.offload == "optimizer" else rung.offload
+    return rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.compile, offload
 
 
 def timed(state: RungState) -> list[tuple[int, float]]:

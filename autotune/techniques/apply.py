@@ -23,6 +23,7 @@ from . import compile as compiling
 from .blocks import BlockGroup
 from .ladder import block_count
 from .offload import HostOptimizer, norm_parameters, offload_of
+from .offload import activations as saved_activations
 from .precision import autocast_factory, make_scaler
 
 
@@ -100,6 +101,11 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
                                               placement=placement,
                                               inner=compiling.forward if rung.compile else None))
+        if rung.offload == "saved_activations" and blocks is not None:
+            # the blocks not recomputed send what autograd saves in them to the host, behind compute
+            recomputed = blocks.calls(count)
+            streamed = [b for b in blocks.modules() if b not in recomputed]
+            undo.append(saved_activations.install(streamed, placement.torch_device)[1])
         if rung.compile:
             undo.append(compiling.install(model, blocks, count))
         trainable = [p for p in model.parameters() if p.requires_grad]
