@@ -35,7 +35,7 @@ from ..workload.batching import split_sizes
 from ..workload.losses import chunked_default_loss
 from ..workload.losses import resolve as resolve_loss
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
-from . import host_budget, typical
+from . import host_budget, kept_rung, typical
 from .anchors import anchors, eight_bit_anchors, fp8_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
 from .deadline import Deadline, OutOfTime
@@ -239,6 +239,7 @@ def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_
     workload. `failures` collects the trials that failed for a reason other than memory; `earlier` are trials of
     a search before this one, kept in the record (and in the trial budget)."""
     tuned = ground.model
+    kept_rung.release()  # an earlier search's trials left the model as they found it: the set-up runs it
     job.deadline.begin_search()
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
@@ -273,6 +274,7 @@ def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_
     state = SearchState.of(controller.search(rungs, setup.lattice))
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
+    kept_rung.release()  # what follows the search runs the model as fit found it
     state.untried = controller.untried()
     return state, setup, work, flops
 
