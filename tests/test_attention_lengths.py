@@ -15,6 +15,14 @@ from autotune.workload.optimizers import OptimizerSpec
 
 TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, as this module found it
 
+@pytest.fixture(autouse=True)
+def _fresh_length_count():
+    """Each test starts with no batch lengths seen, whatever ran before it in this process."""
+    lengths.forget_lengths()
+    yield
+    lengths.forget_lengths()
+
+
 
 def _record(monkeypatch) -> list[tuple[int, ...]]:
     """The query shapes that will reach torch's own attention (the kernel that builds a plan per shape)."""

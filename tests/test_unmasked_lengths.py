@@ -10,9 +10,18 @@ import torch
 from autotune.configuration import Rung
 from autotune.devices.placement import resolve_device
 from autotune.techniques import apply_rung, attention_padding, find_blocks
+from autotune.techniques import attention_lengths as lengths
 from autotune.workload.optimizers import OptimizerSpec
 
 transformers = pytest.importorskip("transformers")
+
+@pytest.fixture(autouse=True)
+def _fresh_length_count():
+    """Each test starts with no batch lengths seen, whatever ran before it in this process."""
+    lengths.forget_lengths()
+    yield
+    lengths.forget_lengths()
+
 
 
 @pytest.fixture(autouse=True)

@@ -66,6 +66,11 @@ def observe(batch: Batch) -> None:
         _LENGTHS.see(length)
 
 
+def forget_lengths() -> None:
+    """Start the count of lengths again (as applying or removing a rung does)."""
+    _LENGTHS.forget()
+
+
 def lengths_vary() -> bool:
     """Whether the batches under the rung in force have had more than one length."""
     return _LENGTHS.varying
