@@ -6,6 +6,7 @@ Each method runs in its own process (`--method`), so one's fragmentation cannot 
     python benchmarks/bench_fit.py --all --out results.jsonl                 # GPT-2 large, 24 GiB
     python benchmarks/bench_fit.py --method train --steps 100 --out r.jsonl  # 100 steps at the plan
     python benchmarks/bench_fit.py --all --model tiny --device cpu --budget 40MiB   # a CPU dry run
+    python benchmarks/bench_fit.py --method roof --steps 12 --out r.jsonl   # plain compiled bf16, no memory cap
 
 Workload W1: GPT-2 large from a transformers config with random weights,
 sequence 1024, AdamW, global batch 64, memory capped with torch.cuda.set_per_process_memory_fraction.
@@ -64,8 +65,10 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     model, batch = build(args.model, args.device, args.seq)
     optimizer = torch.optim.AdamW(model.parameters())
+    started = time.perf_counter()
     plan = autotune.fit(model, batch, global_batch_size=args.global_batch_size, memory_budget=args.budget,
                         device=args.device, cache=False, optimizer=optimizer)
+    tune_seconds = time.perf_counter() - started
     step = plan.apply(model, optimizer)
     vocab = int(batch["input_ids"].max()) + 1
     losses, times = [], []
@@ -77,10 +80,44 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
-    return {"method": "train", "steps": args.steps, "plan": plan.to_dict(), "final_plan": step.plan.to_dict(),
+    phases: dict[str, float] = {}
+    for t in plan.trials:
+        for name, seconds in t.phases.items():
+            phases[name] = round(phases.get(name, 0.0) + seconds, 1)
+    return {"method": "train", "steps": args.steps, "tune_seconds": tune_seconds, "trials": len(plan.trials),
+            "phase_totals": phases, "summary": plan.summary(), "plan": plan.to_dict(),
+            "final_plan": step.plan.to_dict(),
             "recovered": step.plan.micro_batch_size != plan.micro_batch_size, "losses": losses,
             "median_step_seconds": steady, "samples_per_second": args.global_batch_size / steady,
             "peak_reserved": torch.cuda.max_memory_reserved() if args.device.startswith("cuda") else None}
+
+
+def run_roof(args: argparse.Namespace) -> dict[str, Any]:
+    """The roof a plan is held to: plain compiled bf16 (autocast, AdamW, torch.compile of the whole model) with no
+    memory cap, `--roof-micro` samples a micro-batch, accumulated to the global batch; no autotune involved."""
+    model, _ = build(args.model, args.device, args.seq)
+    optimizer = torch.optim.AdamW(model.parameters())
+    compiled = torch.compile(model)
+    micro = args.roof_micro
+    steps_per = max(1, args.global_batch_size // micro)
+    vocab = model.config.vocab_size
+    times, losses = [], []
+    for _ in range(args.steps):
+        ids = torch.randint(0, vocab, (steps_per, micro, args.seq), device=args.device)
+        t0 = time.perf_counter()
+        for m in range(steps_per):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(input_ids=ids[m], labels=ids[m]).loss / steps_per
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss) * steps_per)
+    steady = sorted(times[2:])[len(times[2:]) // 2]
+    return {"method": "roof", "micro_batch_size": micro, "accumulation_steps": steps_per, "steps": args.steps,
+            "median_step_seconds": steady, "samples_per_second": micro * steps_per / steady, "losses": losses,
+            "peak_reserved": torch.cuda.max_memory_reserved()}
 
 
 def table(rows: list[dict[str, Any]], seq: int) -> None:
@@ -109,7 +146,8 @@ def table(rows: list[dict[str, Any]], seq: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=("fit", "grid", "train"))
+    p.add_argument("--method", choices=("fit", "grid", "train", "roof"))
+    p.add_argument("--roof-micro", type=int, default=8, help="--method roof: samples a micro-batch")
     p.add_argument("--all", action="store_true", help="grid, then fit, each in its own process")
     p.add_argument("--model", default="gpt2-large", choices=("gpt2-large", "gpt2-xl", "gpt2", "tiny"))
     p.add_argument("--seq", type=int, default=1024)
@@ -127,17 +165,22 @@ def main() -> int:
         with open(args.out) as f:
             table([json.loads(line) for line in f], args.seq)
         return 0
-    cap_memory(args.device, parse_bytes(args.budget))
-    result = {"fit": run_fit, "grid": run_grid, "train": run_train}[args.method](args)
+    if args.method != "roof":
+        cap_memory(args.device, parse_bytes(args.budget))
+    result = {"fit": run_fit, "grid": run_grid, "train": run_train, "roof": run_roof}[args.method](args)
     result.update(model=args.model, seq=args.seq, budget=args.budget, global_batch_size=args.global_batch_size,
                   device=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     if args.method == "train":
-        print(f"train: {args.steps} steps, recovered={result['recovered']}, "
+        print(f"train: tuned in {result['tune_seconds']:.1f} s ({result['trials']} trials, phases "
+              f"{result['phase_totals']}); {result['summary']}; {args.steps} steps, recovered={result['recovered']}, "
               f"{result['samples_per_second'] * args.seq:,.0f} tok/s, "
               f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}")
+    if args.method == "roof":
+        print(f"roof: compiled bf16, micro-batch {result['micro_batch_size']} x {result['accumulation_steps']}, "
+              f"{result['samples_per_second'] * args.seq:,.0f} tok/s, peak {result['peak_reserved'] / 2**30:.1f} GiB")
     return 0
 
 
