@@ -95,7 +95,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             # (where the model's library checkpoints already, its blocks are recomputed once, by it)
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
                                               placement=placement,
-                                              inner=compiling.forward if rung.compile else None))
+                                              inner=compiling.forward if rung.compile else None,
+                                              policy=rung.recompute_policy))
         if rung.compile:
             undo.append(compiling.install(model, blocks, count))
         trainable = [p for p in model.parameters() if p.requires_grad]
