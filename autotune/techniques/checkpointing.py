@@ -41,7 +41,7 @@ from ..devices.placement import Placement
 from .blocks import BlockGroup, find_blocks
 from .forward_writes import ForwardWrites, refusal, refuse
 from .offload import to_device, to_host
-from .recompute_policy import WHOLE_BLOCK, context_fn
+from .recompute_policy import WHOLE_BLOCK, aside, context_fn
 
 __all__ = ["BlockGroup", "find_blocks", "install"]
 
@@ -95,7 +95,7 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
     writes = ForwardWrites(block)
     # the selective policy's contexts; none: torch's own (keep nothing but the inputs)
     contexts = context_fn(policy)
-    keeps = {} if contexts is None else {"context_fn": contexts}
+    keeps: dict[str, Any] = {} if contexts is None else {"context_fn": contexts}
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -116,13 +116,16 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
             if key is not None:
                 # Forward uses the device tensor it was given (gradients flow to it directly); the
                 # recompute brings the parked copy back. Only the saved values matter in a recompute.
-                x = first_input.pop() if first_input else to_device(_argument(inner, inner_kwargs, key),
-                                                                     placement.torch_device)
+                if first_input:
+                    x = first_input.pop()
+                else:
+                    with aside():  # (not an operator of the block's forward)
+                        x = to_device(_argument(inner, inner_kwargs, key), placement.torch_device)
                 inner, inner_kwargs = _with_argument(inner, inner_kwargs, key,
                                                      x.requires_grad_(wants_grad) if calls[0] > 1 else x)
             if calls[0] == 1:
                 return original(*inner, **inner_kwargs)
-            with writes.replayed(record):  # a recompute: the state the forward saw, then the state as it is
+            with writes.replayed(record, aside):  # a recompute: the state the forward saw, then the state as it is
                 return original(*inner, **inner_kwargs)
 
         if key is not None:

@@ -15,7 +15,9 @@ the cheap ones (norms, activations, dropout, elementwise), through torch's selec
 
 Random operators (dropout's) are never kept: they run again in the recompute, and the checkpoint restores the
 RNG state the forward drew them from, so their masks are the forward's. A policy decides per operator call in
-the block's forward, in call order, so the forward and its recompute keep the same calls.
+the block's forward, in call order, so the forward and its recompute keep the same calls; what the recompute
+runs besides the block's forward (its buffers put back, activation offload's input brought back) runs `aside`,
+where torch's selective checkpoint, which refuses an operator its forward did not run, does not see it.
 
 Under compile a recomputed block is compiled inside its checkpoint (`compile.py`), where the selective
 checkpoint sees only the compiled graph's out-of-place library calls (`aten.addmm.out` into the graph's own
@@ -25,10 +27,13 @@ for both is refused (`Rung` raises `InvalidSetting`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..configuration import RECOMPUTE_POLICIES, WHOLE_BLOCK
@@ -71,3 +76,19 @@ def context_fn(policy: str) -> Callable[[], Any] | None:
         return create_selective_checkpoint_contexts(decide)
 
     return contexts
+
+
+# The dispatch mode a selective checkpoint's recompute runs under (it hands back what the forward kept)
+_RECOMPUTE_MODE = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+
+
+@contextlib.contextmanager
+def aside() -> Iterator[None]:
+    """Operators run here, inside a selective checkpoint's recompute, bypass it: only that mode is set aside (an
+    outer one, as the simulated ceiling counting bytes, still sees them). Anywhere else it does nothing."""
+    mode = _get_current_dispatch_mode()
+    if _RECOMPUTE_MODE is None or not isinstance(mode, _RECOMPUTE_MODE):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
