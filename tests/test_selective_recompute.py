@@ -25,7 +25,8 @@ from autotune.search.anchors import anchors
 from autotune.search.controller import Controller, Lattice
 from autotune.search.trial import TrialRunner, Workload
 from autotune.settings import DEFAULT_MARGIN
-from autotune.techniques import apply_rung, find_blocks
+from autotune.techniques import apply_rung, find_blocks, ladder
+from autotune.training.recovery import next_rung
 from autotune.workload.batching import global_step_seconds
 from autotune.workload.losses import resolve
 from autotune.workload.optimizers import OptimizerSpec
@@ -213,3 +214,10 @@ def test_a_bad_policy_is_refused_naming_the_setting():
         Rung(recompute_policy="save_matmuls")
     with pytest.raises(InvalidSetting, match=r"recompute_policy 'save_matmuls' .* under compile"):
         Rung(checkpointing="full", recompute_policy="save_matmuls", compile=True)
+
+
+def test_recovery_from_blocks_keeping_their_matmuls_recomputes_them_whole_first():
+    rungs, _ = ladder(frozenset({"bf16", "checkpointing", "offload"}), CPU, find_blocks(GPT(CFG)))
+    n = len(find_blocks(GPT(CFG)).blocks)
+    kept = Rung(checkpointing="full", checkpointed_blocks=n, recompute_policy="save_matmuls")
+    assert next_rung(rungs, kept) == Rung(checkpointing="full", checkpointed_blocks=n)

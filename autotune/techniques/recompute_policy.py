@@ -18,6 +18,9 @@ RNG state the forward drew them from, so their masks are the forward's. A policy
 the block's forward, in call order, so the forward and its recompute keep the same calls; what the recompute
 runs besides the block's forward (its buffers put back, activation offload's input brought back) runs `aside`,
 where torch's selective checkpoint, which refuses an operator its forward did not run, does not see it.
+A block that changes a kept output in place (an in-place activation right after a `Linear`) cannot keep it:
+torch raises in backward ("Tensor cached during selective activation checkpoint has been mutated"), and the
+search records that trial as failed and goes on without the policy.
 
 Under compile a recomputed block is compiled inside its checkpoint (`compile.py`), where the selective
 checkpoint sees only the compiled graph's out-of-place library calls (`aten.addmm.out` into the graph's own
