@@ -26,7 +26,7 @@ from autotune.search.controller import Controller, Lattice
 from autotune.search.trial import TrialRunner, Workload
 from autotune.settings import DEFAULT_MARGIN
 from autotune.techniques import apply_rung, find_blocks, ladder
-from autotune.training.recovery import next_rung
+from autotune.training.recovery import after_oom
 from autotune.workload.batching import global_step_seconds
 from autotune.workload.losses import resolve
 from autotune.workload.optimizers import OptimizerSpec
@@ -217,7 +217,10 @@ def test_a_bad_policy_is_refused_naming_the_setting():
 
 
 def test_recovery_from_blocks_keeping_their_matmuls_recomputes_them_whole_first():
-    rungs, _ = ladder(frozenset({"bf16", "checkpointing", "offload"}), CPU, find_blocks(GPT(CFG)))
-    n = len(find_blocks(GPT(CFG)).blocks)
-    kept = Rung(checkpointing="full", checkpointed_blocks=n, recompute_policy="save_matmuls")
-    assert next_rung(rungs, kept) == Rung(checkpointing="full", checkpointed_blocks=n)
+    blocks = find_blocks(GPT(CFG))
+    rungs, _ = ladder(frozenset({"bf16", "checkpointing", "offload"}), CPU, blocks)
+    n = len(blocks.blocks)
+    plan = Plan.of(checkpointing="full", checkpointed_blocks=n, recompute_policy="save_matmuls", micro_batch_size=1,
+                   global_batch_size=8, memory_budget_bytes=GiB)
+    recovered = after_oom(plan, rungs)  # an OOM at micro-batch 1: the next rung up
+    assert recovered.rung == Rung(checkpointing="full", checkpointed_blocks=n)  # recompute_policy "whole_block"

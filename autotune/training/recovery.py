@@ -102,8 +102,8 @@ def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None =
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
     sharding = "none" if plan.partitioned_state and rung.offload == "optimizer" else plan.sharding
     return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
-                   checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
-                   optimizer_8bit=rung.optimizer_8bit, offload=rung.offload,
+                   checkpointed_blocks=rung.checkpointed_blocks, recompute_policy=rung.recompute_policy,
+                   compile=rung.compile, optimizer_8bit=rung.optimizer_8bit, offload=rung.offload,
                    offload_fraction=plan.offload_fraction if rung == plan.rung else None,
                    micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
                    last_micro_batch_size=last, min_micro_batch_size=smallest)
