@@ -88,9 +88,11 @@ def fit(
         device: "cuda", "cuda:1" or "cpu" (the same search under a simulated ceiling of memory_budget).
         cache: a path, an `autotune.PlanCache`, or False; default $AUTOTUNE_CACHE or the user cache.
         techniques: allowed knobs, a subset of ("bf16", "checkpointing", "offload", "compile",
-            "optimizer_8bit", "chunked_loss"); default all but the opt-in "optimizer_8bit" (AdamW with
-            8-bit state) (compile is searched on CUDA only; "chunked_loss" computes a Hugging Face causal
-            LM's head and loss a chunk of tokens at a time when loss_fn is None). A float64 model is tuned
+            "optimizer_8bit", "chunked_loss", "fp8"); default all but the opt-ins "optimizer_8bit" (AdamW with
+            8-bit state) and "fp8" (torchao's float8 matmuls in the linear layers, on CUDA compute capability
+            8.9 and later; left out elsewhere with a note in the plan's reason) (compile is searched on CUDA
+            only; "chunked_loss" computes a Hugging Face causal LM's head and loss a chunk of tokens at a time
+            when loss_fn is None). A float64 model is tuned
             without bf16 autocast unless `techniques` names "bf16" (the default does not count for it).
         margin: fraction of the budget kept free (default 0.1).
         retune: ignore a cached plan and tune again.

@@ -13,7 +13,10 @@ from .workload.batching import solve_accumulation
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 CHECKPOINTING = ("none", "selective", "full")
-OFFLOAD = ("none", "activations", "optimizer")
+# "saved_activations": what autograd saves inside the blocks not recomputed streams to the host behind compute
+# (`techniques/offload/activations.py`); "activations": the recomputed blocks' inputs parked on the host. In order
+# of strength (recovery climbs it)
+OFFLOAD = ("none", "saved_activations", "activations", "optimizer")
 # "optimizer_state": replicated ranks, each keeping the FP32 masters and optimizer state of its 1/world of the
 # parameters on its device (ZeRO stage 1, `Plan.partitioned_state`); "hsdp": FSDP2 over a 2-D mesh, sharded within
 # each node and replicated across nodes (hybrid sharding: only the shards' gradient all-reduce crosses nodes)
@@ -51,17 +54,21 @@ class Rung:
     checkpointed_blocks: int | None = None
     compile: bool = False
     optimizer_8bit: bool = False  # AdamW with 8-bit state (torchao or bitsandbytes): opt-in, it changes numerics
+    fp8: bool = False  # torchao's float8 matmuls in the linear layers (CUDA 8.9+): opt-in, it changes numerics
     recompute_policy: str = WHOLE_BLOCK  # one of RECOMPUTE_POLICIES
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         check_choice("offload", self.offload, OFFLOAD)
-        for name in ("compile", "optimizer_8bit"):
+        for name in ("compile", "optimizer_8bit", "fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Rung.{name} must be a bool, got {getattr(self, name)!r}")
         if self.optimizer_8bit and self.offload == "optimizer":
             raise ValueError("Rung.optimizer_8bit is for optimizers stepped on the device, not under optimizer offload")
+        if self.fp8 and self.precision != "bf16":
+            raise ValueError(f"Rung.fp8 runs the linear layers' matmuls in float8 beside bf16 autocast; precision "
+                             f"is {self.precision!r}: use precision='bf16'")
         if self.checkpointed_blocks is None and self.checkpointing == "none":
             object.__setattr__(self, "checkpointed_blocks", 0)  # no recompute is 0 blocks, known or not
         blocks = self.checkpointed_blocks
@@ -100,15 +107,17 @@ class Rung:
             parts[-1] += " keeping " + ("half the matmuls" if self.recompute_policy == "save_half_matmuls"
                                         else "matmuls")
         if self.offload != "none":
-            parts.append(f"{self.offload} offload")
+            parts.append(f"{self.offload.replace('_', ' ')} offload")
         if self.compile:
             parts.append("compile")
         if self.optimizer_8bit:
             parts.append("8-bit optimizer")
+        if self.fp8:
+            parts.append("fp8")
         return "+".join(parts)
 
 
-RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit",
+RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit", "fp8",
                "recompute_policy")
 
 
@@ -270,6 +279,10 @@ class Configuration:
     @property
     def optimizer_8bit(self) -> bool:
         return self.rung.optimizer_8bit
+
+    @property
+    def fp8(self) -> bool:
+        return self.rung.fp8
 
     @property
     def partitioned_state(self) -> bool:

@@ -107,6 +107,7 @@ class Plan:
     compile = _Read[bool]("config")
     recompute_policy = _Read[str]("config")
     optimizer_8bit = _Read[bool]("config")
+    fp8 = _Read[bool]("config")
     micro_batch_size = _Read[int]("config")
     accumulation_steps = _Read[int]("config")
     last_micro_batch_size = _Read[int]("config")

@@ -177,7 +177,8 @@ VARIABLES: dict[str, str] = {
     OFFLOAD_PARTITION_ENV: "0: replicated ranks do not partition the offloaded optimizer state",
     OFFLOAD_STREAM_ENV: "0 or 1: step the host share on the GPU streamed, or never (default: where a GPU is)",
     COMPILE_REGIONS_ENV: "blocks or model: what torch.compile wraps",
-    ATTENTION_BUCKETS_ENV: "0 or 1: pad masked attention to a multiple of 64 tokens, or never (default: under cuDNN's)",
+    ATTENTION_BUCKETS_ENV: "0 or 1: pad masked attention (causal once lengths vary) to 64 tokens, or never (default: "
+                           "under cuDNN's)",
     RESULT_FILE_ENV: "set by `autotune run`: where its job records how it ended",
     RESTART_COUNT_ENV: "set by `autotune run`: how many times the job was restarted",
     AGENT_STEPS_ENV: "set by `autotune run`: a zero-change trial stops after this many optimizer steps",

@@ -104,7 +104,9 @@ def main() -> None:
                    estimate_tokens_per_s=plan.tokens_per_second, plan_host_peak_gib=_gib(plan.host_peak_bytes),
                    tune_rss_peak_gib=_gib(host.rss_peak),
                    trial_table=[[t.rung.name, t.micro_batch_size, t.outcome, round(t.samples_per_second, 2),
-                                 _gib(t.peak_bytes), _gib(t.host_peak_bytes), t.note] for t in plan.trials])
+                                 _gib(t.peak_bytes), _gib(t.host_peak_bytes), t.note] for t in plan.trials],
+                   phase_totals=_phase_totals(plan.trials),
+                   trial_phases=[{k: round(v, 1) for k, v in t.phases.items()} for t in plan.trials])
         print(json.dumps(row), flush=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         step = plan.apply(model, optimizer)
@@ -132,6 +134,15 @@ def main() -> None:
     print(json.dumps(row), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def _phase_totals(trials: Any) -> dict[str, float]:
+    """Seconds per phase summed over the tune's trials (where a tune's time went)."""
+    totals: dict[str, float] = {}
+    for t in trials:
+        for name, seconds in t.phases.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    return {name: round(seconds, 1) for name, seconds in totals.items()}
 
 
 def _gib(n: int | None) -> float | None:

@@ -15,6 +15,14 @@ from autotune.workload.optimizers import OptimizerSpec
 
 TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, as this module found it
 
+@pytest.fixture(autouse=True)
+def _fresh_length_count():
+    """Each test starts with no batch lengths seen, whatever ran before it in this process."""
+    lengths.forget_lengths()
+    yield
+    lengths.forget_lengths()
+
+
 
 def _record(monkeypatch) -> list[tuple[int, ...]]:
     """The query shapes that will reach torch's own attention (the kernel that builds a plan per shape)."""
@@ -328,3 +336,56 @@ def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):
     plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
                         memory_budget="1GiB", techniques=("bf16",))
     assert "multiple of 64" not in plan.reason
+
+
+def _windowed_mask(length: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """A sliding window of 2 tokens each side over a padding mask (sample 1 has 4 real tokens), as ModernBERT
+    builds it: sample 1's padding rows past its window see no key at all."""
+    pos = torch.arange(length, device=device)
+    real = pos[None, :] < torch.tensor([length, 4], device=device)[:, None]
+    near = (pos[:, None] - pos[None, :]).abs() <= 2
+    mask = near[None, None] & real[:, None, None, :]
+    if dtype == torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64])
+def test_a_query_row_the_mask_hides_entirely_sees_the_real_keys_and_no_real_gradient_changes(dtype):
+    length = 13
+    mask = _windowed_mask(length, dtype)
+    dead = ~(mask if dtype == torch.bool else mask > torch.finfo(dtype).min).any(-1)
+    assert dead.any(), "the case must hold rows that see no key"
+    padded = attention_padding._padded_mask(mask, length, 64 - length)
+    visible = padded if dtype == torch.bool else padded > torch.finfo(dtype).min
+    assert visible.any(-1).all(), "a padded mask keeps a row that sees no key (cuDNN returns NaN for it)"
+    assert not visible[..., length:].any(), "a padded key became visible"
+    want_in, got_in = _inputs(length), _inputs(length)
+    want = TORCH_SDPA(*want_in, attn_mask=mask)
+    got = attention_padding.padded_call(*got_in, mask)
+    live = ~dead[..., None]  # the rows a model's loss can reach
+    torch.testing.assert_close(got * live, want * live, rtol=0, atol=1e-12)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * live
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["eager", "operator"])
+def test_on_cuda_a_row_the_mask_hides_entirely_leaves_every_gradient_finite(path):
+    length = 1000
+    mask = _windowed_mask(length, torch.bfloat16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(2, 16, length, 64, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+              for _ in range(3)]
+    if path == "eager":
+        out = attention_padding.padded_call(*inputs, mask)
+    else:
+        out = attention_op.padded_attention(*inputs, mask, 0.0, False, None, False)
+    out.float().square().sum().backward()
+    assert torch.isfinite(out).all()
+    for t in inputs:
+        assert torch.isfinite(t.grad).all()

@@ -72,6 +72,30 @@ def test_without_a_contradiction_nothing_is_remeasured() -> None:
     assert not any(again for _, _, again in cpu.calls) and not any("recompute" in n for n in result.notes)
 
 
+class ContendedOffload(ContendedCPU):
+    """As `ContendedCPU`, with activation offload in place of recompute: 12.5 ms a sample, 0.5 MiB a sample."""
+
+    def run(self, rung: Rung, micro: int, *, again: bool = False) -> Trial:
+        self.calls.append((rung, micro, again))
+        offload = rung.offload != "none"
+        seconds = 0.05 + 0.01 * micro * (1.25 if offload else 1.0)
+        if not offload and micro in self.contended and not again:
+            seconds *= 5
+        return Trial(rung=rung, micro_batch_size=micro, outcome="ok", step_seconds=seconds, optimizer_seconds=0.0,
+                     samples_per_second=micro / seconds, peak_bytes=int(micro * MiB * (0.5 if offload else 1.0)))
+
+
+def test_an_offload_win_offloading_cannot_explain_is_remeasured_and_not_believed() -> None:
+    cpu = ContendedOffload(contended={1, 2, 4})
+    offload = Rung(precision="fp32", checkpointing="full", offload="activations")
+    controller = Controller(cpu.run, per_rank=8, limit_bytes=int(4.5 * MiB),
+                            remeasure=lambda rung, micro: cpu.run(rung, micro, again=True))
+    result = controller.search([FULL, offload])
+    again = [(r.offload, m) for r, m, a in cpu.calls if a]
+    assert again[:2] == [("activations", 4), ("none", 4)], cpu.calls
+    assert any("more than offloading can explain: both re-measured" in n for n in result.notes), result.notes
+
+
 def test_a_trial_whose_steps_keep_losing_their_core_measures_longer_and_the_plan_says_so() -> None:
     calls = [0]
 

@@ -97,5 +97,6 @@ def test_fit_passes_host_buffers_between_its_offload_trials_and_frees_them() -> 
     offloaded = [t for t in plan.trials if t.rung.offload == "optimizer"]
     assert len(offloaded) >= 2, [(t.rung.name, t.micro_batch_size) for t in plan.trials]
     built, reused = _counts()[0] - before[0], _counts()[1] - before[1]
-    assert built >= 1 and reused >= built * (len(offloaded) - 1), (built, reused, len(offloaded))
+    # every engine after the first was lent the buffers (a trial on the engine the last one left takes none)
+    assert built >= 1 and reused >= built and built + reused <= built * len(offloaded), (built, reused, len(offloaded))
     assert not host_buffers._pool  # the tune's pool is gone with the tune

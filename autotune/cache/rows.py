@@ -228,7 +228,8 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
             "checkpointing": plan.checkpointing != "none" and "checkpointing" not in allowed,
             "offload": plan.offload != "none" and "offload" not in allowed,
             "compile": plan.compile and "compile" not in allowed,
-            "8-bit optimizer state": plan.optimizer_8bit and "optimizer_8bit" not in allowed}
+            "8-bit optimizer state": plan.optimizer_8bit and "optimizer_8bit" not in allowed,
+            "fp8": plan.fp8 and "fp8" not in allowed}
     for what, refused in used.items():
         if refused:
             raise ValueError(f"plan uses {what}, which its key parts do not allow (techniques "

@@ -8,8 +8,11 @@ pynvml reports it. On the CPU, the same questions are answered by the simulated 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import platform
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -114,9 +117,35 @@ def _memory_fraction(index: int) -> float:
 
 
 def bf16_supported(placement: Placement) -> bool:
+    """Whether the device runs bf16 at speed: a CUDA GPU that supports it, or a CPU with native bf16."""
     if placement.simulated:
-        return True
+        return cpu_has_native_bf16()
     return torch.cuda.is_bf16_supported()
+
+
+# CPU features that run bf16 matrix products natively: x86's AVX512-BF16 and AMX, Arm's BF16 extension. On a
+# CPU without them torch emulates bf16 autocast, several times slower than fp32, so a plan there stays in fp32.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+NO_NATIVE_BF16 = "this CPU has no native bf16 (AVX512-BF16, AMX or Arm BF16): bf16 would be emulated, slower than fp32"
+
+
+@functools.cache
+def cpu_has_native_bf16(flags: str | None = None) -> bool:
+    """Whether this CPU (or one with the feature `flags` given, as /proc/cpuinfo lists them) has native bf16."""
+    return bool(NATIVE_BF16_FLAGS & set((_cpu_flags() if flags is None else flags).split()))
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: /proc/cpuinfo's on Linux, the Arm features sysctl names on macOS."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            return " ".join(line.split(":", 1)[1] for line in f if line.startswith(("flags", "Features")))
+    if platform.system() == "Darwin":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+            return "bf16" if out == "1" else ""
+    return ""
 
 
 # -- measuring a trial's memory ---------------------------------------------------------------------------

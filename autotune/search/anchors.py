@@ -1,5 +1,5 @@
-"""The configurations the search measures first: the anchors of the lattice, with their 8-bit twins when
-allowed, and the techniques a model is tuned with (a float64 model keeps float64)."""
+"""The configurations the search measures first: the anchors of the lattice, with their 8-bit and fp8 twins
+when allowed, and the techniques a model is tuned with (a float64 model keeps float64)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from torch import nn
 
 from ..configuration import RECOMPUTE_POLICIES, WHOLE_BLOCK, Rung
 from ..devices.placement import Placement
-from ..techniques import optimizer_8bit
+from ..techniques import fp8, optimizer_8bit
 from ..techniques.blocks import BlockGroup
 from ..techniques.ladder import is_float64, ladder
 from ..techniques.names import parse_techniques
+from ..techniques.sharding import is_sharded
 from ..workload.optimizers import OptimizerSpec
 
 
@@ -47,6 +48,11 @@ def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | 
     bare = [dataclasses.replace(r, checkpointing="none", checkpointed_blocks=0) for r in optimizer if n][:1]
     # Optimizer offload without recompute (its floor, none of the recompute) before activation offload.
     order = plain + bare + [r for r in rungs if r.offload == "activations"] + optimizer
+    if n and "offload" in allowed and placement.kind == "cuda":
+        # Saved-activation offload without recompute, beside the recomputing one: only where a side stream can
+        # hide its copies behind compute (on the CPU device they are plain copies, in the step's time).
+        order.append(dataclasses.replace(rungs[0], checkpointing="none", checkpointed_blocks=0,
+                                         offload="saved_activations"))
     return list(dict.fromkeys(order)), notes
 
 
@@ -63,3 +69,24 @@ def eight_bit_anchors(rungs: list[Rung], allowed: frozenset[str], spec: Optimize
     twins = [dataclasses.replace(r, optimizer_8bit=True) for r in rungs
              if r.offload != "optimizer" and not r.compile and r.recompute_policy == WHOLE_BLOCK]
     return rungs + twins, []
+
+
+def fp8_anchors(rungs: list[Rung], allowed: frozenset[str], placement: Placement,
+                model: nn.Module) -> tuple[list[Rung], list[str]]:
+    """When 'fp8' is allowed and the device has float8 matmuls, the anchors plus an fp8 twin of each bf16 anchor,
+    so each is measured with and without it. Left out with a note where the device has none or no linear layer
+    is servable; torchao missing is an error here, before any trial (see `fp8.require`)."""
+    if "fp8" not in allowed:
+        return rungs, []
+    why = fp8.unavailable(placement)
+    if why is not None:
+        return rungs, [why]
+    if is_sharded(model):  # torchao casts FSDP2's shards through its own all-gather, not set up here
+        return rungs, ["fp8 left out under FSDP2 sharding: it is searched on replicated ranks"]
+    chosen = fp8.layers(model)
+    twins = [dataclasses.replace(r, fp8=True) for r in rungs
+             if r.precision == "bf16" and r.recompute_policy == WHOLE_BLOCK]
+    if not chosen.converted or not twins:
+        return rungs, [chosen.note() if twins else "fp8 left out: it runs beside bf16, which is not allowed here"]
+    fp8.require()
+    return rungs + twins, [chosen.note()]

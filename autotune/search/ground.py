@@ -18,6 +18,7 @@ from ..devices.placement import Placement
 from ..errors import DeviceError
 from ..techniques.offload import host_buffers
 from ..techniques.sharding import is_sharded, sharded_copy
+from . import kept_rung
 from .snapshot import Snapshot
 from .tune_time import Laps
 
@@ -56,7 +57,8 @@ def trials_on(model: nn.Module, optimizer: Any, placement: Placement, *, copied:
             tuned = sharded_copy(model, precision, nodes) if copied else model
             if is_sharded(tuned):
                 distributed.guard_collectives(tuned)  # a trial's OOM on one rank stops every rank at one collective
-        with host_buffers.reusing():  # optimizer offload's host buffers, kept from trial to trial until the end
+        # optimizer offload's host buffers, and its rung between trials of one configuration, until the end
+        with host_buffers.reusing(), kept_rung.keeping():
             yield Ground(model=tuned, reset=None if copied else snapshot.restore_values)
         del tuned
     except DeviceError as error:

@@ -19,7 +19,7 @@ Runner = Callable[[Rung, int], Trial]
 # when even this cannot win). Full recompute is about one more forward (~+33% of a step), and typically
 # costs 10-20% of the throughput; keeping the matmuls' outputs (`recompute_policy`) reruns only elementwise work.
 MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10,
-                "save_matmuls": 0.01, "save_half_matmuls": 0.03}
+                "saved_activations": 0.02, "save_matmuls": 0.01, "save_half_matmuls": 0.03}
 MAX_PLACED = 2  # trials per offload spent placing an intermediate block count, or compile, after a miss
 NOISE = 0.03  # step-time medians closer than this are a tie
 RUNOFF = 0.08  # rungs whose best is this close to the leader get re-measured with a longer run
@@ -166,11 +166,11 @@ class Compiled:
     time: float
 
 
-def activations(rung: Rung) -> tuple[str, str, int | None, str, bool, bool]:
+def activations(rung: Rung) -> tuple[str, str, int | None, str, bool, str]:
     """What sets the bytes each sample adds: precision, blocks recomputed and what they keep, compile,
     activation offload."""
-    return (rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.recompute_policy, rung.compile,
-            rung.offload == "activations")
+    offload = "none" if rung.offload == "optimizer" else rung.offload
+    return rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.recompute_policy, rung.compile, offload
 
 
 def min_overhead(rung: Rung) -> float:

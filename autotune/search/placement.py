@@ -171,7 +171,7 @@ class Placing(Climb):
         """The eager trial compile is first measured beside, the compiled rung, and the size to run it at:
         the fastest eager configuration without recompute, at its largest micro-batch that leaves no
         one-sample last micro-batch (a size compile specializes: a second graph to compile)."""
-        ok = [t for t in self.trials if t.fits and not t.rung.compile and t.rung.offload != "activations"]
+        ok = [t for t in self.trials if t.fits and not t.rung.compile and t.rung.offload in ("none", "optimizer")]
         bare = [t for t in ok if t.rung.checkpointing == "none"]
         if not bare:
             return None

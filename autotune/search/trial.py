@@ -37,6 +37,7 @@ from ..workload.batching import global_step_seconds
 from ..workload.loss_choice import label_counts
 from ..workload.losses import LossFn, LossForm
 from ..workload.optimizers import OptimizerSpec
+from . import kept_rung
 from .failures import FAILED, Failures, LossCheck, NonFiniteLoss, kept
 from .reduced_steps import ReduceGate, abba, reduced_step, reduced_steps
 from .tune_time import Laps, merged
@@ -102,24 +103,33 @@ class TrialRunner:
         all-reduced step that many times each way, in buckets and in one after backward (`ReduceGate`)."""
         work = self.work
         laps = Laps("set-up")  # every second of the trial, in its phases (`Trial.phases`)
+        key = (rung, offload_fraction, bool(overlap))
+        if kept_rung.holds_other(key):
+            laps.enter("restore")  # the rung an earlier trial left, undone before this trial measures anything
+            kept_rung.release()
+            laps.enter("set-up")
         # Training may hold this rank's whole batch on the device (the caller put it there) while its micro-batches
         # run: the trial holds one of that size too, its micro-batch a view of it, so every peak counts it.
         held = batches.resize(work.batch, work.per_rank)
         micro_batch = batches.take(held, 0, micro)
         meter = MemoryMeter(work.placement, work.budget_bytes)
         host = ResidentPeak()  # the host memory the configuration adds: offload's buffers, pinned copies
-        applied: AppliedRung | None = None
         timings: tuple[float, float, float, float, float, str] | None = None
         failure, failed_as = "", "oom"
         error: BaseException | None = None  # an error other than an OOM, kept to raise again if all fail
         poisoned = False
         gate = ReduceGate(work.model)
         reused = 0  # host bytes the trial was lent from the tune's pool (`host_buffers`): its rise does not show them
+        # The previous trial's rung, where only the micro-batch changed; its engine's device tensors count here
+        applied, kept_bytes = kept_rung.take(key)
+        resident = kept_rung.resident(applied) if applied is not None else []
+        keep = False
         try:
             try:
-                with meter.watching(work.model, held), distributed.armed():  # a trial may run out of memory
-                    applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
-                                         offload_fraction=offload_fraction, overlap=True if overlap else None)
+                with meter.watching(work.model, held, resident), distributed.armed():  # a trial may run out of memory
+                    if applied is None:
+                        applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
+                                             offload_fraction=offload_fraction, overlap=True if overlap else None)
                     laps.enter("warm-up")
                     laps.move("set-up", "host buffers", applied.host_buffer_seconds)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
@@ -142,9 +152,11 @@ class TrialRunner:
             # Out of the except block: the exception no longer pins the failed step's tensors. Read the
             # peak now, before clean-up resets the allocator's statistics.
             reading = meter.read()
+            keep = timings is not None and applied is not None and kept_rung.keeps(applied, work.placement)
         finally:
-            reused = _clean_up(work, applied, laps, device_calls=not poisoned)
-        del micro_batch, held
+            reused = _clean_up(work, applied, laps, device_calls=not poisoned, keep=key if keep else None)
+        reused += kept_bytes  # the host bytes a kept rung holds: lent by an earlier trial, held since
+        del micro_batch, held, resident
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure, failed_as)
         trial = dataclasses.replace(trial, host_peak_bytes=host.grown() + reused)
         tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
@@ -272,9 +284,11 @@ def noise_note(trials: list[Trial]) -> str:
 
 
 def _clean_up(work: Workload, applied: AppliedRung | None, laps: Laps | None = None, *,
-              device_calls: bool = True) -> int:
+              device_calls: bool = True, keep: kept_rung.Key | None = None) -> int:
     """Undo the rung and give every byte of the trial back before the next one measures its peak; the host
     buffers it was lent go back to the tune's pool for the next trial (the bytes lent again are returned).
+    With `keep`, optimizer offload's rung stays on the model instead, for the next trial of that key
+    (`kept_rung`): its state dropped, no weight restored.
 
     The trial's optimizer (and its state: 8 bytes a parameter for AdamW) must be dropped before
     `empty_cache()`: freed later, its blocks would stay cached and count in the next trial's reserved peak.
@@ -287,12 +301,15 @@ def _clean_up(work: Workload, applied: AppliedRung | None, laps: Laps | None = N
     laps = laps if laps is not None else Laps()
     laps.enter("restore")  # the weights back as they were: FP32 copies, shards, the host optimizer's masters
     reset_after_failure(work.model)  # FSDP2: a step that failed left blocks unsharded
-    if applied is not None:
-        offload_of(applied.optimizer).discard_state()  # its moments go before the FP32 weights come back
-        applied.remove()
-        applied.optimizer = None
-        applied.scaler = None
-    reused = host_buffers.reclaim()  # nothing holds them now: the next trial may be lent them
+    if applied is not None and keep is not None:
+        reused = kept_rung.keep(keep, applied, work.placement)  # its buffers stay lent, to the next trial
+    else:
+        if applied is not None:
+            offload_of(applied.optimizer).discard_state()  # its moments go before the FP32 weights come back
+            applied.remove()
+            applied.optimizer = None
+            applied.scaler = None
+        reused = host_buffers.reclaim()  # nothing holds them now: the next trial may be lent them
     laps.enter("clean-up")
     for p in work.model.parameters():
         p.grad = None

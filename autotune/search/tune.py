@@ -35,8 +35,8 @@ from ..workload.batching import split_sizes
 from ..workload.losses import chunked_default_loss
 from ..workload.losses import resolve as resolve_loss
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
-from . import host_budget, typical
-from .anchors import anchors, eight_bit_anchors
+from . import host_budget, kept_rung, typical
+from .anchors import anchors, eight_bit_anchors, fp8_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
 from .deadline import Deadline, OutOfTime
 from .failures import Failures
@@ -171,7 +171,7 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
         sharding, fraction = "optimizer_state", None
     return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing,
                 offload="none" if sharded_state else best.rung.offload, offload_fraction=fraction,
-                offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit,
+                offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit, fp8=best.rung.fp8,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 block_paths=tuple(setup.blocks.paths) if setup.blocks is not None else (),
                 compile_seconds=sum(t.compile_seconds for t in state.trials),
@@ -239,6 +239,7 @@ def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_
     workload. `failures` collects the trials that failed for a reason other than memory; `earlier` are trials of
     a search before this one, kept in the record (and in the trial budget)."""
     tuned = ground.model
+    kept_rung.release()  # an earlier search's trials left the model as they found it: the set-up runs it
     job.deadline.begin_search()
     # Trials backpropagate into their own leaves, never into the user's inputs (a tensor with
     # requires_grad=True keeps its .grad); a loss that differentiates by its inputs still can.
@@ -273,6 +274,7 @@ def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_
     state = SearchState.of(controller.search(rungs, setup.lattice))
     run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
                                    allowed=job.allowed, host_shares=host_shares))
+    kept_rung.release()  # what follows the search runs the model as fit found it
     state.untried = controller.untried()
     return state, setup, work, flops
 
@@ -311,6 +313,8 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
     if batches.tokens_per_sample(example) is not None:  # (a model of token batches, the kind that attends)
         notes += attention_lengths.note(placement.torch_device.type)
     rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
+    notes += more
+    rungs, more = fp8_anchors(rungs, allowed, placement, tuned)
     notes += more
     rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried
     floors = [resident_floor(r, tuned, state_tensors_per_parameter(spec)) for r in rungs]

@@ -25,7 +25,8 @@ import torch
 from .. import settings
 from ..configuration import Rung
 from ..devices import nvml
-from ..devices.placement import check_budget
+from ..devices import placement
+from ..devices.placement import NO_NATIVE_BF16, check_budget
 from ..errors import DeviceError, InvalidSetting
 from ..evidence import Trial
 from ..plan import Plan
@@ -103,13 +104,12 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     given = parse_bytes(budget, "--budget") if budget is not None else None
     if kind == "cpu":
-        # The simulated ceiling stands in for a GPU's memory, not its speed; bf16 autocast is several
-        # times slower than fp32 on most CPUs, so measuring it there would only mislead.
+        # bf16 is measured where the CPU runs it natively, as `fit` does; elsewhere it is emulated and slow.
         name, host = "cpu (simulated ceiling)", psutil.virtual_memory().total
         return Target(kind="cpu", name=name, apply_budget=True,
                       budget_bytes=check_budget(given, host, name, "--budget") if given else
                       psutil.virtual_memory().available,
-                      bf16_off="slow on the CPU (the simulated ceiling models memory, not speed)",
+                      bf16_off="" if placement.cpu_has_native_bf16() else NO_NATIVE_BF16,
                       compile_off="compiling on the CPU takes longer than the trials it would speed up",
                       total_bytes=host)
     if not kind.startswith("cuda"):

@@ -18,11 +18,12 @@ from ..configuration import Rung
 from ..devices.placement import Placement
 from ..workload import batch as batches
 from ..workload.optimizers import OptimizerSpec, step_fused_on_shards
-from . import attention_lengths, checkpointing, optimizer_8bit
+from . import attention_lengths, checkpointing, fp8, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup
 from .ladder import block_count
 from .offload import HostOptimizer, norm_parameters, offload_of
+from .offload import activations as saved_activations
 from .precision import autocast_factory, make_scaler
 
 
@@ -40,7 +41,9 @@ class AppliedRung:
 
     def inputs(self, micro_batch: Any) -> Any:
         """The micro-batch as the model should get it: `Shared` tensors unwrapped; under compile, with a
-        dynamic batch dimension (on the per-sample tensors only)."""
+        dynamic batch dimension (on the per-sample tensors only). Its token length is counted, for the
+        attention padding of batches whose length varies (`attention_lengths.observe`)."""
+        attention_lengths.observe(micro_batch)
         if self.rung.compile:
             compiling.mark_batch_dynamic(micro_batch)
         return batches.unwrap(micro_batch)
@@ -91,12 +94,19 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
         scaler = make_scaler(rung.precision, placement)
         count = block_count(rung, blocks)  # refuses checkpointing on a model without repeated blocks
         undo.append(attention_lengths.install(placement.torch_device.type))
+        if rung.fp8:  # before compile and checkpointing wrap the blocks that hold the layers
+            undo.append(fp8.install(model))
         if rung.checkpointing != "none" and blocks is not None and not blocks.library:
             # (where the model's library checkpoints already, its blocks are recomputed once, by it)
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
                                               placement=placement,
                                               inner=compiling.forward if rung.compile else None,
                                               policy=rung.recompute_policy))
+        if rung.offload == "saved_activations" and blocks is not None:
+            # the blocks not recomputed send what autograd saves in them to the host, behind compute
+            recomputed = blocks.calls(count)
+            streamed = [b for b in blocks.modules() if b not in recomputed]
+            undo.append(saved_activations.install(streamed, placement.torch_device)[1])
         if rung.compile:
             undo.append(compiling.install(model, blocks, count))
         trainable = [p for p in model.parameters() if p.requires_grad]

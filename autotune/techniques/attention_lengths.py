@@ -10,6 +10,13 @@ one shape per 64 tokens. Eager calls pad in place; a compiled graph calls the pa
 (`attention_op`), so one graph still serves every length. Other calls run as given
 (`attention_padding.paddable` says why).
 
+Batches without a padding mask, each of one length (a stream of packed or truncated sequences whose length
+changes from batch to batch), reach attention as causal calls without a mask. A rung applied counts the token
+lengths of the batches it is given (`observe`, from `AppliedRung.inputs`); from the second distinct length on,
+those calls are padded the same way, so cuDNN sees one shape per 64 tokens there too, and a compiled block
+compiles one more graph (at the switch) that serves every later length. Batches of one fixed length are never
+padded: their shape repeats, and padding would only add work.
+
 On by default where cuDNN's attention is enabled on a CUDA device; `AUTOTUNE_ATTENTION_BUCKETS=0` turns it
 off, `=1` turns it on on any device (the CPU tests). A function imported by name before the rung was applied
 (`from torch.nn.functional import scaled_dot_product_attention`) keeps the original.
@@ -23,8 +30,50 @@ import torch
 import torch.nn.functional as F
 
 from .. import settings
+from ..workload.batch import Batch, tokens_per_sample
 from . import attention_op, attention_padding
 from .attention_padding import MULTIPLE, paddable, padded_call, sdpa
+
+
+class _Lengths:
+    """The token lengths of the batches a rung in force was given: the first, and whether another came since.
+
+    Read by `padded_attention` inside compiled graphs too, where compile guards on `varying`: its change
+    compiles each block once more, and the graph compiled then serves every length after it."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.varying = False
+
+    def see(self, length: int) -> None:
+        if self.first is None:
+            self.first = length
+        elif length != self.first and not self.varying:
+            self.varying = True
+
+    def forget(self) -> None:
+        self.first, self.varying = None, False
+
+
+_LENGTHS = _Lengths()
+
+
+def observe(batch: Batch) -> None:
+    """Count the sequence length of a token batch about to reach the model (see the module's docstring);
+    a batch of no tokens counts nothing."""
+    length = tokens_per_sample(batch)
+    if length is not None:
+        _LENGTHS.see(length)
+
+
+def forget_lengths() -> None:
+    """Start the count of lengths again (as applying or removing a rung does)."""
+    _LENGTHS.forget()
+
+
+def lengths_vary() -> bool:
+    """Whether the batches under the rung in force have had more than one length."""
+    return _LENGTHS.varying
 
 
 def wanted(device_type: str) -> bool:
@@ -35,8 +84,9 @@ def wanted(device_type: str) -> bool:
 
 def note(device_type: str) -> list[str]:
     """The plan's word on it, where attention is padded."""
-    return ([f"masked attention runs at the length rounded up to a multiple of {MULTIPLE} tokens (cuDNN's attention "
-             f"builds a plan per new length; {settings.ATTENTION_BUCKETS_ENV}=0 turns this off)"]
+    return ([f"masked attention, and causal attention once batches of one length each vary, runs at the length "
+             f"rounded up to a multiple of {MULTIPLE} tokens (cuDNN's attention builds a plan per new length; "
+             f"{settings.ATTENTION_BUCKETS_ENV}=0 turns this off)"]
             if wanted(device_type) else [])
 
 
@@ -47,10 +97,12 @@ def install(device_type: str) -> Callable[[], None]:
         return lambda: None
     found = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = padded_attention
+    _LENGTHS.forget()
 
     def undo() -> None:
         F.scaled_dot_product_attention = found
         attention_padding.forget_masks()
+        _LENGTHS.forget()  # the next rung's batches start their own count
 
     return undo
 
@@ -61,7 +113,8 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """`scaled_dot_product_attention` over the length rounded up to `MULTIPLE`, sliced back to the given one."""
     compiling = torch.compiler.is_compiling()
     # (compiled, the length is symbolic: a test of it would guard the graph on it, and a padding of 0 is cheap)
-    if not paddable(query, key, attn_mask) or (not compiling and query.shape[-2] % MULTIPLE == 0):
+    padded = paddable(query, key, attn_mask, is_causal=is_causal, lengths_vary=_LENGTHS.varying)
+    if not padded or (not compiling and query.shape[-2] % MULTIPLE == 0):
         run = sdpa
     elif compiling:
         return attention_op.padded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -4,15 +4,18 @@ mask widened to match, the output sliced back to the given length.
 Nothing a real position computes changes: the padded keys are masked for every real query (by the causal mask
 past the last real position, or by mask columns of `False` / the dtype's minimum), the padded queries attend
 to the real keys only (so their rows stay finite) and their outputs are dropped, so their gradients are zero.
+A real query row that the given mask hides entirely (padding beyond a sliding window) is opened to the real keys
+as well: no kernel then returns NaN for it, and its output reaches no real position.
 Dropout draws for the padded shape, the same distribution over the real positions.
 
-`paddable` says which calls are padded: masked self-attention (as many keys as queries, a mask over every
-key), not nested. A padding mask is what batches padded to their longest sample bring, and with it a new length
-almost every step. A causal call without a mask mostly comes from batches of one fixed length, where every
-step's shape is the same and padding would only add work (`padded_call` pads such a call exactly all the same,
-but it is not routed there); a non-causal call without a mask would let real queries see the padded keys.
-(On an H200 with torch 2.11 both the masked and the unmasked causal call ran cuDNN's kernels, so unmasked
-batches whose lengths vary still pay cuDNN's plan once per length.)
+`paddable` says which calls are padded: self-attention (as many keys as queries), not nested, either masked
+(a mask over every key) or causal without a mask once the batches' lengths vary. A padding mask is what batches
+padded to their longest sample bring, and with it a new length almost every step. A causal call without a mask
+comes from batches of one length each: where that length is fixed, every step's shape is the same and padding
+would only add work, so such a call is padded only after a second length was seen (`attention_lengths`); the
+causal mask hides the padded keys from every real query as a padding mask would. (On an H200 with torch 2.11
+both the masked and the unmasked causal call ran cuDNN's kernels, which build a plan per length.) A non-causal
+call without a mask is never padded: its real queries would see the padded keys.
 """
 
 from __future__ import annotations
@@ -26,10 +29,14 @@ MULTIPLE = 64  # tokens: cuDNN's and flash attention's tile, so the padded rows 
 original = F.scaled_dot_product_attention  # torch's own, whatever is installed in its place later
 
 
-def paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether the call is padded: masked self-attention (see the module's docstring)."""
-    if mask is None or query.is_nested or query.dim() < 3 or query.shape[-2] != key.shape[-2]:
+def paddable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, *, is_causal: bool = False,
+             lengths_vary: bool = False) -> bool:
+    """Whether the call is padded: masked self-attention, or causal self-attention without a mask where
+    `lengths_vary` (see the module's docstring)."""
+    if query.is_nested or query.dim() < 3 or query.shape[-2] != key.shape[-2]:
         return False
+    if mask is None:
+        return is_causal and lengths_vary
     return mask.dim() >= 2 and mask.shape[-1] == key.shape[-2] and mask.shape[-2] in (1, query.shape[-2])
 
 
@@ -97,5 +104,11 @@ def _padded_mask(mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:
         return mask
     row = torch.full((length + pad,), hidden, dtype=mask.dtype, device=mask.device)
     row[:length] = seen
+    # A query row the model's own mask hides entirely (a padding position beyond a sliding window) has no
+    # defined attention: torch's kernels at the unpadded length return a finite row, cuDNN's at the padded
+    # one NaN, whose gradient then spreads to every weight. Such a row sees the real keys instead; its output
+    # reaches no real position (its key is hidden from every real query), so no real gradient changes.
+    dead = (~mask if mask.dtype == torch.bool else mask <= hidden).all(dim=-1, keepdim=True)
+    mask = torch.where(dead, row, mask)
     rows = row.expand(*mask.shape[:-2], pad, length + pad)
     return torch.cat([mask, rows], dim=-2)

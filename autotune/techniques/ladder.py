@@ -29,8 +29,8 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
 
     `float64`: the model trains float64 weights (`is_float64`), which keep their dtype on the device under
     optimizer offload, so an fp32 ladder keeps that rung (its state on the host) where a float32 one cannot."""
-    precision, _ = choose_precision("bf16" in allowed, placement)
-    notes: list[str] = []
+    precision, why = choose_precision("bf16" in allowed, placement)
+    notes: list[str] = [why] if precision == "fp32" and "bf16" in allowed else []  # allowed, yet not used here
     n = len(blocks.blocks) if blocks is not None else 0
     counts = [0]
     if blocks is not None and blocks.library:  # said whether checkpointing is allowed or not: it is on
@@ -49,7 +49,7 @@ def ladder(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | N
         if precision != "fp32" or float64:
             rungs.append(_rung(precision, top, n, "optimizer", compile))
         else:
-            notes.append("optimizer offload skipped: it keeps 16-bit weights on the device and fp32 was asked for")
+            notes.append("optimizer offload skipped: it keeps 16-bit weights on the device and the plan trains in fp32")
     return rungs, notes
 
 

@@ -6,13 +6,13 @@ from collections.abc import Iterable
 
 from ..errors import InvalidSetting
 
-TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss")
-# 8-bit state changes the numerics: opt-in
+TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss", "fp8")
+# 8-bit state and float8 matmuls change the numerics: opt-in
 DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "chunked_loss")
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
-    """The allowed techniques; None means the default ones (all but the opt-in 'optimizer_8bit')."""
+    """The allowed techniques; None means the default ones (all but the opt-in 'optimizer_8bit' and 'fp8')."""
     if techniques is None:
         return frozenset(DEFAULT_TECHNIQUES)
     if isinstance(techniques, str):

@@ -11,17 +11,19 @@ from collections.abc import Callable
 
 import torch
 
-from ..devices.placement import Placement, bf16_supported
+from ..devices.placement import NO_NATIVE_BF16, Placement, bf16_supported
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def choose_precision(allow_16bit: bool, placement: Placement) -> tuple[str, str]:
-    """(precision, reason). BF16 when allowed and supported; FP16 when only that is; else FP32."""
+    """(precision, reason). BF16 when allowed and supported; FP16 when only that is (a GPU); else FP32."""
     if not allow_16bit:
         return "fp32", "fp32: 'bf16' is not among the allowed techniques"
     if bf16_supported(placement):
         return "bf16", f"bf16: supported on {placement.name}"
+    if placement.simulated:  # fp16 on a CPU is emulated as well
+        return "fp32", f"fp32: {NO_NATIVE_BF16}"
     return "fp16", f"fp16 with loss scaling: {placement.name} has no bf16 support"
 
 

@@ -103,7 +103,7 @@ def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None =
     sharding = "none" if plan.partitioned_state and rung.offload == "optimizer" else plan.sharding
     return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
                    checkpointed_blocks=rung.checkpointed_blocks, recompute_policy=rung.recompute_policy,
-                   compile=rung.compile, optimizer_8bit=rung.optimizer_8bit, offload=rung.offload,
+                   compile=rung.compile, optimizer_8bit=rung.optimizer_8bit, fp8=rung.fp8, offload=rung.offload,
                    offload_fraction=plan.offload_fraction if rung == plan.rung else None,
                    micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
                    last_micro_batch_size=last, min_micro_batch_size=smallest)
@@ -176,7 +176,9 @@ def climbable_rungs(plan: Any, techniques: Any, placement: Placement, blocks: An
                       float64=is_float64(model))
     # An 8-bit plan keeps its 8-bit state (recovery never changes the numerics) and so never climbs to
     # optimizer offload, whose host optimizer keeps FP32 state.
-    rungs = [dataclasses.replace(r, precision=plan.precision, optimizer_8bit=plan.optimizer_8bit) for r in rungs
+    # fp8 stays as tuned too: recovery frees memory, it does not change the numerics.
+    rungs = [dataclasses.replace(r, precision=plan.precision, optimizer_8bit=plan.optimizer_8bit, fp8=plan.fp8)
+             for r in rungs
              if not (plan.optimizer_8bit and r.offload == "optimizer")]
     rungs, _ = serve_dtypes(rungs, model)
     return rungs

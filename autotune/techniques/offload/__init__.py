@@ -7,7 +7,8 @@ streamed) · `flat_layout` (one buffer viewed as many tensors, cut into segments
 during the last backward) · `partition` (the shares partitioned over replicated ranks) · `tensors` (host
 copies, dtypes, which parameters go to the host) · `pinned` (large pinned buffers at their exact size) ·
 `host_buffers` (those buffers kept from one of a tune's trials to the next) ·
-`local` (a rank's part of an FSDP2 shard).
+`local` (a rank's part of an FSDP2 shard) · `activations` (saved-activation offload: what autograd saves
+inside blocks, to the host and back behind compute).
 """
 
 from .cpu_engine import HostOptimizer

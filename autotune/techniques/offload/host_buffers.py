@@ -45,6 +45,7 @@ class HostBuffers:
         self.free: list[tuple[bool, torch.Tensor]] = []
         self.lent: list[tuple[bool, torch.Tensor]] = []
         self.reused_bytes = 0  # bytes lent again since the last `reclaim`: the trial's, not grown this time
+        self.lent_bytes = 0  # bytes lent (built or again) since the last `reclaim`: what the lent buffers serve
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor:
         """`nbytes` raw bytes: the smallest free buffer that holds them, else a new one (one too small goes)."""
@@ -61,6 +62,7 @@ class HostBuffers:
             chosen = (pin, pinned_empty(nbytes, torch.uint8) if pin else torch.empty(nbytes, dtype=torch.uint8))
             COUNTS.built += 1
         self.lent.append(chosen)
+        self.lent_bytes += nbytes
         return chosen[1][:nbytes]
 
     def reclaim(self) -> int:
@@ -68,8 +70,16 @@ class HostBuffers:
         again, which its own rise in resident memory does not show."""
         self.free += self.lent
         self.lent = []
+        self.lent_bytes = 0
         reused, self.reused_bytes = self.reused_bytes, 0
         return reused
+
+    def hold(self) -> tuple[int, int]:
+        """The trial that holds the lent buffers keeps them for the next (`search.kept_rung`): the bytes it
+        was lent again, as `reclaim` gives them, and the bytes every buffer lent serves, which the next trial
+        holds without growing."""
+        reused, self.reused_bytes = self.reused_bytes, 0
+        return reused, self.lent_bytes
 
 
 _pool: list[HostBuffers] = []  # the pool in force, while `reusing()` is
@@ -89,6 +99,16 @@ def reusing() -> Iterator[HostBuffers]:
 def reclaim() -> int:
     """`HostBuffers.reclaim` of the pool in force (0 where none is)."""
     return _pool[0].reclaim() if _pool else 0
+
+
+def pooling() -> bool:
+    """Whether a pool is in force (`reusing()`)."""
+    return bool(_pool)
+
+
+def hold() -> tuple[int, int]:
+    """`HostBuffers.hold` of the pool in force ((0, 0) where none is)."""
+    return _pool[0].hold() if _pool else (0, 0)
 
 
 def host_empty(numel: int, dtype: torch.dtype = torch.float32, *, pin: bool) -> torch.Tensor:

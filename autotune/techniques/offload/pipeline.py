@@ -201,6 +201,11 @@ class OffloadPipeline:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.stop_worker()
+
+    def stop_worker(self) -> None:
+        """End the worker thread; the next `arm` starts another, which counts its host memory in the simulated
+        ceiling in force then (a trial's own: see `search.kept_rung`)."""
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()

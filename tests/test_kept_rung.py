@@ -1,0 +1,144 @@
+"""Trials of optimizer offload that differ only in micro-batch run on one engine: the first trial leaves its rung
+on the model and the next takes it, so no FP32 masters are copied out and no weights restored in between, and
+that changes nothing a trial measures or computes. Real trials of a small GPT on the CPU under the simulated
+ceiling, and a fit whose budget leaves only optimizer offload."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from gpt import GPT, GPTConfig, random_batch
+
+import autotune
+from autotune.configuration import Rung
+from autotune.devices.placement import resolve_device
+from autotune.evidence import Trial
+from autotune.search.trial import TrialRunner, Workload
+from autotune.techniques import find_blocks
+from autotune.techniques.offload import host_buffers
+from autotune.workload.losses import resolve
+from autotune.workload.optimizers import OptimizerSpec
+
+CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
+OFFLOAD = Rung(checkpointing="full", offload="optimizer")
+
+
+def _runner() -> TrialRunner:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    work = Workload(model=model, batch=random_batch(CFG, 8), loss_fn=resolve(None),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=2**40,
+                    limit_bytes=2**39, per_rank=8, blocks=find_blocks(model), measured_steps=1)
+    return TrialRunner(work)
+
+
+def _taken() -> int:
+    """Host buffers taken so far, built or lent again: every engine built takes its masters' buffer."""
+    return host_buffers.COUNTS.built + host_buffers.COUNTS.reused
+
+
+@contextlib.contextmanager
+def _tune(keeping: bool) -> Iterator[None]:
+    """What `trials_on` puts around a tune's trials: the host-buffer pool and, with `keeping`, the kept rung."""
+    with host_buffers.reusing():
+        if not keeping:
+            yield
+            return
+        from autotune.search import kept_rung
+        with kept_rung.keeping():
+            yield
+
+
+def _dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """The dtypes of the weight matrices (norm weights stay FP32 under offload)."""
+    return {p.dtype for p in model.parameters() if p.dim() == 2}
+
+
+def test_a_second_offload_trial_at_another_micro_batch_builds_no_engine_and_restores_nothing() -> None:
+    from autotune.search import kept_rung
+
+    runner = _runner()
+    model = runner.work.model
+    with _tune(keeping=True):
+        before, counts = _taken(), kept_rung.COUNTS
+        kept, taken, released = counts.kept, counts.taken, counts.released
+        first = runner(OFFLOAD, 4)
+        built = _taken() - before
+        assert built >= 1 and counts.kept == kept + 1  # the first trial built its engine and left it on
+        assert _dtypes(model) == {torch.bfloat16}  # not restored: the 16-bit device weights stay
+        second = runner(OFFLOAD, 2)
+        assert first.fits and second.fits, (first.note, second.note)
+        assert _taken() - before == built  # the second built no engine: it ran on the first's
+        assert (counts.taken, counts.released) == (taken + 1, released)
+        assert "host buffers" not in second.phases  # its set-up built nothing
+        runner(Rung(checkpointing="full"), 2)  # another configuration: the engine is undone first
+        assert counts.released == released + 1
+        assert _dtypes(model) == {torch.float32}
+        runner(OFFLOAD, 8)  # left on again, and undone when the tune ends
+        assert _taken() - before == 2 * built
+        assert _dtypes(model) == {torch.bfloat16}
+    assert counts.released == released + 2 and _dtypes(model) == {torch.float32}
+
+
+def test_a_different_share_or_a_failed_trial_gets_an_engine_of_its_own() -> None:
+    runner = _runner()
+    with _tune(keeping=True):
+        before = _taken()
+        runner(OFFLOAD, 2)
+        built = _taken() - before
+        runner(OFFLOAD, 2, offload_fraction=0.5)  # another host share: another engine
+        assert _taken() - before == 2 * built
+        runner.work.budget_bytes = runner.work.limit_bytes = 10_000  # nothing fits: the trial runs out of memory
+        failed = runner(OFFLOAD, 2, offload_fraction=0.5)
+        assert failed.outcome == "oom"
+        assert _dtypes(runner.work.model) == {torch.float32}  # a failed trial's rung is never left on
+
+
+def _sequence(keeping: bool) -> tuple[list[Trial], dict[str, torch.Tensor]]:
+    runner = _runner()
+    trials = []
+    with _tune(keeping):
+        for rung, micro in [(OFFLOAD, 4), (OFFLOAD, 2), (OFFLOAD, 8), (Rung(checkpointing="full"), 2), (OFFLOAD, 1)]:
+            trials.append(runner(rung, micro))
+    return trials, {k: v.detach().clone() for k, v in runner.work.model.state_dict().items()}
+
+
+def test_trials_on_a_kept_engine_measure_the_same_peaks_and_train_the_same_weights() -> None:
+    before = _taken()
+    fresh, fresh_weights = _sequence(keeping=False)
+    between = _taken()
+    kept, kept_weights = _sequence(keeping=True)
+    assert (_taken() - between) * 2 == between - before  # two engines built where each of four trials built one
+    for a, b in zip(fresh, kept):
+        assert (a.outcome, a.micro_batch_size, a.peak_bytes) == (b.outcome, b.micro_batch_size, b.peak_bytes)
+        assert a.fits, a.note
+    assert fresh_weights.keys() == kept_weights.keys()
+    for name, value in fresh_weights.items():  # the trials stepped the model: the same weights, bit for bit
+        assert torch.equal(value, kept_weights[name]), name
+
+
+def _share(trial: Trial) -> str:
+    """The host share a trial of optimizer offload ran at, as its note gives it ("" for all of it)."""
+    return next((p for p in trial.note.split("; ") if p.startswith(("offload fraction", "optimizer offload,"))), "")
+
+
+def test_fit_builds_one_engine_for_its_offload_trials_at_several_micro_batches() -> None:
+    torch.manual_seed(0)
+    model, batch = GPT(CFG), random_batch(CFG, 4)
+    one = _runner()(Rung(checkpointing="full"), 1).peak_bytes  # below it only the optimizer's offload fits
+    per_engine = _taken()
+    _runner()(OFFLOAD, 1)
+    per_engine = _taken() - per_engine  # host buffers one engine takes
+    before = _taken()
+    plan = autotune.fit(model, batch, global_batch_size=8, memory_budget=int(one * 0.97 / 0.9), device="cpu",
+                        cache=False, trial_steps=1)
+    assert plan.offload == "optimizer"
+    offloaded = [t for t in plan.trials if t.rung.offload == "optimizer"]
+    again = [b for a, b in zip(plan.trials, plan.trials[1:])  # only the micro-batch changed from the trial before
+             if b in offloaded and a.fits and (a.rung, _share(a), a.overlapped) == (b.rung, _share(b), b.overlapped)]
+    assert again, [(t.rung.name, t.micro_batch_size, t.note) for t in plan.trials]
+    engines = (_taken() - before) // per_engine
+    assert engines <= len(offloaded) - len(again), (engines, len(offloaded), len(again))
+    assert _dtypes(model) == {torch.float32}  # the user's model as it was
