@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import InvalidSetting
 from .validate import check_choice, check_known_fields, check_non_negative_int, check_positive_int, dict_field
 from .workload.batching import solve_accumulation
 
@@ -21,6 +22,9 @@ OFFLOAD = ("none", "saved_activations", "activations", "optimizer")
 # each node and replicated across nodes (hybrid sharding: only the shards' gradient all-reduce crosses nodes)
 SHARDING = ("none", "fsdp2", "optimizer_state", "hsdp")
 FSDP = ("fsdp2", "hsdp")  # the shardings FSDP2 runs: parameters, gradients and optimizer state sharded
+# What a recomputed block keeps (techniques/recompute_policy.py): nothing, or its matmuls' and attention's outputs
+WHOLE_BLOCK = "whole_block"
+RECOMPUTE_POLICIES = (WHOLE_BLOCK, "save_matmuls", "save_half_matmuls")
 
 
 def none_on_the_host(world: int | None = None) -> str:
@@ -39,7 +43,9 @@ class Rung:
 
     `checkpointing` is the coarse label ("selective" = some but not all repeated blocks recomputed);
     `checkpointed_blocks` is the count when the search chose one, None for the label's default (every
-    other block for "selective", all for "full").
+    other block for "selective", all for "full"). `recompute_policy` is what a recomputed block keeps:
+    nothing ("whole_block"), or its matmuls' and attention's outputs ("save_matmuls", "save_half_matmuls":
+    see `techniques/recompute_policy.py`).
     """
 
     precision: str = "bf16"
@@ -49,6 +55,7 @@ class Rung:
     compile: bool = False
     optimizer_8bit: bool = False  # AdamW with 8-bit state (torchao or bitsandbytes): opt-in, it changes numerics
     fp8: bool = False  # torchao's float8 matmuls in the linear layers (CUDA 8.9+): opt-in, it changes numerics
+    recompute_policy: str = WHOLE_BLOCK  # one of RECOMPUTE_POLICIES
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, PRECISIONS)
@@ -70,6 +77,23 @@ class Rung:
             if (blocks == 0) != (self.checkpointing == "none"):
                 raise ValueError(f"Rung.checkpointed_blocks {blocks} disagrees with checkpointing "
                                  f"{self.checkpointing!r}: 0 blocks is 'none', 1 or more is 'selective' or 'full'")
+        self._check_recompute_policy()
+
+    def _check_recompute_policy(self) -> None:
+        policy = self.recompute_policy
+        if policy not in RECOMPUTE_POLICIES:
+            raise InvalidSetting(f"recompute_policy must be one of {', '.join(RECOMPUTE_POLICIES)}; got {policy!r}")
+        if policy != WHOLE_BLOCK and self.checkpointing == "none":
+            raise InvalidSetting(f"recompute_policy {policy!r} says what a recomputed block keeps, but checkpointing "
+                                 f"is 'none': no block is recomputed. Use checkpointing='selective' or 'full' with "
+                                 f"it, or recompute_policy={WHOLE_BLOCK!r}")
+        if policy != WHOLE_BLOCK and self.compile:
+            # A recomputed block is compiled inside its checkpoint (techniques/compile.py): torch's selective
+            # checkpoint then sees the compiled graph's library calls (aten.addmm.out), not the block's operators.
+            raise InvalidSetting(f"recompute_policy {policy!r} keeps operators' outputs inside a recomputed block, "
+                                 "but under compile the block is compiled inside its checkpoint, where torch's "
+                                 "selective checkpoint sees only the compiled graph's library calls, not the block's "
+                                 f"operators. Use recompute_policy={WHOLE_BLOCK!r} with compile, or compile=False")
 
     @property
     def name(self) -> str:
@@ -79,6 +103,9 @@ class Rung:
             parts.append(f"ckpt {self.checkpointed_blocks} blocks")
         elif self.checkpointing != "none":
             parts.append(f"{self.checkpointing} ckpt")
+        if self.recompute_policy != WHOLE_BLOCK:  # what the recomputed blocks keep, beside the checkpointing
+            parts[-1] += " keeping " + ("half the matmuls" if self.recompute_policy == "save_half_matmuls"
+                                        else "matmuls")
         if self.offload != "none":
             parts.append(f"{self.offload.replace('_', ' ')} offload")
         if self.compile:
@@ -90,7 +117,8 @@ class Rung:
         return "+".join(parts)
 
 
-RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit", "fp8")
+RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile", "optimizer_8bit", "fp8",
+               "recompute_policy")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,6 +246,8 @@ class Configuration:
             changes.setdefault("offload_fraction", None)
         if knobs.get("checkpointing", "none") != "none" and self.checkpointed_blocks == 0:
             knobs.setdefault("checkpointed_blocks", None)  # the new label's default count
+        if knobs.get("checkpointing") == "none":
+            knobs.setdefault("recompute_policy", WHOLE_BLOCK)  # no block recomputed keeps nothing of one
         if knobs:
             changes["rung"] = dataclasses.replace(changes.get("rung", self.rung), **knobs)
         return dataclasses.replace(self, **changes)
@@ -241,6 +271,10 @@ class Configuration:
     @property
     def compile(self) -> bool:
         return self.rung.compile
+
+    @property
+    def recompute_policy(self) -> str:
+        return self.rung.recompute_policy
 
     @property
     def optimizer_8bit(self) -> bool:

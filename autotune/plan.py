@@ -105,6 +105,7 @@ class Plan:
     offload = _Read[str]("config")
     checkpointed_blocks = _Read[int | None]("config")
     compile = _Read[bool]("config")
+    recompute_policy = _Read[str]("config")
     optimizer_8bit = _Read[bool]("config")
     fp8 = _Read[bool]("config")
     micro_batch_size = _Read[int]("config")

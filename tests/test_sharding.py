@@ -73,9 +73,9 @@ def _presharded_fit(rank: int, world: int) -> dict:
 
 
 def _rungs_on_shards(rank: int, world: int) -> dict:
-    """Every rung's step on a sharded model: fp32 rungs (none, full checkpointing, activation offload) equal one
-    full-batch step (float64); optimizer offload over the local shards equals the bf16 step with the optimizer
-    on the device."""
+    """Every rung's step on a sharded model: fp32 rungs (none, full checkpointing whole or keeping matmuls,
+    activation offload) equal one full-batch step (float64); optimizer offload over the local shards equals the
+    bf16 step with the optimizer on the device."""
     from test_distributed_step import _reference, _shares, _train
     from test_step import assert_same_training, make_plan, new_model
 
@@ -83,11 +83,13 @@ def _rungs_on_shards(rank: int, world: int) -> dict:
     shares = _shares(world, seed=50, n_of=lambda r: 4)
     want, want_loss, _ = _reference(model, shares)
     n = sum(len(b[0]) for b in shares)
-    for checkpointing, offload in (("none", "none"), ("full", "none"), ("full", "activations")):
-        got, _, loss = _train(make_plan(2, n, checkpointing=checkpointing, offload=offload), model, shares[rank],
-                              sharded=True)
+    for checkpointing, offload, policy in (("none", "none", "whole_block"), ("full", "none", "whole_block"),
+                                           ("full", "activations", "whole_block"), ("full", "none", "save_matmuls"),
+                                           ("full", "activations", "save_half_matmuls")):
+        plan = make_plan(2, n, checkpointing=checkpointing, offload=offload).with_config(recompute_policy=policy)
+        got, _, loss = _train(plan, model, shares[rank], sharded=True)
         assert_same_training(model, got, want)
-        assert math.isclose(loss, want_loss, rel_tol=1e-10), (checkpointing, offload, loss, want_loss)
+        assert math.isclose(loss, want_loss, rel_tol=1e-10), (checkpointing, offload, policy, loss, want_loss)
 
     model32 = new_model(dtype=torch.float32)
     shares32 = [tuple(t.float() for t in b) for b in shares]

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..configuration import Rung
+from ..configuration import RECOMPUTE_POLICIES, WHOLE_BLOCK, Rung
 from ..devices.placement import Placement
 from ..techniques import fp8, optimizer_8bit
 from ..techniques.blocks import BlockGroup
@@ -34,11 +34,16 @@ def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | 
 
     Every offload is tried with no block and with every block recomputed: these corners give the bytes
     per sample with and without recompute and the resident floor with and without optimizer offload,
-    from which the search predicts the rest of the lattice (intermediate block counts, compile).
+    from which the search predicts the rest of the lattice (intermediate block counts, compile). Every block
+    recomputed is tried too with each selective `recompute_policy` (matmuls' and attention's outputs kept),
+    between none and the whole blocks: it frees less than whole-block recompute for less time.
     """
     rungs, notes = ladder(allowed, placement, blocks, float64=float64)
     n = len(blocks.blocks) if blocks is not None else 0
     plain = [r for r in rungs if r.offload == "none" and r.checkpointed_blocks in (0, n)]
+    kept = [dataclasses.replace(r, recompute_policy=p) for r in plain[1:] for p in RECOMPUTE_POLICIES
+            if p != WHOLE_BLOCK]  # most kept first: the least memory freed, the least recompute
+    plain = plain[:1] + kept + plain[1:]
     optimizer = [r for r in rungs if r.offload == "optimizer"]
     bare = [dataclasses.replace(r, checkpointing="none", checkpointed_blocks=0) for r in optimizer if n][:1]
     # Optimizer offload without recompute (its floor, none of the recompute) before activation offload.
@@ -62,7 +67,7 @@ def eight_bit_anchors(rungs: list[Rung], allowed: frozenset[str], spec: Optimize
         return rungs, [f"optimizer_8bit skipped: only Adam and AdamW have an 8-bit form, not {spec.cls_name}"]
     optimizer_8bit.require(device_type)
     twins = [dataclasses.replace(r, optimizer_8bit=True) for r in rungs
-             if r.offload != "optimizer" and not r.compile]
+             if r.offload != "optimizer" and not r.compile and r.recompute_policy == WHOLE_BLOCK]
     return rungs + twins, []
 
 
@@ -79,7 +84,8 @@ def fp8_anchors(rungs: list[Rung], allowed: frozenset[str], placement: Placement
     if is_sharded(model):  # torchao casts FSDP2's shards through its own all-gather, not set up here
         return rungs, ["fp8 left out under FSDP2 sharding: it is searched on replicated ranks"]
     chosen = fp8.layers(model)
-    twins = [dataclasses.replace(r, fp8=True) for r in rungs if r.precision == "bf16"]
+    twins = [dataclasses.replace(r, fp8=True) for r in rungs
+             if r.precision == "bf16" and r.recompute_policy == WHOLE_BLOCK]
     if not chosen.converted or not twins:
         return rungs, [chosen.note() if twins else "fp8 left out: it runs beside bf16, which is not allowed here"]
     fp8.require()

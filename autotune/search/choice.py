@@ -12,7 +12,7 @@ from ..configuration import Rung
 from ..evidence import Trial
 from ..sizes import format_bytes
 from ..workload.batching import fit_line, global_step_seconds
-from .lines import MIN_OVERHEAD, NOISE, RUNOFF, Lines, RungState, Runner, timed
+from .lines import NOISE, RUNOFF, Lines, RungState, Runner, min_overhead, timed
 
 log = logging.getLogger("autotune.search.controller")
 
@@ -130,8 +130,7 @@ class Choice(Lines):
         # The optimizer step is the rung's own offload's where one was measured (optimizer offload's host
         # step is 10x the device one on GPT-2 large): a bound from another offload's would be wrong.
         opt = self._optimizer_seconds(rung.offload) or min(t.optimizer_seconds for t in state.ok)
-        extra = MIN_OVERHEAD[rung.offload if rung.offload != "none" else rung.checkpointing]
-        base_extra = MIN_OVERHEAD[best.rung.offload if best.rung.offload != "none" else best.rung.checkpointing]
+        extra, base_extra = min_overhead(rung), min_overhead(best.rung)
         micro_seconds = ((top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size))
                          * (1 + extra) / (1 + base_extra))
         per_step = global_step_seconds(micro_seconds, opt, self.per_rank, self.cap)

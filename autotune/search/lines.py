@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..configuration import Rung
+from ..configuration import WHOLE_BLOCK, Rung
 from ..evidence import Trial
 from ..workload.batching import ceil_div, fit_line
 
@@ -17,9 +17,9 @@ Runner = Callable[[Rung, int], Trial]
 
 # Least extra time per sample a rung adds over plain BF16 (optimistic on purpose: a rung is skipped only
 # when even this cannot win). Full recompute is about one more forward (~+33% of a step), and typically
-# costs 10-20% of the throughput.
+# costs 10-20% of the throughput; keeping the matmuls' outputs (`recompute_policy`) reruns only elementwise work.
 MIN_OVERHEAD = {"none": 0.0, "selective": 0.05, "full": 0.10, "activations": 0.15, "optimizer": 0.10,
-                "saved_activations": 0.02}
+                "saved_activations": 0.02, "save_matmuls": 0.01, "save_half_matmuls": 0.03}
 MAX_PLACED = 2  # trials per offload spent placing an intermediate block count, or compile, after a miss
 NOISE = 0.03  # step-time medians closer than this are a tie
 RUNOFF = 0.08  # rungs whose best is this close to the leader get re-measured with a longer run
@@ -166,10 +166,19 @@ class Compiled:
     time: float
 
 
-def activations(rung: Rung) -> tuple[str, str, int | None, bool, str]:
-    """What sets the bytes each sample adds: precision, blocks recomputed, compile, activation offload."""
+def activations(rung: Rung) -> tuple[str, str, int | None, str, bool, str]:
+    """What sets the bytes each sample adds: precision, blocks recomputed and what they keep, compile,
+    activation offload."""
     offload = "none" if rung.offload == "optimizer" else rung.offload
-    return rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.compile, offload
+    return rung.precision, rung.checkpointing, rung.checkpointed_blocks, rung.recompute_policy, rung.compile, offload
+
+
+def min_overhead(rung: Rung) -> float:
+    """The least extra time per sample `rung` adds over plain BF16 (`MIN_OVERHEAD`): its offload's, else its
+    recompute's."""
+    if rung.offload != "none":
+        return MIN_OVERHEAD[rung.offload]
+    return MIN_OVERHEAD[rung.checkpointing if rung.recompute_policy == WHOLE_BLOCK else rung.recompute_policy]
 
 
 def timed(state: RungState) -> list[tuple[int, float]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..configuration import Rung
+from ..configuration import RECOMPUTE_POLICIES, WHOLE_BLOCK, Rung
 from ..evidence import Trial
 from ..workload.batching import global_step_seconds
 from .climb import Climb
@@ -22,15 +22,19 @@ class Placing(Climb):
 
     def _place_blocks(self) -> None:
         """Per offload, the fewest recomputed blocks that let a faster micro-batch fit, predicted from the
-        bytes per sample measured with none and with all blocks recomputed, then verified."""
+        bytes per sample measured with none and with all blocks recomputed, then verified; whole blocks
+        recomputed or keeping their matmuls (each `recompute_policy` measured with all blocks), whichever
+        is predicted fastest."""
         n = self.lattice.blocks
         if n < 2:
             return
         for offload in ("none", "optimizer"):
             if not any(s.rung.offload == offload and not s.rung.compile for s in self.states):
                 continue
-            candidates = [c for c in self._candidates(offload, compiled=None)
-                          if 0 < (c[0].checkpointed_blocks or 0) < n]
+            # (all blocks keeping their matmuls is an anchor without offload only)
+            candidates = [c for policy in RECOMPUTE_POLICIES for c in self._candidates(offload, None, policy=policy)
+                          if 0 < (c[0].checkpointed_blocks or 0) < n
+                          or (c[0].checkpointed_blocks == n and c[0].recompute_policy != WHOLE_BLOCK)]
             self._try_best(candidates, f"{offload} offload, blocks recomputed")
 
     def _place_compile(self) -> None:
@@ -91,8 +95,10 @@ class Placing(Climb):
         # only adds work.
         reach = max((t.micro_batch_size for t in self.trials if t.fits and t.rung.compile
                      and not t.rung.checkpointed_blocks), default=0)
+        # (a block compiled inside its checkpoint recomputes whole: see `Rung.recompute_policy`)
         eager = [t for t in self.trials if t.fits and t.rung.checkpointed_blocks and not t.rung.compile
-                 and t.rung.offload in ("none", "optimizer") and t.step_seconds > 0 and t.micro_batch_size > reach]
+                 and t.rung.recompute_policy == WHOLE_BLOCK and t.rung.offload in ("none", "optimizer")
+                 and t.step_seconds > 0 and t.micro_batch_size > reach]
         if not eager:
             return
         base = max(eager, key=lambda t: t.samples_per_second)
@@ -174,11 +180,11 @@ class Placing(Climb):
         micro = max(m for m in range(1, eager.micro_batch_size + 1) if not self._one_sample_left(m))
         return eager, dataclasses.replace(leader, compile=True), self._snap(micro)
 
-    def _candidates(self, offload: str, compiled: Compiled | None,
-                    limit: int | None = None) -> list[tuple[Rung, int, float]]:
+    def _candidates(self, offload: str, compiled: Compiled | None, limit: int | None = None,
+                    policy: str = WHOLE_BLOCK) -> list[tuple[Rung, int, float]]:
         """(rung, micro-batch, predicted samples/s) for each accumulation count: the fewest blocks
         recomputed that fit that micro-batch by the measured lines, for `offload`, eager or compiled, under
-        `limit` (default the search's).
+        `limit` (default the search's), the blocks keeping what `policy` keeps (eager only).
 
         Compiled, the blocks not recomputed follow compile's own measured line where it has one (bytes and
         time per sample), else eager's scaled by what compile saved; the recomputed ones follow eager full
@@ -187,7 +193,7 @@ class Placing(Climb):
         n = self.lattice.blocks
         precision = self.states[0].rung.precision
         lo = Rung(precision=precision, offload=offload, checkpointed_blocks=0)
-        hi = dataclasses.replace(lo, checkpointing="full", checkpointed_blocks=n) if n else lo
+        hi = dataclasses.replace(lo, checkpointing="full", checkpointed_blocks=n, recompute_policy=policy) if n else lo
         s0 = self._slope(lo) or self._slope(dataclasses.replace(lo, offload="none"))
         sn = (self._slope(hi) or self._slope(dataclasses.replace(hi, offload="none"))) if n else s0
         floor = self._floor(lo)
@@ -214,7 +220,8 @@ class Placing(Climb):
             if k is None:
                 continue
             label = "none" if k == 0 else "full" if k == self.lattice.blocks else "selective"
-            rung = dataclasses.replace(lo, checkpointing=label, checkpointed_blocks=k, compile=compiled is not None)
+            rung = dataclasses.replace(lo, checkpointing=label, checkpointed_blocks=k, compile=compiled is not None,
+                                       recompute_policy=policy if k else WHOLE_BLOCK)
             frac = k / n if n else 0.0
             seconds = (1 - frac) * (t0[0] + t0[1] * micro) * time0 + frac * (tn[0] + tn[1] * micro) * timen
             rate = self.per_rank * self.world_size / global_step_seconds(max(seconds, 1e-9), opt, self.per_rank, micro)
@@ -252,9 +259,10 @@ class Placing(Climb):
 
 def ruled_out(candidate: tuple[Rung, int, float], missed: Rung, micro: int) -> bool:
     """Whether a miss of `missed` at `micro` samples says `candidate` would run over too: the same offload
-    and compile, no more blocks recomputed, at least as many samples."""
+    and compile and recompute policy, no more blocks recomputed, at least as many samples."""
     rung, m, _ = candidate
-    same = (rung.offload, rung.compile, rung.precision) == (missed.offload, missed.compile, missed.precision)
+    same = ((rung.offload, rung.compile, rung.precision, rung.recompute_policy)
+            == (missed.offload, missed.compile, missed.precision, missed.recompute_policy))
     return same and (rung.checkpointed_blocks or 0) <= (missed.checkpointed_blocks or 0) and m >= micro
 
 

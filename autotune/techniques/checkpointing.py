@@ -8,7 +8,10 @@ sample measured with none and with all of them recomputed; "selective" is any co
 A module called at several depths (ALBERT's shared layer) has one block per call: k of its N calls are
 recomputed, the others run as they are. Checkpointing is non-reentrant (`use_reentrant=False`): it supports
 keyword arguments and restores the dropout RNG on recompute. Under activation offload the block's input,
-passed first or by keyword (`hidden_states`), is kept on the host.
+passed first or by keyword (`hidden_states`), is kept on the host. Inside a recomputed block, the plan's
+`recompute_policy` says what is kept: nothing ("whole_block"), or the outputs of its matmuls and attention,
+so only the cheap operators run again (`recompute_policy.py`: torch's selective checkpoint, searched beside
+the block count).
 
 Guards: recomputing a block never changes its state a second time, and the recompute computes with the
 state the forward saw, so gradients and buffers are those of no checkpointing. Every buffer in the block's
@@ -38,6 +41,7 @@ from ..devices.placement import Placement
 from .blocks import BlockGroup, find_blocks
 from .forward_writes import ForwardWrites, refusal, refuse
 from .offload import to_device, to_host
+from .recompute_policy import WHOLE_BLOCK, aside, context_fn
 
 __all__ = ["BlockGroup", "find_blocks", "install"]
 
@@ -45,9 +49,10 @@ log = logging.getLogger(__name__)
 
 
 def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement,
-            inner: Callable[[nn.Module], Callable[..., Any]] | None = None) -> Callable[[], None]:
+            inner: Callable[[nn.Module], Callable[..., Any]] | None = None,
+            policy: str = WHOLE_BLOCK) -> Callable[[], None]:
     """Wrap the first `count` blocks' `forward` with non-reentrant checkpointing (a module called at several
-    depths: on the calls among them); returns the undo function. `inner`
+    depths: on the calls among them), keeping inside each what `policy` keeps; returns the undo function. `inner`
     gives what the checkpoint runs for a block instead of its own forward (`compile.forward`: the block
     compiled inside its checkpoint). A block refused for recompute (`blocks.refusal`) runs as it is (through
     `inner`, when given)."""
@@ -59,7 +64,7 @@ def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placem
             if inner is not None:
                 block.forward = original
             continue
-        wrapped = _checkpointed(block, original, offload_activations, placement)
+        wrapped = _checkpointed(block, original, offload_activations, placement, policy)
         block.forward = wrapped if calls is None else _on_calls(original, wrapped, *calls)
 
     def remove() -> None:
@@ -86,8 +91,11 @@ def _on_calls(original: Callable[..., Any], wrapped: Callable[..., Any], picked:
 
 
 def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
-                  placement: Placement) -> Callable[..., Any]:
+                  placement: Placement, policy: str) -> Callable[..., Any]:
     writes = ForwardWrites(block)
+    # the selective policy's contexts; none: torch's own (keep nothing but the inputs)
+    contexts = context_fn(policy)
+    keeps: dict[str, Any] = {} if contexts is None else {"context_fn": contexts}
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -97,7 +105,7 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
         key = _input_key(args, kwargs) if offload else None
         if key is None and writes.idle:
             # Nothing to put back or park: a plain checkpoint of the block.
-            return checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(original, *args, use_reentrant=False, **keeps, **kwargs)
         calls = [0]
         first_input = [] if key is None else [_argument(args, kwargs, key)]
         wants_grad = bool(first_input) and first_input[0].requires_grad
@@ -108,19 +116,22 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
             if key is not None:
                 # Forward uses the device tensor it was given (gradients flow to it directly); the
                 # recompute brings the parked copy back. Only the saved values matter in a recompute.
-                x = first_input.pop() if first_input else to_device(_argument(inner, inner_kwargs, key),
-                                                                     placement.torch_device)
+                if first_input:
+                    x = first_input.pop()
+                else:
+                    with aside():  # (not an operator of the block's forward)
+                        x = to_device(_argument(inner, inner_kwargs, key), placement.torch_device)
                 inner, inner_kwargs = _with_argument(inner, inner_kwargs, key,
                                                      x.requires_grad_(wants_grad) if calls[0] > 1 else x)
             if calls[0] == 1:
                 return original(*inner, **inner_kwargs)
-            with writes.replayed(record):  # a recompute: the state the forward saw, then the state as it is
+            with writes.replayed(record, aside):  # a recompute: the state the forward saw, then the state as it is
                 return original(*inner, **inner_kwargs)
 
         if key is not None:
             # The block's input is the one tensor a checkpointed block keeps alive: keep it on the host.
             args, kwargs = _with_argument(args, kwargs, key, to_host(first_input[0]))
-        out = checkpoint(run, *args, use_reentrant=False, **kwargs)
+        out = checkpoint(run, *args, use_reentrant=False, **keeps, **kwargs)
         why = writes.after(record)
         if why:
             refuse(block, why)

@@ -17,11 +17,12 @@ in a plain attribute), and a `.data` write that the first forward did not make.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -137,12 +138,14 @@ class ForwardWrites:
         return None
 
     @contextmanager
-    def replayed(self, record: Record) -> Iterator[None]:
+    def replayed(self, record: Record,
+                 aside: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Iterator[None]:
         """Around a recompute: each written buffer as the forward found it, then as it is now (the forward
-        and any later ones have written it since)."""
+        and any later ones have written it since); the copies run under `aside` (a selective checkpoint's
+        recompute sees only the forward's own operators)."""
         back: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor | None]] = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), aside():
                 for i in record.written:
                     module, name = self.slots[i]
                     now, old = module._buffers.get(name), record.before(i)
@@ -157,7 +160,7 @@ class ForwardWrites:
                         now.copy_(old)
             yield
         finally:
-            with torch.no_grad():
+            with torch.no_grad(), aside():
                 for module, name, now, value in reversed(back):
                     module._buffers[name] = now
                     if value is not None:

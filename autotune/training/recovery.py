@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from .. import parallel
-from ..configuration import CHECKPOINTING, OFFLOAD, Rung, state_sharded
+from ..configuration import CHECKPOINTING, OFFLOAD, RECOMPUTE_POLICIES, Rung, state_sharded
 from ..devices.placement import Placement
 from ..evidence import Trial
 from ..settings import FitSettings
@@ -102,8 +102,8 @@ def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None =
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
     sharding = "none" if plan.partitioned_state and rung.offload == "optimizer" else plan.sharding
     return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
-                   checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
-                   optimizer_8bit=rung.optimizer_8bit, fp8=rung.fp8, offload=rung.offload,
+                   checkpointed_blocks=rung.checkpointed_blocks, recompute_policy=rung.recompute_policy,
+                   compile=rung.compile, optimizer_8bit=rung.optimizer_8bit, fp8=rung.fp8, offload=rung.offload,
                    offload_fraction=plan.offload_fraction if rung == plan.rung else None,
                    micro_batch_size=min(micro, plan.per_rank_batch_size), accumulation_steps=steps,
                    last_micro_batch_size=last, min_micro_batch_size=smallest)
@@ -144,9 +144,12 @@ def next_rung(rungs: list[Rung], current: Rung) -> Rung | None:
     return None
 
 
-def _strength(rung: Rung) -> tuple[int, int, int]:
-    # The count breaks ties between two "selective" rungs; None (the label's default) counts as the label.
-    return OFFLOAD.index(rung.offload), CHECKPOINTING.index(rung.checkpointing), rung.checkpointed_blocks or 0
+def _strength(rung: Rung) -> tuple[int, int, int, int]:
+    # The count breaks ties between two "selective" rungs; None (the label's default) counts as the label. Blocks
+    # keeping their matmuls free less than whole blocks: "whole_block", first of the policies, is the strongest.
+    policy = len(RECOMPUTE_POLICIES) - RECOMPUTE_POLICIES.index(rung.recompute_policy)
+    return (OFFLOAD.index(rung.offload), CHECKPOINTING.index(rung.checkpointing), rung.checkpointed_blocks or 0,
+            policy)
 
 
 def _dominates(a: Rung, b: Rung) -> bool:
