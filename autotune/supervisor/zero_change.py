@@ -24,8 +24,7 @@ import torch
 
 from .. import settings
 from ..configuration import Rung
-from ..devices import nvml
-from ..devices import placement
+from ..devices import nvml, placement
 from ..devices.placement import NO_NATIVE_BF16, check_budget
 from ..errors import DeviceError, InvalidSetting
 from ..evidence import Trial
