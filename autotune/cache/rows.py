@@ -232,8 +232,7 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
             "fp8": plan.fp8 and "fp8" not in allowed}
     for what, refused in used.items():
         if refused:
-            raise ValueError(f"plan uses {what}, which its key parts do not allow (techniques "
-                             f"{sorted(allowed)})")
+            raise ValueError(f"plan uses {what}, which its key parts do not allow (techniques {sorted(allowed)})")
     wider = sorted(set(plan.techniques or ()) - allowed)
     if wider:
         raise ValueError(f"plan.techniques name {', '.join(wider)}, which its key parts do not allow (techniques "

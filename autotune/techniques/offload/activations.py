@@ -42,11 +42,7 @@ from torch import nn
 
 from ...devices.ceiling import host_memory
 from .host_buffers import host_empty
-
-MIN_BYTES = 64 << 10  # a saved tensor under 64 KiB stays on the device: the copy's fixed cost outweighs it
-# The autograd nodes between a weight and what a matmul saves of it (an autocast copy, a transpose, a view).
-_WEIGHT_PATH = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
-                          "ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0"})
+from .saved_tensors import MIN_BYTES, as_layout, dense, from_weight
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,7 +186,7 @@ class ActivationOffload:
         assert record.slot is not None
         compute = torch.cuda.current_stream(self.device) if self.stream is not None else None
         with host_memory(), self._side():  # (host memory: the simulated device counts none of this)
-            host = _as_layout(self._staging(record.slot, i, nbytes), t.shape, t.stride(), t.dtype)
+            host = as_layout(self._staging(record.slot, i, nbytes), t.shape, t.stride(), t.dtype)
             if self.stream is not None and compute is not None:
                 self.stream.wait_stream(compute)  # the copy reads t once the kernel writing it is done
             host.copy_(t.detach(), non_blocking=self.cuda)
@@ -208,9 +204,9 @@ class ActivationOffload:
     def _movable(self, t: torch.Tensor, weights: set[int]) -> bool:
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device:
             return False  # a parameter (its own class), a tensor subclass, another device
-        if t.numel() * t.element_size() < self.min_bytes or not _dense(t):
+        if t.numel() * t.element_size() < self.min_bytes or not dense(t):
             return False
-        return t.untyped_storage().data_ptr() not in weights and not _from_weight(t)
+        return t.untyped_storage().data_ptr() not in weights and not from_weight(t)
 
     def _end(self, record: _Record) -> None:
         slot = record.slot
@@ -275,7 +271,7 @@ class ActivationOffload:
             with self._side():
                 for i, (shape, stride, dtype, n) in layouts:
                     with host_memory():
-                        staged = _as_layout(slot.buffers[i][:n].copy_(record.stored[i]), shape, stride, dtype)
+                        staged = as_layout(slot.buffers[i][:n].copy_(record.stored[i]), shape, stride, dtype)
                     out = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
                     out.copy_(staged, non_blocking=self.cuda)
                     record.device[i] = out
@@ -359,39 +355,6 @@ class ActivationOffload:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
-
-
-def _as_layout(buffer: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Raw bytes viewed as a tensor of `shape` and `stride` (a dense layout, so it spans exactly its bytes)."""
-    return buffer.view(dtype).as_strided(shape, stride)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether `t` covers its elements once each with no gaps (contiguous in some order of its dimensions):
-    its values copy as one span, and a tensor of its strides holds nothing more."""
-    expected = 1
-    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
-        if t.size(d) == 1:
-            continue
-        if t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
-
-
-def _from_weight(t: torch.Tensor) -> bool:
-    """Whether `t` is a weight as a matmul saves it: a parameter through casts, transposes and views only."""
-    node = t.grad_fn
-    for _ in range(4):
-        if node is None:
-            return False
-        if type(node).__name__ == "AccumulateGrad":
-            return True
-        if type(node).__name__ not in _WEIGHT_PATH:
-            return False
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        node = nexts[0] if len(nexts) == 1 else None
-    return False
 
 
 def install(blocks: list[nn.Module], device: torch.device, *, min_bytes: int = MIN_BYTES,
