@@ -26,6 +26,7 @@ from .devices.peaks import device_peak
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import InvalidSetting, NoFeasiblePlan
 from .evidence import Trial
+from .parallel.deaths import named_deaths
 from .plan import Plan
 from .search.anchors import keep_dtype
 from .search.deadline import Deadline
@@ -47,6 +48,7 @@ from .workload.optimizers import check_optimizer
 log = logging.getLogger(__name__)
 
 
+@named_deaths()  # a rank that dies mid-tune is named by node and local rank on the others
 def fit(
     model: nn.Module,
     batch: Any,
