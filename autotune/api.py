@@ -137,7 +137,8 @@ def fit(
     with laps.phase("loss check"):
         checked = loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(
             settings.techniques), agree=loss_checks.on_every_rank(distributed.sum_over_ranks,
-                                                                  distributed.world_size()))
+                                                                  distributed.world_size()),
+            together=lambda: distributed.leaving_together(model))
     if checked.warning is not None:
         log.warning("autotune: %s", checked.warning)
     store = plan_cache.open_cache(settings.cache)

@@ -30,7 +30,7 @@ ROLL_CALL_SECONDS = 5.0  # how long the ranks alive wait for the others' answers
 _PREFIX = "autotune/ranks/"
 # What a collective says when a peer went away: gloo's transport, NCCL's watchdog and c10d's own errors.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
-              "Timed out waiting", "NCCL communicator was aborted")
+              "Timed out waiting", "Application timeout", "NCCL communicator was aborted")
 _registered: set[int] = set()  # the groups (by id) this process has written its name into
 _calls = 0  # roll calls held by this process: each its own keys, the same count on every rank alive
 
