@@ -3,20 +3,22 @@
 When a rank dies (killed, a segfault, its node lost) the others learn of it as a failed collective, whose
 message names a socket ("Connection closed by peer [10.0.0.7]:41235") or nothing at all, and on a cluster that
 does not say which of hundreds of processes to look for. So where `fit` or a training step fails on a lost
-peer, the ranks still alive hold a roll call through the job's own store (the rendezvous store torchrun and
-`init_process_group` set up, which outlives any one worker): each writes its name, waits until every rank has
-answered or `ROLL_CALL_SECONDS` have passed, and raises an error naming the ranks that did not answer, each
-with its node (torchrun's `GROUP_RANK`), local rank and host as that rank wrote them when it first entered
-`fit` or a step. A rank its launcher stopped right after the first death (torchrun stops every worker of a
-node where one failed) may be named beside it: the first named is not always the first dead.
+peer, the rank calls the roll through the job's own store (the rendezvous store torchrun and
+`init_process_group` set up, which outlives any one worker). Every rank answers from a thread of its own,
+started when it first entered `fit` or a step (where it also wrote its node, torchrun's `GROUP_RANK`, its
+local rank and its host), so a rank blocked in a collective behind another live rank answers as well; the
+ranks that have not answered after `ROLL_CALL_SECONDS` are named in the error. A rank its launcher stopped
+right after the first death (torchrun stops every worker of a node where one failed) may be named beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +28,8 @@ import torch.distributed as dist
 from ..errors import AutotuneError
 from .ranks import active, rank, world_size
 
-ROLL_CALL_SECONDS = 5.0  # how long the ranks alive wait for the others' answers: above NCCL's and gloo's spread
+ROLL_CALL_SECONDS = 3.0  # how long the ranks alive wait for the others' answers (each answers from a thread)
+_WAIT = datetime.timedelta(hours=1)  # an answering thread's wait for the next roll call, renewed
 _PREFIX = "autotune/ranks/"
 # What a collective says when a peer went away: gloo's transport, NCCL's watchdog and c10d's own errors.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
@@ -77,7 +80,8 @@ def _store() -> Any:
 
 
 def _register() -> None:
-    """Write this rank's node, local rank and host where the others can read them once it is gone."""
+    """Write this rank's node, local rank and host where the others can read them once it is gone, and start
+    the thread that answers roll calls for it."""
     group = id(dist.group.WORLD)
     if group in _registered:
         return
@@ -85,9 +89,32 @@ def _register() -> None:
     if store is None:
         return
     me = {"node": os.environ.get("GROUP_RANK"), "local": os.environ.get("LOCAL_RANK"), "host": socket.gethostname()}
-    with contextlib.suppress(Exception):
+    try:
         store.set(f"{_PREFIX}where/{rank()}", json.dumps(me))
-        _registered.add(group)
+        # Its own connection to the store: a wait on the shared one would hold it from this rank's other calls.
+        answerer = threading.Thread(target=_answer, args=(store.clone(), rank()), name="autotune-roll-call",
+                                    daemon=True)
+    except Exception:  # noqa: BLE001 - a store that cannot clone: this rank is named from the rank numbering
+        return
+    answerer.start()
+    _registered.add(group)
+
+
+def _answer(store: Any, me: int) -> None:
+    """This rank's answer to every roll call, from a thread of its own: a rank alive but blocked in a collective
+    behind another rank still alive (a ring's next hop), which learns of the failure only when that rank
+    leaves, answers at once, and only the dead stay silent."""
+    call = 1
+    while True:
+        try:
+            store.wait([f"{_PREFIX}call/{call}"], _WAIT)
+        except Exception as exc:  # noqa: BLE001 - a wait's timeout: wait again; the store gone: nothing to answer
+            if "timeout" in str(exc).lower():
+                continue
+            return
+        with contextlib.suppress(Exception):
+            store.set(f"{_PREFIX}alive/{call}/{me}", "1")
+        call += 1
 
 
 def _roll_call() -> list[int]:
@@ -99,6 +126,7 @@ def _roll_call() -> list[int]:
     _calls += 1
     keys = [f"{_PREFIX}alive/{_calls}/{r}" for r in range(world_size())]
     try:
+        store.set(f"{_PREFIX}call/{_calls}", "1")  # every rank's answering thread replies
         store.set(keys[rank()], "1")
         deadline = time.monotonic() + ROLL_CALL_SECONDS
         while True:
