@@ -13,6 +13,7 @@ right after the first death (torchrun stops every worker of a node where one fai
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -92,29 +93,49 @@ def _register() -> None:
     try:
         store.set(f"{_PREFIX}where/{rank()}", json.dumps(me))
         # Its own connection to the store: a wait on the shared one would hold it from this rank's other calls.
-        answerer = threading.Thread(target=_answer, args=(store.clone(), rank()), name="autotune-roll-call",
-                                    daemon=True)
+        answerer = _Answerer(store.clone(), rank())
     except Exception:  # noqa: BLE001 - a store that cannot clone: this rank is named from the rank numbering
         return
     answerer.start()
+    atexit.register(answerer.stop, store)
     _registered.add(group)
 
 
-def _answer(store: Any, me: int) -> None:
+class _Answerer(threading.Thread):
     """This rank's answer to every roll call, from a thread of its own: a rank alive but blocked in a collective
     behind another rank still alive (a ring's next hop), which learns of the failure only when that rank
-    leaves, answers at once, and only the dead stay silent."""
-    call = 1
-    while True:
-        try:
-            store.wait([f"{_PREFIX}call/{call}"], _WAIT)
-        except Exception as exc:  # noqa: BLE001 - a wait's timeout: wait again; the store gone: nothing to answer
-            if "timeout" in str(exc).lower():
-                continue
-            return
+    leaves, answers at once, and only the dead stay silent.
+
+    It waits on its own bell for each call in turn (`bell/<rank>/<call>`), so that at the process's exit it can
+    be woken and leave: a thread still inside the store's wait when the interpreter finalizes aborts the
+    process once the store closes under it."""
+
+    def __init__(self, store: Any, me: int) -> None:
+        super().__init__(name="autotune-roll-call", daemon=True)
+        self.store, self.me, self.call = store, me, 1
+
+    def bell(self) -> str:
+        return f"{_PREFIX}bell/{self.me}/{self.call}"
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.store.wait([self.bell()], _WAIT)
+                if self.store.get(self.bell()) == b"stop":
+                    return
+            except Exception as exc:  # noqa: BLE001 - the wait's timeout: wait again; the store gone: leave
+                if "timeout" in str(exc).lower():
+                    continue
+                return
+            with contextlib.suppress(Exception):
+                self.store.set(f"{_PREFIX}alive/{self.call}/{self.me}", "1")
+            self.call += 1
+
+    def stop(self, store: Any) -> None:
+        """At exit: ring this rank's bell with "stop" (through the main connection) and let the thread leave."""
         with contextlib.suppress(Exception):
-            store.set(f"{_PREFIX}alive/{call}/{me}", "1")
-        call += 1
+            store.set(self.bell(), "stop")
+            self.join(timeout=2)
 
 
 def _roll_call() -> list[int]:
@@ -126,14 +147,13 @@ def _roll_call() -> list[int]:
     _calls += 1
     keys = [f"{_PREFIX}alive/{_calls}/{r}" for r in range(world_size())]
     try:
-        store.set(f"{_PREFIX}call/{_calls}", "1")  # every rank's answering thread replies
-        store.set(keys[rank()], "1")
+        if store.add(f"{_PREFIX}calls/{_calls}", 1) == 1:  # the first rank to call rings every rank's bell
+            for r in range(world_size()):
+                store.set(f"{_PREFIX}bell/{r}/{_calls}", "call")
         deadline = time.monotonic() + ROLL_CALL_SECONDS
-        while True:
-            answered = [store.check([key]) for key in keys]
-            if all(answered) or time.monotonic() > deadline:
-                break
+        while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.1)
+        answered = [store.check([key]) for key in keys]
     except Exception:  # noqa: BLE001 - the store went with the dead (its host's node): nothing to name
         return []
     return [r for r, ok in enumerate(answered) if not ok]
