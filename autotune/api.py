@@ -26,6 +26,7 @@ from .devices.peaks import device_peak
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import InvalidSetting, NoFeasiblePlan
 from .evidence import Trial
+from .parallel.deaths import named_deaths
 from .plan import Plan
 from .search.anchors import keep_dtype
 from .search.deadline import Deadline
@@ -47,6 +48,7 @@ from .workload.optimizers import check_optimizer
 log = logging.getLogger(__name__)
 
 
+@named_deaths()  # a rank that dies mid-tune is named by node and local rank on the others
 def fit(
     model: nn.Module,
     batch: Any,
@@ -137,7 +139,8 @@ def fit(
     with laps.phase("loss check"):
         checked = loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(
             settings.techniques), agree=loss_checks.on_every_rank(distributed.sum_over_ranks,
-                                                                  distributed.world_size()))
+                                                                  distributed.world_size()),
+            together=lambda: distributed.leaving_together(model))
     if checked.warning is not None:
         log.warning("autotune: %s", checked.warning)
     store = plan_cache.open_cache(settings.cache)

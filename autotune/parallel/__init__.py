@@ -6,7 +6,7 @@ rank: every rank leaves at the same collective) · `reduce` (gradients over rank
 """
 
 from .agreement import agree_trial, merged_trial, trial_figures
-from .oom import ANOTHER_RANK_OOM, agree_oom, armed, check_in, guard_collectives, param_groups
+from .oom import ANOTHER_RANK_OOM, agree_oom, armed, check_in, guard_collectives, leaving_together, param_groups
 from .ranks import active, collective_device, is_writer, rank, smallest, sum_over_ranks, total_and_range, world_size
 from .reduce import BUCKET_BYTES, ONE_BUCKET, OverlappedReduce, all_reduce_together, broadcast_together, finish_sharded
 from .topology import Topology, agree_on_plan, topology
@@ -14,5 +14,5 @@ from .topology import Topology, agree_on_plan, topology
 __all__ = ["ANOTHER_RANK_OOM", "BUCKET_BYTES", "ONE_BUCKET", "OverlappedReduce", "Topology", "active", "agree_oom",
            "agree_on_plan", "agree_trial",
            "all_reduce_together", "armed", "broadcast_together", "check_in", "collective_device", "finish_sharded",
-           "guard_collectives", "is_writer", "merged_trial", "param_groups", "rank", "smallest", "sum_over_ranks",
-           "topology", "total_and_range", "trial_figures", "world_size"]
+           "guard_collectives", "is_writer", "leaving_together", "merged_trial", "param_groups", "rank", "smallest",
+           "sum_over_ranks", "topology", "total_and_range", "trial_figures", "world_size"]

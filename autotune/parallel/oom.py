@@ -67,6 +67,26 @@ def agree_oom(oom: bool) -> bool:
             return any_oom
 
 
+@contextlib.contextmanager
+def leaving_together(model: torch.nn.Module) -> Iterator[None]:
+    """Around forwards of a sharded `model` outside a step (the loss check on the example batch): an error on
+    one rank (an OOM in `loss_fn` before the model runs, say) while the others go on into FSDP's next
+    all-gather leaves every rank at the same collective, and the block raises on every rank: where it failed
+    and, elsewhere, an OOM saying it came from another rank. A model that is not sharded runs no collective
+    in its forward, and is left alone."""
+    if not active() or not guard_collectives(model):
+        yield
+        return
+    try:
+        with armed():
+            yield
+    except Exception:
+        agree_oom(True)  # answers the check-ins of ranks still in their forwards: they raise there
+        raise
+    if agree_oom(False):
+        raise torch.OutOfMemoryError(ANOTHER_RANK_OOM)
+
+
 def _exchange(*, oom: bool, in_step: bool) -> tuple[bool, bool]:
     # Uncounted by the simulated ceiling: its OOM raised here, after the all-reduce and before the collective
     # this check-in guards, would leave this rank out of a collective the others just agreed to run.

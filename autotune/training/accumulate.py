@@ -95,7 +95,7 @@ class Accumulator:
             self.model, batch, self._user_loss_fn, chunked=chunked,
             prepare=lambda part: applied.inputs(batches.to_device(part, device)),
             agree=loss_checks.on_every_rank(parallel.sum_over_ranks, parallel.world_size()),
-            most=max(2, plan.micro_batch_size))
+            most=max(2, plan.micro_batch_size), together=lambda: parallel.leaving_together(self.model))
         self.loss_fn = resolve(self._user_loss_fn, self.model, chunked=chunked)
         self.form = LossForm.of(self.model)
         if found.notes:

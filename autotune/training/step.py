@@ -34,6 +34,7 @@ from ..devices.ceiling import SimulatedCeiling
 from ..devices.placement import release_memory
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
 from ..evidence import Trial
+from ..parallel.deaths import named_deaths
 from ..techniques import dtype_conflict, find_blocks
 from ..techniques.sharding import is_sharded, reset_after_failure
 from ..workload import batch as batches
@@ -149,6 +150,7 @@ class TrainingStep:
     def _applied(self) -> Any:
         return self._in_force.applied if self._in_force is not None else None
 
+    @named_deaths()  # a rank that dies mid-step is named by node and local rank on the others
     def __call__(self, batch: Any) -> float:
         """One optimizer step over `batch` (this rank's share of a global batch); returns the mean loss.
 

@@ -24,6 +24,7 @@ buffers, the parameters and the random streams are put back after (`evaluation.p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -49,6 +50,7 @@ FIX = ("return (loss_sum, count) from a loss_fn, the sum of the per-token (or pe
        "it was taken over, and autotune divides by the whole batch's count")
 
 Agree = Callable[[list[bool]], list[bool]]  # each flag True where it is True on every rank
+Together = Callable[[], contextlib.AbstractContextManager[Any]]  # around forwards: one rank's error fails every rank's
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,18 +90,21 @@ class _Value:
 
 
 def check(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool,
-          prepare: Callable[[Any], Any] | None = None, agree: Agree | None = None, most: int = SLICE) -> CheckedLoss:
+          prepare: Callable[[Any], Any] | None = None, agree: Agree | None = None, most: int = SLICE,
+          together: Together | None = None) -> CheckedLoss:
     """Check the chunked loss (when `chunked` allows it and the model takes it) and the micro-batch weighting
     of `loss_fn` (None: the model's own loss) on the first samples of `batch`.
 
     `prepare` turns a slice of the batch into what the model takes (default: on the model's device, `Shared`
     tensors unwrapped); `agree` makes every rank decide alike (`on_every_rank`), each rank running the same
-    forwards; `most` caps the samples a forward takes. An error in a forward leaves the loss unchecked: the
-    model's own, weighted as before, and the note says so (an error of autotune's own, such as no loss to train
-    on, is left to the search or the step to raise, in its turn).
+    forwards; `most` caps the samples a forward takes; `together` wraps the forwards so that an error on one rank
+    fails them on every rank (`parallel.leaving_together`: a sharded model's forwards run collectives). An error
+    in a forward leaves the loss unchecked: the model's own, weighted as before, and the note says so (an error
+    of autotune's own, such as no loss to train on, is left to the search or the step to raise, in its turn).
     """
     prepare = prepare if prepare is not None else _on_model_device(model)
     agree = agree if agree is not None else (lambda flags: flags)
+    together = together if together is not None else contextlib.nullcontext
     whole_batch = batches.pick(batch, _samples(model, batch, min(most, SLICE)))
     m = batches.batch_size(whole_batch)
     labels = int_labels(whole_batch)
@@ -112,7 +117,7 @@ def check(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool
     whole: _Value | None = None
     failure = ""
     try:
-        with evaluating(model):
+        with evaluating(model), together():
             whole = _evaluate(model, prepare(whole_batch), loss_fn)
             if try_chunked:
                 out = model_loss(model, prepare(whole_batch), chunked=True)
@@ -128,23 +133,23 @@ def check(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool
         failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     flags = agree(flags)
     found = _decide(model, whole_batch, loss_fn, whole, flags, (countings, primary), split, m, failure, try_chunked,
-                    separable, prepare, agree)
+                    separable, prepare, agree, together)
     whole_batch_only = [note for note in (_per_batch_terms(whole), _batch_statistics(model)) if note]
     return dataclasses.replace(found, notes=(*found.notes, *whole_batch_only)) if whole_batch_only else found
 
 
 def check_and_record(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool,
                      prepare: Callable[[Any], Any] | None = None, agree: Agree | None = None,
-                     most: int = SLICE) -> CheckedLoss:
+                     most: int = SLICE, together: Together | None = None) -> CheckedLoss:
     """`check`, and its choice recorded for `model` and `loss_fn`: what the search and `plan.apply` follow."""
-    found = check(model, batch, loss_fn, chunked=chunked, prepare=prepare, agree=agree, most=most)
+    found = check(model, batch, loss_fn, chunked=chunked, prepare=prepare, agree=agree, most=most, together=together)
     record_choice(model, loss_fn, found.choice)
     return found
 
 
 def _decide(model: nn.Module, batch: Any, loss_fn: LossFn | None, whole: _Value | None, flags: list[bool],
             tried: tuple[list[tuple[int, bool]], int], split: int | None, m: int, failure: str, try_chunked: bool,
-            separable: bool, prepare: Callable[[Any], Any], agree: Agree) -> CheckedLoss:
+            separable: bool, prepare: Callable[[Any], Any], agree: Agree, together: Together) -> CheckedLoss:
     """The choice from the agreed flags, `num_items_in_batch` checked where it is part of it, and the notes."""
     countings, primary = tried
     default = LossChoice.default(model)
@@ -173,7 +178,7 @@ def _decide(model: nn.Module, batch: Any, loss_fn: LossFn | None, whole: _Value 
     if choice.by == "tokens" and loss_fn is None and takes_num_items(model) and not routes_with_loss(model):
         divided = [False]
         try:
-            with evaluating(model):
+            with evaluating(model), together():
                 divided = [_divided(model, batch, choice, split, m, whole, prepare)]
         except AutotuneError:
             raise
