@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from test_step import make_plan, new_model, peak_of, run_plan, seq_batch
 
 from autotune.configuration import Rung
@@ -29,8 +27,17 @@ def test_climbing_to_optimizer_offload_leaves_the_sharded_optimizer_state():
                                        sharding="optimizer_state", world_size=2, global_batch_size=16)
     climbed = recovery.after_oom(plan, LADDER)
     assert climbed.rung.offload == "optimizer" and climbed.sharding == "none" and climbed.offload_fraction == 1.0
-    assert recovery.engine_rung(plan) == (dataclasses.replace(plan.rung, offload="optimizer"), 0.0)
-    assert recovery.engine_rung(climbed) == (climbed.rung, 1.0)
+    assert (plan.rung.offload, plan.sharding, recovery.host_share(plan)) == ("none", "optimizer_state", 1.0)
+    assert recovery.host_share(climbed) == 1.0
+
+
+def test_climbing_to_activation_offload_leaves_the_sharded_optimizer_state_too():
+    # The partitioned state keeps no offload beside it: any offloading rung leaves it, not only the optimizer's.
+    plan = make_plan(1, 8).with_config(checkpointing="full", checkpointed_blocks=None,
+                                       sharding="optimizer_state", world_size=2, global_batch_size=16)
+    up = Rung(precision="fp32", checkpointing="full", offload="activations")
+    climbed = recovery.after_oom(plan, [*LADDER[:2], up])
+    assert (climbed.rung, climbed.sharding) == (up, "none")
 
 
 def test_a_recovery_is_reported_to_the_callback_under_the_plans_key_only():

@@ -87,20 +87,18 @@ def counted(plan: Any, blocks: Any) -> Any:
     return revised(plan, plan.reason, checkpointed_blocks=count)
 
 
-def engine_rung(plan: Any) -> tuple[Rung, float]:
-    """The rung put on the model for `plan`, and the host's share of its optimizer offload: the optimizer state
-    sharded over replicated ranks is the offload engine with nothing on the host, partitioned over the ranks."""
-    if plan.partitioned_state:
-        return dataclasses.replace(plan.rung, offload="optimizer"), 0.0
-    return plan.rung, plan.offload_fraction if plan.offload == "optimizer" else 1.0
+def host_share(plan: Any) -> float:
+    """The host's share of `plan`'s offloaded optimizer, as `apply_rung` takes it (1.0 where none is offloaded)."""
+    return plan.offload_fraction if plan.offload == "optimizer" else 1.0
 
 
 def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None = None) -> Any:
-    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch. A rung with
-    optimizer offload leaves the sharded optimizer state: its engine partitions what it keeps on the device."""
+    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch. A rung that
+    offloads leaves the sharded optimizer state (the configuration allows it no offload); under optimizer offload
+    the engine partitions what it keeps on the device."""
     smallest = plan.min_micro_batch_size if smallest is None else smallest
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
-    sharding = "none" if plan.partitioned_state and rung.offload == "optimizer" else plan.sharding
+    sharding = "none" if plan.partitioned_state and rung.offload != "none" else plan.sharding
     return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
                    checkpointed_blocks=rung.checkpointed_blocks, compile=rung.compile,
                    optimizer_8bit=rung.optimizer_8bit, fp8=rung.fp8, offload=rung.offload,

@@ -131,8 +131,8 @@ class TrainingStep:
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
         self._buffers = BufferGuard(model, self.placement.torch_device)
         self._in_force: RungInForce | None = RungInForce(model, self.spec, self.placement, self.blocks, optimizer)
-        rung, fraction = recovery.engine_rung(self.plan)
-        self._in_force.apply(rung, fraction=fraction, overlap=self.plan.offload_overlap)
+        self._in_force.apply(self.plan.rung, fraction=recovery.host_share(self.plan), overlap=self.plan.offload_overlap,
+                             sharding=self.plan.sharding)
         checks.opened(model, self)
 
     # -- the public surface ----------------------------------------------------------------------------
@@ -363,7 +363,7 @@ class TrainingStep:
             recovery.report(old, None, shapes, failure)
             raise NoFeasiblePlan(recovery.exhausted(failed, shapes, old), trials=tuple(failed))
         if new.rung != old.rung:
-            self._open().switch(*recovery.engine_rung(new), self._drop_gradients)
+            self._open().switch(new.rung, recovery.host_share(new), new.sharding, self._drop_gradients)
         self.plan = new
         recovery.report(old, new, shapes, failure)
         self.recoveries.append(Recovery(step=self.steps_taken, failed=recovery.describe(old),
