@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from test_step import make_plan, new_model, peak_of, run_plan, seq_batch
 
 from autotune.configuration import Rung
 from autotune.techniques.offload import NO_OFFLOAD, offload_of
 from autotune.training import recovery
+from autotune.training.learned import Learned
 
 LADDER = [Rung(precision="fp32"), Rung(precision="fp32", checkpointing="full"),
           Rung(precision="fp32", checkpointing="full", offload="optimizer")]
@@ -40,19 +43,17 @@ def test_climbing_to_activation_offload_leaves_the_sharded_optimizer_state_too()
     assert (climbed.rung, climbed.sharding) == (up, "none")
 
 
-def test_a_recovery_is_reported_to_the_callback_under_the_plans_key_only():
+def test_a_recovery_is_reported_to_the_callback_kept_with_the_plan_only():
     model = new_model()
     budget = peak_of(make_plan(2, 8), model, seq_batch(8, 32))
     seen = []
-    recovery.report_recoveries_to("k", lambda old, new, note, shapes: seen.append((old.key, new.micro_batch_size,
-                                                                                    note, shapes)))
-    try:
-        _, step, _ = run_plan(make_plan(4, 8, budget=budget, key="k"), model, [seq_batch(8, 32)])
-        _, other, _ = run_plan(make_plan(4, 8, budget=budget, key="other"), new_model(), [seq_batch(8, 32)])
-    finally:
-        recovery.report_recoveries_to("k", None)
+    reporter = lambda old, new, note, shapes: seen.append((old.key, new.micro_batch_size, note, shapes))  # noqa: E731
+    told = dataclasses.replace(make_plan(4, 8, budget=budget, key="k"), learned=Learned.of(loss_fn=None,
+                                                                                           report=reporter))
+    _, step, _ = run_plan(told, model, [seq_batch(8, 32)])
+    _, other, _ = run_plan(make_plan(4, 8, budget=budget, key="k"), new_model(), [seq_batch(8, 32)])
     assert step.recoveries and other.recoveries
-    assert [s[0] for s in seen] == ["k"] * len(step.recoveries)  # the other plan's key has no callback
+    assert [s[0] for s in seen] == ["k"] * len(step.recoveries)  # the same key without the callback: not told
     assert seen[-1][1] == step.plan.micro_batch_size and seen[0][3] and "out of memory" in seen[0][2].lower()
 
 

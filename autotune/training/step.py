@@ -24,7 +24,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from .accumulate import Accumulator
 from .buffers import BufferGuard
 from .recovery import Recovery
 from .rungs import RungInForce
+
+if TYPE_CHECKING:  # plan.py sits above training/ and imports it
+    from ..plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class TrainingStep:
     back into it. `step.optimizer` is the optimizer actually stepped.
     """
 
-    def __init__(self, plan: Any, model: nn.Module, optimizer: torch.optim.Optimizer | Any = None,
+    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Any = None,
                  loss_fn: LossFn | None = None, *, techniques: Any = None, grow_after: int | None = None,
                  max_grad_norm: float | None = None, before_optimizer_step: StepHook | None = None,
                  after_optimizer_step: StepHook | None = None) -> None:
