@@ -12,8 +12,8 @@ partial gradients are dropped, memory is cleaned after the `except` block has be
 streams are put back (`buffers.py`), and the same batch is re-run under the configuration the recovery
 policy gives (`recovery.py`: half the micro-batch, else the next rung up within the techniques `fit` was
 given; past the top `NoFeasiblePlan`): no sample lost or counted twice, optimizer and GradScaler untouched.
-Each recovery is reported to the callback registered under the plan's key (`report_recoveries_to`; `fit`
-registers one that records it in its plan cache). On the simulated CPU device the step enforces the same
+Each recovery is reported to the callback `fit` kept with the plan it returned (`plan.learned.report`; it
+records the recovery in fit's plan cache). On the simulated CPU device the step enforces the same
 ceiling the trials did (`SimulatedCeiling` over the plan's budget), so all of this runs without a GPU.
 """
 
