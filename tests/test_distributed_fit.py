@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.slow  # each test spawns ranks that run fit: about 30 s each on a 2-core machine
+
 WORLD = 2
 
 
