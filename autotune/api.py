@@ -38,11 +38,10 @@ from .settings import FitSettings
 from .sizes import format_bytes, parse_bytes, shorten
 from .techniques import parse_techniques
 from .techniques.precision import choose_precision
-from .training.recovery import report_recoveries_to
+from .training.learned import Learned
 from .workload import batch as batches
 from .workload import loss_checks
 from .workload.batching import per_rank_batch
-from .workload.losses import remember_fit_loss
 from .workload.optimizers import check_optimizer
 
 log = logging.getLogger(__name__)
@@ -151,9 +150,9 @@ def fit(
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
     plan = plan.with_evidence(reason=checked.reason(plan.reason))
     distributed.agree_on_plan(plan.config.to_dict())  # one plan on every rank, or an error naming the odd ones
-    remember_fit_loss(model, loss_fn)  # plan.apply(model, ...) trains with the loss fit tuned with
-    if store is not None and plan.key:
-        report_recoveries_to(plan.key, _recorder(store))  # a recovery in training is recorded in this cache
+    # plan.apply trains with the loss fit tuned with, and records a recovery in training in this cache
+    plan = dataclasses.replace(plan, learned=Learned.of(
+        loss_fn=loss_fn, report=_recorder(store) if store is not None and plan.key else None))
     if plan.source == "tuned":
         log.info("autotune: %s (%s); %s", plan.summary(), plan.reason, account_of(plan))
     for callback in _plan_callbacks:

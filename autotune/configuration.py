@@ -27,13 +27,8 @@ WHOLE_BLOCK = "whole_block"
 RECOMPUTE_POLICIES = (WHOLE_BLOCK, "save_matmuls", "save_half_matmuls")
 
 
-def none_on_the_host(world: int | None = None) -> str:
-    """How a trial names optimizer offload with nothing on the host: the state partitioned over the ranks."""
-    return f"none on the host: the state partitioned over {f'{world} ranks' if world else 'the ranks'}"
-
-
 def state_sharded(world: int | None = None) -> str:
-    """How a plan and a recovery name sharding "optimizer_state"."""
+    """How a plan, a trial and a recovery name sharding "optimizer_state"."""
     return f"optimizer state sharded over {f'{world} ranks' if world else 'the ranks'}"
 
 

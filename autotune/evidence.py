@@ -60,6 +60,9 @@ class Trial:
     host_peak_bytes: int = 0  # how far the process's resident host memory rose during the trial (measured)
     noisy: bool = False  # its step times spread wide (on this rank or another): the plan's reason counts these
     overlapped: bool = False  # its measured steps overlapped the host optimizer with the last backward
+    # "optimizer_state": its optimizer state partitioned over the replicated ranks, as a plan's `sharding` names
+    # it; "none" for every other trial (the search runs its FSDP2 shardings on a sharded model, not per trial)
+    sharding: str = "none"
     note: str = ""  # for people: what happened, in words; decisions read the fields above
     # Where `seconds` went, in order: set-up, host buffers, compile, warm-up, measured, restore, clean-up (seconds
     # each; `TRIAL_PHASES`); empty for a trial recorded before trials timed their phases. Not hashed: a dict.
@@ -70,6 +73,7 @@ class Trial:
             raise ValueError(f"Trial.rung must be a Rung, got {type(self.rung).__name__}")
         check_positive_int("Trial.micro_batch_size", self.micro_batch_size)
         check_choice("Trial.outcome", self.outcome, OUTCOMES)
+        check_choice("Trial.sharding", self.sharding, ("none", "optimizer_state"))
         for name in ("peak_bytes", "alloc_retries", "host_peak_bytes"):
             check_non_negative_int(f"Trial.{name}", getattr(self, name))
         for name in ("seconds", "step_seconds", "optimizer_seconds", "samples_per_second", "compile_seconds",

@@ -20,9 +20,9 @@ from .errors import InvalidSetting
 from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
 from .settings import DEFAULT_MARGIN
 from .sizes import format_bytes, format_share
+from .training.learned import NOTHING, Learned
 from .training.step import TrainingStep
 from .validate import dict_field
-from .workload.losses import fit_loss
 
 __all__ = ["PLAN_FORMAT_VERSION", "SOURCES", "Plan", "StalePlanFormat"]
 
@@ -98,6 +98,9 @@ class Plan:
     config: Configuration
     evidence: Evidence
     provenance: Provenance = field(default_factory=Provenance)
+    # What `fit` learned for `apply` (its loss, its recovery recorder): kept with the object `fit` returned, never
+    # compared, hashed or written (`training/learned.py`)
+    learned: Learned = field(default=NOTHING, compare=False, hash=False, repr=False)
 
     rung = _Read[Rung]("config")
     precision = _Read[str]("config")
@@ -191,19 +194,19 @@ class Plan:
               before_optimizer_step: Any = None, after_optimizer_step: Any = None) -> Any:
         """Apply this plan to `model` (and `optimizer`) and return the training step callable.
 
-        `loss_fn` defaults to the one `autotune.fit` was given for this model in this process, else the
-        model's own loss. `max_grad_norm` clips the whole global batch's gradient norm before each optimizer
-        step; `before_optimizer_step(step)` / `after_optimizer_step(step)` run around it. See
-        `autotune.training.step.TrainingStep`.
+        `loss_fn` defaults to the one `autotune.fit` was given when it returned this plan object, else the
+        model's own loss (a plan read from the cache or built by hand has none). `max_grad_norm` clips the whole
+        global batch's gradient norm before each optimizer step; `before_optimizer_step(step)` /
+        `after_optimizer_step(step)` run around it. See `autotune.training.step.TrainingStep`.
 
         Raises:
             InvalidSetting: `model` is not a `torch.nn.Module` (the optimizer passed first, a name, None), or
                 `optimizer` is none of None, an optimizer or a factory.
         """
-        if not isinstance(model, nn.Module):  # before the loss look-up, which keys on the model by weak reference
+        if not isinstance(model, nn.Module):
             raise InvalidSetting(f"plan.apply needs the torch.nn.Module the plan was made for as its first argument, "
                                  f"got {type(model).__name__}; call plan.apply(model, optimizer)")
-        loss_fn = loss_fn if loss_fn is not None else fit_loss(model)
+        loss_fn = loss_fn if loss_fn is not None else self.learned.loss_fn
         return TrainingStep(self, model, optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
                             before_optimizer_step=before_optimizer_step,
                             after_optimizer_step=after_optimizer_step)

@@ -39,10 +39,19 @@ def test_apply_trains_with_the_loss_fn_fit_was_given() -> None:
         assert step(BATCH) == pytest.approx(expected, rel=1e-5)  # the loss before the step, over the whole batch
 
 
-def test_a_plan_applied_to_a_model_fit_never_saw_says_to_pass_loss_fn_to_apply() -> None:
+def test_the_loss_fn_travels_with_the_plan_object_fit_returned() -> None:
     plan = tune(classifier(), loss_fn=cross_entropy)
-    other = classifier()
+    other = classifier()  # another copy of the model: the plan fit returned trains it with fit's loss too
+    expected = float(cross_entropy(other, BATCH).detach())
     with plan.apply(other, torch.optim.SGD(other.parameters(), lr=0.1)) as step:
+        assert step(BATCH) == pytest.approx(expected, rel=1e-5)
+    assert plan == autotune.Plan.from_dict(plan.to_dict())  # not part of its equality, nor of its dict form
+
+
+def test_a_plan_read_back_from_its_dict_says_to_pass_loss_fn_to_apply() -> None:
+    model = classifier()
+    plan = autotune.Plan.from_dict(tune(model, loss_fn=cross_entropy).to_dict())  # as the cache serves it
+    with plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1)) as step:
         with pytest.raises(autotune.InvalidSetting,
                            match=r"Sequential.forward does not take.*pass it to plan\.apply\(model, optimizer, "
                                  r"loss_fn=\.\.\.\)"):

@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # spawned ranks: about 25 s on a 2-core machine
+
 # name -> plan.sharding; "fsdp2" cases shard the model and save through torch's distributed checkpoint API;
 # "optimizer-state-sharded" keeps nothing on the host, each rank 1/world of the state on its device
 CASES = {"partitioned": "none", "optimizer-state-sharded": "optimizer_state", "fsdp2-offload": "none",

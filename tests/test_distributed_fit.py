@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.slow  # each test spawns ranks that run fit: about 30 s each on a 2-core machine
+
 WORLD = 2
 
 
@@ -86,10 +88,8 @@ def test_ranks_with_different_ceilings_agree_on_one_plan():
     # Last, the pick's all-reduced step timed both ways (search/reduce_timing.py), one decision on both ranks
     timed = plan["trials"][-1]
     knobs = ("precision", "checkpointing", "offload", "checkpointed_blocks", "compile")
-    expected = {k: plan[k] for k in knobs}
-    if plan["sharding"] == "optimizer_state":  # its trials run it as optimizer offload with no host share
-        expected["offload"] = "optimizer"
-    assert {k: timed["rung"][k] for k in knobs} == expected, plan["reason"]
+    assert {k: timed["rung"][k] for k in knobs} == {k: plan[k] for k in knobs}, plan["reason"]
+    assert timed["sharding"] == ("optimizer_state" if plan["sharding"] == "optimizer_state" else "none")
     assert timed["micro_batch_size"] >= plan["micro_batch_size"]  # the split may balance a last 1 away
     assert "in one after it" in notes[0][-1] or timed["outcome"] != "ok", notes[0][-1]
     assert plan["reduce_overlap"] in (True, False)

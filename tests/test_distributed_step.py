@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # two and four spawned ranks: about 45 s on a 2-core machine
+
 SCENARIOS = ("mean-uneven", "tokens-uneven", "parts-uneven", "oom-on-one-rank", "oom-at-last-micro-batch",
              "longer-input-on-one-rank", "oom-in-last-backward", "sharded-mean-uneven", "sharded-tokens-uneven",
              "partitioned-oom-on-one-rank")

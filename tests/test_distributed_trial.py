@@ -65,8 +65,8 @@ def _phase(rank: int) -> dict:
     state = SearchState.of(result)
     partitioned(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=False,
                                     allowed=frozenset({"bf16", "offload"})))
-    best, fraction = state.best, state.fraction
-    return {"pick": result.best.to_dict(), "searched": searched, "best": best.to_dict(), "fraction": fraction,
+    best = state.best
+    return {"pick": result.best.to_dict(), "searched": searched, "best": best.to_dict(), "fraction": state.fraction,
             "trials": [{**t.to_dict(), "note": ""} for t in result.trials], "notes": [t.note for t in result.trials],
             "last_note": result.notes[-1], "params": sum(p.numel() for p in work.model.parameters())}
 
@@ -121,8 +121,8 @@ def _scenario(name: str, rank: int, world: int) -> dict:
 
     if name == "bf16":
         return _trial(rank, 512 * MiB, Rung(), wide=True)
-    if name == "partitioned":  # optimizer offload with nothing on the host: the state split over the ranks
-        return _trial(rank, 512 * MiB, Rung(offload="optimizer"), wide=True, offload_fraction=0.0)
+    if name == "partitioned":  # the optimizer state split over the ranks, as a plan names it
+        return _trial(rank, 512 * MiB, Rung(), wide=True, sharding="optimizer_state")
     if name == "phase":
         return _phase(rank)
     raise ValueError(name)
@@ -157,21 +157,22 @@ def test_a_replicated_trial_prices_the_all_reduce_and_no_rank_waits_for_a_failed
     assert plain[0] == plain[1] and split[0] == split[1]
     assert plain[0]["outcome"] == split[0]["outcome"] == "ok"
     assert plain[0]["peak_bytes"] - split[0]["peak_bytes"] >= 4 * results[0]["partitioned"]["params"], (plain, split)
-    assert "partitioned over the ranks" in results[0]["partitioned"]["note"]
+    assert split[0]["sharding"] == "optimizer_state" and split[0]["rung"]["offload"] == "none", split[0]
 
     # fit's phase on real ranks: the pick partitioned first (the room it frees, measured), the pick again last
     # (as long), the same trials and decision on both ranks, and the plan partitioned only if that measured faster
     phase = [r["phase"] for r in results]
-    assert phase[0]["trials"] == phase[1]["trials"] and phase[0]["fraction"] == phase[1]["fraction"]
+    assert phase[0]["trials"] == phase[1]["trials"] and phase[0]["best"]["sharding"] == phase[1]["best"]["sharding"]
+    assert phase[0]["fraction"] is None  # no host share: the state partitioned is a sharding, not an offload
     first, last = phase[0]["trials"][phase[0]["searched"]], phase[0]["trials"][-1]
     pick = phase[0]["pick"]
-    assert first["rung"]["offload"] == "optimizer" and first["micro_batch_size"] == pick["micro_batch_size"]
-    assert "partitioned over the ranks" in phase[0]["notes"][phase[0]["searched"]]
+    assert first["sharding"] == "optimizer_state" and first["rung"]["offload"] == "none"
+    assert first["micro_batch_size"] == pick["micro_batch_size"]
     assert pick["peak_bytes"] - first["peak_bytes"] >= 4 * phase[0]["params"]
     assert (last["rung"], last["micro_batch_size"]) == (pick["rung"], pick["micro_batch_size"])
     assert phase[0]["last_note"].startswith("optimizer state partitioned over 2 ranks, none on the host (")
-    kept = phase[0]["fraction"] == 0.0
-    assert kept == phase[0]["last_note"].endswith(": kept") == (phase[0]["best"]["rung"]["offload"] == "optimizer")
+    kept = phase[0]["best"]["sharding"] == "optimizer_state"
+    assert kept == phase[0]["last_note"].endswith(": kept")
 
     # The all-reduced step timed both ways (fit's `_reduce_timing`): one agreed trial with both costs, 4 + 2 x PAIRS
     # forwards on each rank; an OOM on one rank in the middle of them stops both, with no rank left in a collective

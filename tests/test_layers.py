@@ -26,7 +26,7 @@ PACKAGE = ROOT / "autotune"
 # Bottom to top. `autotune` is the package's `__init__` (the public names, above everything); `plotting` and
 # `__main__` serve the CLI; `step` is the training step's old import path.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors", "sizes", "validate"),
+    ("errors", "sizes", "validate", "torch_private"),
     ("devices", "workload"),
     ("settings",),
     ("configuration", "evidence"),

@@ -115,11 +115,13 @@ def four_ranks() -> list[dict]:
     return spawn(_rank_main, 4, TIMEOUT_S, ("streamed-half",))
 
 
+@pytest.mark.slow  # two spawned ranks: about 15 s on a 2-core machine
 @pytest.mark.parametrize("name", CASES)
 def test_partitioned_offload_equals_every_rank_stepping_everything(two_ranks, name):
     _check(two_ranks, name)
 
 
+@pytest.mark.slow  # four spawned ranks: about 25 s on a 2-core machine
 def test_four_ranks_partition_too(four_ranks):
     _check(four_ranks, "streamed-half")
 

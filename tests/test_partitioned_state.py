@@ -35,25 +35,25 @@ def _searched(gpu: LatticeGPU) -> tuple[SearchResult, Controller]:
 
 
 def _partitioned_run(gpu: LatticeGPU, freed: float, *, needs_blocks: int = 0, pick_again: float = 1.0):
-    """Runs a partitioned rung as the GPU runs the same rung without offload with `freed` off its floor; a
-    configuration with fewer than `needs_blocks` blocks recomputed runs out of memory (what a miss looks like).
-    The pick's own rung (no offload), measured again as long, at `pick_again` times its first speed."""
-    ran: list[tuple[Rung, int]] = []
+    """Runs a rung partitioned as the GPU runs it with `freed` off its floor; a configuration with fewer than
+    `needs_blocks` blocks recomputed runs out of memory (what a miss looks like). The pick's own rung, measured
+    again as long and not partitioned, at `pick_again` times its first speed."""
+    ran: list[tuple[Rung, int, str]] = []
 
-    def run(rung: Rung, micro: int) -> Trial:
-        ran.append((rung, micro))
-        if rung.offload == "none":
+    def run(rung: Rung, micro: int, sharding: str) -> Trial:
+        ran.append((rung, micro, sharding))
+        if sharding == "none":
             trial = gpu(rung, micro)
             return dataclasses.replace(trial, samples_per_second=trial.samples_per_second * pick_again)
         if (rung.checkpointed_blocks or 0) < needs_blocks:
-            return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=gpu.budget)
+            return Trial(rung=rung, micro_batch_size=micro, outcome="oom", peak_bytes=gpu.budget, sharding=sharding)
         saved = dict(gpu.floors)
         gpu.floors["none"] -= freed
         try:
-            trial = gpu(dataclasses.replace(rung, offload="none"), micro)
+            trial = gpu(rung, micro)
         finally:
             gpu.floors = saved
-        return dataclasses.replace(trial, rung=rung)
+        return dataclasses.replace(trial, sharding=sharding)
 
     return run, ran
 
@@ -65,13 +65,14 @@ def test_the_room_partitioning_frees_buys_fewer_recomputed_blocks():
     assert pick.rung.offload == "none" and pick.rung.checkpointed_blocks, pick  # the scenario: recompute
     run, ran = _partitioned_run(gpu, 2.5 * GiB)
     winner, judged = partitioned_state.price(result, pick, controller, run, 2)
-    assert ran[0] == (partitioned_state.partitioned(pick.rung), pick.micro_batch_size)  # measures what it frees
-    assert winner is not None and winner.rung.offload == "optimizer" and winner.fits
+    assert ran[0] == (pick.rung, pick.micro_batch_size, "optimizer_state")  # measures what it frees
+    assert winner is not None and winner.sharding == "optimizer_state" and winner.rung.offload == "none"
+    assert winner.fits
     assert (winner.rung.checkpointed_blocks < pick.rung.checkpointed_blocks
             or winner.micro_batch_size > pick.micro_batch_size)
     assert winner.samples_per_second > 1.03 * judged.samples_per_second
     # judged against the pick measured again, as long as the partitioned trials
-    assert ran[-1] == (pick.rung, pick.micro_batch_size)
+    assert ran[-1] == (pick.rung, pick.micro_batch_size, "none")
     assert len(ran) <= 2 + partitioned_state.TRIES
     assert winner in result.trials and judged in result.trials
     assert result.notes[-1].endswith("kept")
@@ -85,7 +86,7 @@ def test_a_lead_that_the_pick_measured_again_erases_leaves_the_pick():
     run, ran = _partitioned_run(gpu, 2.5 * GiB, pick_again=1.04)  # the pick's first trial read 4% low
     winner, judged = partitioned_state.price(result, pick, controller, run, 2)
     assert winner is None and judged.samples_per_second == pytest.approx(1.04 * pick.samples_per_second)
-    assert ran[-1][0] == pick.rung and "not faster than the pick" in result.notes[-1]
+    assert ran[-1] == (pick.rung, pick.micro_batch_size, "none") and "not faster than the pick" in result.notes[-1]
 
 
 def test_without_room_freed_no_other_configuration_is_tried_and_the_pick_stays():
@@ -96,8 +97,7 @@ def test_without_room_freed_no_other_configuration_is_tried_and_the_pick_stays()
     winner, judged = partitioned_state.price(result, pick, controller, run, 2)
     assert winner is None and judged == pick
     # no other configuration tried: the same one partitioned, then the pick again beside it
-    assert ran == [(partitioned_state.partitioned(pick.rung), pick.micro_batch_size),
-                   (pick.rung, pick.micro_batch_size)]
+    assert ran == [(pick.rung, pick.micro_batch_size, "optimizer_state"), (pick.rung, pick.micro_batch_size, "none")]
     assert "not faster than the pick" in result.notes[-1]
 
 
@@ -110,9 +110,9 @@ def test_a_miss_is_not_followed_by_what_it_rules_out_and_leaves_the_pick():
     first_blocks, first_micro = predicted[0][0].checkpointed_blocks, predicted[0][1]
     run, ran = _partitioned_run(gpu, 2.5 * GiB, needs_blocks=first_blocks + 1)  # the predicted one runs out
     assert partitioned_state.price(result, pick, controller, run, 2)[0] is None
-    assert ran[1] == (partitioned_state.partitioned(predicted[0][0]), first_micro)
+    assert ran[1] == (predicted[0][0], first_micro, "optimizer_state")
     # nothing with no more blocks at as many samples after the miss
-    assert not [(r, m) for r, m in ran[2:] if r.checkpointed_blocks <= first_blocks and m >= first_micro]
+    assert not [(r, m) for r, m, _ in ran[2:] if r.checkpointed_blocks <= first_blocks and m >= first_micro]
     assert "oom" in result.notes[-1] and "not faster than the pick" in result.notes[-1]
 
 

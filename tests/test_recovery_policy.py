@@ -9,6 +9,7 @@ from test_step import make_plan, new_model, peak_of, run_plan, seq_batch
 from autotune.configuration import Rung
 from autotune.techniques.offload import NO_OFFLOAD, offload_of
 from autotune.training import recovery
+from autotune.training.learned import Learned
 
 LADDER = [Rung(precision="fp32"), Rung(precision="fp32", checkpointing="full"),
           Rung(precision="fp32", checkpointing="full", offload="optimizer")]
@@ -29,23 +30,30 @@ def test_climbing_to_optimizer_offload_leaves_the_sharded_optimizer_state():
                                        sharding="optimizer_state", world_size=2, global_batch_size=16)
     climbed = recovery.after_oom(plan, LADDER)
     assert climbed.rung.offload == "optimizer" and climbed.sharding == "none" and climbed.offload_fraction == 1.0
-    assert recovery.engine_rung(plan) == (dataclasses.replace(plan.rung, offload="optimizer"), 0.0)
-    assert recovery.engine_rung(climbed) == (climbed.rung, 1.0)
+    assert (plan.rung.offload, plan.sharding, recovery.host_share(plan)) == ("none", "optimizer_state", 1.0)
+    assert recovery.host_share(climbed) == 1.0
 
 
-def test_a_recovery_is_reported_to_the_callback_under_the_plans_key_only():
+def test_climbing_to_activation_offload_leaves_the_sharded_optimizer_state_too():
+    # The partitioned state keeps no offload beside it: any offloading rung leaves it, not only the optimizer's.
+    plan = make_plan(1, 8).with_config(checkpointing="full", checkpointed_blocks=None,
+                                       sharding="optimizer_state", world_size=2, global_batch_size=16)
+    up = Rung(precision="fp32", checkpointing="full", offload="activations")
+    climbed = recovery.after_oom(plan, [*LADDER[:2], up])
+    assert (climbed.rung, climbed.sharding) == (up, "none")
+
+
+def test_a_recovery_is_reported_to_the_callback_kept_with_the_plan_only():
     model = new_model()
     budget = peak_of(make_plan(2, 8), model, seq_batch(8, 32))
     seen = []
-    recovery.report_recoveries_to("k", lambda old, new, note, shapes: seen.append((old.key, new.micro_batch_size,
-                                                                                    note, shapes)))
-    try:
-        _, step, _ = run_plan(make_plan(4, 8, budget=budget, key="k"), model, [seq_batch(8, 32)])
-        _, other, _ = run_plan(make_plan(4, 8, budget=budget, key="other"), new_model(), [seq_batch(8, 32)])
-    finally:
-        recovery.report_recoveries_to("k", None)
+    reporter = lambda old, new, note, shapes: seen.append((old.key, new.micro_batch_size, note, shapes))  # noqa: E731
+    told = dataclasses.replace(make_plan(4, 8, budget=budget, key="k"), learned=Learned.of(loss_fn=None,
+                                                                                           report=reporter))
+    _, step, _ = run_plan(told, model, [seq_batch(8, 32)])
+    _, other, _ = run_plan(make_plan(4, 8, budget=budget, key="k"), new_model(), [seq_batch(8, 32)])
     assert step.recoveries and other.recoveries
-    assert [s[0] for s in seen] == ["k"] * len(step.recoveries)  # the other plan's key has no callback
+    assert [s[0] for s in seen] == ["k"] * len(step.recoveries)  # the same key without the callback: not told
     assert seen[-1][1] == step.plan.micro_batch_size and seen[0][3] and "out of memory" in seen[0][2].lower()
 
 

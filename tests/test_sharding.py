@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # two and four spawned ranks: about 90 s on a 2-core machine
+
 SCENARIOS = ("presharded-fit", "one-rank-oom", "rungs-on-shards", "sharded-when-needed", "hf-chunked-loss",
              "memory-lines")
 # Four ranks run the scenarios where their number changes what is checked (one OOM among more ranks, shards of

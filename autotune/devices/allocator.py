@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-import torch
+from .. import torch_private
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def expand_in_process(environ: Mapping[str, str] = os.environ) -> str:
         _CHOSEN.note = f"allocator as {given} sets it"
         return _CHOSEN.note
     # torch's own setter: the accelerator-wide one where torch has it (the CUDA one is deprecated there)
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter = torch_private.allocator_setter()
     try:
         setter(SETTING)
     except (AttributeError, RuntimeError) as exc:  # an allocator without the setting (cudaMallocAsync, older torch)

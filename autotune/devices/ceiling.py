@@ -28,10 +28,9 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 from ..sizes import format_bytes
+from ..torch_private import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 from .shards import is_shard
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from .. import torch_private
 from ..errors import DeviceError, InvalidSetting
 from ..sizes import format_bytes
 from . import host as host_memory
@@ -262,9 +263,7 @@ def release_memory(placement: Placement, *, reset_peak: bool = False) -> None:
     torch.cuda.empty_cache()
     # Pinned host blocks a trial freed stay cached by torch's host allocator, and a tune that tries offload at
     # several shares would hold the sum of them: give them back, so its host peak is its largest configuration.
-    empty_host = getattr(torch._C, "_host_emptyCache", None)
-    if empty_host is not None:
-        empty_host()
+    torch_private.empty_host_cache()
     if reset_peak:
         torch.cuda.reset_peak_memory_stats(placement.index)
 

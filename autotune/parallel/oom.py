@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import torch_private
 from ..devices.ceiling import host_memory
 from .ranks import active, collective_device
 
@@ -119,7 +120,7 @@ def guard_collectives(model: torch.nn.Module) -> bool:
     if not units or not hasattr(units[0], "set_custom_all_gather"):
         return False
     for unit in units:
-        groups = param_groups(unit._get_fsdp_state())
+        groups = param_groups(torch_private.fsdp_state(unit))
         if len(groups) != 1:
             continue  # a unit without parameters runs no collective; several groups cannot take a custom comm
         group = groups[0]
@@ -131,10 +132,4 @@ def guard_collectives(model: torch.nn.Module) -> bool:
     return True
 
 
-def param_groups(state: object) -> list:
-    """An FSDP2 state's parameter groups: `_fsdp_param_groups`, or torch <2.9's one `_fsdp_param_group`."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
+param_groups = torch_private.fsdp_param_groups  # an FSDP2 state's parameter groups

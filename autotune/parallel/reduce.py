@@ -3,20 +3,17 @@ collectives, and the token-count fix-up of FSDP2's reduced gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import torch_private
 from ..workload.accumulation import LossWeights
 from .ranks import collective_device, world_size
 
-_coalescing_manager: Callable[..., Any] | None
-try:  # private to torch.distributed (present in torch 2.11 and 2.13): one collective for a bucket of tensors
-    from torch.distributed.distributed_c10d import _coalescing_manager
-except ImportError:  # pragma: no cover - older torch: one all-reduce per tensor
-    _coalescing_manager = None
+_coalescing_manager = torch_private.coalescing_manager  # one collective for a bucket (None: one per tensor)
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: big enough to keep the link busy, small enough to start early

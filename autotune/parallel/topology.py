@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import settings
+from .. import settings, torch_private
 from ..errors import AutotuneError, InvalidSetting
 from .ranks import active, collective_device, rank, world_size
 
@@ -143,7 +143,7 @@ def slow_link(model: torch.nn.Module, *, hybrid: bool, nodes: int) -> None:
     if not link_delay_seconds() or nodes < 2:
         return
     for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        groups = param_groups(unit._get_fsdp_state())
+        groups = param_groups(torch_private.fsdp_state(unit))
         if len(groups) != 1:
             continue  # a unit without parameters runs no collective
         if hybrid:

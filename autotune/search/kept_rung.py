@@ -34,7 +34,7 @@ from ..devices.placement import Placement, release_memory
 from ..techniques import AppliedRung
 from ..techniques.offload import HostOptimizer, host_buffers
 
-Key = tuple[Rung, float, bool]  # the rung, its host share, whether the measured steps overlap
+Key = tuple[Rung, float, bool, str]  # the rung, its host share, whether the measured steps overlap, its sharding
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,14 +11,12 @@ How the search reaches it, after the pick (no offload, several replicated ranks)
 partitioned measures the bytes it frees (the peaks of two measured trials, not arithmetic); the controller's
 memory and time lines then predict the fastest configuration with that much more room
 (`Controller.with_room`), which is run partitioned; after a miss, the next one the miss does not rule out.
-Kept only when faster than the pick, measured again as long, by more than noise (`price`). In the trials the
-partitioned configurations run as optimizer offload with a host share of 0; the plan names them
-`sharding="optimizer_state"` with `offload="none"`.
+Kept only when faster than the pick, measured again as long, by more than noise (`price`). The trials, the
+engine and the plan all name it `sharding="optimizer_state"` (with `offload="none"`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from ..configuration import Rung
@@ -31,9 +29,10 @@ from .state import SearchState
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it
 LONGER = 4  # times the search's measured steps, for every trial here (see `price`)
 
-# run(rung, micro): a trial of LONGER times the search's measured steps; of a rung with optimizer offload, with
-# nothing on the host (the state partitioned)
-Run = Callable[[Rung, int], Trial]
+# run(rung, micro, sharding): a trial of LONGER times the search's measured steps, with the optimizer state
+# partitioned over the ranks where `sharding` is "optimizer_state"
+Run = Callable[[Rung, int, str], Trial]
+PARTITIONED = "optimizer_state"  # the plan's name for it
 
 
 def eligible(best: Trial, world: int, sharded: bool, state_tensors: int, allowed: set[str] | frozenset[str]) -> bool:
@@ -42,11 +41,6 @@ def eligible(best: Trial, world: int, sharded: bool, state_tensors: int, allowed
     and a pick without optimizer offload or 8-bit state."""
     return (world > 1 and "offload" in allowed and state_tensors > 0 and best.rung.offload == "none"
             and not best.rung.optimizer_8bit and offload_partition.partitions(best.rung.precision, sharded))
-
-
-def partitioned(rung: Rung) -> Rung:
-    """`rung` as the trials run the sharded optimizer state: optimizer offload with a host share of 0."""
-    return dataclasses.replace(rung, offload="optimizer")
 
 
 def price(result: SearchResult | SearchState, best: Trial, controller: Controller, run: Run,
@@ -59,7 +53,7 @@ def price(result: SearchResult | SearchState, best: Trial, controller: Controlle
     than the search measures, and the pick's own rate drifts between measurements, so short readings can rank
     the partitioned configurations below a pick they beat in training. The all-reduced step is read LONGER
     times here too (search/trial.py)."""
-    first = run(partitioned(best.rung), best.micro_batch_size)
+    first = run(best.rung, best.micro_batch_size, PARTITIONED)
     ran = [first]
     if first.fits and first.peak_bytes < best.peak_bytes:
         freed = best.peak_bytes - first.peak_bytes
@@ -67,15 +61,15 @@ def price(result: SearchResult | SearchState, best: Trial, controller: Controlle
                 if (c[0], c[1]) != (best.rung, best.micro_batch_size) and c[2] > best.samples_per_second * (1 + NOISE)]
         while pool and len(ran) <= TRIES:
             rung, micro, _ = pool.pop(0)
-            trial = run(partitioned(rung), micro)
+            trial = run(rung, micro, PARTITIONED)
             ran.append(trial)
             if trial.fits:
                 break
-            pool = [c for c in pool if not ruled_out(c, rung, micro)]  # `rung` as the candidates are: no offload
+            pool = [c for c in pool if not ruled_out(c, rung, micro)]
     leader = max((t for t in ran if t.fits), key=lambda t: t.samples_per_second, default=None)
     judged = best
     if leader is not None:
-        judged = run(best.rung, best.micro_batch_size)
+        judged = run(best.rung, best.micro_batch_size, "none")
         ran.append(judged)
     faster = leader is not None and judged.fits and leader.samples_per_second > judged.samples_per_second * (1 + NOISE)
     winner = leader if faster else None

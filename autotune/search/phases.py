@@ -98,9 +98,8 @@ def partitioned(state: SearchState, ctx: PhaseContext) -> None:
                                       ctx.allowed):
         return
 
-    def run(rung: Rung, micro: int) -> Trial:
-        return ctx.runner(rung, micro, offload_fraction=0.0 if rung.offload == "optimizer" else 1.0,
-                          measured_steps=partitioned_state.LONGER * work.measured_steps)
+    def run(rung: Rung, micro: int, sharding: str) -> Trial:
+        return ctx.runner(rung, micro, sharding=sharding, measured_steps=partitioned_state.LONGER * work.measured_steps)
 
     winner, judged = partitioned_state.price(state, state.best, ctx.controller, run, world)
     if winner is None:
@@ -108,7 +107,7 @@ def partitioned(state: SearchState, ctx: PhaseContext) -> None:
     then = "; then: "
     clause = partitioned_state.reason(winner, judged, world, "")
     state.found("partitioned state", clause[:-len(then)] if clause.endswith(then) else clause, leads=True)
-    state.best, state.fraction = winner, 0.0
+    state.best = winner  # its `sharding`, the plan's
 
 
 def overlap(state: SearchState, ctx: PhaseContext) -> None:
@@ -142,7 +141,7 @@ def reduce(state: SearchState, ctx: PhaseContext) -> None:
         return
     shared = best.rung.offload == "optimizer" and state.fraction is not None
     timed = ctx.runner(best.rung, best.micro_batch_size, reduce_pairs=reduce_timing.PAIRS,
-                       offload_fraction=state.fraction if shared else 1.0)
+                       offload_fraction=state.fraction if shared else 1.0, sharding=best.sharding)
     state.trials.append(timed)
     state.best, state.reduce_overlap, clause = reduce_timing.choose(best, timed, work.per_rank, work.world_size)
     state.found("reduce timing", clause)

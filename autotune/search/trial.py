@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from .. import parallel as distributed
-from ..configuration import Rung, none_on_the_host
+from ..configuration import Rung, state_sharded
 from ..devices.host import ResidentPeak
 from ..devices.placement import MemoryMeter, Placement, now, release_memory
 from ..errors import AutotuneError, DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
@@ -96,14 +96,16 @@ class TrialRunner:
         self.failures = failures if failures is not None else Failures()
 
     def __call__(self, rung: Rung, micro: int, *, measured_steps: int | None = None,
-                 offload_fraction: float = 1.0, overlap: bool = False, reduce_pairs: int = 0) -> Trial:
+                 offload_fraction: float = 1.0, overlap: bool = False, reduce_pairs: int = 0,
+                 sharding: str = "none") -> Trial:
         """A trial of `rung` at micro-batch `micro`. `measured_steps` overrides the workload's; under optimizer
-        offload, `offload_fraction` is the host's share (0: partitioned over the ranks) and `overlap` steps the
-        host during the measured steps' backward; replicated on several ranks, `reduce_pairs` times the
-        all-reduced step that many times each way, in buckets and in one after backward (`ReduceGate`)."""
+        offload, `offload_fraction` is the host's share and `overlap` steps the host during the measured steps'
+        backward; replicated on several ranks, `reduce_pairs` times the all-reduced step that many times each
+        way, in buckets and in one after backward (`ReduceGate`), and `sharding` "optimizer_state" partitions the
+        optimizer state over them (as the plan names it)."""
         work = self.work
         laps = Laps("set-up")  # every second of the trial, in its phases (`Trial.phases`)
-        key = (rung, offload_fraction, bool(overlap))
+        key = (rung, offload_fraction, bool(overlap), sharding)
         if kept_rung.holds_other(key):
             laps.enter("restore")  # the rung an earlier trial left, undone before this trial measures anything
             kept_rung.release()
@@ -129,7 +131,8 @@ class TrialRunner:
                 with meter.watching(work.model, held, resident), distributed.armed():  # a trial may run out of memory
                     if applied is None:
                         applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
-                                             offload_fraction=offload_fraction, overlap=True if overlap else None)
+                                             offload_fraction=offload_fraction, overlap=True if overlap else None,
+                                             sharding=sharding)
                     laps.enter("warm-up")
                     laps.move("set-up", "host buffers", applied.host_buffer_seconds)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,
@@ -158,9 +161,9 @@ class TrialRunner:
         reused += kept_bytes  # the host bytes a kept rung holds: lent by an earlier trial, held since
         del micro_batch, held, resident
         trial = _make_trial(rung, micro, work, reading.peak_bytes, reading.alloc_retries, timings, failure, failed_as)
-        trial = dataclasses.replace(trial, host_peak_bytes=host.grown() + reused)
-        tags = ([] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
-                [f"optimizer offload, {none_on_the_host()}"] if offload_fraction == 0 else
+        trial = dataclasses.replace(trial, host_peak_bytes=host.grown() + reused, sharding=sharding)
+        tags = ([state_sharded()] if sharding == "optimizer_state" else
+                [] if offload_fraction >= 1.0 or rung.offload != "optimizer" else
                 [f"offload fraction {format_share(offload_fraction)}"])
         tags += [OVERLAPPED] if overlap else []
         phases = laps.close()  # the trial's end: what follows is the ranks agreeing, and a reset

@@ -28,7 +28,7 @@ from ..techniques.compile import graphs_note
 from ..techniques.compile import unavailable as compile_unavailable
 from ..techniques.host_need import snapshot_on_disk
 from ..techniques.sharding import choose_sharding, is_sharded
-from ..training.recovery import engine_rung
+from ..training.recovery import host_share
 from ..workload import batch as batches
 from ..workload import chunked_loss
 from ..workload.batching import split_sizes
@@ -166,11 +166,10 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     best, fraction = state.best, state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
     host_fraction = fraction or 1.0  # what the host holds, for its need below
-    sharded_state = best.rung.offload == "optimizer" and fraction == 0.0  # nothing on the host: the state sharded
-    if sharded_state:
-        sharding, fraction = "optimizer_state", None
+    if best.sharding != "none":  # the optimizer state partitioned over the replicated ranks (phases.partitioned)
+        sharding = best.sharding
     return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing,
-                offload="none" if sharded_state else best.rung.offload, offload_fraction=fraction,
+                offload=best.rung.offload, offload_fraction=fraction,
                 offload_overlap=state.overlap, optimizer_8bit=best.rung.optimizer_8bit, fp8=best.rung.fp8,
                 checkpointed_blocks=best.rung.checkpointed_blocks, compile=best.rung.compile,
                 block_paths=tuple(setup.blocks.paths) if setup.blocks is not None else (),
@@ -350,10 +349,10 @@ def verify(plan: Plan, job: Job) -> Trial:
                         limit_bytes=int((1 - plan.margin) * plan.memory_budget_bytes), per_rank=job.per_rank,
                         world_size=job.world, blocks=find_blocks(tuned, plan.block_paths),
                         warmup_steps=job.settings.warmup_steps, measured_steps=job.settings.measured_steps)
-        rung, fraction = engine_rung(plan)  # the sharded optimizer state runs as offload with nothing on the host
-        trial = TrialRunner(work, agree=distributed.agree_trial)(rung, plan.micro_batch_size,
-                                                                  offload_fraction=fraction,
-                                                                  overlap=plan.offload_overlap is True)
+        trial = TrialRunner(work, agree=distributed.agree_trial)(plan.rung, plan.micro_batch_size,
+                                                                  offload_fraction=host_share(plan),
+                                                                  overlap=plan.offload_overlap is True,
+                                                                  sharding=plan.sharding)
         del tuned, work, loss
     return trial
 

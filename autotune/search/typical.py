@@ -38,14 +38,14 @@ def measure(state: SearchState, work: Workload, example: Any,
     batch = batches.detached(batches.to_device(example, work.placement.torch_device))
     length = batches.tokens_per_sample(batch) or 0
     best = state.best
-    # The search's own host share; 0.0 is the optimizer state sharded over the ranks, run as offload (recovery.py).
+    # The search's own host share, and its sharding of the optimizer state
     fraction = state.fraction if best.rung.offload == "optimizer" and state.fraction is not None else 1.0
     run: Runner = TrialRunner(dataclasses.replace(work, batch=batch), agree=distributed.agree_trial)
     if watch is not None:
         run = watch(run, f"at the example's length ({length} tokens)")
     # twice the measured steps, as the search re-measures a close call: one trial stands for the plan's rate
     trial = run(best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=state.overlap is True,
-                measured_steps=2 * work.measured_steps)
+                measured_steps=2 * work.measured_steps, sharding=best.sharding)
     if not trial.fits or not trial.samples_per_second:
         return None, (f"rate at the example's length ({length} tokens) not measured ({trial.outcome}): the figures "
                       "are at max_length")

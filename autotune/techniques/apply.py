@@ -81,13 +81,20 @@ class AppliedRung:
 
 def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Placement,
                blocks: BlockGroup | None, *, optimizer: torch.optim.Optimizer | None = None,
-               offload_fraction: float = 1.0, overlap: bool | None = None) -> AppliedRung:
+               offload_fraction: float = 1.0, overlap: bool | None = None, sharding: str = "none") -> AppliedRung:
     """Put `rung` on `model`; the optimizer is `optimizer` if given, else a fresh one from `spec`.
 
     Under optimizer offload the returned optimizer is a `HostOptimizer` built from `spec` (with
     `optimizer`'s state, when given, moved into it), holding `offload_fraction` of the parameters on the host,
     stepping them during the last backward unless `overlap` is False (`Plan.offload_overlap`).
+    `sharding` is the plan's: "optimizer_state" partitions the optimizer state over the replicated ranks, which
+    the same engine runs with nothing on the host (techniques/offload/partition.py); its other values are
+    applied before this (FSDP2 shards the model itself) and change nothing here.
     """
+    partitioned = sharding == "optimizer_state"
+    if partitioned and (rung.offload != "none" or rung.optimizer_8bit):
+        raise ValueError(f"sharding 'optimizer_state' partitions the FP32 optimizer state on the device; {rung.name} "
+                         "offloads or quantizes it: use sharding='none'")
     undo: list[Callable[[], None]] = []
     host_seconds = 0.0
     try:
@@ -110,14 +117,14 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
         if rung.compile:
             undo.append(compiling.install(model, blocks, count))
         trainable = [p for p in model.parameters() if p.requires_grad]
-        if rung.offload == "optimizer":
+        if rung.offload == "optimizer" or partitioned:
             state = optimizer.state_dict() if optimizer is not None and optimizer.state else None
             # fp32 (a float64 model's): the device weights keep their dtype, only the optimizer moves
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(rung.precision, torch.float32)
             held = [trainable[i] for i in spec.held()]  # no master or state for a parameter no group holds
             started = time.perf_counter()
             opt: Any = HostOptimizer(held, spec.over_held(), dtype, scaler, state, keep_fp32=norm_parameters(model),
-                                     fraction=offload_fraction, overlap=overlap)
+                                     fraction=0.0 if partitioned else offload_fraction, overlap=overlap)
             host_seconds = time.perf_counter() - started  # masters, moments, pinned buffers: a trial's phase
             undo.append(opt.restore)
         elif rung.optimizer_8bit:  # a given 8-bit optimizer is kept (recovery); the user's FP32 one is not

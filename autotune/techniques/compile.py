@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import settings
+from .. import settings, torch_private
 from ..devices.placement import Placement
 from ..errors import InvalidSetting
 from ..workload.batch import tensors
@@ -57,11 +57,10 @@ def unavailable(placement: Placement) -> str | None:
     """Why compile cannot be searched here, or None when it can."""
     if placement.simulated:
         return "compile left out on the simulated CPU device (it measures nothing there but compile time)"
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:  # pragma: no cover - very old torch
+    triton = torch_private.has_triton()
+    if triton is None:  # pragma: no cover - a torch without the check
         return "compile left out: this torch has no Triton check"
-    if not has_triton():
+    if not triton:
         return "compile left out: Triton is not installed for this GPU (pip install triton)"
     return None
 
@@ -186,7 +185,7 @@ def regions() -> str:
 
 
 def _raise_cache_limits() -> None:
-    config = torch._dynamo.config
+    config = torch_private.dynamo_config()
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(config, name) and getattr(config, name) < _CACHE_LIMIT:
             setattr(config, name, _CACHE_LIMIT)
@@ -205,11 +204,11 @@ def mark_batch_dynamic(batch: object, length: int | None = None) -> None:
     by compile without an error: the marks are hints."""
     for t in tensors(batch):
         if t.dim() > 0 and t.shape[0] > 1:  # a size-1 dim is specialized by compile anyway
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch_private.maybe_mark_dynamic(t, 0)
         if length is not None and length > 1:
             for dim in range(1, t.dim()):
                 if t.shape[dim] == length:
-                    torch._dynamo.maybe_mark_dynamic(t, dim)
+                    torch_private.maybe_mark_dynamic(t, dim)
 
 
 class _SequenceLength:

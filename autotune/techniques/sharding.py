@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .. import torch_private
 from ..parallel.oom import param_groups  # the FSDP2 state's parameter groups, read the same way there
 from ..parallel.ranks import collective_device
 from ..parallel.topology import hybrid_mesh, slow_link, topology
@@ -108,9 +109,8 @@ def reset_after_failure(model: nn.Module) -> None:
 
 def _reset_iter_state(root: FSDPModule) -> None:
     """`reset_iter_state` for torch before 2.13: the same fields, after the device has synchronized."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    state = root._get_fsdp_state()
+    TrainingState = torch_private.fsdp_training_state()
+    state = torch_private.fsdp_state(root)
     comm = state._comm_ctx
     comm.all_gather_state = None
     for name in ("reduce_scatter_states", "post_forward_order"):

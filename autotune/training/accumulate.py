@@ -9,7 +9,7 @@ all-reduce beside it and optimizer offload steps during it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from ..workload.accumulation import LossWeights, weighted_loss
 from ..workload.batching import split_sizes
 from ..workload.loss_choice import int_labels, label_counts, recorded_choice
 from ..workload.losses import LossForm, chunked_default_loss, is_default, resolve
+
+if TYPE_CHECKING:  # plan.py sits above training/ and imports it
+    from ..plan import Plan
 
 
 class Accumulator:
@@ -51,7 +54,7 @@ class Accumulator:
         self._last_loss: torch.Tensor | None = None  # the last micro-batch's loss, until its backward
         self._last_index = 0
 
-    def forward(self, applied: Any, plan: Any, batch: Any, n: int) -> LossWeights:
+    def forward(self, applied: Any, plan: Plan, batch: Any, n: int) -> LossWeights:
         """Forward and backward over every micro-batch but the last one's backward; the weights."""
         self.micro_step = -1
         sizes = split_sizes(n, plan.micro_batch_size, plan.min_micro_batch_size)
@@ -78,7 +81,7 @@ class Accumulator:
         self.micro_step = -1  # all ran: an OOM reported now came from another rank
         return weights
 
-    def check_once(self, applied: Any, plan: Any, batch: Any) -> None:
+    def check_once(self, applied: Any, plan: Plan, batch: Any) -> None:
         """Before the first step of a model and loss no check ran for: check the loss on this batch
         (`loss_checks.check`), follow what it found, and note what it refused. Its forwards take no more
         samples than a micro-batch (2 at least, to split), outside the step's memory and its record. Only the

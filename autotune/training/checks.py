@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from ..techniques.sharding import is_sharded, shard_for_training
 from ..workload import batch as batches
 from . import recovery
 
+if TYPE_CHECKING:  # plan.py sits above training/ and imports it
+    from ..plan import Plan
+
 log = logging.getLogger(__name__)
 
 _PLAN_FIELDS = ("rung", "micro_batch_size", "per_rank_batch_size", "memory_budget_bytes")
@@ -30,7 +33,7 @@ _PLAN_FIELDS = ("rung", "micro_batch_size", "per_rank_batch_size", "memory_budge
 _OPEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
-def prepare(plan: Any, model: nn.Module, optimizer: Any) -> Placement:
+def prepare(plan: Plan, model: nn.Module, optimizer: Any) -> Placement:
     """Check `plan` against `model` and this machine (sharding the model where the plan says so); its placement."""
     if not all(hasattr(plan, name) for name in _PLAN_FIELDS):
         raise InvalidSetting(f"plan must be an autotune.Plan, got {type(plan).__name__}")
@@ -64,18 +67,18 @@ class BatchWarnings:
         self._warned_size = False
         self._warned_length = False
 
-    def check(self, plan: Any, batch: Any, n: int) -> None:
+    def check(self, plan: Plan, batch: Any, n: int) -> None:
         self._check_size(plan, n)
         self._check_length(plan, batch)
 
-    def _check_size(self, plan: Any, n: int) -> None:
+    def _check_size(self, plan: Plan, n: int) -> None:
         if n != plan.per_rank_batch_size and not self._warned_size:
             self._warned_size = True
             log.warning("autotune: step(batch) got %d samples but the plan was made for %d per rank; the step is "
                         "still exact for the batch it gets (global batch = what you pass)",
                         n, plan.per_rank_batch_size)
 
-    def _check_length(self, plan: Any, batch: Any) -> None:
+    def _check_length(self, plan: Plan, batch: Any) -> None:
         """Warn once when a batch is longer than the longest sequence the plan was tuned for (`max_length`)."""
         length = batches.tokens_per_sample(batch)
         if self._warned_length or plan.max_length is None or length is None or length <= plan.max_length:
@@ -94,7 +97,7 @@ def _refuse_second_step(model: nn.Module) -> None:
                              f"{recovery.describe(step.plan)}); call step.close() on that one first, or keep using it")
 
 
-def _check_host(plan: Any) -> None:
+def _check_host(plan: Plan) -> None:
     """Warn, with both figures, when the host has less memory available now than the plan allocates there."""
     available = host_memory.available_bytes()
     if plan.host_peak_bytes and available < plan.host_peak_bytes:
@@ -104,7 +107,7 @@ def _check_host(plan: Any) -> None:
                     format_bytes(available))
 
 
-def _placement(plan: Any, model: nn.Module) -> Placement:
+def _placement(plan: Plan, model: nn.Module) -> Placement:
     """Where the model is, checked against the device the plan was made for."""
     device = next((p.device for p in model.parameters()), torch.device(plan.device))
     if device.type != plan.device:
@@ -113,7 +116,7 @@ def _placement(plan: Any, model: nn.Module) -> Placement:
     return resolve_device(device)
 
 
-def _shard(plan: Any, model: nn.Module, optimizer: Any) -> None:
+def _shard(plan: Plan, model: nn.Module, optimizer: Any) -> None:
     if not parallel.active():
         raise InvalidSetting(f"the plan shards the model with FSDP2 (plan.sharding={plan.sharding!r}) but "
                              "torch.distributed is not initialised: launch with torchrun as when tuning, or tune again "

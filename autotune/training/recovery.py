@@ -2,19 +2,18 @@
 
 The policy is pure: given the plan in force and the rungs recovery may climb, it returns the next plan
 (half the micro-batch, or at the smallest micro-batch the next rung up), or None past the top. Training
-never writes to the plan cache itself: whoever made the plan (`autotune.fit`) registers a callback under
-the plan's key with `report_recoveries_to`, and the step calls it after each recovery as
+never writes to the plan cache itself: `autotune.fit` keeps a callback with the plan it returns
+(`plan.learned.report`, training/learned.py), and the step calls it after each recovery as
 `callback(old_plan, new_plan, note, shapes)` (`new_plan` None: nothing fits, or the optimizer step ran
-out of memory). A plan whose key has no callback (built by hand, read from JSON) records nothing.
+out of memory). A plan without one (built by hand, read from the cache or JSON) records nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -28,10 +27,11 @@ from ..techniques import block_count, is_float64, ladder, parse_techniques, serv
 from ..workload import batch as batches
 from ..workload.batching import smallest_micro_batch, solve_accumulation
 
+if TYPE_CHECKING:  # plan.py sits above training/ and imports it
+    from ..plan import Plan
+
 log = logging.getLogger(__name__)
 
-Reporter = Callable[[Any, Any, str, dict[str, list[int]]], None]  # (old plan, new plan or None, note, shapes)
-_REPORTERS: dict[str, Reporter] = {}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,18 +49,10 @@ class Recovery:
 
 # -- who is told -------------------------------------------------------------------------------------------
 
-def report_recoveries_to(key: str, callback: Reporter | None) -> None:
-    """Call `callback(old_plan, new_plan, note, shapes)` after each recovery of a plan with this key (None:
-    stop). Process-local; the last registration for a key wins."""
-    if callback is None:
-        _REPORTERS.pop(key, None)
-    else:
-        _REPORTERS[key] = callback
-
-
-def report(old: Any, new: Any, shapes: dict[str, list[int]], note: str) -> None:
-    """Tell the callback registered under `old.key`, on the writing rank only; whatever it does, training goes on."""
-    callback = _REPORTERS.get(old.key) if old.key else None
+def report(old: Plan, new: Plan | None, shapes: dict[str, list[int]], note: str) -> None:
+    """Tell the callback `fit` kept with `old` (`old.learned.report`), on the writing rank only; whatever it does,
+    training goes on."""
+    callback = old.learned.report
     if callback is None or not parallel.is_writer():
         return
     try:
@@ -71,13 +63,13 @@ def report(old: Any, new: Any, shapes: dict[str, list[int]], note: str) -> None:
 
 # -- the policy --------------------------------------------------------------------------------------------
 
-def revised(plan: Any, reason: str, **knobs: Any) -> Any:
+def revised(plan: Plan, reason: str, **knobs: Any) -> Plan:
     """`plan` with some knobs changed and a new reason: the one place the step builds a plan (`Plan.with_config`;
     a Plan is read by its methods here, since plan.py sits above training)."""
     return plan.with_config(reason=reason, **knobs)
 
 
-def counted(plan: Any, blocks: Any) -> Any:
+def counted(plan: Plan, blocks: Any) -> Plan:
     """`plan` with its label's default block count as a number, which recovery compares (`block_count`: it
     refuses a plan that checkpoints a model without repeated blocks). Where the model's library checkpoints
     its own blocks the count stays unset: autotune recomputes none of them."""
@@ -87,20 +79,18 @@ def counted(plan: Any, blocks: Any) -> Any:
     return revised(plan, plan.reason, checkpointed_blocks=count)
 
 
-def engine_rung(plan: Any) -> tuple[Rung, float]:
-    """The rung put on the model for `plan`, and the host's share of its optimizer offload: the optimizer state
-    sharded over replicated ranks is the offload engine with nothing on the host, partitioned over the ranks."""
-    if plan.partitioned_state:
-        return dataclasses.replace(plan.rung, offload="optimizer"), 0.0
-    return plan.rung, plan.offload_fraction if plan.offload == "optimizer" else 1.0
+def host_share(plan: Plan) -> float:
+    """The host's share of `plan`'s offloaded optimizer, as `apply_rung` takes it (1.0 where none is offloaded)."""
+    return plan.offload_fraction if plan.offload == "optimizer" else 1.0
 
 
-def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None = None) -> Any:
-    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch. A rung with
-    optimizer offload leaves the sharded optimizer state: its engine partitions what it keeps on the device."""
+def at(plan: Plan, rung: Rung, micro: int, reason: str, *, smallest: int | None = None) -> Plan:
+    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch. A rung that
+    offloads leaves the sharded optimizer state (the configuration allows it no offload); under optimizer offload
+    the engine partitions what it keeps on the device."""
     smallest = plan.min_micro_batch_size if smallest is None else smallest
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
-    sharding = "none" if plan.partitioned_state and rung.offload == "optimizer" else plan.sharding
+    sharding = "none" if plan.partitioned_state and rung.offload != "none" else plan.sharding
     return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
                    checkpointed_blocks=rung.checkpointed_blocks, recompute_policy=rung.recompute_policy,
                    compile=rung.compile, optimizer_8bit=rung.optimizer_8bit, fp8=rung.fp8, offload=rung.offload,
@@ -109,7 +99,7 @@ def at(plan: Any, rung: Rung, micro: int, reason: str, *, smallest: int | None =
                    last_micro_batch_size=last, min_micro_batch_size=smallest)
 
 
-def after_oom(plan: Any, rungs: list[Rung]) -> Any:
+def after_oom(plan: Plan, rungs: list[Rung]) -> Plan | None:
     """The next plan after an OOM: half the micro-batch, else the next rung up at the smallest; None past the top."""
     lowest = smallest_micro_batch(plan.per_rank_batch_size, plan.min_micro_batch_size) or 1
     if plan.micro_batch_size > lowest:
@@ -123,14 +113,14 @@ def after_oom(plan: Any, rungs: list[Rung]) -> Any:
                                   f"{plan.rung.name}: moved up to {rung.name}")
 
 
-def balanced(plan: Any, failure: str) -> Any:
+def balanced(plan: Plan, failure: str) -> Plan:
     """After batch statistics failed on a 1-sample micro-batch: every micro-batch holds 2 samples or more."""
     micro = max(plan.micro_batch_size, smallest_micro_batch(plan.per_rank_batch_size, 2) or 1)
     return at(plan, plan.rung, micro, f"{failure} on a 1-sample micro-batch (batch statistics): every "
                                       "micro-batch now holds 2 samples or more, the split balanced", smallest=2)
 
 
-def grown(plan: Any, cap: int, clean_steps: int) -> Any:
+def grown(plan: Plan, cap: int, clean_steps: int) -> Plan:
     """The micro-batch doubled back (at most `cap`) after `clean_steps` clean steps."""
     bigger = min(2 * plan.micro_batch_size, cap)
     return at(plan, plan.rung, bigger, f"grown back to micro-batch {bigger} after {clean_steps} clean steps")
@@ -158,14 +148,14 @@ def _dominates(a: Rung, b: Rung) -> bool:
     return all(x >= y for x, y in zip(_strength(a), _strength(b)))
 
 
-def allowed(plan: Any, techniques: Any) -> frozenset[str]:
+def allowed(plan: Plan, techniques: Any) -> frozenset[str]:
     """The step's `techniques`, else what fit was allowed (`plan.techniques`), else $AUTOTUNE_TECHNIQUES or all."""
     if techniques is None and plan.techniques is not None:
         techniques = plan.techniques  # what fit was allowed: recovery never climbs past it
     return parse_techniques(FitSettings.resolve(techniques=techniques).techniques)
 
 
-def climbable_rungs(plan: Any, techniques: Any, placement: Placement, blocks: Any, model: nn.Module) -> list[Rung]:
+def climbable_rungs(plan: Plan, techniques: Any, placement: Placement, blocks: Any, model: nn.Module) -> list[Rung]:
     """The ladder recovery may climb, in the plan's precision (recovery never changes the numerics)."""
     names = set(allowed(plan, techniques))
     if plan.precision == "fp32":
@@ -186,7 +176,7 @@ def climbable_rungs(plan: Any, techniques: Any, placement: Placement, blocks: An
 
 # -- what is said about it -----------------------------------------------------------------------------------
 
-def describe(plan: Any) -> str:
+def describe(plan: Plan) -> str:
     partitioned = f", {state_sharded()}" if plan.partitioned_state else ""
     return f"{plan.rung.name}{partitioned} at micro-batch {plan.micro_batch_size}"
 
@@ -196,7 +186,7 @@ def micro_batch_shapes(batch: Any, micro: int) -> dict[str, list[int]]:
     return {path or "batch": [micro, *shape] for path, shape, _ in batches.signature(batch)}
 
 
-def exhausted(failed: list[Trial], shapes: dict[str, list[int]], plan: Any) -> str:
+def exhausted(failed: list[Trial], shapes: dict[str, list[int]], plan: Plan) -> str:
     tried = ", ".join(f"{t.rung.name} at micro-batch {t.micro_batch_size}" for t in failed)
     shape = "; ".join(f"{path} {tuple(s)}" for path, s in shapes.items())
     return (f"a micro-batch of [{shape}] does not fit in the memory budget of "

@@ -45,19 +45,21 @@ class RungInForce:
         self.stepped: set[int] = set()  # positions an aborted attempt stepped for good (`abort`)
         self._links: list[Any] = []  # closed last first
         self._offload_link: OffloadLink | None = None
-        self._setting: tuple[float, bool | None] = (1.0, None)  # the offload's host share and overlap in force
+        # the offload's host share, its overlap and the plan's sharding in force
+        self._setting: tuple[float, bool | None, str] = (1.0, None, "none")
 
     def _in_force(self) -> AppliedRung:
         """`applied`, which every method but `apply` needs there."""
         assert self.applied is not None, "no rung applied yet"
         return self.applied
 
-    def apply(self, rung: Rung, *, fraction: float = 1.0, overlap: bool | None = None) -> None:
-        """Put `rung` on the model, with the optimizer state carried over."""
-        self._setting = (fraction, overlap)
+    def apply(self, rung: Rung, *, fraction: float = 1.0, overlap: bool | None = None,
+              sharding: str = "none") -> None:
+        """Put `rung` on the model, with the optimizer state carried over (`sharding`: the plan's)."""
+        self._setting = (fraction, overlap, sharding)
         given = self.eight_bit if rung.optimizer_8bit and self.eight_bit is not None else self.device_optimizer
         applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks, optimizer=given,
-                             offload_fraction=fraction, overlap=overlap)
+                             offload_fraction=fraction, overlap=overlap, sharding=sharding)
         self.applied = applied
         self.offload = offload_of(applied.optimizer)
         if rung.optimizer_8bit:
@@ -83,18 +85,18 @@ class RungInForce:
         if offload_link is not None:
             offload_link.close()
 
-    def switch(self, rung: Rung, fraction: float, drop_gradients: Any) -> None:
+    def switch(self, rung: Rung, fraction: float, sharding: str, drop_gradients: Any) -> None:
         """Move to `rung` (recovery), the loss scale and the updates an aborted attempt made kept."""
         scaler = self._in_force().scaler
         scaler_state = scaler.state_dict() if scaler is not None else None
-        old, (old_fraction, old_overlap) = self._in_force().rung, self._setting
+        old, (old_fraction, old_overlap, old_sharding) = self._in_force().rung, self._setting
         stepped, self.stepped = self.stepped, set()
         self.remove(drop_gradients)
         try:
-            self.apply(rung, fraction=fraction)
+            self.apply(rung, fraction=fraction, sharding=sharding)
         except BaseException:
             # never leave the step holding a rung already removed
-            self.apply(old, fraction=old_fraction, overlap=old_overlap)
+            self.apply(old, fraction=old_fraction, overlap=old_overlap, sharding=old_sharding)
             raise
         if stepped and self.offload.keep_stepped(stepped):
             # Rare: an OOM in the last backward at micro-batch 1 after the host had stepped some chunks.

@@ -12,8 +12,8 @@ partial gradients are dropped, memory is cleaned after the `except` block has be
 streams are put back (`buffers.py`), and the same batch is re-run under the configuration the recovery
 policy gives (`recovery.py`: half the micro-batch, else the next rung up within the techniques `fit` was
 given; past the top `NoFeasiblePlan`): no sample lost or counted twice, optimizer and GradScaler untouched.
-Each recovery is reported to the callback registered under the plan's key (`report_recoveries_to`; `fit`
-registers one that records it in its plan cache). On the simulated CPU device the step enforces the same
+Each recovery is reported to the callback `fit` kept with the plan it returned (`plan.learned.report`; it
+records the recovery in fit's plan cache). On the simulated CPU device the step enforces the same
 ceiling the trials did (`SimulatedCeiling` over the plan's budget), so all of this runs without a GPU.
 """
 
@@ -24,7 +24,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from .accumulate import Accumulator
 from .buffers import BufferGuard
 from .recovery import Recovery
 from .rungs import RungInForce
+
+if TYPE_CHECKING:  # plan.py sits above training/ and imports it
+    from ..plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class TrainingStep:
     back into it. `step.optimizer` is the optimizer actually stepped.
     """
 
-    def __init__(self, plan: Any, model: nn.Module, optimizer: torch.optim.Optimizer | Any = None,
+    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Any = None,
                  loss_fn: LossFn | None = None, *, techniques: Any = None, grow_after: int | None = None,
                  max_grad_norm: float | None = None, before_optimizer_step: StepHook | None = None,
                  after_optimizer_step: StepHook | None = None) -> None:
@@ -132,8 +135,8 @@ class TrainingStep:
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
         self._buffers = BufferGuard(model, self.placement.torch_device)
         self._in_force: RungInForce | None = RungInForce(model, self.spec, self.placement, self.blocks, optimizer)
-        rung, fraction = recovery.engine_rung(self.plan)
-        self._in_force.apply(rung, fraction=fraction, overlap=self.plan.offload_overlap)
+        self._in_force.apply(self.plan.rung, fraction=recovery.host_share(self.plan), overlap=self.plan.offload_overlap,
+                             sharding=self.plan.sharding)
         checks.opened(model, self)
 
     # -- the public surface ----------------------------------------------------------------------------
@@ -365,7 +368,7 @@ class TrainingStep:
             recovery.report(old, None, shapes, failure)
             raise NoFeasiblePlan(recovery.exhausted(failed, shapes, old), trials=tuple(failed))
         if new.rung != old.rung:
-            self._open().switch(*recovery.engine_rung(new), self._drop_gradients)
+            self._open().switch(new.rung, recovery.host_share(new), new.sharding, self._drop_gradients)
         self.plan = new
         recovery.report(old, new, shapes, failure)
         self.recoveries.append(Recovery(step=self.steps_taken, failed=recovery.describe(old),

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import torch_private
+from ..torch_private import TorchDispatchMode
 
 
 @contextmanager
@@ -54,7 +56,7 @@ def _reshard(model: nn.Module) -> None:
 
 def _storage(tensor: Any) -> int | None:
     """The address of the storage under `tensor` (a DTensor's local shard); None where it has none."""
-    tensor = getattr(tensor, "_local_tensor", tensor)
+    tensor = torch_private.local_tensor(tensor)
     try:
         return int(tensor.untyped_storage().data_ptr())
     except (RuntimeError, AttributeError, NotImplementedError):

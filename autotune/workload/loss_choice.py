@@ -150,7 +150,7 @@ def _weakly(fn: Any) -> Callable[[], Any]:
         return weakref.WeakMethod(fn)
     try:
         return weakref.ref(fn)
-    except TypeError:  # an object that takes no weak reference: held (as `remember_fit_loss` holds it)
+    except TypeError:  # an object that takes no weak reference: held (as the plan `fit` returns holds its loss)
         return lambda: fn
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -209,28 +208,6 @@ class MissingLoss(InvalidSetting):
 
     def passed_to(self, where: str) -> MissingLoss:
         return MissingLoss(self.problem, where, self.otherwise)
-
-
-# The loss_fn `fit` was last given for each model in this process, for `plan.apply` to train with: a plan is
-# a plain, cacheable record and does not hold it. Weak on the model, and on a loss_fn that is the model's own
-# bound method; any other loss_fn that refers to its model keeps that model alive while the process runs.
-_FIT_LOSS_FNS: weakref.WeakKeyDictionary[torch.nn.Module, Callable[[], LossFn | None]] = weakref.WeakKeyDictionary()
-
-
-def remember_fit_loss(model: torch.nn.Module, loss_fn: LossFn | None) -> None:
-    """Record `loss_fn` as the one `fit` tuned `model` with (None: the model's own loss)."""
-    if loss_fn is None:
-        _FIT_LOSS_FNS.pop(model, None)
-    elif inspect.ismethod(loss_fn) and loss_fn.__self__ is model:
-        _FIT_LOSS_FNS[model] = weakref.WeakMethod(loss_fn)
-    else:
-        _FIT_LOSS_FNS[model] = lambda: loss_fn
-
-
-def fit_loss(model: torch.nn.Module) -> LossFn | None:
-    """The loss_fn `fit` tuned `model` with in this process, or None."""
-    held = _FIT_LOSS_FNS.get(model)
-    return held() if held is not None else None
 
 
 def _explain_unpacking(model: torch.nn.Module, batch: Any, exc: TypeError) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import torch_private
 from ..devices.shards import is_shard
 from ..errors import InvalidSetting
 
@@ -182,9 +183,7 @@ def _left_to_torch(group: dict[str, Any], device_type: str) -> bool:
     """Whether torch steps this group with foreach on `device_type` because the user named no form."""
     if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
         return False
-    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-    return bool(group["params"]) and device_type in _get_foreach_kernels_supported_devices()
+    return bool(group["params"]) and device_type in torch_private.foreach_devices()
 
 
 def _all_shards(params: Sequence[torch.Tensor]) -> bool:

@@ -13,9 +13,10 @@ instead of all (tests/test_offload_partition.py). What changes for the user: the
 over the ranks, so `optimizer.state_dict()` gathers it, a collective that every rank must call (as with
 FSDP's or ZeRO's optimizer state); closing the step gathers the state and the FP32 weights the same way.
 
-With a host share of 0 (the plan's `sharding="optimizer_state"`) every master stays on the device and only
-the device share is partitioned, so a rank holds 16-bit weights and gradients and 1/world of the FP32 masters
-and state (ZeRO stage 1 on the GPU; `fit` prices it after its pick, search/partitioned_state.py).
+Asked for by the plan's `sharding="optimizer_state"` (`apply_rung`), the engine runs with a host share of 0:
+every master stays on the device and only the device share is partitioned, so a rank holds 16-bit weights and
+gradients and 1/world of the FP32 masters and state (ZeRO stage 1 on the GPU; `fit` prices it after its pick,
+search/partitioned_state.py).
 
 Not partitioned: FSDP2 shards (sharded already), FP16 with a GradScaler (its inf check would need the
 ranks' gradients again), one process, or $AUTOTUNE_OFFLOAD_PARTITION=0 (every rank steps everything, kept

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ... import settings
+from ... import settings, torch_private
 from ...devices.ceiling import host_memory
 from .flat_layout import Piece, cut_segments, flat_views, piece_views
 from .host_buffers import host_like
@@ -301,7 +301,7 @@ class DeviceStepper:
 
     def _kernel(self, group: dict[str, Any]) -> Callable[..., Any]:
         decoupled = group.get("decoupled_weight_decay", type(self.optimizer).__name__ == "AdamW")
-        return torch._fused_adamw_ if decoupled else torch._fused_adam_
+        return torch_private.fused_adam(decoupled)
 
     def _ready(self, i: int) -> float:
         """Master i's moments in the stepper's buffers, its step count: zeros and 0 before its first step (it
