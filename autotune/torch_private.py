@@ -26,9 +26,37 @@ try:  # one collective for a bucket of tensors (parallel/reduce.py)
 except ImportError:  # pragma: no cover - a torch without it: one all-reduce per tensor
     coalescing_manager = None
 
-__all__ = ["TorchDispatchMode", "allocator_setter", "coalescing_manager", "dynamo_config", "empty_host_cache",
+__all__ = ["TorchDispatchMode", "allocator_setter", "coalescing_manager", "default_store", "dynamo_config",
+           "empty_host_cache", "in_selective_recompute", "innermost_mode_aside",
            "foreach_devices", "fsdp_param_groups", "fsdp_state", "fsdp_training_state", "fused_adam", "has_triton",
            "is_traceable_wrapper_subclass", "local_tensor", "maybe_mark_dynamic", "tree_leaves"]
+
+
+def default_store() -> Any:
+    """The process group's key-value store (torchrun's rendezvous store), or None where there is none."""
+    import torch.distributed as dist
+
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except Exception:  # noqa: BLE001 - no default group, or one without a store
+        return None
+
+
+def in_selective_recompute() -> bool:
+    """Whether the innermost dispatch mode is a selective checkpoint's recompute (its cached-op replay)."""
+    from torch.utils import checkpoint
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = getattr(checkpoint, "_CachedTorchDispatchMode", None)
+    return mode is not None and isinstance(_get_current_dispatch_mode(), mode)
+
+
+def innermost_mode_aside() -> Any:
+    """A context in which the innermost dispatch mode is set aside (the modes outside it still see the ops)."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    return _pop_mode_temporarily()
 
 
 def allocator_setter() -> Callable[[str], None]:

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import AutotuneError
+from ..torch_private import default_store
 from .ranks import active, rank, world_size
 
 ROLL_CALL_SECONDS = 3.0  # how long the ranks alive wait for the others' answers (each answers from a thread)
@@ -73,11 +74,8 @@ def named_deaths() -> Iterator[None]:
 
 
 def _store() -> Any:
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return get() if get is not None else None
-    except Exception:  # noqa: BLE001 - no store: the error goes out as the collective raised it
-        return None
+    """The job's store (None: the error goes out as the collective raised it)."""
+    return default_store()
 
 
 def _register() -> None:

@@ -35,11 +35,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..configuration import RECOMPUTE_POLICIES, WHOLE_BLOCK
+from ..torch_private import in_selective_recompute, innermost_mode_aside
 
 SELECTIVE = RECOMPUTE_POLICIES[1:]
 
@@ -81,17 +80,14 @@ def context_fn(policy: str) -> Callable[[], Any] | None:
     return contexts
 
 
-# The dispatch mode a selective checkpoint's recompute runs under (it hands back what the forward kept)
-_RECOMPUTE_MODE = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
 
 
 @contextlib.contextmanager
 def aside() -> Iterator[None]:
     """Operators run here, inside a selective checkpoint's recompute, bypass it: only that mode is set aside (an
     outer one, as the simulated ceiling counting bytes, still sees them). Anywhere else it does nothing."""
-    mode = _get_current_dispatch_mode()
-    if _RECOMPUTE_MODE is None or not isinstance(mode, _RECOMPUTE_MODE):
+    if not in_selective_recompute():
         yield
         return
-    with _pop_mode_temporarily():
+    with innermost_mode_aside():
         yield
