@@ -226,7 +226,7 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
     allowed = set(parts["techniques"])
     used = {f"{plan.precision} precision": plan.precision != "fp32" and "bf16" not in allowed,
             "checkpointing": plan.checkpointing != "none" and "checkpointing" not in allowed,
-            "offload": plan.offload != "none" and "offload" not in allowed,
+            "offload": plan.offload != "none" and {"offload", "saved_activations"}.isdisjoint(allowed),
             "compile": plan.compile and "compile" not in allowed,
             "8-bit optimizer state": plan.optimizer_8bit and "optimizer_8bit" not in allowed,
             "fp8": plan.fp8 and "fp8" not in allowed}

@@ -48,9 +48,10 @@ def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | 
     bare = [dataclasses.replace(r, checkpointing="none", checkpointed_blocks=0) for r in optimizer if n][:1]
     # Optimizer offload without recompute (its floor, none of the recompute) before activation offload.
     order = plain + bare + [r for r in rungs if r.offload == "activations"] + optimizer
-    if n and "offload" in allowed and placement.kind == "cuda":
+    if n and "saved_activations" in allowed and placement.kind == "cuda":
         # Saved-activation offload without recompute, beside the recomputing one: only where a side stream can
-        # hide its copies behind compute (on the CPU device they are plain copies, in the step's time).
+        # hide its copies behind compute (on the CPU device they are plain copies, in the step's time). Opt-in:
+        # the copies hide only where a block's compute outlasts moving its saved bytes over the host link.
         order.append(dataclasses.replace(rungs[0], checkpointing="none", checkpointed_blocks=0,
                                          offload="saved_activations"))
     return list(dict.fromkeys(order)), notes

@@ -6,13 +6,17 @@ from collections.abc import Iterable
 
 from ..errors import InvalidSetting
 
-TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss", "fp8")
-# 8-bit state and float8 matmuls change the numerics: opt-in
+TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "optimizer_8bit", "chunked_loss", "fp8",
+              "saved_activations")
+# 8-bit state and float8 matmuls change the numerics: opt-in. Saved-activation offload moves every large tensor a
+# block saves over the host link, which hides behind compute only on models with much compute per saved byte:
+# opt-in, so the default search does not spend trials on it.
 DEFAULT_TECHNIQUES = ("bf16", "checkpointing", "offload", "compile", "chunked_loss")
 
 
 def parse_techniques(techniques: Iterable[str] | str | None) -> frozenset[str]:
-    """The allowed techniques; None means the default ones (all but the opt-in 'optimizer_8bit' and 'fp8')."""
+    """The allowed techniques; None means the default ones (all but the opt-in 'optimizer_8bit', 'fp8' and
+    'saved_activations')."""
     if techniques is None:
         return frozenset(DEFAULT_TECHNIQUES)
     if isinstance(techniques, str):
