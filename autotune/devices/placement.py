@@ -27,6 +27,7 @@ from . import host as host_memory
 from .ceiling import SimulatedCeiling
 
 log = logging.getLogger(__name__)
+_GIB = 1 << 30
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
@@ -90,7 +91,9 @@ def default_budget(placement: Placement) -> tuple[int, str]:
     free += torch.cuda.memory_reserved(placement.index) - torch.cuda.memory_allocated(placement.index)
     if fraction < 1.0:
         return int(min(free, fraction * total)), f"per-process memory fraction {fraction:g} of {placement.name}"
-    return int(free), f"free memory on {placement.name}"
+    # Free memory moves by a few MiB from one process to the next (another process's context, a driver's
+    # pool): rounded down to whole GiB, the default budget, and with it the plan cache's key, holds across runs.
+    return max(_GIB, int(free) // _GIB * _GIB), f"free memory on {placement.name}, rounded down to whole GiB"
 
 
 def check_budget(budget: int, total_bytes: int, device_name: str, setting: str = "memory_budget") -> int:

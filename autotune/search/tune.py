@@ -314,7 +314,7 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
     rungs, more = eight_bit_anchors(rungs, allowed, spec, placement.kind)
     notes += more
     rungs, more = fp8_anchors(rungs, allowed, placement, tuned)
-    notes += more
+    notes = more + notes  # fp8 is asked for by name: what became of it is said first (the reason keeps two notes)
     rungs, dtype_notes = serve_dtypes(rungs, job.model)  # a rung that cannot train the model's dtypes is never tried
     floors = [resident_floor(r, tuned, state_tensors_per_parameter(spec)) for r in rungs]
     compile_notes: list[str] = []
