@@ -1,5 +1,6 @@
-"""On the CPU, bf16 is searched where the CPU runs it natively and left out, with the reason, where torch would
-emulate it (several times slower than fp32), in `fit` and in zero-change mode alike."""
+"""On the CPU, `fit` searches bf16 where the CPU runs it natively and leaves it out, with the reason, where torch
+would emulate it (several times slower than fp32); zero-change mode keeps a script's own fp32 on the CPU and says
+which of the two reasons holds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 import autotune
 from autotune.devices import placement
-from autotune.supervisor.zero_change import resolve_target
+from autotune.supervisor.zero_change import CPU_SCRIPT_BF16, resolve_target
 
 
 def _fit() -> autotune.Plan:
@@ -42,9 +43,10 @@ def test_a_cpu_without_native_bf16_gets_an_fp32_plan_that_says_why(monkeypatch: 
     assert target.bf16_off == placement.NO_NATIVE_BF16
 
 
-def test_a_cpu_with_native_bf16_measures_bf16_in_fit_and_zero_change(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cpu_with_native_bf16_measures_bf16_in_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda flags=None: True)
     plan = _fit()
     assert "bf16" in {t.rung.precision for t in plan.trials}, plan.trials
     assert placement.NO_NATIVE_BF16 not in plan.reason
-    assert resolve_target("cpu", None).bf16_off == ""
+    # a script's bf16 flag stays off on the CPU: it is written for a GPU, and the reason says so
+    assert resolve_target("cpu", None).bf16_off == CPU_SCRIPT_BF16

@@ -40,6 +40,8 @@ from .process import ChildExit
 from .verdict import Verdict
 
 log = logging.getLogger(__name__)
+CPU_SCRIPT_BF16 = ("a script's bf16 flag is written for a GPU (the HF Trainer's --bf16 refuses the CPU); "
+                   "autotune.fit measures bf16 on this CPU")
 
 
 def script_rungs(flags: FlagMap, allowed: frozenset[str], bf16_off: str = "") -> tuple[list[Rung], list[str]]:
@@ -103,12 +105,13 @@ def resolve_target(device: str | None, budget: str | None) -> Target:
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     given = parse_bytes(budget, "--budget") if budget is not None else None
     if kind == "cpu":
-        # bf16 is measured where the CPU runs it natively, as `fit` does; elsewhere it is emulated and slow.
+        # A script's bf16 flag is written for a GPU (the HF Trainer's --bf16 refuses a CPU without use_cpu), and
+        # where the CPU has no native bf16 it would be emulated and slow: on the CPU the script keeps fp32.
         name, host = "cpu (simulated ceiling)", psutil.virtual_memory().total
         return Target(kind="cpu", name=name, apply_budget=True,
                       budget_bytes=check_budget(given, host, name, "--budget") if given else
                       psutil.virtual_memory().available,
-                      bf16_off="" if placement.cpu_has_native_bf16() else NO_NATIVE_BF16,
+                      bf16_off=CPU_SCRIPT_BF16 if placement.cpu_has_native_bf16() else NO_NATIVE_BF16,
                       compile_off="compiling on the CPU takes longer than the trials it would speed up",
                       total_bytes=host)
     if not kind.startswith("cuda"):
