@@ -9,7 +9,7 @@ from .api import fit
 from .cache import PlanCache
 from .cache.guard import CacheWarning
 from .configuration import Rung
-from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, is_oom
+from .errors import AutotuneError, DeviceError, InvalidSetting, NoFeasiblePlan, RankDied, is_oom
 from .evidence import Trial
 from .plan import Plan
 from .workload.batch import Shared
@@ -24,6 +24,7 @@ __all__ = [
     "NoFeasiblePlan",
     "Plan",
     "PlanCache",
+    "RankDied",
     "Rung",
     "Shared",
     "Trial",

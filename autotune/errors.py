@@ -27,6 +27,10 @@ class DeviceError(AutotuneError):
     """A CUDA error that is not an OOM; the CUDA context is unusable and the process must be restarted."""
 
 
+class RankDied(AutotuneError):
+    """A rank of a distributed job stopped answering in a collective: named by node, local rank and host."""
+
+
 class TooFewSamples(AutotuneError):
     """A trial at micro-batch 1 failed because the model's batch statistics need more samples (internal:
     the search raises its smallest micro-batch and goes on; see `needs_more_samples`)."""

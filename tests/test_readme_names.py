@@ -17,8 +17,8 @@ def _error_table_names() -> list[str]:
     return re.findall(r"^\| `(\w+)`", section, flags=re.MULTILINE)
 
 
-def test_the_readme_error_table_lists_the_four_kinds() -> None:
-    assert _error_table_names() == ["InvalidSetting", "NoFeasiblePlan", "DeviceError", "CacheWarning"]
+def test_the_readme_error_table_lists_the_five_kinds() -> None:
+    assert _error_table_names() == ["InvalidSetting", "NoFeasiblePlan", "DeviceError", "RankDied", "CacheWarning"]
 
 
 def test_every_name_in_the_readme_error_table_imports_from_autotune() -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import AutotuneError
+from ..errors import RankDied
 from ..torch_private import default_store
 from .ranks import active, rank, world_size
 
@@ -38,10 +38,6 @@ _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "Timed out waiting", "Application timeout", "NCCL communicator was aborted")
 _registered: set[int] = set()  # the groups (by id) this process has written its name into
 _calls = 0  # roll calls held by this process: each its own keys, the same count on every rank alive
-
-
-class RankDied(AutotuneError):
-    """A rank of the job stopped answering: named by node, local rank and host in the message."""
 
 
 def lost_peer(exc: BaseException) -> bool:
