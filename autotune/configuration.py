@@ -119,7 +119,11 @@ RUNG_FIELDS = ("precision", "checkpointing", "offload", "checkpointed_blocks", "
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Configuration:
     """What a plan sets: the rung, the split of the batch, where the optimizer state lives, and the limits
-    it was chosen under. Everything `Plan.apply`, a recovery and the cache key need; nothing measured."""
+    it was chosen under. Everything `Plan.apply`, a recovery and the cache key need; nothing measured.
+
+    Large: a record, one field per setting a plan fixes; its methods are checks of those fields and read-only
+    views of the rung's, with no behaviour to split off.
+    """
 
     rung: Rung
     micro_batch_size: int

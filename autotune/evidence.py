@@ -39,7 +39,11 @@ def check_phases(name: str, phases: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Trial:
-    """One measured trial: a rung at a micro-batch size, and what happened."""
+    """One measured trial: a rung at a micro-batch size, and what happened.
+
+    Large: a record, one field per measurement a trial reports, each read by the search, the reason or the
+    cache; no behaviour to split off.
+    """
 
     rung: Rung
     micro_batch_size: int

@@ -89,6 +89,10 @@ def open_cache(setting: Any) -> PlanCache | None:
 class PlanCache(CacheConnection):
     """Plans by key in a SQLite file, with the OOMs seen against them, and a team's exports read-only.
 
+    Large: the public cache of the API, one method per operation on the file (get, put, list, delete,
+    export, import, the OOMs and nothing-fits records), each a few lines over the one guarded connection it
+    inherits (guard.py); the reads and writes live in tables.py, the file in db.py, the team's exports in team.py.
+
     Example:
         >>> cache = autotune.PlanCache("~/plans.db")
         >>> plan = autotune.fit(model, batch, global_batch_size=64, cache=cache)

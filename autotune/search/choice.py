@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from ..configuration import Rung
 from ..evidence import Trial
 from ..sizes import format_bytes
-from ..workload.batching import fit_line, global_step_seconds
-from .lines import NOISE, RUNOFF, Lines, RungState, Runner, min_overhead, timed
+from .lines import NOISE, RUNOFF, Lines, Runner
 
 log = logging.getLogger("autotune.search.controller")
 
@@ -42,18 +41,8 @@ class Choice(Lines):
     """Choosing among the measured trials (a part of `Controller`)."""
 
     remeasure: Runner | None
-    world_size: int
     notes: list[str]
     advice: str
-
-    def _best(self) -> Trial | None:
-        ok = [t for t in self.trials if t.fits]
-        if not ok:
-            return None
-        fastest = max(t.samples_per_second for t in ok)
-        # Within noise of the fastest, prefer headroom: the lowest peak.
-        close = [t for t in ok if t.samples_per_second >= fastest * (1 - NOISE)]
-        return min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
 
     def _runoff(self, best: Trial) -> Trial:
         """Re-measure the leaders with longer runs when they are close: near the memory edge single
@@ -114,27 +103,6 @@ class Choice(Lines):
             f"{ckpt.rung.name} at micro-batch {ckpt.micro_batch_size} beat {plain.rung.name} at micro-batch "
             f"{plain.micro_batch_size} by more than {what} can explain: both re-measured, now {factor:.2f}x")
         return self._best() or best
-
-    def _upper_bound(self, rung: Rung, states: list[RungState]) -> float | None:
-        """Optimistic samples/s for `rung`, from the time model of the rung holding the best trial."""
-        best = self._best()
-        if best is None or (rung.fp8 and not best.rung.fp8):
-            return None  # float8 matmuls shorten the step: a time model without them bounds nothing
-        state = next((s for s in states if s.rung == best.rung), None)
-        if state is None or len({m for m, _ in timed(state)}) < 2:
-            return None  # one point gives no time model: the higher rung may still win
-        _, b = fit_line(timed(state))
-        # The line's slope, anchored at the largest measured micro-batch: beyond it each extra sample
-        # costs at least b (b >= 0), and at it the time is what was measured, not what the fit says.
-        top = max(state.ok, key=lambda t: t.micro_batch_size)
-        # The optimizer step is the rung's own offload's where one was measured (optimizer offload's host
-        # step is 10x the device one on GPT-2 large): a bound from another offload's would be wrong.
-        opt = self._optimizer_seconds(rung.offload) or min(t.optimizer_seconds for t in state.ok)
-        extra, base_extra = min_overhead(rung), min_overhead(best.rung)
-        micro_seconds = ((top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size))
-                         * (1 + extra) / (1 + base_extra))
-        per_step = global_step_seconds(micro_seconds, opt, self.per_rank, self.cap)
-        return self.per_rank * self.world_size / per_step
 
     def _reason(self, best: Trial) -> str:
         """The account of the pick, its factors from the trials the pick was made on: a runoff's re-measurement

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..configuration import Rung
 from ..errors import InvalidSetting, TooFewSamples
@@ -38,9 +38,6 @@ class Climb(Lines):
     smallest: int
     floor: int
     floor_note: str
-    # `Choice`'s, beside this one in `Controller` (annotations only: no attribute that would shadow them)
-    _best: Callable[[], Trial | None]
-    _upper_bound: Callable[[Rung, list[RungState]], float | None]
 
     def _climb(self, rungs: Sequence[Rung]) -> None:
         """Explore each rung in order, unless the time model says it cannot beat the best measured."""

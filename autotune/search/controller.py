@@ -52,7 +52,14 @@ FIT_ADVICE = ("Raise memory_budget, allow more techniques (techniques=('bf16', '
 
 class Controller(Placing, Choice):
     """The search over one workload: the climb (`climb.py`), the lattice placement (`placement.py`), the
-    memory and time lines (`lines.py`) and the choice with its reason (`choice.py`)."""
+    memory and time lines (`lines.py`) and the choice with its reason (`choice.py`).
+
+    Large: the count takes in those four parts. They are one object because each reads and extends the same
+    measurements: the trials, the state of each rung measured, the notes for the reason, and the limits
+    the search runs under (the budget, the micro-batch cap and floor, the trial budget). Each part lives in
+    its own file; the search as ordered steps over one search state, each step a module, would replace the
+    parts.
+    """
 
     def __init__(self, runner: Runner, *, per_rank: int, limit_bytes: int, max_micro: int | None = None,
                  max_trials: int = 24, world_size: int = 1, sizes: Sequence[int] | None = None,

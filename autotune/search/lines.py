@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..configuration import WHOLE_BLOCK, Rung
 from ..evidence import Trial
-from ..workload.batching import ceil_div, fit_line
+from ..workload.batching import ceil_div, fit_line, global_step_seconds
 
 Runner = Callable[[Rung, int], Trial]
 
@@ -66,15 +66,48 @@ class RungState:
 
 
 class Lines:
-    """The memory and time lines of the measured rungs (a part of `Controller`)."""
+    """The memory and time lines of the measured rungs, and the best trial measured so far with the bound they
+    set on a rung not yet measured (a part of `Controller`)."""
 
     per_rank: int
+    world_size: int
     limit: int
     cap: int
     sizes: list[int] | None
     trials: list[Trial]
     states: list[RungState]
     lattice: Lattice
+
+    def _best(self) -> Trial | None:
+        """The fastest trial that fits, within noise of it the one with the lowest peak; None before one fits."""
+        ok = [t for t in self.trials if t.fits]
+        if not ok:
+            return None
+        fastest = max(t.samples_per_second for t in ok)
+        # Within noise of the fastest, prefer headroom: the lowest peak.
+        close = [t for t in ok if t.samples_per_second >= fastest * (1 - NOISE)]
+        return min(close, key=lambda t: (t.peak_bytes, -t.samples_per_second))
+
+    def _upper_bound(self, rung: Rung, states: list[RungState]) -> float | None:
+        """Optimistic samples/s for `rung`, from the time model of the rung holding the best trial."""
+        best = self._best()
+        if best is None or (rung.fp8 and not best.rung.fp8):
+            return None  # float8 matmuls shorten the step: a time model without them bounds nothing
+        state = next((s for s in states if s.rung == best.rung), None)
+        if state is None or len({m for m, _ in timed(state)}) < 2:
+            return None  # one point gives no time model: the higher rung may still win
+        _, b = fit_line(timed(state))
+        # The line's slope, anchored at the largest measured micro-batch: beyond it each extra sample
+        # costs at least b (b >= 0), and at it the time is what was measured, not what the fit says.
+        top = max(state.ok, key=lambda t: t.micro_batch_size)
+        # The optimizer step is the rung's own offload's where one was measured (optimizer offload's host
+        # step is 10x the device one on GPT-2 large): a bound from another offload's would be wrong.
+        opt = self._optimizer_seconds(rung.offload) or min(t.optimizer_seconds for t in state.ok)
+        extra, base_extra = min_overhead(rung), min_overhead(best.rung)
+        micro_seconds = ((top.step_seconds + max(b, 0.0) * (self.cap - top.micro_batch_size))
+                         * (1 + extra) / (1 + base_extra))
+        per_step = global_step_seconds(micro_seconds, opt, self.per_rank, self.cap)
+        return self.per_rank * self.world_size / per_step
 
     def _slope(self, rung: Rung) -> float | None:
         """Measured bytes per sample for `rung`'s treatment of activations (two sizes or more), or None."""

@@ -13,12 +13,16 @@ from .lines import MAX_PLACED, NOISE, Compiled
 
 
 class Placing(Climb):
-    """Placing configurations between and beyond the anchors (a part of `Controller`)."""
+    """Placing configurations between and beyond the anchors (a part of `Controller`).
+
+    Large: the count takes in the climb and the lines it builds on (climb.py, lines.py): placing verifies each
+    predicted configuration by the climb's trial and predicts from the lines' measurements, all on the
+    controller's one set of trials and rung states.
+    """
 
     _compiled: Compiled | None
     _compiled_recompute: Compiled | None
     _compile_failed: bool
-    world_size: int
 
     def _place_blocks(self) -> None:
         """Per offload, the fewest recomputed blocks that let a faster micro-batch fit, predicted from the

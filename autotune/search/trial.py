@@ -54,7 +54,11 @@ MAX_STEPS_FACTOR = 3  # a noisy CPU trial runs up to this many times its measure
 
 @dataclass(kw_only=True, slots=True)
 class Workload:
-    """Everything a trial needs that does not change between trials."""
+    """Everything a trial needs that does not change between trials.
+
+    Large: a record, one field per input every trial reads (the model, its example and loss, the optimizer's
+    recipe, the budgets and how many steps to measure); no behaviour to split off.
+    """
 
     model: nn.Module
     batch: Any  # the example batch, already on the device

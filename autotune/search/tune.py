@@ -60,7 +60,10 @@ RUN_ADVICE = ("Raise --budget (or the memory_budget the script passes to fit), a
 @dataclass(frozen=True, kw_only=True)
 class Job:
     """One search: the user's model, example, optimizer and loss; the settings; the device and budget; the
-    techniques allowed; the batch over ranks; the largest micro-batch the cache still trusts; progress lines."""
+    techniques allowed; the batch over ranks; the largest micro-batch the cache still trusts; progress lines.
+
+    Large: a record, one field per input of one search, handed from `fit` to the search whole; no behaviour.
+    """
 
     model: nn.Module
     batch: Any

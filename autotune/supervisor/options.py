@@ -18,7 +18,10 @@ DEFAULT_GRACE = 10.0
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunOptions:
-    """What `autotune run` was asked to do; validates itself (raising `InvalidSetting`, exit 2)."""
+    """What `autotune run` was asked to do; validates itself (raising `InvalidSetting`, exit 2).
+
+    Large: a record, one field per command-line option; its only behaviour is checking them.
+    """
 
     script: str
     script_args: tuple[str, ...] = ()

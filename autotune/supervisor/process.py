@@ -67,6 +67,11 @@ class ChildExit:
 class Child:
     """One launch of a command in its own process group.
 
+    Large: its launch settings (one attribute per argument) and the state of the one running job they
+    started: the process, the reader threads and the output's tail, the pids the host sampler tracks, the
+    deadline, and how the job ended. The readers, `wait`, `stop` and the signal forwarding all act on that one
+    job and its process group, so they stay together.
+
     Args:
         argv: the command.
         env: its environment.

@@ -84,13 +84,13 @@ class TrainingStep:
         after_optimizer_step: called as `fn(step)` after the optimizer stepped, before the gradients
             are freed.
 
-    Under optimizer offload the user's `optimizer` is kept consistent rather than silently stale: its
-    device state is moved to the host (and emptied on the device, which is the memory the rung saves);
-    hyperparameters set on it, such as an LR scheduler's `lr`, are copied to the host optimizer before
-    every step; `optimizer.state_dict()` returns the live host state and `load_state_dict()` loads into
-    it, so checkpoints stay right; calling `optimizer.step()` directly raises; `close()` puts the state
-    back into it. `step.optimizer` is the optimizer actually stepped.
-    """
+    Under optimizer offload the user's `optimizer` is kept consistent rather than silently stale: its device state is
+    moved to the host (and emptied on the device, which is the memory the rung saves); hyperparameters set on it, such
+    as an LR scheduler's `lr`, are copied to the host optimizer before every step; `optimizer.state_dict()` returns
+    the live host state and `load_state_dict()` loads into it, so checkpoints stay right; calling `optimizer.step()`
+    directly raises; `close()` puts the state back into it. `step.optimizer` is the optimizer actually stepped.
+
+    Large: a batch retried after an OOM needs at once the plan, model, optimizer, loss, hooks and recovery state."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Any = None,
                  loss_fn: LossFn | None = None, *, techniques: Any = None, grow_after: int | None = None,

@@ -56,6 +56,13 @@ class HostOptimizer(HostCopies, EngineState):
     it all-gathers (`MixedPrecisionPolicy`) and assigns FP32 reduced gradients to them, which a 16-bit
     shard refuses. Their masters copy this rank's shard only (`local_part`), so the host holds 1/world of
     the FP32 weights and optimizer state, and the device saves the optimizer state.
+
+    Large: the count takes in its two mixins (engine_state.py, host_copies.py), which hold no state of their
+    own. What stays together is one set of parameters seen from both sides: the device weights, the host
+    masters with their gradient and staging buffers, the host and device shares with their two optimizers,
+    this rank's part of a partition, and the pipeline or stepper that runs the step. The serial, overlapped
+    and streamed steps, `restore()` and `state_dict()` all index those same per-parameter buffers by position;
+    splitting the modes into engines of their own, each owning its buffers, is the way to make it smaller.
     """
 
     engaged = True  # an engine steps the optimizer (interface.py)

@@ -114,6 +114,11 @@ def sync_view(view: torch.optim.Optimizer) -> None:
 class OffloadPipeline:
     """The hooks, side stream and worker thread of one `HostOptimizer` (see the module docstring).
 
+    Large: the gradient hooks, the worker thread and the step write and read one step's bookkeeping (which
+    gradients landed, which chunks are pending or stepped, whether the attempt was aborted or a gradient grew
+    after it was final); they stay in one object so that bookkeeping has one owner across the autograd hooks
+    and the worker thread.
+
     Args:
         params: the device parameters whose masters live on the host, by trainable index.
         land: `land(i)` moves parameter i's final gradient into its FP32 host gradient (worker thread).

@@ -86,6 +86,11 @@ class DeviceStepper:
         optimizer: the host optimizer (Adam or AdamW) whose param groups and state hold the masters.
         flat: the masters' buffer; `masters[order[k]]` follows `masters[order[k - 1]]` in it.
         params: the device parameters by position (their `.grad` is read, their `.data` written).
+
+    Large: the masters' layout in `flat` (each parameter's offset and size), the moments laid out alike, the
+    ring of device slots with the three streams and events that order their copies and compute, and the
+    overlapped step's open segments. Every segment reads the same offsets, takes a slot from the same ring and
+    waits on the same events, so the layout, the ring and the open step stay in one object.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, flat: torch.Tensor, masters: dict[int, torch.Tensor],
