@@ -56,7 +56,6 @@ from autotune.plan import Plan
 from autotune.sizes import parse_bytes
 from autotune.techniques import TECHNIQUES, find_blocks, ladder
 from autotune.techniques.sharding import is_sharded, shard
-from autotune.training.recovery import engine_rung
 from autotune.workload.batching import solve_accumulation
 
 
@@ -149,10 +148,11 @@ def _trial_and_train(model: torch.nn.Module, example: Any, plan: Any, variant: s
                     budget_bytes=budget, limit_bytes=int(0.9 * budget), per_rank=args.global_batch_size // world,
                     world_size=world, blocks=find_blocks(model))
     runner = TrialRunner(work, agree=parallel.agree_trial)
-    rung, fraction = engine_rung(other)  # the sharded optimizer state runs as offload with nothing on the host
+    fraction = other.offload_fraction if other.offload == "optimizer" else 1.0
     out: dict[str, Any] = {"variant": variant}
     for steps in (work.measured_steps, 4 * work.measured_steps):
-        t = runner(rung, other.micro_batch_size, measured_steps=steps, offload_fraction=fraction)
+        t = runner(other.rung, other.micro_batch_size, measured_steps=steps, offload_fraction=fraction,
+                   sharding=other.sharding)
         out[f"trial_{steps}"] = {"outcome": t.outcome, "tokens_per_second": t.samples_per_second * args.seq,
                                  "step_seconds": t.step_seconds, "optimizer_seconds": t.optimizer_seconds,
                                  "reduce_seconds": t.reduce_seconds, "peak_gib": t.peak_bytes / 2**30}
