@@ -6,6 +6,7 @@ ceiling, and a fit whose budget leaves only optimizer offload."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import torch
@@ -140,5 +141,10 @@ def test_fit_builds_one_engine_for_its_offload_trials_at_several_micro_batches()
              if b in offloaded and a.fits and (a.rung, _share(a), a.overlapped) == (b.rung, _share(b), b.overlapped)]
     assert again, [(t.rung.name, t.micro_batch_size, t.note) for t in plan.trials]
     engines = (_taken() - before) // per_engine
-    assert engines <= len(offloaded) - len(again), (engines, len(offloaded), len(again))
+    # A trial measured again (timings noisy on a loaded machine) ran more than once but keeps one line in the
+    # record: each extra run may have built its own engine.
+    remeasured = sum(("re-measured" in t.note) + sum(int(n) - 1 for n in re.findall(r"measured (\d+) times", t.note))
+                     for t in offloaded)
+    assert engines <= len(offloaded) - len(again) + remeasured, (engines, len(offloaded), len(again), remeasured)
+    assert engines < len(offloaded) + remeasured  # at least one trial ran on the engine before it
     assert _dtypes(model) == {torch.float32}  # the user's model as it was
