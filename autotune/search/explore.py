@@ -173,5 +173,5 @@ def worth_trying(s: Ledger, state: RungState, micro: int) -> bool:
     if predicted > best.samples_per_second * (1 + NOISE):
         return True
     s.notes.append(f"{state.rung.name}: skipped micro-batch {micro}, predicted {predicted:,.1f} samples/s, "
-                      f"within noise of the {best.samples_per_second:,.1f} measured")
+                   f"within noise of the {best.samples_per_second:,.1f} measured")
     return False

@@ -111,7 +111,7 @@ def try_best(s: Ledger, candidates: list[tuple[Rung, int, float]], what: str) ->
         rung, micro, rate = pool.pop(0)
         if rate <= best.samples_per_second * (1 + NOISE):
             s.notes.append(f"{what}: no configuration predicted above the {best.samples_per_second:,.1f} "
-                              f"samples/s measured (best {rung.name} @ {micro}: {rate:,.1f})")
+                           f"samples/s measured (best {rung.name} @ {micro}: {rate:,.1f})")
             return
         state = rung_state(s, rung)
         trial = measure(s, state, micro)
