@@ -250,11 +250,11 @@ def test_the_reason_is_a_paragraph_that_starts_large(doc: str, passes: bool) -> 
     assert bool(LARGE_REASON.search(doc)) is passes
 
 
-def test_the_counts_see_a_controllers_mixins() -> None:
-    """The controller's methods live in its mixins' files; the count must include them."""
-    controller = CLASSES["autotune.search.controller.Controller"]
-    assert len(bases_of(controller)) > 2
-    assert counts(controller)[0] > len(own_methods(controller.node))
+def test_the_counts_see_a_classs_mixins() -> None:
+    """A class of the package whose methods live in its bases' files too: the count must include them."""
+    mixed = [found for found in CLASSES.values() if len(bases_of(found)) > 1]
+    assert mixed, "no class of the package inherits from another: the check below checks nothing"
+    assert any(counts(found)[0] > len(own_methods(found.node)) for found in mixed)
 
 
 def _is_record(node: ast.ClassDef) -> bool:

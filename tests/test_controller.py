@@ -8,6 +8,7 @@ from autotune.configuration import Rung
 from autotune.errors import NoFeasiblePlan
 from autotune.evidence import Trial
 from autotune.search.controller import Controller
+from autotune.search.lines import best_so_far
 from autotune.workload.batching import global_step_seconds, split_sizes
 
 GiB = 2**30
@@ -99,8 +100,8 @@ def test_headroom_breaks_a_tie():
     a = Trial(rung=BF16, micro_batch_size=8, outcome="ok", peak_bytes=20 * GiB, samples_per_second=100.0)
     b = Trial(rung=FULL, micro_batch_size=8, outcome="ok", peak_bytes=10 * GiB, samples_per_second=98.5)
     c = Trial(rung=SEL, micro_batch_size=8, outcome="ok", peak_bytes=5 * GiB, samples_per_second=90.0)
-    controller.trials = [a, b, c]
-    assert controller._best() is b  # within 3% of the fastest, and more headroom; c is too slow
+    controller.trials[:] = [a, b, c]
+    assert best_so_far(controller.ledger) is b  # within 3% of the fastest, and more headroom; c is too slow
 
 
 def test_max_micro_caps_the_search():

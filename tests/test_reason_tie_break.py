@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from autotune.configuration import Rung
 from autotune.evidence import Trial
+from autotune.search.choice import reason
 from autotune.search.controller import Controller
+from autotune.search.lines import best_so_far
 
 MiB = 2**20
 FULL = Rung(checkpointing="full", checkpointed_blocks=4)
@@ -16,9 +18,9 @@ def _search(rates: dict[Rung, float]) -> str:
     controller = Controller(lambda rung, micro: None, per_rank=8, limit_bytes=1024 * MiB)
     controller.trials.extend(Trial(rung=rung, micro_batch_size=8, outcome="ok", peak_bytes=peaks[rung],
                                    step_seconds=8 / rate, samples_per_second=rate) for rung, rate in rates.items())
-    best = controller._best()
+    best = best_so_far(controller.ledger)
     assert best is not None
-    return controller._reason(best)
+    return reason(controller.ledger, best)
 
 
 def test_a_pick_slower_than_the_runner_up_is_explained_as_the_tie_break_for_headroom() -> None:

@@ -23,6 +23,8 @@ from autotune.evidence import Trial
 from autotune.plan import Plan
 from autotune.search.anchors import anchors
 from autotune.search.controller import Controller, Lattice
+from autotune.search.lines import bytes_per_sample, resident_floor, rung_state
+from autotune.search.measure import measure
 from autotune.search.trial import TrialRunner, Workload
 from autotune.settings import DEFAULT_MARGIN
 from autotune.techniques import apply_rung, find_blocks, ladder
@@ -118,13 +120,13 @@ def test_the_policys_memory_line_predicts_its_peak_within_the_margin():
     kept, whole, plain = (Rung(checkpointing="full", recompute_policy="save_matmuls"), Rung(checkpointing="full"),
                           Rung())
     for rung in (kept, whole, plain):
-        state = controller._state(rung)
+        state = rung_state(controller.ledger, rung)
         for micro in (2, 4):
-            controller._run(state, micro)
-    slope, floor = controller._slope(kept), controller._floor(kept)
+            measure(controller.ledger, state, micro)
+    slope, floor = bytes_per_sample(controller.ledger, kept), resident_floor(controller.ledger, kept)
     assert slope is not None and floor is not None
     # its own line: what each sample keeps lies between whole-block recompute's and no recompute's
-    assert controller._slope(whole) < slope < controller._slope(plain)
+    assert bytes_per_sample(controller.ledger, whole) < slope < bytes_per_sample(controller.ledger, plain)
     measured = runner(kept, 8).peak_bytes
     predicted = floor + 8 * slope
     assert abs(predicted - measured) <= DEFAULT_MARGIN * measured, (predicted, measured)

@@ -24,7 +24,7 @@ RETRIES = 2  # readings more, at most, of a trial whose timing is in doubt
 # One micro-batch's time per sample over this times a smaller one's, on the same configuration, or its whole
 # micro-step over this times a larger one's: more than batching explains (a larger micro-batch amortises fixed
 # costs, so its time per sample falls or holds; a smaller one does less work), so the slower reading lost its
-# core. Only used where the trials run on the CPU (`Controller.retry`).
+# core. Only used where the trials run on the CPU (`Ledger.retry`).
 SLOWER = 1.5
 
 
