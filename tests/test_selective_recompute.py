@@ -164,7 +164,7 @@ def test_the_search_picks_blocks_keeping_their_matmuls_where_that_is_the_fastest
     # No recompute fits 8 samples (two micro-steps); all 16 fit with all four blocks recomputed whole (a third
     # more time per sample) or keeping their matmuls (3% more); three whole blocks do not fit 16.
     blocks = find_blocks(GPT(CFG))
-    rungs, _ = anchors(frozenset({"bf16", "checkpointing", "offload"}), CPU, blocks)
+    rungs, _ = anchors(frozenset({"bf16", "checkpointing", "offload", "selective_recompute"}), CPU, blocks)
     gpu = ScriptedGPU(n=len(blocks.blocks))
     controller = Controller(gpu, per_rank=gpu.per_rank, limit_bytes=int(0.9 * gpu.budget))
     result = controller.search(rungs, Lattice(blocks=gpu.n))
@@ -188,7 +188,7 @@ def test_fit_measures_blocks_keeping_their_matmuls_beside_whole_blocks():
                                                          8).peak_bytes
     assert kept < plain
     plan = autotune.fit(model, batch, global_batch_size=8, memory_budget=int((kept + plain) / 2 / 0.9), device="cpu",
-                        cache=False, trial_steps=1, techniques=("bf16", "checkpointing"))
+                        cache=False, trial_steps=1, techniques=("bf16", "checkpointing", "selective_recompute"))
     fitted = [t for t in plan.trials if t.fits]
     reach = max(t.micro_batch_size for t in fitted if t.rung.checkpointing == "none")
     # measured as a candidate of its own: it fitted more samples than no recompute could

@@ -49,8 +49,7 @@ class Failure:
     time: float = 0.0  # unix seconds
 
     def __post_init__(self) -> None:
-        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
-                or self.micro_batch_size < 1:
+        if type(self.micro_batch_size) is not int or self.micro_batch_size < 1:  # (a bool is not a batch size)
             raise ValueError(f"failure micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
         if self.shapes is not None and not isinstance(self.shapes, dict):
             raise ValueError(f"failure shapes must be an object or null, got {type(self.shapes).__name__}")
@@ -225,7 +224,8 @@ def check_plan_matches(plan: Plan, key: str, parts: dict[str, Any]) -> None:
             raise ValueError(f"plan.{name} is {have!r} but the key parts say {want!r}")
     allowed = set(parts["techniques"])
     used = {f"{plan.precision} precision": plan.precision != "fp32" and "bf16" not in allowed,
-            "checkpointing": plan.checkpointing != "none" and "checkpointing" not in allowed,
+            "checkpointing": plan.checkpointing != "none" and "checkpointing" not in allowed
+            or plan.recompute_policy != "whole_block" and "selective_recompute" not in allowed,
             "offload": plan.offload != "none" and {"offload", "saved_activations"}.isdisjoint(allowed),
             "compile": plan.compile and "compile" not in allowed,
             "8-bit optimizer state": plan.optimizer_8bit and "optimizer_8bit" not in allowed,

@@ -36,13 +36,17 @@ def anchors(allowed: frozenset[str], placement: Placement, blocks: BlockGroup | 
     per sample with and without recompute and the resident floor with and without optimizer offload,
     from which the search predicts the rest of the lattice (intermediate block counts, compile). Every block
     recomputed is tried too with each selective `recompute_policy` (matmuls' and attention's outputs kept),
-    between none and the whole blocks: it frees less than whole-block recompute for less time.
+    between none and the whole blocks, where `allowed` names 'selective_recompute': it frees less than
+    whole-block recompute for less time.
     """
     rungs, notes = ladder(allowed, placement, blocks, float64=float64)
     n = len(blocks.blocks) if blocks is not None else 0
     plain = [r for r in rungs if r.offload == "none" and r.checkpointed_blocks in (0, n)]
+    # Opt-in ('selective_recompute'): eager, torch's selective checkpoint costs more in dispatch than the recompute
+    # it saves on a GPU's transformer blocks, and under compile a policy is refused, so by default its trials
+    # would only lengthen the tune.
     kept = [dataclasses.replace(r, recompute_policy=p) for r in plain[1:] for p in RECOMPUTE_POLICIES
-            if p != WHOLE_BLOCK]  # most kept first: the least memory freed, the least recompute
+            if p != WHOLE_BLOCK and "selective_recompute" in allowed]  # most kept first: the least freed
     plain = plain[:1] + kept + plain[1:]
     optimizer = [r for r in rungs if r.offload == "optimizer"]
     bare = [dataclasses.replace(r, checkpointing="none", checkpointed_blocks=0) for r in optimizer if n][:1]
