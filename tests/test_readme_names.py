@@ -41,4 +41,4 @@ def test_every_doc_is_linked_from_the_readme() -> None:
 
 def test_the_readme_says_how_long_the_tests_take() -> None:
     after = README.split("<!-- test-command -->", 1)[1].split("\n## ", 1)[0]
-    assert "about 8 minutes" in after and '-m "not slow"' in after
+    assert re.search(r"about \d+ minutes", after) and '-m "not slow"' in after
