@@ -10,29 +10,13 @@ import re
 from collections.abc import Iterator
 
 import torch
-from gpt import GPT, GPTConfig, random_batch
+from gpt import GPT, random_batch
+from test_trial_reuse import CFG, OFFLOAD, _runner  # the same tiny GPT and trial runner
 
 import autotune
 from autotune.configuration import Rung
-from autotune.devices.placement import resolve_device
 from autotune.evidence import Trial
-from autotune.search.trial import TrialRunner, Workload
-from autotune.techniques import find_blocks
 from autotune.techniques.offload import host_buffers
-from autotune.workload.losses import resolve
-from autotune.workload.optimizers import OptimizerSpec
-
-CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
-OFFLOAD = Rung(checkpointing="full", offload="optimizer")
-
-
-def _runner() -> TrialRunner:
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    work = Workload(model=model, batch=random_batch(CFG, 8), loss_fn=resolve(None),
-                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=2**40,
-                    limit_bytes=2**39, per_rank=8, blocks=find_blocks(model), measured_steps=1)
-    return TrialRunner(work)
 
 
 def _taken() -> int:
