@@ -1,6 +1,7 @@
 """Step: the climb over the anchor rungs. Decides which anchors are measured at all: each is explored in order
 (`explore.py`), unless the time model of the best configuration so far says it cannot beat what was measured
-(skipped, with a note), or the trial budget is spent.
+(skipped, with a note), or an offloading anchor cannot beat its base by the base's time line
+(`offload_bound.py`), or the trial budget is spent.
 
 With a lattice to place, the climb runs twice around compile (`controller.py`): first the anchors that recompute
 nothing, so compile's measured gain can bound the recompute anchors climbed after it."""
@@ -13,6 +14,7 @@ from ..configuration import Rung
 from .explore import explore
 from .ledger import Ledger
 from .lines import NOISE, best_so_far, rung_state, upper_bound
+from .offload_bound import cannot_win
 
 
 def climb_all(s: Ledger) -> Ledger:
@@ -45,6 +47,11 @@ def climb(s: Ledger, rungs: Sequence[Rung]) -> None:
                                f"not above the {best.samples_per_second:,.1f} already measured")
                 s.skipped.add(rung)
                 continue
+        beaten = cannot_win(s, rung)
+        if beaten is not None:
+            s.notes.append(beaten)
+            s.skipped.add(rung)
+            continue
         if len(s.trials) >= s.max_trials:
             s.notes.append(f"stopped before {rung.name}: trial budget ({s.max_trials}) spent")
             return

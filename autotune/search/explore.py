@@ -16,6 +16,7 @@ from ..workload.batching import (
 from .ledger import Ledger, RungState
 from .lines import MAX_BISECT, NOISE, balanced, best_so_far, bytes_per_sample, predicted_reach, snap
 from .measure import budget_left, measure
+from .offload_bound import cannot_win
 
 
 def explore(s: Ledger, state: RungState, previous: RungState | None) -> None:
@@ -33,6 +34,10 @@ def explore(s: Ledger, state: RungState, previous: RungState | None) -> None:
     if not first.fits and first.micro_batch_size > s.floor:
         first = measure(s, state, s.floor)
     if not first.fits or first.micro_batch_size >= s.cap:
+        return
+    beaten = cannot_win(s, state.rung, first)  # offloading: growing it past its base's reach wins nothing
+    if beaten is not None:
+        s.notes.append(beaten)
         return
     slope = borrowed_slope(s, state)
     if slope is not None:

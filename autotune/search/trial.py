@@ -27,6 +27,7 @@ from ..devices.host import ResidentPeak
 from ..devices.placement import MemoryMeter, Placement, now, release_memory
 from ..errors import AutotuneError, DeviceError, TooFewSamples, is_device_poisoned, is_oom, needs_more_samples
 from ..evidence import NOISY, Trial
+from ..settings import DEFAULT_MEASURED_STEPS
 from ..sizes import format_bytes, format_share, shorten
 from ..techniques import AppliedRung, BlockGroup, apply_rung
 from ..techniques.offload import host_buffers, offload_of
@@ -50,6 +51,9 @@ NOISY_SPREAD = 0.5
 OVERLAPPED = "overlapped optimizer offload"  # the note of a trial whose measured steps overlapped it
 REDUCE_BOTH_WAYS = "gradient all-reduce timed in buckets during backward and in one after it"  # its trial's note
 MAX_STEPS_FACTOR = 3  # a noisy CPU trial runs up to this many times its measured steps
+# Two measured steps this close are steady: a third would move their median by less than the search's noise
+# (3%), so the trial stops there. A GPU's steps at one shape differ by well under 1%.
+STEADY_SPREAD = 0.02
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,7 +224,7 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
     warmup = sum(sum(step(True)) for _ in range(work.warmup_steps))
     losses.check("the warm-up steps")  # read here, not in a timed step: reading a loss waits for the device
     laps.enter("measured")
-    times = [step(overlap) for _ in range(measured)]
+    times = steady_steps(lambda: step(overlap), measured, early=measured == DEFAULT_MEASURED_STEPS)
     # Not under torch.distributed: each rank would judge its own spread and run its own number of steps (a
     # sharded model's steps are collectives); the ranks' MAX of the step time is the agreed figure there.
     while (work.placement.simulated and not distributed.active() and spread(times) > NOISY_SPREAD
@@ -244,6 +248,20 @@ def _run_steps(applied: AppliedRung, micro_batch: Any, work: Workload, measured:
         reduce_s = max(0.0, statistics.median(bucketed) - step_s)
         after_s = max(0.0, statistics.median(after) - step_s) if after else 0.0
     return step_s, opt_s + reduce_s, compile_s, reduce_s, after_s, note
+
+
+def steady_steps(step: Callable[[], tuple[float, float]], count: int, *, early: bool) -> list[tuple[float, float]]:
+    """`count` timed steps, or two once those are steady (`STEADY_SPREAD`) where `early` allows: at the default
+    count (a count the user set, or the runoff's longer run, is run in full).
+
+    Not early under torch.distributed: each rank would judge its own two steps, and ranks that stopped at
+    different counts would wait on each other's collectives.
+    """
+    times = [step() for _ in range(min(count, 2))]
+    if early and not distributed.active() and spread(times) <= STEADY_SPREAD:
+        return times
+    times.extend(step() for _ in range(count - len(times)))
+    return times
 
 
 def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: float | None,

@@ -35,7 +35,7 @@ from ..workload.batching import split_sizes
 from ..workload.losses import chunked_default_loss
 from ..workload.losses import resolve as resolve_loss
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
-from . import host_budget, kept_rung, typical
+from . import heap, host_budget, kept_rung, typical
 from .anchors import anchors, eight_bit_anchors, fp8_anchors
 from .controller import FIT_ADVICE, Controller, Lattice
 from .deadline import Deadline, OutOfTime
@@ -126,14 +126,15 @@ def tune(job: Job) -> Plan:
     sharding, sharding_reason = choose_sharding(job.model, floor, limit, job.world)
     to_disk = snapshot_on_disk(job.model)  # once: the snapshot's own file takes the disk room it asks for
     try:
-        plan = _tune_as(job, spec, peak, limit, plain.precision, sharding, sharding_reason, to_disk)
-        hybrid = lambda: _tune_as(job, spec, peak, limit, plain.precision, "hsdp", "", to_disk)  # noqa: E731
-        plan = with_hybrid(plan, job.model, hybrid)  # on several nodes, flat FSDP2 or hybrid, by measurement
-        if job.placement.simulated or not sharding_may_win(plan, job.model, job.world) or job.deadline.passed():
-            return plan
-        sharded, plan = searched_beside(plan, "sharded with FSDP2", lambda: _tune_as(
-            job, spec, peak, limit, plain.precision, "fsdp2", "", to_disk))
-        return plan if sharded is None else replicated_or_sharded(plan, sharded)
+        with heap.set_aside():
+            plan = _tune_as(job, spec, peak, limit, plain.precision, sharding, sharding_reason, to_disk)
+            hybrid = lambda: _tune_as(job, spec, peak, limit, plain.precision, "hsdp", "", to_disk)  # noqa: E731
+            plan = with_hybrid(plan, job.model, hybrid)  # on several nodes, flat FSDP2 or hybrid, by measurement
+            if job.placement.simulated or not sharding_may_win(plan, job.model, job.world) or job.deadline.passed():
+                return plan
+            sharded, plan = searched_beside(plan, "sharded with FSDP2", lambda: _tune_as(
+                job, spec, peak, limit, plain.precision, "fsdp2", "", to_disk))
+            return plan if sharded is None else replicated_or_sharded(plan, sharded)
     finally:
         if job.progress is not None:
             job.progress.close()
