@@ -14,7 +14,16 @@ from ..workload.batching import (
     predict_max_micro_batch,
 )
 from .ledger import Ledger, RungState
-from .lines import MAX_BISECT, NOISE, balanced, best_so_far, bytes_per_sample, predicted_reach, snap
+from .lines import (
+    MAX_BISECT,
+    NOISE,
+    accumulation_sizes,
+    balanced,
+    best_so_far,
+    bytes_per_sample,
+    predicted_reach,
+    snap,
+)
 from .measure import budget_left, measure
 from .offload_bound import cannot_win
 
@@ -49,9 +58,7 @@ def explore(s: Ledger, state: RungState, previous: RungState | None) -> None:
     probe = previous.smallest_bad if previous is not None else None
     if probe is None or probe <= first.micro_batch_size:
         probe = 2 * first.micro_batch_size
-    probe = snap(s, min(s.cap, probe))
-    if probe <= first.micro_batch_size:  # no allowed size up to the probe (see `sizes`): the next one above
-        probe = next(size for size in s.sizes or () if size > first.micro_batch_size)
+    probe = balanced_probe(s, first.micro_batch_size, probe)
     second = measure(s, state, probe)
     if not second.fits:
         bisect(s, state)
@@ -62,6 +69,17 @@ def explore(s: Ledger, state: RungState, previous: RungState | None) -> None:
     guess = balanced(predict_max_micro_batch(points, s.limit, s.cap), s.per_rank)
     if guess > second.micro_batch_size and budget_left(s):
         verify(s, state, guess)
+
+
+def balanced_probe(s: Ledger, first: int, probe: int) -> int:
+    """The size to probe after `first`: the largest balanced one (`accumulation_sizes`) up to `probe`, else the
+    smallest above `first`. An unbalanced size is charged for micro-steps a balanced one with as many
+    would run at fewer samples (20 of 64 takes four micro-steps, as 16 does), so it scores the rung below its
+    speed, and the probe's answer, whether the rung fits there, is the same at the balanced size."""
+    sizes = [m for m in accumulation_sizes(s) if m > first]
+    if not sizes:  # no allowed size above `first` (see `sizes`) within the cap: the next allowed one above
+        return next(size for size in s.sizes or () if size > first)
+    return max((m for m in sizes if m <= probe), default=sizes[0])
 
 
 def verify(s: Ledger, state: RungState, guess: int) -> None:
