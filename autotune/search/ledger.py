@@ -132,8 +132,8 @@ class Ledger:
     compile_failed: bool = False
     cut: bool = False  # max_tune_seconds stopped a step (`deadline.OutOfTime`), or the trial at the example's length
     pick: Trial | None = None  # the configuration chosen, once the exploring steps are done; the plan's
-    # -- what the steps after the pick set and found ------------------------------------------------------
-    head: str = ""  # the account of the search's pick (`choice.reason`), once the confirming steps are done
+    # -- the search closed (`choice.close`), and what the steps after the pick set and found ----------------
+    head: str = ""  # the account of the search's pick (`choice.reason`)
     untried: int = 0  # configurations the search lined up and neither measured nor ruled out
     fraction: float | None = None  # `plan.offload_fraction`; None: the whole optimizer or none offloaded
     overlap: bool | None = None  # `plan.offload_overlap`
