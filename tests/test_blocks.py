@@ -353,12 +353,12 @@ def test_reason_says_lighter_configurations_fitted_but_were_slower_in_mib():
                      optimizer_seconds=opt, samples_per_second=rate)
 
     result = Controller(runner, per_rank=8, limit_bytes=limit).search([Rung(), full, offload])
-    assert result.best.rung == offload and result.best.micro_batch_size == 8
+    assert result.picked().rung == offload and result.picked().micro_batch_size == 8
     slower = max((t for t in result.trials if t.fits and t.rung == full), key=lambda t: t.samples_per_second)
-    ratio = result.best.samples_per_second / slower.samples_per_second
+    ratio = result.picked().samples_per_second / slower.samples_per_second
     assert ratio > 1.3  # the premise
-    assert f"bf16+full ckpt at micro-batch {slower.micro_batch_size} fitted but {ratio:.2f}x slower" in result.reason
-    assert "(200.0 MiB)" in result.reason and "nothing lighter fits" not in result.reason, result.reason
+    assert f"bf16+full ckpt at micro-batch {slower.micro_batch_size} fitted but {ratio:.2f}x slower" in result.head
+    assert "(200.0 MiB)" in result.head and "nothing lighter fits" not in result.head, result.head
 
 
 def test_sizes_print_in_the_unit_that_fits():

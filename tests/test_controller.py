@@ -49,17 +49,17 @@ def test_checkpointing_wins_when_it_lets_a_launch_bound_model_grow():
         OFFLOAD: (4 * GiB, 0.8 * GiB, 0.14, 0.040, 1.5),  # the CPU optimizer step is slow
     })
     result = _search(gpu, [BF16, SEL, FULL, OFFLOAD])
-    assert result.best.rung == FULL
-    assert result.best.micro_batch_size == 8  # balanced: 8 x 8 covers 64 like 9 would not do better
+    assert result.picked().rung == FULL
+    assert result.picked().micro_batch_size == 8  # balanced: 8 x 8 covers 64 like 9 would not do better
     assert len(result.trials) <= 12
     assert sum(t.outcome == "oom" for t in result.trials) == 0
-    assert "x the fastest plan without checkpointing" in result.reason
+    assert "x the fastest plan without checkpointing" in result.head
 
 
 def test_no_climbing_when_the_cheapest_rung_already_runs_the_whole_batch():
     gpu = FakeGPU(80 * GiB, 16, {BF16: (1 * GiB, 0.5 * GiB, 0.01, 0.01), FULL: (1 * GiB, 0.1 * GiB, 0.01, 0.013)})
     result = _search(gpu, [BF16, FULL])
-    assert result.best.rung == BF16 and result.best.micro_batch_size == 16
+    assert result.picked().rung == BF16 and result.picked().micro_batch_size == 16
     assert all(rung == BF16 for rung, _ in gpu.calls)
 
 
@@ -67,7 +67,7 @@ def test_a_saturated_rung_stops_the_climb():
     # GPU-bound (no launch overhead): bigger micro-batches buy nothing, recompute only costs.
     gpu = FakeGPU(24 * GiB, 64, {BF16: (4 * GiB, 1 * GiB, 0.0, 0.03), FULL: (4 * GiB, 0.3 * GiB, 0.0, 0.04)})
     result = _search(gpu, [BF16, FULL])
-    assert result.best.rung == BF16
+    assert result.picked().rung == BF16
     assert any("skipped bf16+full ckpt" in n for n in result.notes)
     assert all(rung == BF16 for rung, _ in gpu.calls)
 
@@ -82,7 +82,7 @@ def test_prediction_is_verified_and_bisected_after_a_miss():
     result = _search(gpu, [BF16])
     sizes = [m for _, m in gpu.calls]
     assert sizes[:2] == [1, 2] and len(sizes) <= 6
-    best = result.best.micro_batch_size
+    best = result.picked().micro_batch_size
     assert 2 + best * (0.5 + 0.05 * best) <= 0.9 * 16  # the winner really fits under the limit
 
 
@@ -107,7 +107,7 @@ def test_headroom_breaks_a_tie():
 def test_max_micro_caps_the_search():
     gpu = FakeGPU(80 * GiB, 64, {BF16: (1 * GiB, 0.1 * GiB, 0.01, 0.01)})
     result = _search(gpu, [BF16], max_micro=5)
-    assert result.best.micro_batch_size <= 5
+    assert result.picked().micro_batch_size <= 5
     assert max(m for _, m in gpu.calls) <= 5
 
 
@@ -169,9 +169,9 @@ def test_a_prediction_that_fits_with_room_to_spare_is_refined_upward():
     result = _search(gpu, [BF16, SEL, FULL, OFFLOAD])
     best_possible = max(gpu.rate(rung, m) for rung in W3_H100 for m in range(1, 257)
                         if not gpu.measure(rung, m)[3] and gpu.measure(rung, m)[0] <= 0.9 * gpu.budget)
-    assert result.best.rung == BF16
-    assert gpu.rate(BF16, result.best.micro_batch_size) >= 0.97 * best_possible
-    assert result.best.micro_batch_size > 64  # past the grid's powers of two: 3 micro-steps instead of 4
+    assert result.picked().rung == BF16
+    assert gpu.rate(BF16, result.picked().micro_batch_size) >= 0.97 * best_possible
+    assert result.picked().micro_batch_size > 64  # past the grid's powers of two: 3 micro-steps instead of 4
     assert sum(t.outcome == "oom" for t in result.trials) <= 2  # a higher rung's growth probe may run out
     assert len(result.trials) <= 12
 
@@ -196,7 +196,7 @@ def test_gpt2_large_on_an_h100_is_tuned_within_noise_of_the_best_without_an_oom(
     result = Controller(gpu, per_rank=64, limit_bytes=int(0.9 * gpu.budget), remeasure=gpu).search(list(W1_H100))
     best_possible = max(gpu.rate(rung, m) for rung in W1_H100 for m in range(1, 65)
                         if not gpu.measure(rung, m)[3] and gpu.measure(rung, m)[0] <= 0.9 * gpu.budget)
-    assert gpu.rate(result.best.rung, result.best.micro_batch_size) >= 0.97 * best_possible
+    assert gpu.rate(result.picked().rung, result.picked().micro_batch_size) >= 0.97 * best_possible
     # 16 before trials that could not beat the best by more than noise were skipped; here 12 and a runoff of
     # 2, which the H100 run itself did not need (full checkpointing's 6 measured 12% behind, not within 8%).
     assert len(result.trials) <= 14
@@ -218,4 +218,4 @@ def test_a_higher_rung_that_can_win_is_still_explored():
         ACT: (14 * GiB, 0.2 * GiB, 0.14 * 1.05, 0.040 * 1.05),
     })
     result = _search(gpu, [FULL, ACT])
-    assert result.best.rung == ACT and result.best.micro_batch_size > 8
+    assert result.picked().rung == ACT and result.picked().micro_batch_size > 8

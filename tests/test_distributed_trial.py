@@ -49,24 +49,21 @@ def _trial(rank: int, budget: int, rung=None, *, wide: bool = False, **kwargs) -
 
 
 def _phase(rank: int) -> dict:
-    """`fit`'s partitioned-state phase (search/phases.py) after a BF16 search, with real trials."""
+    """`fit`'s partitioned-state step (search/partitioned_state.py) after a BF16 search, with real trials."""
     from autotune import parallel as distributed
     from autotune.configuration import Rung
-    from autotune.search.controller import Controller
-    from autotune.search.phases import PhaseContext, partitioned
-    from autotune.search.state import SearchState
+    from autotune.search.controller import AfterPick, Controller
+    from autotune.search.partitioned_state import partitioned
     from autotune.search.trial import TrialRunner
 
     work = _work(512 * MiB, wide=True)
     runner = TrialRunner(work, agree=distributed.agree_trial)
     controller = Controller(runner, per_rank=8, limit_bytes=work.limit_bytes, world_size=WORLD)
     result = controller.search([Rung()])
-    searched = len(result.trials)
-    state = SearchState.of(result)
-    partitioned(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=False,
-                                    allowed=frozenset({"bf16", "offload"})))
-    best = state.best
-    return {"pick": result.best.to_dict(), "searched": searched, "best": best.to_dict(), "fraction": state.fraction,
+    searched, pick = len(result.trials), result.picked()
+    result.after = AfterPick(run=runner, work=work, sharded=False, allowed=frozenset({"bf16", "offload"}))
+    best = partitioned(result).picked()
+    return {"pick": pick.to_dict(), "searched": searched, "best": best.to_dict(), "fraction": result.fraction,
             "trials": [{**t.to_dict(), "note": ""} for t in result.trials], "notes": [t.note for t in result.trials],
             "last_note": result.notes[-1], "params": sum(p.numel() for p in work.model.parameters())}
 

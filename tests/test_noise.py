@@ -14,7 +14,8 @@ import autotune
 from autotune.configuration import Rung
 from autotune.evidence import Trial
 from autotune.search.controller import Controller
-from autotune.search.state import SearchState, reason
+from autotune.search.ledger import Ledger
+from autotune.search.plan_reason import reason
 from autotune.search.trial import NOISY_SPREAD, spread
 
 PLAIN, FULL = Rung(precision="fp32"), Rung(precision="fp32", checkpointing="full")
@@ -46,7 +47,7 @@ class ContendedCPU:
                      samples_per_second=micro / seconds, peak_bytes=int(micro * MiB * (0.5 if ckpt else 1.0)))
 
 
-def search(cpu: ContendedCPU) -> object:
+def search(cpu: ContendedCPU) -> Ledger:
     controller = Controller(cpu.run, per_rank=8, limit_bytes=int(4.5 * MiB),
                             remeasure=lambda rung, micro: cpu.run(rung, micro, again=True))
     return controller.search([PLAIN, FULL])
@@ -63,7 +64,7 @@ def test_a_recompute_win_recompute_cannot_explain_is_remeasured_and_not_believed
     # The re-measurements took the first figures' places: one line per configuration in the record.
     assert len(result.trials) == len({(t.rung, t.micro_batch_size) for t in result.trials})
     # Micro-batch 8 (only checkpointing fits it) amortises the fixed cost: the true winner, by the model.
-    assert (result.best.rung, result.best.micro_batch_size) == (FULL, 8)
+    assert (result.picked().rung, result.picked().micro_batch_size) == (FULL, 8)
 
 
 def test_without_a_contradiction_nothing_is_remeasured() -> None:
@@ -152,8 +153,8 @@ def test_one_noisy_reading_is_measured_again_before_it_decides_the_pick() -> Non
     run = lambda rung, micro: cpu.trial(rung, micro, 64)  # noqa: E731
     result = Controller(run, per_rank=64, limit_bytes=60 * MiB, retry=run).search([PLAIN])
     assert cpu.calls == [1, 2, 32, 32]
-    assert result.best.micro_batch_size == 32 and not result.best.noisy
-    assert "measured 2 times" in result.best.note
+    assert result.picked().micro_batch_size == 32 and not result.picked().noisy
+    assert "measured 2 times" in result.picked().note
     assert len(result.trials) == 3  # the reading kept took the first one's place
 
 
@@ -213,7 +214,7 @@ def test_the_reasons_factors_are_ratios_of_the_trial_tables_rates() -> None:
     # table (the re-measurements), never the factor of the first readings they replaced.
     cpu = ContendedCPU(contended={1, 2, 4})
     result = search(cpu)
-    text = reason(SearchState.of(result), result.notes)
+    text = reason(result, result.notes)
     rates = [t.samples_per_second for t in result.trials if t.fits]
     ratios = {f"{a / b:.2f}" for a in rates for b in rates}
     factors = re.findall(r"(\d+\.\d\d)x", text)

@@ -621,18 +621,21 @@ def test_an_offload_rival_is_priced_at_a_share_only_where_it_can_win():
 
 
 def test_the_rival_at_its_share_replaces_the_pick_only_when_faster_by_more_than_noise():
-    from autotune.search.phases import rival_or_pick
-    from autotune.search.state import SearchState
+    from autotune.search.ledger import Ledger
+    from autotune.search.offload_share import rival_or_pick
+    from autotune.search.plan_reason import account
+
+    def ledger(trials: list[Trial]) -> Ledger:
+        return Ledger(runner=lambda rung, micro: plain, per_rank=64, limit=2**30, cap=64, max_trials=24,
+                      trials=trials, pick=plain, head="pick")
 
     plain = _priced("none", 4, 0.055, 0.02)
     for shared, wins in ((_priced("optimizer", 6, 0.068, 0.12), True), (_priced("optimizer", 6, 0.068, 0.2), False)):
-        state = SearchState(best=plain, trials=[plain, shared], head="pick", notes=[])
-        rival_or_pick(state, shared, 0.65)
-        assert (state.best is shared, state.fraction) == ((True, 0.65) if wins else (False, None)), \
+        state = rival_or_pick(ledger([plain, shared]), shared, 0.65)
+        assert (state.pick is shared, state.fraction) == ((True, 0.65) if wins else (False, None)), \
             shared.samples_per_second
-        assert state.account().endswith("pick")
-        assert ("65% of the parameters' optimizer on the host" in state.account()) == wins
+        assert account(state).endswith("pick")
+        assert ("65% of the parameters' optimizer on the host" in account(state)) == wins
         assert any("not faster than the pick" in n for n in state.notes) != wins
-    state = SearchState(best=plain, trials=[plain], head="pick", notes=[])
-    rival_or_pick(state, None, 1.0)
-    assert (state.best, state.fraction) == (plain, None) and "no share on the device fitted" in state.notes[0]
+    state = rival_or_pick(ledger([plain]), None, 1.0)
+    assert (state.pick, state.fraction) == (plain, None) and "no share on the device fitted" in state.notes[0]

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from test_lattice import ANCHORS, GiB, LatticeGPU, N, _rung, assert_near_the_best_reachable
+
 from autotune.configuration import Rung
 from autotune.evidence import Trial
 from autotune.search.controller import Controller, Lattice
-from test_lattice import ANCHORS, GiB, N, LatticeGPU, _rung, assert_near_the_best_reachable
 
 
 @dataclasses.dataclass
@@ -33,7 +34,7 @@ def _search(gpu: LatticeGPU, *, compile: bool) -> tuple[Trial, list[str], Contro
     floors = {r: int(gpu.floors[r.offload]) for r in ANCHORS}
     controller = Controller(gpu, per_rank=gpu.per_rank, limit_bytes=limit)
     result = controller.search(ANCHORS, Lattice(blocks=N, compile=compile, floors=floors))
-    return result.best, result.notes, controller
+    return result.picked(), result.notes, controller
 
 
 def _sizes(gpu: LatticeGPU, rung: Rung) -> list[int]:

@@ -1,6 +1,6 @@
 """The optimizer state partitioned over replicated ranks, priced after the pick (search/partitioned_state.py),
 against the scripted lattice GPU of test_lattice.py: the pick's configuration partitioned frees what it
-measures, and the controller's lines say what that room lets fit."""
+measures, and the search's lines (`placement.with_room`) say what that room lets fit."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from test_lattice import ANCHORS, GiB, LatticeGPU, N
 from autotune.configuration import Rung
 from autotune.evidence import Trial
 from autotune.search import partitioned_state
-from autotune.search.controller import Controller, Lattice, SearchResult
+from autotune.search.controller import Controller, Lattice
+from autotune.search.ledger import Ledger
+from autotune.search.placement import with_room
 
 
 def _gpu() -> LatticeGPU:
@@ -25,13 +27,12 @@ def _gpu() -> LatticeGPU:
                                                                        "optimizer": 0.5})
 
 
-def _searched(gpu: LatticeGPU) -> tuple[SearchResult, Controller]:
+def _searched(gpu: LatticeGPU) -> Ledger:
     limit = int(0.9 * gpu.budget)
     controller = Controller(gpu, per_rank=gpu.per_rank, limit_bytes=limit)  # rates per rank, as the GPU's
     anchors = [r for r in ANCHORS if r.offload != "activations"]  # free in this GPU's time model: it would win
     floors = {r: int(gpu.floors[r.offload]) for r in anchors}
-    result = controller.search(anchors, Lattice(blocks=N, floors=floors))
-    return result, controller
+    return controller.search(anchors, Lattice(blocks=N, floors=floors))
 
 
 def _partitioned_run(gpu: LatticeGPU, freed: float, *, needs_blocks: int = 0, pick_again: float = 1.0):
@@ -60,11 +61,11 @@ def _partitioned_run(gpu: LatticeGPU, freed: float, *, needs_blocks: int = 0, pi
 
 def test_the_room_partitioning_frees_buys_fewer_recomputed_blocks():
     gpu = _gpu()
-    result, controller = _searched(gpu)
-    pick = result.best
+    result = _searched(gpu)
+    pick = result.picked()
     assert pick.rung.offload == "none" and pick.rung.checkpointed_blocks, pick  # the scenario: recompute
     run, ran = _partitioned_run(gpu, 2.5 * GiB)
-    winner, judged = partitioned_state.price(result, pick, controller, run, 2)
+    winner, judged = partitioned_state.price(result, pick, run, 2)
     assert ran[0] == (pick.rung, pick.micro_batch_size, "optimizer_state")  # measures what it frees
     assert winner is not None and winner.sharding == "optimizer_state" and winner.rung.offload == "none"
     assert winner.fits
@@ -81,20 +82,20 @@ def test_the_room_partitioning_frees_buys_fewer_recomputed_blocks():
 
 def test_a_lead_that_the_pick_measured_again_erases_leaves_the_pick():
     gpu = _gpu()
-    result, controller = _searched(gpu)
-    pick = result.best
+    result = _searched(gpu)
+    pick = result.picked()
     run, ran = _partitioned_run(gpu, 2.5 * GiB, pick_again=1.04)  # the pick's first trial read 4% low
-    winner, judged = partitioned_state.price(result, pick, controller, run, 2)
+    winner, judged = partitioned_state.price(result, pick, run, 2)
     assert winner is None and judged.samples_per_second == pytest.approx(1.04 * pick.samples_per_second)
     assert ran[-1] == (pick.rung, pick.micro_batch_size, "none") and "not faster than the pick" in result.notes[-1]
 
 
 def test_without_room_freed_no_other_configuration_is_tried_and_the_pick_stays():
     gpu = _gpu()
-    result, controller = _searched(gpu)
-    pick = result.best
+    result = _searched(gpu)
+    pick = result.picked()
     run, ran = _partitioned_run(gpu, -0.1 * GiB)  # partitioned peaks higher: nothing freed
-    winner, judged = partitioned_state.price(result, pick, controller, run, 2)
+    winner, judged = partitioned_state.price(result, pick, run, 2)
     assert winner is None and judged == pick
     # no other configuration tried: the same one partitioned, then the pick again beside it
     assert ran == [(pick.rung, pick.micro_batch_size, "optimizer_state"), (pick.rung, pick.micro_batch_size, "none")]
@@ -103,13 +104,13 @@ def test_without_room_freed_no_other_configuration_is_tried_and_the_pick_stays()
 
 def test_a_miss_is_not_followed_by_what_it_rules_out_and_leaves_the_pick():
     gpu = _gpu()
-    result, controller = _searched(gpu)
-    pick = result.best
-    predicted = controller.with_room(pick.rung, 2.5 * GiB)
+    result = _searched(gpu)
+    pick = result.picked()
+    predicted = with_room(result, pick.rung, 2.5 * GiB)
     assert predicted and predicted[0][0].checkpointed_blocks < pick.rung.checkpointed_blocks
     first_blocks, first_micro = predicted[0][0].checkpointed_blocks, predicted[0][1]
     run, ran = _partitioned_run(gpu, 2.5 * GiB, needs_blocks=first_blocks + 1)  # the predicted one runs out
-    assert partitioned_state.price(result, pick, controller, run, 2)[0] is None
+    assert partitioned_state.price(result, pick, run, 2)[0] is None
     assert ran[1] == (predicted[0][0], first_micro, "optimizer_state")
     # nothing with no more blocks at as many samples after the miss
     assert not [(r, m) for r, m, _ in ran[2:] if r.checkpointed_blocks <= first_blocks and m >= first_micro]

@@ -303,7 +303,7 @@ def test_the_controller_only_tries_allowed_micro_batches(per_rank: int) -> None:
 
     result = Controller(fake, per_rank=per_rank, limit_bytes=int(5.5 * 2**20), sizes=allowed).search([Rung()])
     assert set(tried) <= set(allowed) and len(tried) == len(set(tried))
-    assert result.best.micro_batch_size == max(d for d in allowed if d <= 5)
+    assert result.picked().micro_batch_size == max(d for d in allowed if d <= 5)
 
 
 # -- restart loops, with a fake launcher -----------------------------------------------------------------

@@ -168,9 +168,9 @@ def test_the_search_picks_blocks_keeping_their_matmuls_where_that_is_the_fastest
     gpu = ScriptedGPU(n=len(blocks.blocks))
     controller = Controller(gpu, per_rank=gpu.per_rank, limit_bytes=int(0.9 * gpu.budget))
     result = controller.search(rungs, Lattice(blocks=gpu.n))
-    assert result.best.rung.recompute_policy == "save_matmuls"
-    assert result.best.micro_batch_size == 16
-    assert "keeping matmuls" in result.reason
+    assert result.picked().rung.recompute_policy == "save_matmuls"
+    assert result.picked().micro_batch_size == 16
+    assert "keeping matmuls" in result.head
     # measured beside whole blocks: those, and keeping half the matmuls, were then ruled out by the time model
     # (the pick already trains the whole batch in one micro-step, for less recompute)
     measured = {t.rung.recompute_policy for t in result.trials if t.rung.checkpointed_blocks}

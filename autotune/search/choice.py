@@ -1,7 +1,8 @@
 """Step: the choice. Decides the pick once the exploring steps are done: the fastest whole global step, within
 noise of it the one with more headroom (`lines.best_so_far`), or, when nothing fitted, `NoFeasiblePlan` saying
-what was tried and what to change. Also the account of the pick (`reason`), composed once the confirming steps
-(`recheck.py`, `runoff.py`) are done."""
+what was tried and what to change. Then, once the confirming steps (`recheck.py`, `runoff.py`) are done,
+`close`: the account of the pick (`reason`) and what the search left untried, before the steps after the pick
+add trials of their own."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ def choose(s: Ledger) -> Ledger:
     if s.pick is None:
         raise NoFeasiblePlan(nothing_fits(s, s.lined_up), tuple(s.trials))
     return s
+
+
+def close(s: Ledger) -> Ledger:
+    """Step: the search closed: the account of its pick (`Ledger.head`, which the steps after the pick wrap in
+    what they find) and how many of the configurations it lined up it neither measured nor ruled out
+    (`Ledger.untried`, said when max_tune_seconds cut the tune short)."""
+    s.head = reason(s, s.picked())
+    s.untried = untried(s)
+    return s
+
+
+def untried(s: Ledger) -> int:
+    """How many of the configurations the search lined up have no trial yet and were not ruled out."""
+    tried = {t.rung for t in s.trials} | s.skipped
+    return sum(r not in tried for r in dict.fromkeys(s.lined_up))
 
 
 def _searched(rung: Rung, technique: str) -> bool:

@@ -1,6 +1,6 @@
-"""The search over one workload, as ordered steps over one `Ledger` (search/ledger.py): which trial runs next,
-and which measured configuration wins. Each step is a function in its own module that takes the ledger and
-returns it, having made one decision:
+"""The search over one workload, as ordered steps over one `Ledger` (search/ledger.py), from the first anchor
+trial to the plan: which trial runs next, which measured configuration wins, and how the pick is refined. Each
+step is a function in its own module that takes the ledger and returns it, having made one decision:
 
 1. `climb.py`: which anchor rungs are measured, each explored in order (`explore.py`: two points, a prediction
    from the memory line, a verification, bisection or growth only after a miss), skipped where the time model
@@ -10,10 +10,15 @@ returns it, having made one decision:
    recompute), the climb over the recompute anchors, `blocks.py` (how many blocks to recompute between them),
    and `compiled_recompute.py` (compile with blocks recomputed); each places what the measured lines
    (`lines.py`, `placement.py`) predict can win and verifies it with trials (`measure.py`).
-3. `choice.py`: the pick, the fastest whole global step, within noise the one with more headroom; or
+3. `choice.choose`: the pick, the fastest whole global step, within noise the one with more headroom; or
    `NoFeasiblePlan`.
 4. `recheck.py`, `runoff.py`: a win more work cannot explain, and close leaders, measured again longer.
-5. `choice.reason`: the account of the pick.
+5. `choice.close`: the account of the pick, and what the search left untried.
+6. Given an `AfterPick` (`fit`'s search): `offload_share.py` (the host share of an offloaded optimizer),
+   `partitioned_state.py` (the optimizer state partitioned over replicated ranks), `offload_overlap.py`
+   (whether the host optimizer overlaps the last backward), `reduce_timing.py` (when the all-reduce runs).
+
+The plan's reason is composed once from the ledger they leave (`plan_reason.reason`).
 
 The controller takes the trial runner as an argument, so tests drive it with scripted fakes. `sizes` restricts
 the micro-batches tried (zero-change trials of `autotune run` need divisors of the per-rank batch, since the
@@ -24,37 +29,27 @@ next allowed size when snapping would stand still.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from ..configuration import Rung
 from ..evidence import Trial
 from .blocks import place_blocks
-from .choice import choose, reason
+from .choice import choose, close, untried
 from .climb import climb_all, climb_with_recompute, climb_without_recompute
 from .compile_beside import place_compile
 from .compiled_recompute import place_compiled_recompute
 from .deadline import OutOfTime
-from .ledger import Lattice, Ledger, Runner
-from .lines import NOISE, best_so_far, snap
-from .placement import ruled_out, with_room
+from .ledger import AfterPick, Lattice, Ledger, Runner
+from .lines import NOISE, snap
+from .offload_overlap import overlap
+from .offload_share import offload_share
+from .partitioned_state import partitioned
+from .placement import ruled_out
 from .recheck import recheck_recompute
+from .reduce_timing import reduce
 from .runoff import runoff
 
-__all__ = ["ANCHORS", "CONFIRM", "FIT_ADVICE", "LATTICE", "NOISE", "Controller", "Lattice", "SearchResult", "Step",
-           "ruled_out", "run_steps"]
-
-
-@dataclass(kw_only=True)
-class SearchResult:
-    """The controller's pick, every trial it ran, its account of the pick, and the notes on what it left out."""
-
-    best: Trial
-    trials: list[Trial]
-    reason: str
-    notes: list[str] = field(default_factory=list)
-    smallest: int = 1  # the fewest samples a micro-batch may hold (2 when batch statistics need them)
-    floor_note: str = ""  # why micro-batch 1 was skipped (also first in `notes`), or ""
-    cut: bool = False  # max_tune_seconds stopped the search before it ran to its end
+__all__ = ["AFTER_PICK", "ANCHORS", "CONFIRM", "FIT_ADVICE", "LATTICE", "NOISE", "AfterPick", "Controller", "Lattice",
+           "Step", "ruled_out", "run_steps"]
 
 
 # What to change when nothing fits, in `fit`'s words; `autotune run` gives its own options' (`advice`).
@@ -70,28 +65,36 @@ ANCHORS: tuple[Step, ...] = (climb_all,)
 # counts between them, compile again where it was not measured yet, and compile with blocks recomputed.
 LATTICE: tuple[Step, ...] = (climb_without_recompute, place_compile, climb_with_recompute, place_blocks,
                              place_compile, place_compiled_recompute)
-# The steps that confirm the pick (`choice.choose`) before its reason is composed.
+# The steps that confirm the pick (`choice.choose`) before the search is closed with its account (`choice.close`).
 CONFIRM: tuple[Step, ...] = (recheck_recompute, runoff)
+# The steps after the pick, in order, each refining it and recording what it found (`Ledger.found`): they run
+# where the controller is given an `AfterPick`.
+AFTER_PICK: tuple[Step, ...] = (offload_share, partitioned, overlap, reduce)
 
 
 def run_steps(s: Ledger, steps: Sequence[Step]) -> Ledger:
     """Run `steps` in order over `s`. Once max_tune_seconds has passed (a trial refused with `OutOfTime`), the
-    step in progress keeps what it measured, the rest are skipped, and a pick already made is the best measured
-    (a recheck cut short has replaced some trials)."""
+    step in progress keeps what it measured and the rest of `steps` are skipped; the next stage still runs, so
+    a pick is made from what was measured (its trials are refused at once)."""
     for step in steps:
         try:
             s = step(s)
         except OutOfTime:
             s.cut = True
-            if s.pick is not None:
-                s.pick = best_so_far(s) or s.pick
             break
     return s
 
 
+def stages(lattice: bool, after: bool) -> tuple[tuple[Step, ...], ...]:
+    """The steps, in stages: the exploring steps (`ANCHORS`, or `LATTICE` given a lattice), the pick and the
+    steps that confirm it, the search closed, and given an `AfterPick` the steps after the pick. A trial
+    refused for time ends the stage it is in, never the next."""
+    return (LATTICE if lattice else ANCHORS, (choose,), CONFIRM, (close,), AFTER_PICK if after else ())
+
+
 class Controller:
     """The search over one workload: a `Ledger` built from the limits, and the steps run over it in order
-    (`ANCHORS` or `LATTICE`, then `choice.choose`, then `CONFIRM`)."""
+    (`stages`)."""
 
     def __init__(self, runner: Runner, *, per_rank: int, limit_bytes: int, max_micro: int | None = None,
                  max_trials: int = 24, world_size: int = 1, sizes: Sequence[int] | None = None,
@@ -118,28 +121,19 @@ class Controller:
         return self.ledger.skipped
 
     # -- top level -------------------------------------------------------------------------------------
-    def search(self, rungs: Sequence[Rung], lattice: Lattice | None = None) -> SearchResult:
+    def search(self, rungs: Sequence[Rung], lattice: Lattice | None = None, after: AfterPick | None = None) -> Ledger:
         """Measure the anchor `rungs` in order; then, given a `lattice`, place an intermediate block count
-        per offload and try compile where the measurements say they can win; pick the fastest. Cut short by
-        the runner's `OutOfTime` (max_tune_seconds), it picks from what it measured."""
+        per offload and try compile where the measurements say they can win; pick the fastest; given `after`,
+        refine the pick (`AFTER_PICK`). Cut short by the runner's `OutOfTime` (max_tune_seconds), it picks
+        from what it measured. Returns the ledger: the pick (`Ledger.picked`), its account (`Ledger.head`),
+        every trial, the notes, and what the steps after the pick set."""
         s = self.ledger
         s.lattice = lattice or Lattice()
         s.lined_up = list(rungs)
-        s = run_steps(s, ANCHORS if lattice is None else LATTICE)
-        s = run_steps(choose(s), CONFIRM)
-        best = s.picked()
-        return SearchResult(best=best, trials=list(s.trials), reason=reason(s, best), notes=s.notes,
-                            smallest=s.smallest, floor_note=s.floor_note, cut=s.cut)
-
-    def with_room(self, like: Rung, freed: float) -> list[tuple[Rung, int, float]]:
-        """What `like`'s offload and compile would fit with `freed` more bytes, fastest first
-        (`placement.with_room`)."""
-        return with_room(self.ledger, like, freed)
-
-    def untried(self) -> int:
-        """How many of the configurations the search lined up have no trial yet and were not ruled out."""
-        tried = {t.rung for t in self.ledger.trials} | self.ledger.skipped
-        return sum(r not in tried for r in dict.fromkeys(self.ledger.lined_up))
+        s.after = after
+        for steps in stages(lattice is not None, after is not None):
+            s = run_steps(s, steps)
+        return s
 
     def trials_planned(self) -> int:
         """The trials the search still plans, estimated: each configuration lined up and not yet tried at the mean
@@ -147,4 +141,5 @@ class Controller:
         configuration in progress or the final re-measurement, within the trial budget."""
         tried = {t.rung for t in self.ledger.trials}
         per_rung = max(2.0, len(self.ledger.trials) / len(tried)) if tried else 2.0
-        return min(max(0, self.ledger.max_trials - len(self.ledger.trials)), round(self.untried() * per_rung) + 1)
+        return min(max(0, self.ledger.max_trials - len(self.ledger.trials)),
+                   round(untried(self.ledger) * per_rung) + 1)

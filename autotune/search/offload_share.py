@@ -1,4 +1,5 @@
-"""Partial optimizer offload: the smallest share of the parameters on the host that still fits.
+"""Step after the pick: the offload share. Decides, under optimizer offload, the smallest share of the
+parameters on the host that still fits (`offload_share`).
 
 Full optimizer offload moves every FP32 master and all optimizer state to the host, and the CPU then steps
 every parameter. When the chosen micro-batch leaves room under the limit, part of that can stay on the
@@ -19,15 +20,72 @@ from torch import nn
 
 from ..evidence import Trial
 from ..sizes import format_bytes, format_share
-from ..techniques.offload import host_share
+from ..techniques.offload import host_share, norm_parameters
+from ..techniques.offload import partition as offload_partition
 from ..techniques.offload.partition import runs
 from ..workload.batching import global_step_seconds
+from ..workload.optimizers import state_tensors_per_parameter
+from .ledger import Ledger
+from .lines import NOISE
 
 ROOM_USED = 0.85  # share of the measured room the arithmetic may fill: the device optimizer's own step
 # temporaries and allocator rounding are not in it, and a trial that runs over costs a second one
 REFINE_BELOW = 0.5  # a share's trial that grew the peak by less than this part of the arithmetic earns one more
 MIN_SCALE = 0.25  # the arithmetic's cost per parameter is scaled down at most this far by one measurement
 MIN_STEP = 0.05  # a refined share must move at least this much to be worth a trial
+
+
+def offload_share(s: Ledger) -> Ledger:
+    """Step: under optimizer offload, the smallest host share that fits the chosen micro-batch (not over FSDP2:
+    sharded ranks hold a share of each parameter already).
+
+    Replicated ranks choose it too, alike: every rank runs the same share trials, whose outcomes the ranks
+    agree on (`TrialRunner`'s `agree`), and the arithmetic is the same on each; left at the whole model, the
+    ranks would stream all of the optimizer state every step.
+
+    When the search picked a configuration without optimizer offload, its fastest offload rival is priced
+    at a share too (`offload_rival`) and replaces the pick only if it is faster by more than noise."""
+    best, ctx = s.picked(), s.afterwards()
+    work = ctx.work
+    if ctx.sharded:
+        return s
+    candidate = best if best.rung.offload == "optimizer" else offload_rival(s.trials, best, work.per_rank, NOISE)
+    if candidate is None:
+        return s
+    if candidate.rung in ctx.host_shares:  # the host holds all it can already: its trials ran at that share
+        if candidate is best:
+            s.fraction = ctx.host_shares[candidate.rung]
+        return s
+    trainable = [p for p in work.model.parameters() if p.requires_grad]
+    params = [trainable[i] for i in work.spec.held()]  # what the host optimizer splits: the parameters it trains
+    chosen, fraction, ran, notes = choose_offload_fraction(
+        candidate, lambda f: ctx.run(candidate.rung, candidate.micro_batch_size, offload_fraction=f), params,
+        work.limit_bytes, state_tensors_per_parameter(work.spec), norm_parameters(work.model),
+        ranks=offload_partition.ranks(candidate.rung.precision, ctx.sharded))
+    s.trials.extend(ran)
+    if candidate is not best:
+        return rival_or_pick(s, chosen if chosen is not candidate else None, fraction)
+    s.notes.extend(notes)
+    if chosen is not best:
+        s.found("offload share", notes[0])
+    s.pick, s.fraction = chosen, fraction
+    return s
+
+
+def rival_or_pick(s: Ledger, shared: Trial | None, fraction: float) -> Ledger:
+    """The search's pick, or the offload rival at its share where that measured faster by more than noise."""
+    best = s.picked()
+    if shared is None or shared.samples_per_second <= best.samples_per_second * (1 + NOISE):
+        what = (f"{shared.samples_per_second:,.1f} samples/s with {format_share(fraction)} of the parameters' "
+                "optimizer on the host" if shared is not None else "no share on the device fitted")
+        s.notes.append(f"optimizer offload priced at a partial share: {what}, not faster than the pick")
+        return s
+    s.found("offload share", f"{shared.rung.name} at micro-batch {shared.micro_batch_size} with "
+            f"{format_share(fraction)} of the parameters' optimizer on the host: "
+            f"{shared.samples_per_second / best.samples_per_second:.2f}x {best.rung.name} at micro-batch "
+            f"{best.micro_batch_size}, the pick with the whole optimizer offloaded or none", leads=True)
+    s.pick, s.fraction = shared, fraction
+    return s
 
 
 def bytes_to_device(p: nn.Parameter, state_tensors: int, *, keep_fp32: bool) -> int:

@@ -1,4 +1,6 @@
-"""On replicated ranks: the pick with its optimizer state sharded over the ranks, and the room that frees.
+"""Step after the pick, on replicated ranks: the partitioned optimizer state. Decides whether the pick with its
+optimizer state sharded over the ranks, or the configuration the room that frees lets fit, replaces it
+(`partitioned`).
 
 Replicated, every rank holds the FP32 weights, their FP32 gradients and the whole optimizer state: AdamW,
 16 bytes a parameter. A plan with `sharding="optimizer_state"` keeps 16-bit weights and gradients, and each
@@ -8,9 +10,9 @@ techniques/offload/partition.py): 4 + 12/world bytes a parameter, so on two rank
 fewer recomputed blocks, or a larger micro-batch.
 
 How the search reaches it, after the pick (no offload, several replicated ranks): one trial of the pick
-partitioned measures the bytes it frees (the peaks of two measured trials, not arithmetic); the controller's
+partitioned measures the bytes it frees (the peaks of two measured trials, not arithmetic); the search's
 memory and time lines then predict the fastest configuration with that much more room
-(`Controller.with_room`), which is run partitioned; after a miss, the next one the miss does not rule out.
+(`placement.with_room`), which is run partitioned; after a miss, the next one the miss does not rule out.
 Kept only when faster than the pick, measured again as long, by more than noise (`price`). The trials, the
 engine and the plan all name it `sharding="optimizer_state"` (with `offload="none"`).
 """
@@ -22,9 +24,10 @@ from collections.abc import Callable
 from ..configuration import Rung
 from ..evidence import Trial
 from ..techniques.offload import partition as offload_partition
-from .controller import NOISE, Controller, SearchResult
-from .placement import ruled_out
-from .state import SearchState
+from ..workload.optimizers import state_tensors_per_parameter
+from .ledger import Ledger
+from .lines import NOISE
+from .placement import ruled_out, with_room
 
 TRIES = 2  # configurations tried with the freed room, after the trial that measures it
 LONGER = 4  # times the search's measured steps, for every trial here (see `price`)
@@ -35,6 +38,28 @@ Run = Callable[[Rung, int, str], Trial]
 PARTITIONED = "optimizer_state"  # the plan's name for it
 
 
+def partitioned(s: Ledger) -> Ledger:
+    """Step: on replicated ranks, the pick with the optimizer state partitioned over them (nothing on the host)
+    and the configuration the room that frees lets fit, where that measured faster by more than noise
+    (`price`); else the pick as it was."""
+    best, ctx = s.picked(), s.afterwards()
+    work, world = ctx.work, ctx.work.world_size
+    if not eligible(best, world, ctx.sharded, state_tensors_per_parameter(work.spec), ctx.allowed):
+        return s
+
+    def run(rung: Rung, micro: int, sharding: str) -> Trial:
+        return ctx.run(rung, micro, sharding=sharding, measured_steps=LONGER * work.measured_steps)
+
+    winner, judged = price(s, best, run, world)
+    if winner is None:
+        return s
+    then = "; then: "
+    clause = reason(winner, judged, world, "")
+    s.found("partitioned state", clause[:-len(then)] if clause.endswith(then) else clause, leads=True)
+    s.pick = winner  # its `sharding`, the plan's
+    return s
+
+
 def eligible(best: Trial, world: int, sharded: bool, state_tensors: int, allowed: set[str] | frozenset[str]) -> bool:
     """Whether partitioning can free anything for the pick: several replicated ranks that partition (not
     FSDP2 shards, FP16 or $AUTOTUNE_OFFLOAD_PARTITION=0), an optimizer with state, optimizer offload allowed,
@@ -43,10 +68,10 @@ def eligible(best: Trial, world: int, sharded: bool, state_tensors: int, allowed
             and not best.rung.optimizer_8bit and offload_partition.partitions(best.rung.precision, sharded))
 
 
-def price(result: SearchResult | SearchState, best: Trial, controller: Controller, run: Run,
-          world: int) -> tuple[Trial | None, Trial]:
+def price(s: Ledger, best: Trial, run: Run, world: int) -> tuple[Trial | None, Trial]:
     """(the partitioned trial to plan from, or None; the pick's trial it was judged against). Adds the trials
-    run to `result.trials`, and a note saying what was found either way.
+    run to `s.trials` once they are all run (the room is predicted from the search's own), and a note saying
+    what was found either way.
 
     Every trial here runs LONGER times the search's measured steps, the pick's configuration again too, and the
     decision rests on those: a partitioned step's optimizer and all-reduce times settle only over more steps
@@ -57,7 +82,7 @@ def price(result: SearchResult | SearchState, best: Trial, controller: Controlle
     ran = [first]
     if first.fits and first.peak_bytes < best.peak_bytes:
         freed = best.peak_bytes - first.peak_bytes
-        pool = [c for c in controller.with_room(best.rung, freed)
+        pool = [c for c in with_room(s, best.rung, freed)
                 if (c[0], c[1]) != (best.rung, best.micro_batch_size) and c[2] > best.samples_per_second * (1 + NOISE)]
         while pool and len(ran) <= TRIES:
             rung, micro, _ = pool.pop(0)
@@ -73,8 +98,8 @@ def price(result: SearchResult | SearchState, best: Trial, controller: Controlle
         ran.append(judged)
     faster = leader is not None and judged.fits and leader.samples_per_second > judged.samples_per_second * (1 + NOISE)
     winner = leader if faster else None
-    result.trials.extend(ran)
-    result.notes.append(_note(ran, winner, world))
+    s.trials.extend(ran)
+    s.notes.append(_note(ran, winner, world))
     return winner, judged
 
 

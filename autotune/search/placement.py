@@ -1,7 +1,7 @@
 """The lattice beyond the anchors, predicted: for an offload, eager or compiled, the fewest blocks recomputed
 that fit each micro-batch by the measured lines and the rate each would reach (`candidates_for`), and the
 fastest of those run and grown (`try_best`), the misses ruling out what they prove cannot fit. The placing
-steps (`blocks.py`, `compile_beside.py`, `compiled_recompute.py`) and the partitioned-state phase ask it."""
+steps (`blocks.py`, `compile_beside.py`, `compiled_recompute.py`) and the partitioned-state step ask it."""
 
 from __future__ import annotations
 

@@ -8,13 +8,20 @@ import dataclasses
 
 from ..configuration import Rung
 from ..evidence import Trial
+from .deadline import OutOfTime
 from .ledger import Ledger
 from .lines import NOISE, best_so_far
 
 
 def recheck_recompute(s: Ledger) -> Ledger:
-    """Step: the pick, re-made after a win that the added work cannot explain was measured again (`rechecked`)."""
-    s.pick = rechecked(s, s.picked())
+    """Step: the pick, re-made after a win that the added work cannot explain was measured again (`rechecked`).
+    Cut short by max_tune_seconds (`OutOfTime`), the pick is the best measured: a re-measurement may have taken
+    a first reading's place already."""
+    try:
+        s.pick = rechecked(s, s.picked())
+    except OutOfTime:
+        s.pick = best_so_far(s) or s.pick
+        raise
     return s
 
 

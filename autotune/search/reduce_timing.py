@@ -1,4 +1,5 @@
-"""On replicated ranks: when the gradient all-reduce runs, in buckets during the last backward or in one after it.
+"""Step after the pick, on replicated ranks: the all-reduce timing. Decides when the gradient all-reduce runs, in
+buckets during the last backward or in one after it (`reduce`).
 
 Replicated, `TrainingStep` sums the ranks' gradients itself (`distributed.OverlappedReduce`): by default in
 buckets of 25 MiB started while the last micro-batch's backward goes on, as DDP does. That overlap does not
@@ -15,10 +16,28 @@ The threshold is small because the choice is cheap to get wrong: where the two t
 from __future__ import annotations
 
 from ..evidence import Trial
+from .ledger import Ledger
 from .trial import retimed
 
 PAIRS = 4  # all-reduced steps timed each way: 8 micro-steps beside the trial's own
 TIE = 0.01  # one bucket must shorten the all-reduced micro-step by more than this share to be kept
+
+
+def reduce(s: Ledger) -> Ledger:
+    """Step: whether the gradient all-reduce runs in buckets during the last backward or in one after it, by one
+    trial of the pick timing both (`choose`). Leaves `s.reduce_overlap` None where autotune all-reduces
+    nothing (one rank, FSDP2 shards)."""
+    best, ctx = s.picked(), s.afterwards()
+    work = ctx.work
+    if not eligible(work.world_size, ctx.sharded):
+        return s
+    shared = best.rung.offload == "optimizer" and s.fraction is not None
+    timed = ctx.run(best.rung, best.micro_batch_size, reduce_pairs=PAIRS,
+                    offload_fraction=s.fraction if shared else 1.0, sharding=best.sharding)
+    s.trials.append(timed)
+    s.pick, s.reduce_overlap, clause = choose(best, timed, work.per_rank, work.world_size)
+    s.found("reduce timing", clause)
+    return s
 
 
 def eligible(world: int, sharded: bool) -> bool:

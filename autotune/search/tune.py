@@ -1,6 +1,7 @@
-"""The search behind `fit` on a cache miss: the sharding decision, the anchors and the lattice, the controller,
-the phases after its pick (`phases.PHASES`), and the plan with its reason, composed once from what they found;
-and `verify`, one trial of a plan from elsewhere before it is served."""
+"""The search behind `fit` on a cache miss: the sharding decision, the anchors and the lattice, the controller's
+steps over one `Ledger` (the steps after the pick included: `controller.AFTER_PICK`), and the plan with its
+reason, composed once from the ledger they leave; and `verify`, one trial of a plan from elsewhere before it is
+served."""
 
 from __future__ import annotations
 
@@ -37,16 +38,16 @@ from ..workload.losses import resolve as resolve_loss
 from ..workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 from . import heap, host_budget, kept_rung, typical
 from .anchors import anchors, eight_bit_anchors, fp8_anchors
-from .controller import FIT_ADVICE, Controller, Lattice
+from .controller import FIT_ADVICE, AfterPick, Controller, Lattice
 from .deadline import Deadline, OutOfTime
 from .failures import Failures
 from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
 from .ground import Ground, trials_on
-from .phases import PhaseContext, run_phases
+from .ledger import Ledger
+from .plan_reason import reason
 from .progress import Progress
 from .sharding_choice import replicated_or_sharded, searched_beside, sharding_may_win, with_hybrid
-from .state import SearchState, reason
 from .trial import TrialRunner, Workload
 from .tune_time import Laps
 
@@ -154,11 +155,12 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     if isinstance(found, BaseException):  # raised out here: the model is back as the user gave it, and the
         raise found  # exception (the model's own, where every configuration raised it) chains to nothing of ours
     state, setup, work, flops, fp32_note = found
+    best = state.picked()
     tokens = batches.tokens_per_sample(job.batch)
-    rate, per_token = state.best.samples_per_second, tokens
+    rate, per_token = best.samples_per_second, tokens
     if at_typical is not None:  # throughput at the example's length, the peak at max_length's
         rate, per_token, flops = at_typical.samples_per_second, at_typical.length, at_typical.flops
-    best_rung = state.best.rung
+    best_rung = best.rung
     closing = _why_no_mfu(flops, peak, best_rung.precision, job.placement.kind)
     if best_rung.compile:
         closing.insert(0, graphs_note(setup.blocks, best_rung.checkpointed_blocks or 0, tokens is not None))
@@ -167,10 +169,10 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
                   first="; ".join(n for n in (sharding_reason, fp32_note) if n),
                   last=tuple(n for n in (failures.clause(best_rung.precision), loss_note, job.deadline.clause(
                       state.cut, len(state.trials), state.untried)) if n))
-    best, fraction = state.best, state.fraction
+    fraction = state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
     host_fraction = fraction or 1.0  # what the host holds, for its need below
-    if best.sharding != "none":  # the optimizer state partitioned over the replicated ranks (phases.partitioned)
+    if best.sharding != "none":  # the optimizer state partitioned over the replicated ranks (partitioned_state)
         sharding = best.sharding
     return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing,
                 offload=best.rung.offload, offload_fraction=fraction,
@@ -214,7 +216,7 @@ def _host_peak(best: Trial, arithmetic: int, device_type: str) -> int:
 
 
 def _search_or_fp32(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
-                    failures: Failures) -> tuple[SearchState, _Setup, Workload, FlopCount, str] | BaseException:
+                    failures: Failures) -> tuple[Ledger, _Setup, Workload, FlopCount, str] | BaseException:
     """`_search`, and where it found nothing in 16 bits because configurations failed for a reason other than
     memory (a kernel this device lacks in bf16, a loss that overflows), the same in fp32, with a note for the
     plan's reason. Where nothing is found, the exception `fit` raises (`Failures.error_for`), returned to be
@@ -237,10 +239,11 @@ def _search_or_fp32(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, s
 
 def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_in_ram: bool,
             failures: Failures | None = None,
-            earlier: tuple[Trial, ...] = ()) -> tuple[SearchState, _Setup, Workload, FlopCount]:
-    """The controller's search on the model `ground` holds, then the phases; with what it started from and the
-    workload. `failures` collects the trials that failed for a reason other than memory; `earlier` are trials of
-    a search before this one, kept in the record (and in the trial budget)."""
+            earlier: tuple[Trial, ...] = ()) -> tuple[Ledger, _Setup, Workload, FlopCount]:
+    """The controller's steps on the model `ground` holds, the steps after the pick included; the ledger they
+    leave, with what the search started from and the workload. `failures` collects the trials that failed for
+    a reason other than memory; `earlier` are trials of a search before this one, kept in the record (and in
+    the trial budget)."""
     tuned = ground.model
     kept_rung.release()  # an earlier search's trials left the model as they found it: the set-up runs it
     job.deadline.begin_search()
@@ -274,15 +277,13 @@ def _search(job: Job, ground: Ground, spec: OptimizerSpec, limit: int, snapshot_
     controller.trials.extend(earlier)
     if job.progress is not None:
         job.progress.planned = controller.trials_planned  # for the estimate of the time left
-    state = SearchState.of(controller.search(rungs, setup.lattice))
-    run_phases(state, PhaseContext(runner=runner, controller=controller, work=work, sharded=is_sharded(tuned),
-                                   allowed=job.allowed, host_shares=host_shares))
+    state = controller.search(rungs, setup.lattice, AfterPick(run=runner, work=work, sharded=is_sharded(tuned),
+                                                              allowed=job.allowed, host_shares=host_shares))
     kept_rung.release()  # what follows the search runs the model as fit found it
-    state.untried = controller.untried()
     return state, setup, work, flops
 
 
-def _at_typical_length(job: Job, state: SearchState, work: Workload) -> typical.TypicalRate | None:
+def _at_typical_length(job: Job, state: Ledger, work: Workload) -> typical.TypicalRate | None:
     """Where `fit` lengthened the example to max_length: the pick's figures at the example's own length (its
     note goes to the plan's reason); None otherwise, or where that trial did not run clean."""
     if job.typical is None:

@@ -16,8 +16,8 @@ from typing import Any
 from .. import parallel as distributed
 from ..workload import batch as batches
 from .flops import FlopCount, count_flops
+from .ledger import Ledger
 from .progress import Runner
-from .state import SearchState
 from .trial import TrialRunner, Workload
 
 
@@ -30,14 +30,14 @@ class TypicalRate:
     flops: FlopCount
 
 
-def measure(state: SearchState, work: Workload, example: Any,
+def measure(state: Ledger, work: Workload, example: Any,
             watch: Callable[[Runner, str], Runner] | None = None) -> tuple[TypicalRate | None, str]:
-    """One trial of `state.best` on `example` (on the host; moved to the device here), and the note for the
-    plan's reason; no rate when the trial did not run clean (the rate at `max_length` then stands). `watch`
-    shows the trial as the search's progress lines show theirs."""
+    """One trial of the pick (`state.picked()`) on `example` (on the host; moved to the device here), and the
+    note for the plan's reason; no rate when the trial did not run clean (the rate at `max_length` then
+    stands). `watch` shows the trial as the search's progress lines show theirs."""
     batch = batches.detached(batches.to_device(example, work.placement.torch_device))
     length = batches.tokens_per_sample(batch) or 0
-    best = state.best
+    best = state.picked()
     # The search's own host share, and its sharding of the optimizer state
     fraction = state.fraction if best.rung.offload == "optimizer" and state.fraction is not None else 1.0
     run: Runner = TrialRunner(dataclasses.replace(work, batch=batch), agree=distributed.agree_trial)

@@ -290,7 +290,7 @@ class ScriptTuner:
                                 world_size=t.world_size, sizes=divisors(t.per_rank), retry=retry,
                                 advice=nothing_fits_advice(t.flags))
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
-        best = result.best
+        best = result.picked()
         notes = [*self.notes, *result.notes]
         startup = t.startup_note()
         return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload="none",
@@ -299,7 +299,7 @@ class ScriptTuner:
                     last_micro_batch_size=best.micro_batch_size, peak_memory_bytes=best.peak_bytes,
                     memory_budget_bytes=self.budget_bytes, margin=self.margin,
                     samples_per_second=best.samples_per_second, device=self.device, device_name=self.device_name,
-                    source="tuned", reason=result.reason + "".join(f"; {n}" for n in notes[:2])
+                    source="tuned", reason=result.head + "".join(f"; {n}" for n in notes[:2])
                     + (f"; {noise_note(result.trials)}" if noise_note(result.trials) else "")
                     + (f"; {startup}" if startup else ""),
                     trials=tuple(result.trials), compile=best.rung.compile)
