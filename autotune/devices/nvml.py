@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from .sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -124,44 +125,36 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class MemorySampler:
+class MemorySampler(Sampler):
     """Samples, in a background thread, the GPU memory NVML attributes to a set of processes.
 
     The figure includes what the PyTorch allocator does not see (CUDA context, cuBLAS/NCCL workspaces).
-    `pids()` is called at every sample so a job's process tree can grow (torchrun workers, data loaders).
     Keeps the peak of the largest single process (what counts against a per-process budget) and of the
     sum over all of them. Does nothing, quietly, where NVML is unavailable.
     """
 
+    _thread_name = "autotune-gpu-sampler"
+
     def __init__(self, pids: Callable[[], Iterable[int]], interval: float = 0.5) -> None:
-        self._pids = pids
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(pids, interval)
         self.peak_process_bytes: int | None = None
         self.peak_total_bytes: int | None = None
 
-    def start(self) -> MemorySampler:
+    def _open(self) -> bool:
+        # NVML stays initialised while the thread samples: `_close` shuts it down.
         try:
             import pynvml
 
             pynvml.nvmlInit()
             if pynvml.nvmlDeviceGetCount() == 0:
                 pynvml.nvmlShutdown()
-                return self
+                return False
         except Exception as exc:  # noqa: BLE001 - no driver: nothing to sample
             log.debug("not sampling GPU memory: %s", exc)
-            return self
-        self._thread = threading.Thread(target=self._loop, name="autotune-gpu-sampler", daemon=True)
-        self._thread.start()
-        return self
+            return False
+        return True
 
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._thread = None
+    def _close(self) -> None:
         try:
             import pynvml
 
@@ -169,26 +162,52 @@ class MemorySampler:
         except Exception:  # noqa: BLE001
             pass
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._sample(set(self._pids()))
-            except Exception as exc:  # noqa: BLE001 - a sample lost is not worth failing the job for
-                log.debug("GPU memory sample failed: %s", exc)
-            self._stop.wait(self._interval)
-
     def _sample(self, pids: set[int]) -> None:
         import pynvml
 
         per_process: dict[int, int] = {}
         for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid in pids and proc.usedGpuMemory is not None:
-                    per_process[proc.pid] = per_process.get(proc.pid, 0) + int(proc.usedGpuMemory)
+            for pid, used in _usage(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)):
+                if pid in pids:
+                    per_process[pid] = per_process.get(pid, 0) + used
         if per_process:
             self.peak_process_bytes = max(self.peak_process_bytes or 0, max(per_process.values()))
             self.peak_total_bytes = max(self.peak_total_bytes or 0, sum(per_process.values()))
+
+
+def _usage(nv: Any, handle: object) -> Iterator[tuple[int, int]]:
+    """(pid, bytes used) of each process on the GPU behind `handle` whose figure the driver shows."""
+    for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle):
+        if proc.usedGpuMemory is not None:
+            yield int(proc.pid), int(proc.usedGpuMemory)
+
+
+def process_bytes(cuda_index: int, pid: int) -> int | None:
+    """Bytes process `pid` uses on CUDA device `cuda_index` (a child's numbering, per CUDA_VISIBLE_DEVICES), or None
+    when unknown: no driver access, or a container that hides process lists.
+
+    Where CUDA_VISIBLE_DEVICES names GPUs by UUID, `cuda_index` is taken as NVML's index.
+    """
+    index = physical_index(cuda_index)
+    try:
+        with _session() as nv:
+            handle = nv.nvmlDeviceGetHandleByIndex(cuda_index if index is None else index)
+            return next((used for p, used in _usage(nv, handle) if p == pid), None)
+    except Exception as exc:  # noqa: BLE001 - pynvml raises its own NVMLError family and OSError
+        log.debug("pynvml could not report process memory: %s", exc)
+    return None
+
+
+def physical_index(cuda_index: int) -> int | None:
+    """NVML's index of CUDA device `cuda_index`, per CUDA_VISIBLE_DEVICES; None where that does not say (a UUID,
+    or fewer devices listed)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return cuda_index
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if cuda_index >= len(ids) or not ids[cuda_index].isdigit():
+        return None
+    return int(ids[cuda_index])
 
 
 def visible_gpu(cuda_index: int = 0) -> Gpu | None:
@@ -197,13 +216,7 @@ def visible_gpu(cuda_index: int = 0) -> Gpu | None:
     None without NVML, without GPUs, or when CUDA_VISIBLE_DEVICES names GPUs by UUID (then the caller
     falls back to asking torch).
     """
-    facts = driver_facts(with_processes=False)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        wanted = cuda_index
-    else:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if cuda_index >= len(ids) or not ids[cuda_index].isdigit():
-            return None
-        wanted = int(ids[cuda_index])
-    return next((g for g in facts.gpus if g.index == wanted), None)
+    wanted = physical_index(cuda_index)
+    if wanted is None:
+        return None
+    return next((g for g in driver_facts(with_processes=False).gpus if g.index == wanted), None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import platform
 import subprocess
@@ -24,10 +23,11 @@ from .. import torch_private
 from ..errors import DeviceError, InvalidSetting
 from ..sizes import format_bytes
 from . import host as host_memory
+from . import nvml
 from .ceiling import SimulatedCeiling
 
-log = logging.getLogger(__name__)
 _GIB = 1 << 30
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
@@ -217,39 +217,12 @@ def outside_allocator_bytes(index: int) -> int:
     Read from pynvml's per-process figure minus torch's reserved bytes; 0 when pynvml cannot say
     (no driver access, or a container that hides process lists).
     """
-    used = process_gpu_bytes(index, os.getpid())
+    used = nvml.process_bytes(index, os.getpid())
     if used is None:
         return 0
     # A budget set with set_per_process_memory_fraction covers the allocator only; the context lies
     # outside it, so counting it against the budget errs on the side of headroom.
     return max(0, used - torch.cuda.memory_reserved(index))
-
-
-def process_gpu_bytes(index: int, pid: int) -> int | None:
-    """Bytes of GPU `index` used by process `pid`, per pynvml, or None when unknown."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(index))
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == pid and proc.usedGpuMemory is not None:
-                    return int(proc.usedGpuMemory)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:  # noqa: BLE001 - pynvml raises its own NVMLError family and OSError
-        log.debug("pynvml could not report process memory: %s", exc)
-    return None
-
-
-def _nvml_index(index: int) -> int:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if index < len(ids) and ids[index].isdigit():
-            return int(ids[index])
-    return index
 
 
 def release_memory(placement: Placement, *, reset_peak: bool = False) -> None:

@@ -2,7 +2,8 @@
 
 `ranks` (which rank, small sums and minima) · `agreement` (one trial on every rank) · `oom` (an OOM on one
 rank: every rank leaves at the same collective) · `reduce` (gradients over ranks, grouped collectives) ·
-`topology` (nodes and ranks per node, hybrid sharding's mesh, one plan on every rank).
+`topology` (nodes and ranks per node, hybrid sharding's mesh, one plan on every rank) · `fsdp_comms` (a call
+of ours before or after each of FSDP2's collectives).
 """
 
 from .agreement import agree_trial, merged_trial, trial_figures

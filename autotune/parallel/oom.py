@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import torch_private
 from ..devices.ceiling import host_memory
+from .fsdp_comms import wrap_comms
 from .ranks import active, collective_device
 
 _armed = 0
@@ -98,20 +98,6 @@ def _exchange(*, oom: bool, in_step: bool) -> tuple[bool, bool]:
     return bool(any_oom), bool(any_in_step)
 
 
-class _CheckedIn:
-    """FSDP's all-gather or reduce-scatter, preceded by `check_in` (`FSDPModule.set_custom_*`)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.inner.allocate(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        check_in()
-        return self.inner(*args, **kwargs)
-
-
 def guard_collectives(model: torch.nn.Module) -> bool:
     """Put a check-in before every FSDP2 collective of `model` (idempotent); False where torch cannot."""
     from torch.distributed.fsdp import FSDPModule
@@ -120,15 +106,7 @@ def guard_collectives(model: torch.nn.Module) -> bool:
     if not units or not hasattr(units[0], "set_custom_all_gather"):
         return False
     for unit in units:
-        groups = param_groups(torch_private.fsdp_state(unit))
-        if len(groups) != 1:
-            continue  # a unit without parameters runs no collective; several groups cannot take a custom comm
-        group = groups[0]
-        if not isinstance(group._all_gather_comm, _CheckedIn):
-            # torch's AllGather / ReduceScatter are private ABCs: _CheckedIn wraps either by duck typing
-            unit.set_custom_all_gather(_CheckedIn(group._all_gather_comm))  # type: ignore[arg-type]
-        if not isinstance(group._reduce_scatter_comm, _CheckedIn):
-            unit.set_custom_reduce_scatter(_CheckedIn(group._reduce_scatter_comm))  # type: ignore[arg-type]
+        wrap_comms(unit, before=check_in)
     return True
 
 

@@ -138,34 +138,16 @@ def slow_link(model: torch.nn.Module, *, hybrid: bool, nodes: int) -> None:
     nodes of a hybrid one. Nothing happens outside tests, or on one node."""
     from torch.distributed.fsdp import FSDPModule
 
-    from .oom import param_groups
+    from .fsdp_comms import wrap_comms
 
     if not link_delay_seconds() or nodes < 2:
         return
     for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        groups = param_groups(torch_private.fsdp_state(unit))
-        if len(groups) != 1:
-            continue  # a unit without parameters runs no collective
         if hybrid:
-            unit.set_all_reduce_hook(lambda _: cross_node_pause())
+            if len(torch_private.fsdp_param_groups(torch_private.fsdp_state(unit))) == 1:
+                unit.set_all_reduce_hook(lambda _: cross_node_pause())  # (a unit without parameters runs none)
         else:
-            unit.set_custom_all_gather(_Paused(groups[0]._all_gather_comm))  # type: ignore[arg-type]
-            unit.set_custom_reduce_scatter(_Paused(groups[0]._reduce_scatter_comm))  # type: ignore[arg-type]
-
-
-class _Paused:
-    """FSDP's all-gather or reduce-scatter followed by `cross_node_pause` (`FSDPModule.set_custom_*`)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.inner.allocate(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.inner(*args, **kwargs)
-        cross_node_pause()
-        return out
+            wrap_comms(unit, after=cross_node_pause)
 
 
 def cross_node_seconds(mesh: Any, nbytes: int, repeats: int = 3) -> float:

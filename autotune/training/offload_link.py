@@ -19,6 +19,7 @@ from ..devices.shards import is_shard
 from ..errors import is_oom
 from ..sizes import format_bytes
 from ..techniques.offload import HostOptimizer
+from .state_hooks import StateHooks
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def _empty_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
-class OffloadLink:
+class OffloadLink(StateHooks):
     """Keeps the user's optimizer consistent while its state lives in a `HostOptimizer`.
 
     Parameters pair up by position: the k-th trainable parameter of the user's groups owns the k-th entry
@@ -37,9 +38,11 @@ class OffloadLink:
     """
 
     _NOT_COPIED = ("params", "fused", "foreach", "capturable", "differentiable")
+    _REFUSAL = ("autotune: this optimizer's state lives on the host under the plan's optimizer offload; step through "
+                "the TrainingStep (loss = step(batch)), not optimizer.step(). step.close() hands the state back.")
 
     def __init__(self, user: torch.optim.Optimizer, host: HostOptimizer) -> None:
-        self.user = user
+        super().__init__(user)
         self.host: HostOptimizer | None = host
         owners = host.owners()  # held here: HostOptimizer.restore() lets go of its optimizers before close()
         self.pairs: list[tuple[int, nn.Parameter, torch.optim.Optimizer, torch.Tensor]] = []
@@ -51,11 +54,6 @@ class OffloadLink:
                 index += 1
         user.state.clear()  # apply_rung copied it to the host; dropping it frees the device memory
         self.mirror()
-        self._incoming: dict[Any, Any] = {}  # a loaded state dict's state, taken before torch casts it
-        self.handles = [user.register_step_pre_hook(self._refuse_step),
-                        user.register_state_dict_post_hook(self._state_dict),
-                        user.register_load_state_dict_pre_hook(self._loading),
-                        user.register_load_state_dict_post_hook(self._loaded)]
 
     def mirror(self) -> None:
         """The user's `optimizer.state` holds the host state itself (the same dicts, no copy): what it reports
@@ -78,9 +76,7 @@ class OffloadLink:
         Call it after the offload is undone: `load_state_dict` casts the state to each parameter's
         device and dtype, which are the FP32 device weights again by then.
         """
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        super().close()
         state = self._state_dict(self.user, self.user.state_dict())
         try:
             self.user.load_state_dict(state)
@@ -109,39 +105,18 @@ class OffloadLink:
                     "the device (free memory first, then optimizer.load_state_dict(optimizer.state_dict())).",
                     format_bytes(nbytes), str(exc).splitlines()[0][:120])
 
-    def _refuse_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        raise RuntimeError("autotune: this optimizer's state lives on the host under the plan's optimizer "
-                           "offload; step through the TrainingStep (loss = step(batch)), not optimizer.step(). "
-                           "step.close() hands the state back.")
-
-    def _state_dict(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def _saved_state(self) -> dict[int, Any]:
         if self.host is not None:
             self.host.gather()  # partitioned over ranks: the other ranks' state (a collective)
-        state_dict["state"] = {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if opt.state.get(key)}
-        return state_dict
+        return {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if opt.state.get(key)}
 
-    def _loading(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-        # torch casts a loaded state to each parameter's dtype, the 16-bit device copy here: the state goes
-        # to the host optimizer as saved (`_loaded`), and the user's optimizer loads only its groups.
-        self._incoming = state_by_position(state_dict)
-        return {**state_dict, "state": {}}
-
-    def _loaded(self, optimizer: Any) -> None:
+    def _take_state(self, state: dict[int, Any]) -> None:
         # The user loaded a checkpoint into their optimizer: move its state, unrounded, into the host optimizer.
-        incoming, self._incoming = self._incoming, {}
-        state = {k: incoming[index] for k, (index, _, _, _) in enumerate(self.pairs) if index in incoming}
+        owned = {k: state[index] for k, (index, _, _, _) in enumerate(self.pairs) if index in state}
         if self.host is not None:
-            self.host.load_user_state({"state": state})
+            self.host.load_user_state({"state": owned})
         self.mirror()
         self.sync_hyperparameters()
-
-
-def state_by_position(state_dict: dict[str, Any]) -> dict[int, Any]:
-    """An optimizer state dict's per-parameter state keyed by position in its groups: a saved dict names its
-    parameters by its own ids, listed in group order."""
-    saved = [pid for group in state_dict.get("param_groups", []) for pid in group["params"]]
-    state = state_dict.get("state", {})
-    return {k: state[pid] for k, pid in enumerate(saved) if pid in state}
 
 
 def _like_param(state: dict[str, Any], p: nn.Parameter) -> dict[str, Any]:
