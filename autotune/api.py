@@ -148,9 +148,8 @@ def fit(
     finally:
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
-    for note in checked.notes:
-        if note not in plan.reason:  # a plan from the cache, or the search's own account, says it already
-            plan = plan.with_finding(Finding(kind="loss", clause=note))
+    for note in checked.notes:  # once: a plan from the cache, or the search's own account, may say it already
+        plan = plan.with_finding(Finding(kind="loss", clause=note), once=True)
     distributed.agree_on_plan(plan.config.to_dict())  # one plan on every rank, or an error naming the odd ones
     # plan.apply trains with the loss fit tuned with, and records a recovery in training in this cache
     plan = dataclasses.replace(plan, learned=Learned.of(

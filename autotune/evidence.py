@@ -6,7 +6,7 @@ makes the plan's reason; `Provenance`, where the plan comes from."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +268,13 @@ class Evidence:
     def with_finding(self, finding: Finding) -> Evidence:
         """This evidence with `finding` after the others."""
         return dataclasses.replace(self, findings=(*self.findings, finding))
+
+    def with_texts(self, text: Callable[[str], str]) -> Evidence:
+        """This evidence with `text` applied to every text it carries (the account, the findings' clauses and
+        subjects, the trials' notes): how the cache makes a plan from elsewhere printable."""
+        findings = tuple(dataclasses.replace(f, clause=text(f.clause), subject=text(f.subject)) for f in self.findings)
+        trials = tuple(dataclasses.replace(t, note=text(t.note)) for t in self.trials)
+        return dataclasses.replace(self, account=text(self.account), findings=findings, trials=trials)
 
 
 PLAN_FORMAT_VERSION = 3  # 3: a plan is {config, evidence, provenance}; 2: one flat record

@@ -193,8 +193,11 @@ class Plan:
             del changes["reason"]
         return dataclasses.replace(self, evidence=dataclasses.replace(self.evidence, **changes))
 
-    def with_finding(self, finding: Finding) -> Plan:
-        """This plan with `finding` after its others: how every step after the search adds to its reason."""
+    def with_finding(self, finding: Finding, *, once: bool = False) -> Plan:
+        """This plan with `finding` after its others: how every step after the search adds to its reason. `once`:
+        this plan as it is where its reason says the finding's clause already."""
+        if once and finding.clause in self.reason:
+            return self
         return dataclasses.replace(self, evidence=self.evidence.with_finding(finding))
 
     def with_provenance(self, **changes: Any) -> Plan:

@@ -63,6 +63,7 @@ def test_findings_round_trip_through_the_plan_dict_and_an_old_dict_still_reads()
     plain = plan.to_dict()["evidence"]
     assert plain["reason"] == "sample 0" and "findings" not in plain and "account" not in plain
     assert Plan.from_dict(plan.to_dict()).findings == ()
+    assert noted.with_finding(LOSS, once=True) is noted  # its reason says that clause already
     d["evidence"]["reason"] = "sample 0; fastest by far"  # edited by hand: no longer what the findings say
     with pytest.raises(ValueError, match="not what its account and findings say"):
         Plan.from_dict(d)
@@ -80,6 +81,9 @@ def test_a_plan_with_findings_stored_in_the_cache_and_exported_reads_back_with_t
     assert got.evidence.account == "sample 1"
     row = PlanRow.from_json(PlanRow(key=plan.key, parts=parts, plan=noted).to_json())  # export, then import
     assert row.plan.findings == noted.findings and row.plan.reason == noted.reason
+    forged = noted.with_finding(Finding(kind="note", clause="\x1b[2Jcleared", subject="\x1b[31m"))
+    read = PlanRow.from_json(PlanRow(key=plan.key, parts=parts, plan=forged).to_json()).plan.findings[-1]
+    assert (read.clause, read.subject) == ("\\x1b[2Jcleared", "\\x1b[31m")  # escaped, never printed raw
 
 
 def test_no_module_edits_the_reason_as_text() -> None:

@@ -293,8 +293,7 @@ class TrainingStep:
             return
         self._loss_notes.add(kind)
         log.warning("autotune: %s", note)
-        if note not in self.plan.reason:
-            self.plan = recovery.revised(self.plan, Finding(kind="loss", clause=note, subject=kind))
+        self.plan = self.plan.with_finding(Finding(kind="loss", clause=note, subject=kind), once=True)
 
     def _clip(self) -> None:
         """Unscale (FP16) and clip the whole batch's gradient; see `clipping.py` for where each path does it."""
