@@ -25,7 +25,7 @@ from .devices.headroom import fits, neighbour_budgets, shortfall, stable_budget
 from .devices.peaks import device_peak
 from .devices.placement import Placement, check_budget, default_budget, refuse_meta, resolve_device
 from .errors import InvalidSetting, NoFeasiblePlan
-from .evidence import Trial
+from .evidence import Finding, Trial
 from .parallel.deaths import named_deaths
 from .plan import Plan
 from .search.anchors import keep_dtype
@@ -148,7 +148,8 @@ def fit(
     finally:
         if store is not None and store is not settings.cache:
             store.close()  # fit opened it: no connection outlives fit (the plan's store reopens if a recovery writes)
-    plan = plan.with_evidence(reason=checked.reason(plan.reason))
+    for note in checked.notes:  # once: a plan from the cache, or the search's own account, may say it already
+        plan = plan.with_finding(Finding(kind="loss", clause=note), once=True)
     distributed.agree_on_plan(plan.config.to_dict())  # one plan on every rank, or an error naming the odd ones
     # plan.apply trains with the loss fit tuned with, and records a recovery in training in this cache
     plan = dataclasses.replace(plan, learned=Learned.of(
@@ -363,10 +364,12 @@ def _as_measured(plan: Plan, trial: Trial, check: _Verification, origin: str) ->
         mfu = utilization(plan.flops_per_sample, rate, plan.world_size, peak, plan.precision)
     clause = (f"verified here by one trial (a plan from {origin}, peak {format_bytes(trial.peak_bytes)}, "
               f"{rate:,.1f} samples/s measured here)")
+    verified = Finding(kind="verified", clause=printable(clause), subject=printable(origin),
+                       figures={"peak_bytes": trial.peak_bytes, "samples_per_second": rate})
     return plan.with_evidence(peak_memory_bytes=trial.peak_bytes, samples_per_second=rate,
                               tokens_per_second=rate * check.tokens_per_sample if check.tokens_per_sample else None,
-                              mfu=mfu, measured_samples_per_second=None, trials=(*plan.trials, trial),
-                              reason=printable(f"{plan.reason}; {clause}"))
+                              mfu=mfu, measured_samples_per_second=None, trials=(*plan.trials, trial)
+                              ).with_finding(verified)
 
 
 def _origin(store: plan_cache.PlanCache, key: str, plan: Plan) -> str:

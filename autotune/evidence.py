@@ -1,9 +1,12 @@
-"""What a plan knows beside its configuration: `Trial`, one measured configuration; `Evidence`, the trials
-and figures a plan was chosen on, with its reason; `Provenance`, where the plan comes from."""
+"""What a plan knows beside its configuration: `Trial`, one measured configuration; `Finding`, what a step after
+the search found (a second search beside it, the loss check, a verification here, a recovery in training);
+`Evidence`, the trials and figures a plan was chosen on, the search's account and the findings, which `render`
+makes the plan's reason; `Provenance`, where the plan comes from."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,14 +109,79 @@ class Trial:
         return cls(**d)
 
 
+# What a finding is about: which of two measured plans was kept ("sharding": replicated or FSDP2; "hybrid": flat or
+# hybrid sharding), a second search that found nothing or failed, a note of the loss check, a verification trial
+# here, a recovery in training (an OOM's, the split balanced for batch statistics, the micro-batch grown back),
+# and the zero-change search's notes, noise and start-up.
+FINDING_KINDS = ("sharding", "hybrid", "nothing fits", "search failed", "loss", "verified", "recovered", "balanced",
+                 "grown", "note", "noise", "startup")
+# Where a finding's clause goes in the reason: after what is said so far, before it (a decision that replaced the
+# pick), or instead of it (a recovery: the plan is no longer the one the account was of).
+PLACES = ("after", "before", "instead")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Finding:
+    """What one step after the search found, for the plan's reason: `clause` in words, the figures and the
+    `subject` it names as fields (what tests and tools read), and where the clause goes (`place`)."""
+
+    kind: str  # one of FINDING_KINDS
+    clause: str
+    subject: str = ""  # what the finding is about, where its kind names several (a second search's placement)
+    figures: dict[str, float] = field(default_factory=dict, hash=False)  # the numbers the clause says, by name
+    place: str = "after"  # one of PLACES
+
+    def __post_init__(self) -> None:
+        check_choice("Finding.kind", self.kind, FINDING_KINDS)
+        check_choice("Finding.place", self.place, PLACES)
+        for name in ("clause", "subject"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Finding.{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if not self.clause:
+            raise ValueError("Finding.clause must say what was found, got an empty string")
+        if not isinstance(self.figures, dict):
+            raise ValueError(f"Finding.figures must be a dict of name -> number, got {type(self.figures).__name__}")
+        for key, value in self.figures.items():
+            if not isinstance(key, str):
+                raise ValueError(f"Finding.figures keys must be names, got {key!r}")
+            check_non_negative_number(f"Finding.figures[{key!r}]", value)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["figures"] = dict(self.figures)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Finding:
+        d = dict_field("Evidence.findings[]", d)
+        check_known_fields("Finding", d, cls)
+        return cls(**d)
+
+
+def render(account: str, findings: Iterable[Finding]) -> str:
+    """The plan's reason: the search's `account`, then each finding's clause in the order found, joined by "; ".
+    The one place a reason is written: every step after the search adds a `Finding`, never text."""
+    text = account
+    for f in findings:
+        if f.place == "instead" or not text:
+            text = f.clause
+        elif f.place == "before":
+            text = f"{f.clause}; {text}"
+        else:
+            text = f"{text}; {f.clause}"
+    return text
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Evidence:
-    """What the trials measured of a plan's configuration, and the reason it was chosen."""
+    """What the trials measured of a plan's configuration, and why it was chosen: the search's `account` and the
+    `findings` after it, which `reason` renders."""
 
     peak_memory_bytes: int
     samples_per_second: float
     tokens_per_second: float | None = None  # samples/s x tokens per sample, when the batch has a sequence
-    reason: str = ""
+    account: str = ""  # the search's account of its pick (or a hand-made plan's reason), as it composed it
+    findings: tuple[Finding, ...] = ()  # what steps after the search found, in order: `reason` says each
     trials: tuple[Trial, ...] = ()
     compile_seconds: float = 0.0  # tuning time spent compiling, included in the tune's wall time
     flops_per_sample: float | None = None  # forward+backward FLOPs of one sample, counted, not estimated
@@ -146,25 +214,67 @@ class Evidence:
         check_phases("Evidence.tune_phases", self.tune_phases)
         if self.untried is not None:
             check_non_negative_int("Evidence.untried", self.untried)
-        if not isinstance(self.reason, str):
-            raise ValueError(f"Evidence.reason must be a string, got {type(self.reason).__name__}")
+        if not isinstance(self.account, str):
+            raise ValueError(f"Evidence.account must be a string, got {type(self.account).__name__}")
+        if isinstance(self.findings, list):  # as JSON gives it back
+            object.__setattr__(self, "findings", tuple(self.findings))
+        if not isinstance(self.findings, tuple) or not all(isinstance(f, Finding) for f in self.findings):
+            raise ValueError("Evidence.findings must hold Finding objects")
+
+    @property
+    def reason(self) -> str:
+        """Why the plan was chosen, in words: the search's account and every finding after it (`render`)."""
+        return render(self.account, self.findings)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The evidence as a dict, "reason" the rendered text where the account stood; the account and the
+        findings beside it only where there are findings (so a plan without any reads as it always did)."""
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "account":
+                d["reason"] = self.reason
+            elif f.name != "findings":
+                d[f.name] = getattr(self, f.name)
+        if self.findings:
+            d["account"], d["findings"] = self.account, [f.to_dict() for f in self.findings]
         d["trials"] = [t.to_dict() for t in self.trials]
         d["tune_phases"] = dict(self.tune_phases)
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Evidence:
-        """Rebuild evidence from `to_dict` output; unknown fields and bad values raise `ValueError`."""
+        """Rebuild evidence from `to_dict` output; unknown fields and bad values raise `ValueError`, and so does
+        a stored reason that is not what the stored account and findings render."""
         d = dict(dict_field("Plan.evidence", d))
+        said = d.pop("reason", "")
+        if "findings" not in d:  # the reason is the account itself
+            if "account" in d:
+                raise ValueError("Evidence.account is stored only beside findings")
+            d["account"] = said
         check_known_fields("Evidence", d, cls)
         trials = d.get("trials", [])
         if not isinstance(trials, (list, tuple)):
             raise ValueError("Evidence.trials must be a list")
         d["trials"] = tuple(Trial.from_dict(dict_field("Evidence.trials[]", t)) for t in trials)
-        return cls(**d)
+        findings = d.get("findings", [])
+        if not isinstance(findings, (list, tuple)):
+            raise ValueError("Evidence.findings must be a list")
+        d["findings"] = tuple(Finding.from_dict(f) for f in findings)
+        evidence = cls(**d)
+        if evidence.reason != said:
+            raise ValueError("Evidence.reason is not what its account and findings say: the row was edited")
+        return evidence
+
+    def with_finding(self, finding: Finding) -> Evidence:
+        """This evidence with `finding` after the others."""
+        return dataclasses.replace(self, findings=(*self.findings, finding))
+
+    def with_texts(self, text: Callable[[str], str]) -> Evidence:
+        """This evidence with `text` applied to every text it carries (the account, the findings' clauses and
+        subjects, the trials' notes): how the cache makes a plan from elsewhere printable."""
+        findings = tuple(dataclasses.replace(f, clause=text(f.clause), subject=text(f.subject)) for f in self.findings)
+        trials = tuple(dataclasses.replace(t, note=text(t.note)) for t in self.trials)
+        return dataclasses.replace(self, account=text(self.account), findings=findings, trials=trials)
 
 
 PLAN_FORMAT_VERSION = 3  # 3: a plan is {config, evidence, provenance}; 2: one flat record

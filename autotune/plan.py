@@ -1,10 +1,11 @@
 """`Plan`: the configuration autotune decided on, the evidence behind it, and where it comes from.
 
 A plan is three frozen records: `Configuration` (what `apply`, a recovery and the cache key need),
-`Evidence` (the trials, figures and reason) and `Provenance` (cache key, source, device). Their fields read
-flat on the plan (`plan.micro_batch_size`, `plan.reason`, `plan.key`). A plan round-trips through a plain
-dict (`to_dict` / `from_dict`), the only form the cache and the CLI store or print; a dict of another plan
-format raises `StalePlanFormat`, so an old cache row is tuned again, never misread.
+`Evidence` (the trials, figures, and the search's account and the findings after it, which its reason renders)
+and `Provenance` (cache key, source, device). Their fields read flat on the plan (`plan.micro_batch_size`,
+`plan.reason`, `plan.key`). Steps after the search add a `Finding` (`with_finding`), never text. A plan
+round-trips through a plain dict (`to_dict` / `from_dict`), the only form the cache and the CLI store or
+print; a dict of another plan format raises `StalePlanFormat`, so an old cache row is tuned again, never misread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 from .configuration import RUNG_FIELDS, Configuration, Rung, state_sharded
 from .errors import InvalidSetting
-from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Provenance, Trial
+from .evidence import PLAN_FORMAT_VERSION, SOURCES, Evidence, Finding, Provenance, Trial
 from .settings import DEFAULT_MARGIN
 from .sizes import format_bytes, format_share
 from .training.learned import NOTHING, Learned
@@ -88,6 +89,8 @@ def _field_part(name: str) -> str | None:
     """Which part of a plan holds the flat field `name`, or None."""
     if name in RUNG_FIELDS or name == "rung":
         return "config"
+    if name == "reason":  # a plan written by hand gives its reason as text: the account, with no findings
+        return "evidence"
     return next((part for part, cls in _PARTS.items() if name in {f.name for f in dataclasses.fields(cls)}), None)
 
 
@@ -132,6 +135,7 @@ class Plan:
     samples_per_second = _Read[float]("evidence")
     tokens_per_second = _Read[float | None]("evidence")
     reason = _Read[str]("evidence")
+    findings = _Read[tuple[Finding, ...]]("evidence")
     trials = _Read[tuple[Trial, ...]]("evidence")
     compile_seconds = _Read[float]("evidence")
     flops_per_sample = _Read[float | None]("evidence")
@@ -171,20 +175,30 @@ class Plan:
             part = _field_part(name)
             if part is None:
                 raise TypeError(f"Plan.of() got an unexpected field {name!r}")
-            parts[part][name] = value
+            parts[part]["account" if name == "reason" else name] = value
         return cls(config=Configuration.of(**parts["config"]), evidence=Evidence(**parts["evidence"]),
                    provenance=Provenance(**parts["provenance"]))
 
-    def with_config(self, config: Configuration | None = None, reason: str | None = None, **changes: Any) -> Plan:
-        """This plan on `config` (or on its own configuration with `changes`, which may name the rung's knobs),
-        with `reason` in place of its reason when given: what a recovery mid-training makes."""
+    def with_config(self, config: Configuration | None = None, **changes: Any) -> Plan:
+        """This plan on `config` (or on its own configuration with `changes`, which may name the rung's knobs):
+        what a recovery mid-training makes (with a `Finding` that says why: `with_finding`)."""
         config = config if config is not None else self.config
-        evidence = self.evidence if reason is None else dataclasses.replace(self.evidence, reason=reason)
-        return dataclasses.replace(self, config=config.replace(**changes) if changes else config, evidence=evidence)
+        return dataclasses.replace(self, config=config.replace(**changes) if changes else config)
 
     def with_evidence(self, **changes: Any) -> Plan:
-        """This plan with `changes` to its evidence (reason, trials, measured figures)."""
+        """This plan with `changes` to its evidence (trials, measured figures); `reason` given as text replaces
+        the account and drops the findings, as for a plan written by hand."""
+        if "reason" in changes:
+            changes = {"findings": (), **changes, "account": changes["reason"]}
+            del changes["reason"]
         return dataclasses.replace(self, evidence=dataclasses.replace(self.evidence, **changes))
+
+    def with_finding(self, finding: Finding, *, once: bool = False) -> Plan:
+        """This plan with `finding` after its others: how every step after the search adds to its reason. `once`:
+        this plan as it is where its reason says the finding's clause already."""
+        if once and finding.clause in self.reason:
+            return self
+        return dataclasses.replace(self, evidence=self.evidence.with_finding(finding))
 
     def with_provenance(self, **changes: Any) -> Plan:
         """This plan with `changes` to its provenance (key, source, device)."""

@@ -3,6 +3,8 @@ rates and the all-reduce across nodes as timed."""
 
 from __future__ import annotations
 
+import pytest
+
 from autotune.plan import Plan
 from autotune.search.sharding_choice import flat_or_hybrid
 
@@ -24,8 +26,10 @@ def test_a_slow_link_between_nodes_picks_hybrid_sharding() -> None:
 
 def test_a_fast_link_or_a_tie_keeps_flat_sharding() -> None:
     kept = flat_or_hybrid(_plan(150.0, "fsdp2"), _plan(100.0, "hsdp"), link_seconds=0.001, shard_bytes=2**20)
-    assert kept.sharding == "fsdp2"
-    assert kept.reason.startswith("flat FSDP2 (over all 16 ranks, every gather across nodes): 150.0 samples/s, 1.50x "
-                                  "the hybrid plan's 100.0; the all-reduce"), kept.reason
+    assert kept.sharding == "fsdp2" and kept.evidence.account == "measured"
+    (found,) = kept.findings
+    assert (found.kind, found.subject, found.place) == ("hybrid", "flat", "before")
+    assert found.figures == pytest.approx({"samples_per_second": 150.0, "ratio": 1.5, "other_samples_per_second": 100.0,
+                                           "link_seconds": 0.001, "shard_bytes": 2**20})
     assert flat_or_hybrid(_plan(100.0, "fsdp2"), _plan(101.0, "hsdp"), link_seconds=0.001,
                           shard_bytes=2**20).sharding == "fsdp2"  # within noise: fewer bytes per rank

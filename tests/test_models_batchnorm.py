@@ -145,6 +145,7 @@ def test_a_hand_made_plan_that_leaves_one_sample_is_rebalanced_without_a_trace()
     step = TrainingStep(make_plan(4, 9), got, sgd(got.parameters()), loss_fn=regression)
     step(batch)
     assert step.plan.min_micro_batch_size == 2 and "batch statistics" in step.plan.reason
+    assert [(f.kind, f.figures) for f in step.plan.findings] == [("balanced", {"micro_batch_size": 4})]
     assert (step.plan.accumulation_steps, step.plan.last_micro_batch_size) == (3, 3)
     assert not step.recoveries  # not an out-of-memory: nothing recorded as one
     want = copy.deepcopy(model)

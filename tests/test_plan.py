@@ -8,7 +8,7 @@ import json
 import pytest
 
 from autotune.configuration import Configuration, Rung
-from autotune.evidence import Evidence, Provenance, Trial
+from autotune.evidence import Evidence, Finding, Provenance, Trial
 from autotune.plan import PLAN_FORMAT_VERSION, Plan, StalePlanFormat
 
 
@@ -104,8 +104,8 @@ def test_a_plan_is_a_configuration_with_its_evidence_and_provenance():
 
 def test_with_config_evidence_and_provenance_change_one_part_each():
     plan = _plan()
-    smaller = plan.with_config(micro_batch_size=8, accumulation_steps=8, last_micro_batch_size=8, offload="optimizer",
-                               reason="recovered")
+    smaller = plan.with_config(micro_batch_size=8, accumulation_steps=8, last_micro_batch_size=8, offload="optimizer"
+                               ).with_finding(Finding(kind="recovered", clause="recovered", place="instead"))
     assert (smaller.micro_batch_size, smaller.offload, smaller.offload_fraction, smaller.reason) == \
         (8, "optimizer", 1.0, "recovered")
     assert smaller.evidence.trials == plan.trials and smaller.provenance == plan.provenance

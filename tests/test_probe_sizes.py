@@ -3,10 +3,11 @@ as a smaller one is charged for samples the smaller one would not run, so it sco
 
 from __future__ import annotations
 
+from test_lattice import ANCHORS, GiB, LatticeGPU, N, _search
+
 from autotune.search.explore import balanced_probe
 from autotune.search.ledger import Ledger
 from autotune.workload.batching import solve_accumulation
-from test_lattice import ANCHORS, GiB, N, LatticeGPU, _search
 
 
 def _ledger(per_rank: int, sizes: list[int] | None = None) -> Ledger:

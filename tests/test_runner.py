@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -138,9 +137,9 @@ def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Pa
     assert out.read_text() == f"batch={micro} accumulation={accumulation}"
     assert f"FINAL batch={micro}" in done.stderr  # the script's own stdout went to stderr
     # How much of a trial was start-up: the process's age at its first step, at most the whole trial.
-    said = re.search(r"trials: start-up ([\d.]+) s of ([\d.]+) s each", plan.reason)
-    assert said is not None, plan.reason
-    assert 0 < float(said[1]) <= float(said[2]) <= max(t.seconds for t in plan.trials if t.outcome == "ok") + 0.1
+    (said,) = [f for f in plan.findings if f.kind == "startup"]
+    start, whole = said.figures["startup_seconds"], said.figures["trial_seconds"]
+    assert 0 < start <= whole <= max(t.seconds for t in plan.trials if t.outcome == "ok") + 0.1, plan.reason
 
 
 def test_a_hung_trial_is_stopped_at_the_trial_timeout(tmp_path: Path) -> None:

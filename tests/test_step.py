@@ -343,7 +343,11 @@ def test_oom_in_the_middle_of_a_batch_recovers_exactly():
     assert [(r.failed, r.micro_step, r.now) for r in step.recoveries] == [
         ("fp32 at micro-batch 4", 1, "fp32 at micro-batch 2")]
     assert (step.plan.micro_batch_size, step.plan.accumulation_steps) == (2, 4)
-    assert step.plan.key == "test-key" and "recovered" in step.plan.reason
+    assert step.plan.key == "test-key" and step.plan.reason == \
+        "recovered from an OOM in training at micro-batch 4: halved to 2"  # the one test of this wording
+    (found,) = step.plan.findings
+    assert (found.kind, found.place, found.figures) == (
+        "recovered", "instead", {"failed_micro_batch_size": 4, "micro_batch_size": 2})
     assert_same_training(model, got, want)  # no sample lost, none counted twice
     assert math.isclose(losses[0], want_losses[0], rel_tol=TOL)
 
@@ -411,7 +415,9 @@ def test_micro_batch_grows_back_after_clean_steps():
     budget = (peak_of(make_plan(4, 8), model, long) + peak_of(make_plan(2, 8), model, long)) // 2
     _, step, _ = run_plan(make_plan(4, 8, budget=budget), model, [long, short, short, short], grow_after=2)
     assert step.recoveries and step.recoveries[0].now.endswith("micro-batch 2")
-    assert step.plan.micro_batch_size == 4 and "grown back" in step.plan.reason
+    assert step.plan.micro_batch_size == 4
+    assert (step.plan.findings[-1].kind, step.plan.findings[-1].figures) == (
+        "grown", {"micro_batch_size": 4, "clean_steps": 2})
     step(long)  # the probe's size fails again on a long batch: halved again, and the next probe waits longer
     assert step.plan.micro_batch_size == 2 and step._grow_wait == 4
 

@@ -264,9 +264,8 @@ def check_plan_sane(plan: Plan, parts: dict[str, Any]) -> None:
 def sanitized(plan: Plan) -> Plan:
     """`plan` with every text it carries (reason, device name, block paths, trial notes) as printable strings:
     a plan from a file or a teammate may hold terminal escape sequences, and these texts are printed."""
-    trials = tuple(dataclasses.replace(t, note=printable(str(t.note))) for t in plan.trials)
+    plan = dataclasses.replace(plan, evidence=plan.evidence.with_texts(lambda text: printable(str(text))))
     return (plan.with_config(block_paths=tuple(printable(p) for p in plan.block_paths))
-            .with_evidence(reason=printable(str(plan.reason)), trials=trials)
             .with_provenance(device_name=printable(str(plan.device_name))))
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import parallel as distributed
 from ..errors import DeviceError, NoFeasiblePlan
+from ..evidence import Finding
 from ..parallel.topology import cross_node_seconds, hybrid_mesh
 from ..plan import Plan
 from ..sizes import format_bytes
@@ -45,7 +46,9 @@ def replicated_or_sharded(replicated: Plan, sharded: Plan) -> Plan:
     how = "sharded with FSDP2" if faster else "replicated"
     note = (f"{how}: {kept.samples_per_second:,.1f} samples/s, {ratio:.2f}x the "
             f"{'replicated' if faster else 'sharded'} plan's {other.samples_per_second:,.1f} ({other.summary()})")
-    return kept.with_config(reason=f"{note}; {kept.reason}")
+    return kept.with_finding(Finding(kind="sharding", clause=note, subject=how, place="before", figures={
+        "samples_per_second": kept.samples_per_second, "ratio": ratio,
+        "other_samples_per_second": other.samples_per_second}))
 
 
 def hybrid_may_win(flat: Plan, model: nn.Module) -> bool:
@@ -59,12 +62,13 @@ def searched_beside(plan: Plan, what: str, search: Callable[[], Plan]) -> tuple[
     try:
         return search(), plan
     except NoFeasiblePlan:
-        return None, plan.with_config(reason=f"{plan.reason}; {what}: nothing fits")
+        return None, plan.with_finding(Finding(kind="nothing fits", clause=f"{what}: nothing fits", subject=what))
     except DeviceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every configuration of the second search failed: `plan` stands
         first = (str(exc).strip().splitlines() or [""])[0]
-        return None, plan.with_config(reason=f"{plan.reason}; {what}: {type(exc).__name__}: {first}")
+        return None, plan.with_finding(Finding(kind="search failed", clause=f"{what}: {type(exc).__name__}: {first}",
+                                               subject=what))
 
 
 def with_hybrid(flat: Plan, model: nn.Module, search: Callable[[], Plan]) -> Plan:
@@ -93,4 +97,8 @@ def flat_or_hybrid(flat: Plan, hybrid: Plan, *, link_seconds: float, shard_bytes
             f"{other.samples_per_second:,.1f}; the all-reduce of a rank's {format_bytes(shard_bytes)} gradient shard "
             f"across nodes measured {1000 * link_seconds:,.1f} ms")
     log.info("autotune: %s", note)
-    return kept.with_config(reason=f"{note}; {kept.reason}")
+    return kept.with_finding(Finding(kind="hybrid", clause=note, subject="hybrid" if faster else "flat",
+                                     place="before", figures={
+                                         "samples_per_second": kept.samples_per_second, "ratio": ratio,
+                                         "other_samples_per_second": other.samples_per_second,
+                                         "link_seconds": link_seconds, "shard_bytes": shard_bytes}))

@@ -27,7 +27,7 @@ from ..configuration import Rung
 from ..devices import nvml, placement
 from ..devices.placement import NO_NATIVE_BF16, check_budget
 from ..errors import DeviceError, InvalidSetting
-from ..evidence import Trial
+from ..evidence import Finding, Trial
 from ..plan import Plan
 from ..search.controller import Controller, Lattice
 from ..search.progress import Progress
@@ -224,16 +224,18 @@ class ScriptTrials:
             self.startups.append((min(max(starts), ended.exit.seconds), ended.exit.seconds))
         return self._trial(rung, micro, measured, ended.exit)
 
-    def startup_note(self) -> str:
-        """How much of a trial was start-up (the median over the trials run), for the plan's reason."""
+    def startup_finding(self) -> Finding | None:
+        """How much of a trial was start-up (the median over the trials run), for the plan's reason; None before
+        any trial said."""
         if not self.startups:
-            return ""
+            return None
         start, whole = (statistics.median(x) for x in zip(*self.startups))
         share = format_share(min(1.0, start / whole)) if whole > 0 else "?"
         forked = self.forked()
         what = ("building the model and data, and the first step; " + forked if forked else
                 "the interpreter, imports, building the model and data, and the first step")
-        return f"trials: start-up {start:.1f} s of {whole:.1f} s each ({share}: {what})"
+        return Finding(kind="startup", clause=f"trials: start-up {start:.1f} s of {whole:.1f} s each ({share}: {what})",
+                       figures={"startup_seconds": start, "trial_seconds": whole})
 
     def _trial(self, rung: Rung, micro: int, measured: list[dict[str, Any]], exit_: ChildExit) -> Trial:
         # Ranks step in lockstep; the slowest and the fullest rank decide.
@@ -291,17 +293,22 @@ class ScriptTuner:
                                 advice=nothing_fits_advice(t.flags))
         result = controller.search(self.rungs, Lattice(compile=True) if self.compile else None)
         best = result.picked()
-        notes = [*self.notes, *result.notes]
-        startup = t.startup_note()
+        # After the controller's account: the first two notes, the noise, and how much of a trial was start-up.
+        findings = [Finding(kind="note", clause=n) for n in [*self.notes, *result.notes][:2]]
+        noisy = noise_note(result.trials)
+        if noisy:
+            findings.append(Finding(kind="noise", clause=noisy, figures={
+                "noisy_trials": sum(x.fits and x.noisy for x in result.trials)}))
+        startup = t.startup_finding()
+        if startup is not None:
+            findings.append(startup)
         return Plan.of(precision=best.rung.precision, checkpointing=best.rung.checkpointing, offload="none",
                     micro_batch_size=best.micro_batch_size, accumulation_steps=t.per_rank // best.micro_batch_size,
                     world_size=t.world_size, global_batch_size=self.global_batch_size,
                     last_micro_batch_size=best.micro_batch_size, peak_memory_bytes=best.peak_bytes,
                     memory_budget_bytes=self.budget_bytes, margin=self.margin,
                     samples_per_second=best.samples_per_second, device=self.device, device_name=self.device_name,
-                    source="tuned", reason=result.head + "".join(f"; {n}" for n in notes[:2])
-                    + (f"; {noise_note(result.trials)}" if noise_note(result.trials) else "")
-                    + (f"; {startup}" if startup else ""),
+                    source="tuned", account=result.head, findings=tuple(findings),
                     trials=tuple(result.trials), compile=best.rung.compile)
 
     def arguments(self, plan: Plan) -> list[str]:

@@ -20,7 +20,7 @@ from torch import nn
 from .. import parallel
 from ..configuration import CHECKPOINTING, OFFLOAD, RECOMPUTE_POLICIES, Rung, state_sharded
 from ..devices.placement import Placement
-from ..evidence import Trial
+from ..evidence import Finding, Trial
 from ..settings import FitSettings
 from ..sizes import format_bytes
 from ..techniques import block_count, is_float64, ladder, parse_techniques, serve_dtypes
@@ -63,10 +63,11 @@ def report(old: Plan, new: Plan | None, shapes: dict[str, list[int]], note: str)
 
 # -- the policy --------------------------------------------------------------------------------------------
 
-def revised(plan: Plan, reason: str, **knobs: Any) -> Plan:
-    """`plan` with some knobs changed and a new reason: the one place the step builds a plan (`Plan.with_config`;
-    a Plan is read by its methods here, since plan.py sits above training)."""
-    return plan.with_config(reason=reason, **knobs)
+def revised(plan: Plan, finding: Finding | None, **knobs: Any) -> Plan:
+    """`plan` with some knobs changed and `finding` (why) added to its reason: the one place the step builds a
+    plan (`Plan.with_config`; a Plan is read by its methods here, since plan.py sits above training)."""
+    changed = plan.with_config(**knobs)
+    return changed if finding is None else changed.with_finding(finding)
 
 
 def counted(plan: Plan, blocks: Any) -> Plan:
@@ -76,7 +77,7 @@ def counted(plan: Plan, blocks: Any) -> Plan:
     count = block_count(plan.rung, blocks)
     if plan.checkpointed_blocks is not None or (blocks is not None and blocks.library):
         return plan
-    return revised(plan, plan.reason, checkpointed_blocks=count)
+    return revised(plan, None, checkpointed_blocks=count)
 
 
 def host_share(plan: Plan) -> float:
@@ -84,14 +85,15 @@ def host_share(plan: Plan) -> float:
     return plan.offload_fraction if plan.offload == "optimizer" else 1.0
 
 
-def at(plan: Plan, rung: Rung, micro: int, reason: str, *, smallest: int | None = None) -> Plan:
-    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch. A rung that
-    offloads leaves the sharded optimizer state (the configuration allows it no offload); under optimizer offload
-    the engine partitions what it keeps on the device."""
+def at(plan: Plan, rung: Rung, micro: int, why: Finding, *, smallest: int | None = None) -> Plan:
+    """`plan` on `rung` at micro-batch `micro`, accumulation solved again for the same per-rank batch, its reason
+    now `why` (placed instead of the search's account). A rung that offloads leaves the sharded optimizer state
+    (the configuration allows it no offload); under optimizer offload the engine partitions what it keeps on the
+    device."""
     smallest = plan.min_micro_batch_size if smallest is None else smallest
     steps, last = solve_accumulation(plan.per_rank_batch_size, micro, smallest)
     sharding = "none" if plan.partitioned_state and rung.offload != "none" else plan.sharding
-    return revised(plan, reason, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
+    return revised(plan, why, sharding=sharding, precision=rung.precision, checkpointing=rung.checkpointing,
                    checkpointed_blocks=rung.checkpointed_blocks, recompute_policy=rung.recompute_policy,
                    compile=rung.compile, optimizer_8bit=rung.optimizer_8bit, fp8=rung.fp8, offload=rung.offload,
                    offload_fraction=plan.offload_fraction if rung == plan.rung else None,
@@ -104,26 +106,35 @@ def after_oom(plan: Plan, rungs: list[Rung]) -> Plan | None:
     lowest = smallest_micro_batch(plan.per_rank_batch_size, plan.min_micro_batch_size) or 1
     if plan.micro_batch_size > lowest:
         micro = max(plan.micro_batch_size // 2, lowest)
-        return at(plan, plan.rung, micro, f"recovered from an OOM in training at micro-batch "
-                                          f"{plan.micro_batch_size}: halved to {micro}")
+        return at(plan, plan.rung, micro, Finding(
+            kind="recovered", place="instead", figures={"failed_micro_batch_size": plan.micro_batch_size,
+                                                        "micro_batch_size": micro},
+            clause=f"recovered from an OOM in training at micro-batch {plan.micro_batch_size}: halved to {micro}"))
     rung = next_rung(rungs, plan.rung)
     if rung is None:
         return None
-    return at(plan, rung, lowest, f"recovered from an OOM in training at micro-batch {lowest} on "
-                                  f"{plan.rung.name}: moved up to {rung.name}")
+    return at(plan, rung, lowest, Finding(
+        kind="recovered", place="instead", subject=rung.name,
+        figures={"failed_micro_batch_size": lowest, "micro_batch_size": lowest},
+        clause=f"recovered from an OOM in training at micro-batch {lowest} on {plan.rung.name}: moved up to "
+               f"{rung.name}"))
 
 
 def balanced(plan: Plan, failure: str) -> Plan:
     """After batch statistics failed on a 1-sample micro-batch: every micro-batch holds 2 samples or more."""
     micro = max(plan.micro_batch_size, smallest_micro_batch(plan.per_rank_batch_size, 2) or 1)
-    return at(plan, plan.rung, micro, f"{failure} on a 1-sample micro-batch (batch statistics): every "
-                                      "micro-batch now holds 2 samples or more, the split balanced", smallest=2)
+    return at(plan, plan.rung, micro, Finding(
+        kind="balanced", place="instead", subject=failure, figures={"micro_batch_size": micro},
+        clause=f"{failure} on a 1-sample micro-batch (batch statistics): every micro-batch now holds 2 samples "
+               "or more, the split balanced"), smallest=2)
 
 
 def grown(plan: Plan, cap: int, clean_steps: int) -> Plan:
     """The micro-batch doubled back (at most `cap`) after `clean_steps` clean steps."""
     bigger = min(2 * plan.micro_batch_size, cap)
-    return at(plan, plan.rung, bigger, f"grown back to micro-batch {bigger} after {clean_steps} clean steps")
+    return at(plan, plan.rung, bigger, Finding(
+        kind="grown", place="instead", figures={"micro_batch_size": bigger, "clean_steps": clean_steps},
+        clause=f"grown back to micro-batch {bigger} after {clean_steps} clean steps"))
 
 
 def next_rung(rungs: list[Rung], current: Rung) -> Rung | None:

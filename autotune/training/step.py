@@ -33,7 +33,7 @@ from .. import parallel
 from ..devices.ceiling import SimulatedCeiling
 from ..devices.placement import release_memory
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
-from ..evidence import Trial
+from ..evidence import Finding, Trial
 from ..parallel.deaths import named_deaths
 from ..techniques import dtype_conflict, find_blocks
 from ..techniques.sharding import is_sharded, reset_after_failure
@@ -293,8 +293,7 @@ class TrainingStep:
             return
         self._loss_notes.add(kind)
         log.warning("autotune: %s", note)
-        if note not in self.plan.reason:
-            self.plan = recovery.revised(self.plan, f"{self.plan.reason}; {note}" if self.plan.reason else note)
+        self.plan = self.plan.with_finding(Finding(kind="loss", clause=note, subject=kind), once=True)
 
     def _clip(self) -> None:
         """Unscale (FP16) and clip the whole batch's gradient; see `clipping.py` for where each path does it."""

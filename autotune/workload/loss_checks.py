@@ -57,19 +57,13 @@ Together = Callable[[], contextlib.AbstractContextManager[Any]]  # around forwar
 class CheckedLoss:
     """What the check found: the choice training follows, and what to say about it.
 
-    `notes` go into `plan.reason`; `warning` (no weighting reproduces the whole batch) is said once.
+    `notes` go into `plan.reason` (each a finding of `fit`'s plan, where the reason does not say it yet);
+    `warning` (no weighting reproduces the whole batch) is said once.
     """
 
     choice: LossChoice
     notes: tuple[str, ...] = ()
     warning: str | None = None
-
-    def reason(self, reason: str) -> str:
-        """`reason` with each note not in it yet added."""
-        for note in self.notes:
-            if note not in reason:
-                reason = f"{reason}; {note}" if reason else note
-        return reason
 
 
 def on_every_rank(sum_over_ranks: Callable[[list[float]], list[float]], world: int) -> Agree:
