@@ -109,15 +109,20 @@ class Trial:
         return cls(**d)
 
 
-# What a finding is about: which of two measured plans was kept ("sharding": replicated or FSDP2; "hybrid": flat or
-# hybrid sharding), a second search that found nothing or failed, a note of the loss check, a verification trial
-# here, a recovery in training (an OOM's, the split balanced for batch statistics, the micro-batch grown back),
-# and the zero-change search's notes, noise and start-up.
+# The search's steps after its pick, each a kind of finding: the host share of an offloaded optimizer, the optimizer
+# state partitioned over ranks, the host optimizer overlapping the last backward, when the all-reduce runs.
+STEPS_AFTER_PICK = ("offload share", "partitioned state", "offload overlap", "reduce timing")
+# What a finding is about: a step after the search's pick (`STEPS_AFTER_PICK`), which of two measured plans was
+# kept ("sharding": replicated or FSDP2; "hybrid": flat or hybrid sharding), a second search that found nothing or
+# failed, a note of the loss check, a verification trial here, a recovery in training (an OOM's, the split balanced
+# for batch statistics, the micro-batch grown back), and the search's notes ("note": what was left out and why,
+# the decisions every trial ran under), its noise and, under `autotune run`, a trial's start-up.
 FINDING_KINDS = ("sharding", "hybrid", "nothing fits", "search failed", "loss", "verified", "recovered", "balanced",
-                 "grown", "note", "noise", "startup")
-# Where a finding's clause goes in the reason: after what is said so far, before it (a decision that replaced the
-# pick), or instead of it (a recovery: the plan is no longer the one the account was of).
-PLACES = ("after", "before", "instead")
+                 "grown", "note", "noise", "startup", *STEPS_AFTER_PICK)
+# Where a finding's clause goes in the reason: after what is said so far, before it (a decision that changed what
+# every trial ran on), before it as what came of it ("leads": "clause; then: ...", a step that replaced the pick),
+# or instead of it (a recovery: the plan is no longer the one the account was of).
+PLACES = ("after", "before", "leads", "instead")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,6 +172,8 @@ def render(account: str, findings: Iterable[Finding]) -> str:
             text = f.clause
         elif f.place == "before":
             text = f"{f.clause}; {text}"
+        elif f.place == "leads":
+            text = f"{f.clause}; then: {text}"
         else:
             text = f"{text}; {f.clause}"
     return text
@@ -266,7 +273,10 @@ class Evidence:
         return evidence
 
     def with_finding(self, finding: Finding) -> Evidence:
-        """This evidence with `finding` after the others."""
+        """This evidence with `finding` after the others; a finding said instead of the reason (a recovery: the plan
+        is no longer the one they were about) replaces the account and them."""
+        if finding.place == "instead":
+            return dataclasses.replace(self, account="", findings=(finding,))
         return dataclasses.replace(self, findings=(*self.findings, finding))
 
     def with_texts(self, text: Callable[[str], str]) -> Evidence:

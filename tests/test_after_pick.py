@@ -72,7 +72,7 @@ def test_the_steps_after_the_pick_refine_the_search_s_own_ledger() -> None:
     (rung, micro, options), = [c for c in runner.calls if c[2]]
     assert (rung, micro, options["reduce_pairs"]) == (searched.picked().rung, searched.picked().micro_batch_size, 4)
     assert len(s.trials) == len(searched.trials) + 1 and s.reduce_overlap is False and not s.cut
-    assert [f.phase for f in s.findings] == ["reduce timing"]
+    assert [f.kind for f in s.findings] == ["reduce timing"]
     assert reason(s, []).startswith(f"{searched.head}; gradient all-reduce in one bucket after backward")
     assert s.picked().samples_per_second > searched.picked().samples_per_second  # its rate estimated again
 

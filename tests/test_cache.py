@@ -371,11 +371,12 @@ def test_a_team_directory_is_read_after_a_local_miss_and_never_written(
         hit = fit(model, batch, tmp_path / "mine.db")
     assert hit.source == "cache" and trial_records(caplog) == []
     # Alice's plan, served once one trial of it fitted here (a teammate's plan is a claim until then).
-    assert hit.trials[:-1] == tuned.trials and [f.kind for f in hit.findings] == ["verified"]
-    assert hit.findings[0].figures == {"peak_bytes": hit.trials[-1].peak_bytes,
-                                       "samples_per_second": hit.trials[-1].samples_per_second}
+    assert hit.trials[:-1] == tuned.trials and hit.findings == (*tuned.findings, hit.findings[-1])
+    assert hit.findings[-1].kind == "verified"
+    assert hit.findings[-1].figures == {"peak_bytes": hit.trials[-1].peak_bytes,
+                                        "samples_per_second": hit.trials[-1].samples_per_second}
     assert hit.samples_per_second == hit.trials[-1].samples_per_second  # measured here, not Alice's figure
-    assert hit.with_evidence(reason=tuned.reason, trials=tuned.trials, peak_memory_bytes=tuned.peak_memory_bytes,
+    assert hit.with_evidence(findings=tuned.findings, trials=tuned.trials, peak_memory_bytes=tuned.peak_memory_bytes,
                              samples_per_second=tuned.samples_per_second, tokens_per_second=tuned.tokens_per_second,
                              mfu=tuned.mfu).with_provenance(source="tuned") == tuned
     assert len(caught) == 1 and "bob.jsonl rejected" in str(caught[0].message)  # bob's bad rows, once

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from cache_samples import clean_environment, sample  # noqa: F401 - autouse fixture
 
 from autotune.cache.rows import PlanRow
@@ -91,3 +92,22 @@ def test_no_module_edits_the_reason_as_text() -> None:
              for path in sorted(PACKAGE.rglob("*.py")) if path != RENDERER
              for n, line in enumerate(path.read_text().splitlines(), 1) if EDITS.search(line)]
     assert edits == [], "add a Finding (plan.with_finding) instead:\n" + "\n".join(edits)
+
+
+def test_a_tuned_plans_reason_is_its_account_and_typed_findings_rendered():
+    import autotune
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    batch = {"x": torch.randn(32, 16), "y": torch.randint(0, 4, (32,))}
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b["x"]), b["y"])  # noqa: E731
+    plan = autotune.fit(model, batch, loss_fn=loss, memory_budget="1GiB", cache=False)
+    assert plan.findings and all(f.kind in ("note", "noise") or f.place != "instead" for f in plan.findings)
+    assert plan.reason == render(plan.evidence.account, plan.findings)
+    assert plan.reason.startswith(plan.evidence.account)  # no decision before it here: the account leads
+
+
+def test_a_step_that_replaced_the_pick_leads_with_then():
+    leads = Finding(kind="partitioned state", clause="the state partitioned: 1.30x", place="leads")
+    before = Finding(kind="note", clause="sharded with FSDP2", place="before")
+    assert render("bf16 at micro-batch 8", [leads, before]) == (
+        "sharded with FSDP2; the state partitioned: 1.30x; then: bf16 at micro-batch 8")

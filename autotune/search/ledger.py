@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..configuration import Rung
-from ..evidence import Trial
+from ..evidence import Finding, Trial
 
 if TYPE_CHECKING:
     from .trial import Workload
@@ -82,16 +82,6 @@ class AfterPick:
     host_shares: dict[Rung, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Finding:
-    """What one step after the pick found that the plan's reason says: a clause after the account of the pick,
-    or, where the step replaced the pick, one before it (`leads`: "clause; then: ...")."""
-
-    phase: str
-    clause: str
-    leads: bool = False
-
-
 @dataclass(kw_only=True)
 class Ledger:
     """The search's state: its limits and runners, and everything measured and decided so far.
@@ -153,5 +143,6 @@ class Ledger:
         return self.after
 
     def found(self, phase: str, clause: str, *, leads: bool = False) -> None:
-        """Record what a step after the pick found, for the plan's reason (`Finding`)."""
-        self.findings.append(Finding(phase=phase, clause=clause, leads=leads))
+        """Record what a step after the pick found, for the plan's reason: a clause after the account of the pick,
+        or, where the step replaced the pick, one before it (`leads`: "clause; then: ...")."""
+        self.findings.append(Finding(kind=phase, clause=clause, place="leads" if leads else "after"))

@@ -45,7 +45,7 @@ from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
 from .ground import Ground, trials_on
 from .ledger import Ledger
-from .plan_reason import reason
+from .plan_reason import findings
 from .progress import Progress
 from .sharding_choice import replicated_or_sharded, searched_beside, sharding_may_win, with_hybrid
 from .trial import TrialRunner, Workload
@@ -165,10 +165,10 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
     if best_rung.compile:
         closing.insert(0, graphs_note(setup.blocks, best_rung.checkpointed_blocks or 0, tokens is not None))
     loss_note = work.loss_form.note if work.loss_form is not None else ""
-    text = reason(state, [*setup.notes, *state.notes, *setup.compile_notes, *closing],
-                  first="; ".join(n for n in (sharding_reason, fp32_note) if n),
-                  last=tuple(n for n in (failures.clause(best_rung.precision), loss_note, job.deadline.clause(
-                      state.cut, len(state.trials), state.untried)) if n))
+    said = findings(state, [*setup.notes, *state.notes, *setup.compile_notes, *closing],
+                    first="; ".join(n for n in (sharding_reason, fp32_note) if n),
+                    last=tuple(n for n in (failures.clause(best_rung.precision), loss_note, job.deadline.clause(
+                        state.cut, len(state.trials), state.untried)) if n))
     fraction = state.fraction
     sizes = split_sizes(job.per_rank, best.micro_batch_size, state.smallest)  # balanced when a 1 would be left
     host_fraction = fraction or 1.0  # what the host holds, for its need below
@@ -184,7 +184,8 @@ def _tune_as(job: Job, spec: OptimizerSpec, peak: DevicePeak, limit: int, precis
                 world_size=job.world, global_batch_size=job.global_batch, last_micro_batch_size=sizes[-1],
                 peak_memory_bytes=best.peak_bytes, memory_budget_bytes=job.budget, margin=job.settings.margin,
                 samples_per_second=rate, tokens_per_second=rate * per_token if per_token else None,
-                device=job.placement.kind, device_name=job.placement.name, source="tuned", reason=text,
+                device=job.placement.kind, device_name=job.placement.name, source="tuned",
+                account=state.head, findings=said,
                 trials=tuple(state.trials), flops_per_sample=flops.per_sample, sharding=sharding,
                 reduce_overlap=state.reduce_overlap, nodes=nodes,
                 mfu=utilization(flops.per_sample, rate, job.world, peak, best.rung.precision),
