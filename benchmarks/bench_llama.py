@@ -106,6 +106,7 @@ def main() -> None:
                    trial_table=[[t.rung.name, t.micro_batch_size, t.outcome, round(t.samples_per_second, 2),
                                  _gib(t.peak_bytes), _gib(t.host_peak_bytes), t.note] for t in plan.trials],
                    phase_totals=_phase_totals(plan.trials),
+                   outside_trials={k: round(v, 1) for k, v in plan.evidence.tune_phases.items()},
                    trial_phases=[{k: round(v, 1) for k, v in t.phases.items()} for t in plan.trials])
         print(json.dumps(row), flush=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
