@@ -5,7 +5,8 @@ step is a function in its own module that takes the ledger and returns it, havin
 1. `climb.py`: which anchor rungs are measured, each explored in order (`explore.py`: two points, a prediction
    from the memory line, a verification, bisection or growth only after a miss), skipped where the time model
    of the best so far says it cannot win (time per micro-step ~ a + b x m; a higher rung lets the micro-batch
-   grow, but costs at least its recompute/copy overhead per sample).
+   grow, but costs at least its recompute/copy overhead per sample), and an offloading rung not run or not
+   grown where its base with nothing offloaded bounds it (`offload_bound.py`).
 2. With a lattice: `compile_beside.py` (whether compile pays, beside the fastest eager configuration without
    recompute), the climb over the recompute anchors, `blocks.py` (how many blocks to recompute between them),
    and `compiled_recompute.py` (compile with blocks recomputed); each places what the measured lines
