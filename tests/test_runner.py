@@ -121,6 +121,7 @@ def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Pa
     assert "restarting" in done.stderr and "finished with micro-batch" in done.stdout
 
 
+@pytest.mark.slow  # `autotune run` and its trial processes
 def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Path) -> None:
     """Each sample costs 1.5 MiB: under an 8 MiB ceiling micro-batch 8 runs out of memory, 4 fits."""
     out = tmp_path / "final"
