@@ -65,6 +65,7 @@ def run_with_stderr_on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple
     return proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow  # a torch process with a fit
 def test_fit_draws_a_live_line_per_trial_on_a_terminal_by_default(tmp_path: Path) -> None:
     code, out, terminal = run_with_stderr_on_a_terminal([sys.executable, "-c", FIT.format(progress="")],
                                                         _env(tmp_path))
