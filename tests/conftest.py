@@ -3,6 +3,7 @@ cleanly without a GPU."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -28,6 +29,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def heap_frozen_before_each_module() -> None:
+    """What is alive when a test module starts (torch, transformers, the modules and fixtures before it) is set
+    aside from Python's garbage collector (`gc.freeze`), so the full collections inside every `fit` walk only what
+    the module's tests made. A worker process that has run many modules holds most of a million objects, and one
+    full collection of them costs about 0.3 s on a 2-core machine: about a second of a tiny model's `fit`.
+    Frozen objects are still freed by reference counting; cycles made inside a test are still collected."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -11,14 +11,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 COMMON = ["--model", "tiny-gpt", "--budget", "5MiB", "--device", "cpu", "--seq", "64", "--global-batch-size", "16",
           "--steps", "2"]
+# One measured step per trial (after the warm-up): the benchmarks' reports are checked here, not fit's timings,
+# and each of fit's trials then costs two steps instead of four on every rank.
+TRIAL_STEPS = "1"
 
 
 def _torchrun(script: str, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    env["AUTOTUNE_CACHE"] = "off"
+    env.update(AUTOTUNE_CACHE="off", AUTOTUNE_TRIAL_STEPS=TRIAL_STEPS)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
@@ -28,6 +33,7 @@ def _torchrun(script: str, *args: str) -> dict:
     return json.loads(lines[0])
 
 
+@pytest.mark.slow  # two torchrun ranks: a search and three trainings
 def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
     out = _torchrun("bench_multi_gpu.py", "--case", "replicated", *COMMON, "--shares", "0.5,0.001@2@one,0@2@k2",
                     "--compare-reduce")
@@ -51,6 +57,7 @@ def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
         assert "error" not in row and row["tokens_per_second"] > 0 and len(row["step_times"]) == 2
 
 
+@pytest.mark.slow  # two torchrun ranks: a search and six trainings
 def test_bench_replicated_parts_times_each_variant():
     variants = ["as-planned", "per-tensor", "waits", "no-agree", "no-count-sum", "parts"]
     out = _torchrun("bench_replicated_parts.py", *COMMON, "--variants", ",".join(variants), "--as", "0.25@4@k1")
@@ -65,9 +72,11 @@ def test_bench_replicated_parts_times_each_variant():
                                            "optimizer"}
 
 
+@pytest.mark.slow  # four runs (two ranks, a pair, one alone), each with a search
 def test_bench_rank_overhead_times_one_configuration_as_ranks_as_a_pair_and_alone(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    env.update(PYTHON=sys.executable, AS="0.25@4", BUDGET="5MiB", BUDGET_SINGLE="8MiB", STEPS="2", GLOBAL="16",
+    env.update(AUTOTUNE_TRIAL_STEPS=TRIAL_STEPS, PYTHON=sys.executable, AS="0.25@4", BUDGET="5MiB",
+               BUDGET_SINGLE="8MiB", STEPS="2", GLOBAL="16",
                ARGS="--model tiny-gpt --device cpu --seq 64")
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "bench_rank_overhead.sh"), str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -85,6 +94,7 @@ def test_bench_rank_overhead_times_one_configuration_as_ranks_as_a_pair_and_alon
                                                    "all_reduce_wait", "optimizer"}
 
 
+@pytest.mark.slow  # two torchrun ranks: a sharded search, then every rung
 def test_bench_multi_gpu_steps_every_rung_on_shards_with_the_optimizer_form_asked():
     out = _torchrun("bench_multi_gpu.py", "--case", "presharded", "--model", "tiny-gpt", "--budget", "12MiB",
                     "--device", "cpu", "--seq", "32", "--global-batch-size", "8", "--rung-steps", "2",

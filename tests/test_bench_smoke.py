@@ -161,6 +161,7 @@ def test_render_says_plainly_where_autotune_is_behind(tmp_path):
     assert "none: gave up (ValueError: batch_size should be a positive integer value)" in section
 
 
+@pytest.mark.slow  # two processes importing matplotlib
 def test_render_replaces_only_its_own_section(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _records()))

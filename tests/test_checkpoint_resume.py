@@ -177,6 +177,7 @@ def runs(tmp_path_factory) -> dict:
     return {"whole": whole, "resumed": resumed, "folder": folder}
 
 
+@pytest.mark.slow  # the module's resuming process (spawned once)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, case, mode):
@@ -186,6 +187,7 @@ def test_a_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, case, m
     assert not differ, f"{case}, {mode}: {len(differ)} of {len(want)} tensors differ, e.g. {differ[:3]}"
 
 
+@pytest.mark.slow  # the module's resuming process (spawned once)
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_checkpoint_holds_fp32_weights_and_state(runs, case):
     checkpoint = torch.load(os.path.join(runs["folder"], f"{case}.pt"), weights_only=False)

@@ -141,6 +141,7 @@ def assert_autotune_error(done: subprocess.CompletedProcess[str], code: int, tex
     assert "Traceback" not in done.stderr and "not retried" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # two `autotune run`s of a torch job
 def test_cooperative_nothing_fits_exits_3_with_autotunes_message(tmp_path: Path) -> None:
     log = tmp_path / "launches"
     done = autotune_run(tmp_path, "--budget", "1MiB", "--device", "cpu", "--trial-steps", "1",
@@ -156,6 +157,7 @@ def test_cooperative_invalid_setting_inside_the_job_exits_2(tmp_path: Path) -> N
     assert_autotune_error(done, 2, "margin must be a fraction")
 
 
+@pytest.mark.slow  # two `autotune run`s of a torch job
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cooperative_device_cuda_without_a_gpu_exits_4(tmp_path: Path) -> None:
     done = autotune_run(tmp_path, "--device", "cuda", str(SCRIPTS / "cooperative_fit.py"), str(tmp_path / "log"))

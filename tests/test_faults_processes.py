@@ -128,6 +128,7 @@ def _fit_child(i: int, barrier: Any, cache: str, results: str) -> None:
     Path(results, f"{i}.json").write_text(json.dumps({"source": plan.source, "key": plan.key}))
 
 
+@pytest.mark.slow  # sixteen forked processes, each a fit, on two cores
 def test_sixteen_fit_calls_in_sixteen_processes_share_one_new_cache(tmp_path: Path) -> None:
     cache, results = tmp_path / "plans.db", tmp_path / "results"
     results.mkdir()

@@ -130,6 +130,7 @@ def test_the_packages_preloaded_are_the_scripts_top_level_imports_but_not_its_ow
     assert script_imports(script) == ["json", "psutil"]
 
 
+@pytest.mark.slow  # fresh and forked torch processes, timed
 def test_a_forked_trial_starts_in_under_half_the_time_of_a_fresh_process(tmp_path: Path) -> None:
     """The same script, run whole each way; the fresh one pays for the interpreter and `import torch` again."""
     script = _write(tmp_path / "job.py", "import torch\nprint(torch.ones(2).sum().item())\n")

@@ -161,6 +161,7 @@ def test_autotune_run_passes_the_host_budget_to_the_job_and_refuses_a_bad_one(tm
     assert result.exit_code == 2 and "--host-budget" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.slow  # `autotune run` and two launches of a torch job
 def test_autotune_run_tells_a_host_memory_kill_and_restarts_with_a_smaller_host_budget(tmp_path):
     import os
     import re

@@ -115,6 +115,7 @@ def test_the_snapshot_counts_the_model_as_it_is():
     assert "snapshot" in need.describe() and os.linesep not in need.describe()
 
 
+@pytest.mark.slow  # a torch process running eleven trials
 def test_a_trial_measures_the_host_memory_it_raises_and_ten_in_a_row_do_not_add_up():
     """Each optimizer-offload trial's measured rise covers its host buffers, and the process after ten such
     trials holds no more than after the first plus a small slack: nothing a trial allocates outlives it.

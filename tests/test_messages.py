@@ -113,6 +113,7 @@ def test_importing_the_8bit_optimizers_prints_no_torchao_loading_noise() -> None
     assert "Failed to load" not in done.stderr and "register_constant" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # two processes importing torchao
 def test_a_job_that_imports_torchao_shows_none_of_its_kernel_load_noise(tmp_path):
     """Inside a job `autotune run` starts (bootstrap), importing torchao (as transformers does) prints none of
     its "Failed to load" lines or torch's enum notice; its other warnings still show."""

@@ -503,6 +503,7 @@ def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
     assert_bitwise(run(True), run(False))
 
 
+@pytest.mark.slow  # a benchmark script in its own torch process
 def test_bench_offload_runs_every_mode_on_the_cpu(tmp_path):
     out = tmp_path / "offload.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
@@ -521,6 +522,7 @@ def test_bench_offload_runs_every_mode_on_the_cpu(tmp_path):
     assert rows[3]["chunks_before_tail"] == rows[3]["chunks"]  # every segment issued during the last backward
 
 
+@pytest.mark.slow  # two benchmark scripts, each its own torch process
 def test_bench_trial_accuracy_and_profile_step_run_on_the_cpu(tmp_path):
     # The two scripts behind the trial-accuracy and sync-point figures, on the tiny CPU workload.
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}

@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from autotune.configuration import Rung
 from autotune.evidence import Trial
 from autotune.plan import Plan
@@ -63,6 +65,7 @@ def run_with_stderr_on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple
     return proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow  # a torch process with a fit
 def test_fit_draws_a_live_line_per_trial_on_a_terminal_by_default(tmp_path: Path) -> None:
     code, out, terminal = run_with_stderr_on_a_terminal([sys.executable, "-c", FIT.format(progress="")],
                                                         _env(tmp_path))
@@ -73,6 +76,7 @@ def test_fit_draws_a_live_line_per_trial_on_a_terminal_by_default(tmp_path: Path
     assert finished and all("micro-batch" in line and "trial(s)" in line for line in finished), terminal
 
 
+@pytest.mark.slow  # two torch processes, each a fit
 def test_fit_says_nothing_off_a_terminal_unless_asked_and_then_plain_lines(tmp_path: Path) -> None:
     quiet = subprocess.run([sys.executable, "-c", FIT.format(progress="")], cwd=ROOT, env=_env(tmp_path),
                            capture_output=True, text=True, timeout=300)
@@ -84,6 +88,7 @@ def test_fit_says_nothing_off_a_terminal_unless_asked_and_then_plain_lines(tmp_p
     assert lines and "\x1b" not in asked.stderr and "\r" not in asked.stderr, asked.stderr
 
 
+@pytest.mark.slow  # `autotune run` and its trial processes
 def test_run_json_keeps_stdout_for_the_plan_while_the_terminal_shows_progress(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "autotune", "run", "--json", "--tune-only", "--global-batch-size", "8",
             "--budget", "8MiB", "--trial-steps", "1", "--map", "micro_batch=--per_device_train_batch_size",

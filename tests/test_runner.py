@@ -106,6 +106,7 @@ def test_a_failure_that_is_not_memory_passes_its_exit_code_through_and_is_not_re
     assert "not retried" in done.stderr
 
 
+@pytest.mark.slow  # `autotune run` and two launches of a torch job
 @pytest.mark.parametrize("cache", ["plans.db", "off"])
 def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Path, cache: str) -> None:
     log = tmp_path / "attempts"
@@ -121,6 +122,7 @@ def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Pa
     assert "restarting" in done.stderr and "finished with micro-batch" in done.stdout
 
 
+@pytest.mark.slow  # `autotune run` and its trial processes
 def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Path) -> None:
     """Each sample costs 1.5 MiB: under an 8 MiB ceiling micro-batch 8 runs out of memory, 4 fits."""
     out = tmp_path / "final"
@@ -186,6 +188,7 @@ def test_sigint_stops_the_job_and_exits_130(tmp_path: Path) -> None:
         stop_all(proc, [job])
 
 
+@pytest.mark.slow  # `autotune run` and its trial processes
 def test_sigterm_in_the_real_run_exits_143_and_still_prints_the_tuned_plan(tmp_path: Path) -> None:
     # Regression: an interrupted run printed `null` under --json, losing the plan its trials had found.
     proc = start_run(tmp_path, "--global-batch-size", "32", "--budget", "8MiB", "--trial-steps", "2", "--json",

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from cache_samples import sample
 
 from autotune.cache.store import PlanCache
@@ -38,6 +39,7 @@ def open_here(path: Path) -> list[str]:
     return [f.path for f in psutil.Process().open_files() if f.path.startswith(str(path))]
 
 
+@pytest.mark.slow  # `autotune run` and four launches of a torch job
 def test_a_cooperative_job_restarted_after_three_ooms_keeps_its_cache(tmp_path: Path) -> None:
     path, log = tmp_path / "plans.db", tmp_path / "launches"
     # One thread per job, and three measured steps per trial: each restart's plan is then a smaller

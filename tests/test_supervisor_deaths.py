@@ -47,6 +47,7 @@ def launches(log: Path) -> list[tuple[int, int]]:
 
 # -- a SIGKILL ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # `autotune run` and a torch job in processes of their own
 def test_a_sigkill_with_no_memory_pressure_is_passed_through_as_137_and_recorded_nowhere(tmp_path: Path) -> None:
     log = tmp_path / "launches"
     done = autotune_run(tmp_path, "--max-restarts", "2", str(SCRIPTS / "killed_after_fit.py"), str(log))
@@ -102,6 +103,7 @@ def test_the_oom_kill_count_is_read_from_either_cgroup_version(tmp_path: Path) -
 
 # -- a restart's OOM ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # two `autotune run`s, three launches of a torch job
 def test_a_restarts_oom_is_recorded_against_the_jobs_own_key_so_the_next_launch_starts_below_it(
         tmp_path: Path) -> None:
     log = tmp_path / "launches"

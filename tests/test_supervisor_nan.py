@@ -21,6 +21,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "zero_change_nan.py"
 MAPS = ["--map", "micro_batch=--per_device_train_batch_size", "--map", "accumulation=--gradient_accumulation_steps"]
 
 
+@pytest.mark.slow  # `autotune run` and its trial processes
 def test_a_zero_change_run_that_prints_a_nan_loss_is_told_once() -> None:
     env = {**os.environ, "AUTOTUNE_CACHE": "off", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "autotune", "run", "--global-batch-size", "4", "--budget", "64MiB",

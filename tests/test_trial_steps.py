@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 import autotune
@@ -34,6 +35,13 @@ def test_unsteady_steps_or_a_count_asked_for_run_in_full():
     assert len(steady_steps(step, 3, early=True)) == 3 and len(calls) == 3
     step, calls = _scripted([1.0] * 6)
     assert len(steady_steps(step, 6, early=False)) == 6 and len(calls) == 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def heap_frozen_before_each_module() -> None:
+    """Here the heap is as a process finds it, with nothing frozen (conftest freezes it for every other module):
+    these tests are about who freezes what."""
+    gc.unfreeze()
 
 
 class _Cycle:
