@@ -54,7 +54,7 @@ def bound(s: Ledger, rung: Rung, start: Trial | None = None) -> float | None:
         if m <= edge and start is not None:
             continue
         least = a + b * m if m < edge else max(a + b * m, top.step_seconds + b * (m - edge))
-        rates.append(s.per_rank * s.world_size / global_step_seconds(least, opt, s.per_rank, m))
+        rates.append(s.per_rank * s.world_size / global_step_seconds(max(least, 1e-9), opt, s.per_rank, m))
     return max(rates, default=None)
 
 
