@@ -88,8 +88,10 @@ def test_a_loss_that_overflows_in_16_bits_only_gives_an_fp32_plan_that_says_why(
 
 def test_a_nan_in_some_samples_fails_the_micro_batches_holding_them_and_the_reason_says_so() -> None:
     x, y = _regression()
-    x[6, 0] = float("nan")  # the seventh sample: micro-batches of the first six are clean
+    # The second sample: only micro-batch 1 is clean, and the search always probes a second size after its
+    # first (a NaN later in the batch is reached only where growth pays, which a loaded machine's timings decide).
+    x[1, 0] = float("nan")
     plan = _fit(_mlp(), (x, y), techniques=("bf16",))
-    assert plan.micro_batch_size < 7
-    assert any(t.outcome == "non_finite" and t.micro_batch_size >= 7 for t in plan.trials)
+    assert plan.micro_batch_size == 1
+    assert any(t.outcome == "non_finite" and t.micro_batch_size >= 2 for t in plan.trials)
     assert "left out after failing: loss nan on the example batch" in plan.reason, plan.reason
