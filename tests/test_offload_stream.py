@@ -102,6 +102,42 @@ def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exac
     assert_bitwise(model, ref)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_positions_an_aborted_attempt_stepped_are_not_streamed_again(monkeypatch, overlap):
+    # After a rung switch the positions an aborted attempt stepped keep that update (`keep_stepped`): the
+    # streamed step leaves them as they are and streams the rest, as the CPU step does (after backward, also
+    # where the plan overlaps: an overlapped step writes every segment of the share anew).
+    from test_offload import backward, host_optimizer
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    batch = batches(4, 1)[0]
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
+    serial = host_optimizer(ref, overlap=False)
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
+    host = host_optimizer(model, overlap=overlap)
+    assert isinstance(host, StreamedEngine) and host.overlap == overlap
+    kept = set(host.shares.host_index[:2])
+    assert host.keep_stepped(kept) == kept and serial.keep_stepped(kept) == kept
+    before = [p.detach().clone() for p in model.parameters()]
+    host.arm()
+    backward(model, batch)
+    assert not host.stepper.armed
+    host.step()
+    backward(ref, batch)
+    serial.step()
+    assert_bitwise(model, ref)
+    params = list(model.parameters())
+    assert all(torch.equal(params[i], before[i]) for i in kept)
+    assert not any(torch.equal(params[i], before[i]) for i in set(host.shares.host_index) - kept)
+    assert not any(host.shares.optimizer.state.get(host.shares.master[i]) for i in kept)  # never stepped
+    assert_same_state(host, serial)  # in the user's layout
+    host.restore()
+    serial.restore()
+    assert_bitwise(model, ref)
+
+
 def test_a_grad_scaler_or_another_optimizer_keeps_the_cpu_step(monkeypatch):
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
     steps = []

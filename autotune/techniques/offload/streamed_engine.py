@@ -21,15 +21,15 @@ from .tensors import overlap_default
 class StreamedEngine(HostOptimizer):
     """The host share stepped on the device by a `DeviceStepper`, its state streamed over PCIe.
 
-    `overlap` (`overlap is True`: only where the plan says so, the pipeline's worker issuing the segments was no
-    faster; $AUTOTUNE_OFFLOAD_OVERLAP=0 turns it off regardless) issues each segment from the hooks of the last
-    backward. Serial only: over FSDP2 shards (FSDP assigns the reduced gradients on its own stream, outside the
-    hooks), and partitioned over ranks (a rank that ran out of memory in its hooks would leave the others
-    waiting for its weights: the check-in guards the step, not the backward).
+    Overlapped, each segment is issued from the post-accumulate-grad hooks of the last backward: only where the
+    plan asks for it (`overlap=True`; issued from a worker thread instead it was no faster), and never with
+    $AUTOTUNE_OFFLOAD_OVERLAP=0. Serial only: over FSDP2 shards (FSDP assigns the reduced gradients on its own
+    stream, outside the hooks), and partitioned over ranks (a rank that ran out of memory in its hooks would
+    leave the others waiting for its weights: the check-in guards the step, not the backward).
     """
 
     def __init__(self, shares: Shares, *, overlap: bool | None = None) -> None:
-        super().__init__(shares, None)  # a GradScaler's unscale and inf check need host gradients
+        super().__init__(shares, None)  # no GradScaler: its unscale and inf check need host gradients
         assert shares.flat is not None, "the streamed engine steps views of one flat buffer"
         device = shares.params[0].device
         self.stepper: DeviceStepper | None = DeviceStepper(shares.optimizer, shares.flat, shares.master,
@@ -40,20 +40,18 @@ class StreamedEngine(HostOptimizer):
             self.stepper.reserve()  # now, not in the first (timed) step: its second set of buffers is large
         self._hooks: list[Any] = []
 
-    def _pending(self) -> list[int]:
-        """The host share's positions this step streams: all but those an aborted attempt stepped."""
-        return [i for i in self.shares.host_index if i not in self.skip]
-
     def arm(self, defer: bool = False) -> None:
-        """Overlapped: segments are issued from the hooks of the next backward as their gradients land (not
-        where a gradient may still change: `defer`)."""
+        """Overlapped: segments are issued from the hooks of the next backward as their gradients land. Not
+        where a gradient may still change (`defer`), nor where an aborted attempt stepped some positions
+        already (`keep_stepped`): an overlapped step writes every segment of the share anew, the serial one
+        only those it steps."""
         stepper = self.stepper
-        if not self.overlap or defer or stepper is None:
+        if not self.overlap or defer or self.skip or stepper is None:
             return
-        stepper.begin(self._pending())
-        params = self.shares.params
-        self._hooks = [params[i].register_post_accumulate_grad_hook(lambda p, i=i: stepper.landed(i))
-                       for i in self._pending()]
+        index = self.shares.host_index
+        stepper.begin(index)
+        self._hooks = [self.shares.params[i].register_post_accumulate_grad_hook(lambda p, i=i: stepper.landed(i))
+                       for i in index]
 
     def _disarm(self, *, failed: bool) -> None:
         """Remove the hooks; after a failed backward, undo what was issued (see the stepper)."""
