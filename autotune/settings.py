@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .devices import placement
 from .devices.peaks import PEAK_ENV  # its name lives below, where the peak table is
 from .errors import InvalidSetting
 from .sizes import brief, parse_bytes
@@ -155,6 +156,7 @@ FORK_TRIALS_ENV = "AUTOTUNE_FORK_TRIALS"
 TUNE_ONLY_ENV = "AUTOTUNE_TUNE_ONLY"
 LOG_LEVEL_ENV = "AUTOTUNE_LOG_LEVEL"
 CROSS_NODE_DELAY_ENV = "AUTOTUNE_TEST_CROSS_NODE_DELAY_MS"
+CPU_BF16_ENV = "AUTOTUNE_CPU_BF16"
 
 # Every AUTOTUNE_* variable autotune reads, and what it means (the README lists the same).
 VARIABLES: dict[str, str] = {
@@ -177,6 +179,7 @@ VARIABLES: dict[str, str] = {
     OFFLOAD_PARTITION_ENV: "0: replicated ranks do not partition the offloaded optimizer state",
     OFFLOAD_STREAM_ENV: "0 or 1: step the host share on the GPU streamed, or never (default: where a GPU is)",
     COMPILE_REGIONS_ENV: "blocks or model: what torch.compile wraps",
+    CPU_BF16_ENV: "0 or 1: on the CPU, keep fp32 or search bf16 (default: where the CPU runs bf16 natively)",
     ATTENTION_BUCKETS_ENV: "0 or 1: pad masked attention (causal once lengths vary) to 64 tokens, or never (default: "
                            "under cuDNN's)",
     RESULT_FILE_ENV: "set by `autotune run`: where its job records how it ended",
@@ -224,6 +227,18 @@ def on_or_off(name: str, raw: str, *, default: bool) -> bool:
         return value in _ON
     raise InvalidSetting(f"{name}={raw.strip()!r} is neither on nor off: set it to one of {', '.join(_ON)} (on) or "
                          f"{', '.join(_OFF)} (off), or unset it for the default ({'on' if default else 'off'})")
+
+
+def cpu_bf16() -> bool:
+    """Whether the search measures bf16 on the CPU (the simulated device): where the CPU runs it natively, unless
+    $AUTOTUNE_CPU_BF16 says otherwise. Elsewhere torch emulates bf16, several times slower than fp32, so by
+    default a CPU plan stays in fp32; 1 searches bf16 all the same (a CPU run that should choose as a bf16 GPU
+    would, as the test suite does), 0 keeps fp32 on any CPU.
+
+    Raises:
+        InvalidSetting: $AUTOTUNE_CPU_BF16 is neither on nor off.
+    """
+    return switch(CPU_BF16_ENV, default=placement.cpu_has_native_bf16())
 
 
 def result_file() -> str | None:

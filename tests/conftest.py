@@ -20,6 +20,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # threads wait on each other so long that a step takes up to ten times as long.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# The search measures bf16 on every CPU, here and in the processes tests start, as on a bf16 GPU: the tests
+# check the search's decisions, which must not depend on whether this machine's CPU runs bf16 natively (a CPU
+# plan otherwise stays in fp32 there). tests/test_cpu_bf16.py checks the default itself.
+os.environ.setdefault("AUTOTUNE_CPU_BF16", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

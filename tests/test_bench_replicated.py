@@ -1,8 +1,7 @@
 """The two-GPU benchmarks on the CPU, under torchrun with two gloo ranks: they run, and what they
 report is there (a broken benchmark found on the GPU machine costs a call of scarce device time).
 
-tiny-gpt at 5 MiB per rank: fit picks replicated optimizer offload of part of the parameters, partitioned, where
-the CPU runs bf16 natively; elsewhere an fp32 plan, which neither offloads the optimizer nor partitions its state.
+tiny-gpt at 5 MiB per rank: fit picks replicated optimizer offload of part of the parameters, partitioned.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import sys
 
 import pytest
 
-from autotune.devices.placement import cpu_has_native_bf16
-
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 COMMON = ["--model", "tiny-gpt", "--budget", "5MiB", "--device", "cpu", "--seq", "64", "--global-batch-size", "16",
           "--steps", "2"]
@@ -26,7 +23,7 @@ TRIAL_STEPS = "1"
 
 def _torchrun(script: str, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    env.update(AUTOTUNE_CACHE="off", AUTOTUNE_TRIAL_STEPS=TRIAL_STEPS)
+    env.update(AUTOTUNE_CACHE="off", AUTOTUNE_TRIAL_STEPS=TRIAL_STEPS, AUTOTUNE_CPU_BF16="1")  # bf16 on any CPU
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
@@ -47,10 +44,7 @@ def test_bench_multi_gpu_trains_the_plan_at_other_shares_and_micro_batches():
     assert out["reduce_other_way"]["tokens_per_second"] > 0
     # replicated: optimizer offload, or the optimizer state sharded over the ranks (its own sharding choice)
     assert out["world_size"] == 2 and out["sharding"] in ("none", "optimizer_state")
-    if cpu_has_native_bf16():
-        assert "optimizer offload" in out["plan"] or "optimizer state sharded" in out["plan"]
-    else:  # the plan trains in fp32 (bf16 would be emulated), where neither keeps 16-bit weights on the device
-        assert out["plan"].startswith("fp32") and "optimizer offload skipped" in out["reason"], out["reason"]
+    assert "optimizer offload" in out["plan"] or "optimizer state sharded" in out["plan"]
     assert out["ranks_agree"] and out["weights_agree_after_close"]
     first, second, third = out["shares"]
     assert first["variant"] == "0.5" and first["offload_fraction"] == 0.5
@@ -81,7 +75,8 @@ def test_bench_replicated_parts_times_each_variant():
 @pytest.mark.slow  # four runs (two ranks, a pair, one alone), each with a search
 def test_bench_rank_overhead_times_one_configuration_as_ranks_as_a_pair_and_alone(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    env.update(AUTOTUNE_TRIAL_STEPS=TRIAL_STEPS, PYTHON=sys.executable, AS="0.25@4", BUDGET="5MiB",
+    env.update(AUTOTUNE_TRIAL_STEPS=TRIAL_STEPS, AUTOTUNE_CPU_BF16="1", PYTHON=sys.executable, AS="0.25@4",
+               BUDGET="5MiB",
                BUDGET_SINGLE="8MiB", STEPS="2", GLOBAL="16",
                ARGS="--model tiny-gpt --device cpu --seq 64")
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "bench_rank_overhead.sh"), str(tmp_path)],

@@ -10,6 +10,7 @@ from torch import nn
 
 import autotune
 from autotune.devices import placement
+from autotune.errors import InvalidSetting
 from autotune.supervisor.zero_change import CPU_SCRIPT_BF16, resolve_target
 
 
@@ -34,7 +35,8 @@ def test_native_bf16_is_read_from_the_cpus_features(flags: str, native: bool) ->
 
 
 def test_a_cpu_without_native_bf16_gets_an_fp32_plan_that_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    # This machine's CPU may have native bf16; the decision is taken from the features read here.
+    # This machine's CPU may have native bf16; the decision is taken from the features read here, by default.
+    monkeypatch.delenv("AUTOTUNE_CPU_BF16", raising=False)
     monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda flags=None: False)
     plan = _fit()
     assert plan.precision == "fp32" and {t.rung.precision for t in plan.trials} == {"fp32"}, plan.trials
@@ -44,9 +46,29 @@ def test_a_cpu_without_native_bf16_gets_an_fp32_plan_that_says_why(monkeypatch: 
 
 
 def test_a_cpu_with_native_bf16_measures_bf16_in_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AUTOTUNE_CPU_BF16", raising=False)
     monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda flags=None: True)
     plan = _fit()
     assert "bf16" in {t.rung.precision for t in plan.trials}, plan.trials
     assert placement.NO_NATIVE_BF16 not in plan.reason
     # a script's bf16 flag stays off on the CPU: it is written for a GPU, and the reason says so
     assert resolve_target("cpu", None).bf16_off == CPU_SCRIPT_BF16
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_the_cpu_bf16_switch_overrides_the_cpus_features_either_way(monkeypatch: pytest.MonkeyPatch,
+                                                                     native: bool) -> None:
+    monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda flags=None: native)
+    monkeypatch.setenv("AUTOTUNE_CPU_BF16", "1")
+    plan = _fit()
+    assert "bf16" in {t.rung.precision for t in plan.trials}, plan.trials
+    assert placement.NO_NATIVE_BF16 not in plan.reason
+    monkeypatch.setenv("AUTOTUNE_CPU_BF16", "0")
+    plan = _fit()
+    assert {t.rung.precision for t in plan.trials} == {"fp32"}, plan.trials
+
+
+def test_a_garbage_cpu_bf16_switch_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOTUNE_CPU_BF16", "maybe")
+    with pytest.raises(InvalidSetting, match="AUTOTUNE_CPU_BF16='maybe' is neither on nor off"):
+        _fit()

@@ -6,6 +6,7 @@ blocks and picks it where it is the fastest that fits, and a bad value is refuse
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -191,9 +192,11 @@ def test_fit_measures_blocks_keeping_their_matmuls_beside_whole_blocks():
                         cache=False, trial_steps=1, techniques=("bf16", "checkpointing", "selective_recompute"))
     fitted = [t for t in plan.trials if t.fits]
     reach = max(t.micro_batch_size for t in fitted if t.rung.checkpointing == "none")
-    # measured as a candidate of its own: it fitted more samples than no recompute could
+    # a candidate of its own: measured, it fitted more samples than no recompute could; or, where the time model
+    # bounded it below what no recompute measured (a loaded machine's readings), skipped and said so
     kept = [t for t in fitted if t.rung.recompute_policy == "save_matmuls" and t.rung.checkpointing == "full"]
-    assert kept and max(t.micro_batch_size for t in kept) > reach
+    skipped = re.search(r"skipped \w+\+full ckpt keeping matmuls: at best [\d.,]+ samples/s", plan.reason)
+    assert (kept and max(t.micro_batch_size for t in kept) > reach) or skipped, (plan.trials, plan.reason)
 
 
 def test_the_policy_is_in_the_plans_dict_and_summary():

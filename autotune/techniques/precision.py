@@ -11,7 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..devices.placement import NO_NATIVE_BF16, Placement, bf16_supported
+from .. import settings
+from ..devices.placement import NO_NATIVE_BF16, Placement, bf16_supported, cpu_has_native_bf16
+from ..settings import CPU_BF16_ENV
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -20,10 +22,14 @@ def choose_precision(allow_16bit: bool, placement: Placement) -> tuple[str, str]
     """(precision, reason). BF16 when allowed and supported; FP16 when only that is (a GPU); else FP32."""
     if not allow_16bit:
         return "fp32", "fp32: 'bf16' is not among the allowed techniques"
+    if placement.simulated:  # fp16 on a CPU is emulated as well: bf16 or fp32
+        native = cpu_has_native_bf16()
+        if not settings.cpu_bf16():
+            return "fp32", f"fp32: {NO_NATIVE_BF16 if not native else f'{CPU_BF16_ENV}=0'}"
+        return "bf16", (f"bf16: supported on {placement.name}" if native else
+                        f"bf16: {CPU_BF16_ENV}=1, though this CPU emulates it (slower than fp32)")
     if bf16_supported(placement):
         return "bf16", f"bf16: supported on {placement.name}"
-    if placement.simulated:  # fp16 on a CPU is emulated as well
-        return "fp32", f"fp32: {NO_NATIVE_BF16}"
     return "fp16", f"fp16 with loss scaling: {placement.name} has no bf16 support"
 
 
