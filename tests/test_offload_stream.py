@@ -70,12 +70,10 @@ def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch,
     assert_same_state(s_opt, c_opt)
 
 
-def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exact(monkeypatch):
-    # What TrainingStep does when the last backward runs out of memory after segments were stepped from its
-    # hooks: abort(), drop the gradients, re-run, step. The aborted attempt wrote new weights on the device
-    # and new masters and moments into the spare buffers: abort puts the old weights back and nothing else
-    # changed, so the re-run's step is the serial CPU step's, bitwise, each parameter stepped once.
-    from test_offload import backward, host_optimizer, rerun_matches_serial
+def serial_and_streamed(monkeypatch, overlap):
+    """A seeded `Net`, its copy, one batch, the copy's serial CPU-stepped engine and the model's streamed one
+    (overlapped or not): the pair the abort and rung-switch tests compare bitwise."""
+    from test_offload import host_optimizer
 
     torch.manual_seed(0)
     model = Net()
@@ -84,8 +82,20 @@ def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exac
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
     serial = host_optimizer(ref, overlap=False)
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
-    host = host_optimizer(model, overlap=True)
-    assert isinstance(host, StreamedEngine) and host.overlap and not hasattr(host, "pipeline")
+    host = host_optimizer(model, overlap=overlap)
+    assert isinstance(host, StreamedEngine) and host.overlap == overlap
+    return model, ref, batch, serial, host
+
+
+def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exact(monkeypatch):
+    # What TrainingStep does when the last backward runs out of memory after segments were stepped from its
+    # hooks: abort(), drop the gradients, re-run, step. The aborted attempt wrote new weights on the device
+    # and new masters and moments into the spare buffers: abort puts the old weights back and nothing else
+    # changed, so the re-run's step is the serial CPU step's, bitwise, each parameter stepped once.
+    from test_offload import backward, rerun_matches_serial
+
+    model, ref, batch, serial, host = serial_and_streamed(monkeypatch, overlap=True)
+    assert not hasattr(host, "pipeline")
     assert host.stepper._spare is not None  # reserved when built, not in the first (timed) step
     masters = [m.clone() for m in host.shares.masters]
     host.arm()
@@ -107,17 +117,9 @@ def test_positions_an_aborted_attempt_stepped_are_not_streamed_again(monkeypatch
     # After a rung switch the positions an aborted attempt stepped keep that update (`keep_stepped`): the
     # streamed step leaves them as they are and streams the rest, as the CPU step does (after backward, also
     # where the plan overlaps: an overlapped step writes every segment of the share anew).
-    from test_offload import backward, host_optimizer
+    from test_offload import backward
 
-    torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    batch = batches(4, 1)[0]
-    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
-    serial = host_optimizer(ref, overlap=False)
-    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
-    host = host_optimizer(model, overlap=overlap)
-    assert isinstance(host, StreamedEngine) and host.overlap == overlap
+    model, ref, batch, serial, host = serial_and_streamed(monkeypatch, overlap=overlap)
     kept = set(host.shares.host_index[:2])
     assert host.keep_stepped(kept) == kept and serial.keep_stepped(kept) == kept
     before = [p.detach().clone() for p in model.parameters()]
