@@ -9,6 +9,7 @@ import traceback
 from typing import Any
 
 import pytest
+import ranks  # tests/ranks.py: how a test starts its ranks
 import torch
 import torch.multiprocessing as mp
 
@@ -61,7 +62,7 @@ def test_ranks_with_different_ceilings_agree_on_one_plan():
         # different ceilings, and a neighbour on rank 1: the plan has to fit there, and rank 0 must follow it
         budgets = [3 * 2**20, int(2.5 * 2**20)]
         ctx = mp.start_processes(_rank_main, args=(init_file, tmp, budgets), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+                                 start_method=ranks.START_METHOD)
         for _ in range(300):
             if ctx.join(timeout=1):
                 break

@@ -16,6 +16,7 @@ import traceback
 from types import SimpleNamespace
 
 import pytest
+import ranks  # tests/ranks.py: how a test starts its ranks
 import torch
 import torch.multiprocessing as mp
 from test_step import TOL, adamw, make_plan, sgd
@@ -208,7 +209,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str) -> None:
 def test_default_loss_on_two_ranks_equals_a_full_batch_step():
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_rank_main, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=False,
-                                 start_method="spawn")
+                                 start_method=ranks.START_METHOD)
         for _ in range(240):
             if ctx.join(timeout=1):
                 break

@@ -11,6 +11,7 @@ import tempfile
 import traceback
 
 import pytest
+import ranks  # tests/ranks.py: how a test starts its ranks
 
 WORLD, DIES = 3, 2
 TIMEOUT_S = 90
@@ -47,7 +48,7 @@ def test_a_rank_killed_in_a_step_is_named_by_node_and_local_rank() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_rank_main, args=(WORLD, os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+                                 start_method=ranks.START_METHOD)
         for p in ctx.processes:
             p.join(TIMEOUT_S)
         alive = [p for p in ctx.processes if p.is_alive()]
