@@ -4,9 +4,9 @@ share on the GPU with its state streamed over PCIe, and the two side by side.
 W1's host share (GPT-2 large, 89% of 774 M parameters, about 690 M) in chunks of 16 Mi elements. For each
 way, the time from "every 16-bit gradient is on the device" to "every 16-bit weight is back":
 
-- `cpu`: what `HostOptimizer` does after backward today: gradients to pinned host memory (2 bytes a
-  parameter), widened to FP32, torch's fused CPU AdamW over the FP32 masters, narrowed to 16 bits and sent
-  back, chunk by chunk (the copy back of one chunk overlaps the step of the next).
+- `cpu`: what the host-stepped engine (`HostSteppedEngine`) does after backward: gradients to pinned host
+  memory (2 bytes a parameter), widened to FP32, torch's fused CPU AdamW over the FP32 masters, narrowed to 16
+  bits and sent back, chunk by chunk (the copy back of one chunk overlaps the step of the next).
 - `stream`: FP32 master and both moments of a chunk copied to the device (12 bytes a parameter), stepped there
   by the fused CUDA AdamW, the 16-bit weight written in place and the three FP32 tensors copied back to the
   host (12 bytes), with copies in, the step and copies out on three streams over a ring of buffers.

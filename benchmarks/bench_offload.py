@@ -41,6 +41,7 @@ from workloads import build_gpt, cap_memory, environment
 import autotune
 from autotune.plan import Plan
 from autotune.sizes import parse_bytes
+from autotune.techniques.offload import HostSteppedEngine, StreamedEngine
 from autotune.techniques.offload import streamed as offload_stream
 from autotune.workload import batch as batches
 from autotune.workload.batching import solve_accumulation
@@ -116,7 +117,8 @@ def timed_optimizer(step: Any, device: str, record: dict[str, list[float]], *, s
     def step_and_time() -> None:
         sync(device)
         record["tail_start"].append(time.perf_counter())
-        pipeline, stepper = host.pipeline, host.stepper
+        pipeline = host.pipeline if isinstance(host, HostSteppedEngine) else None
+        stepper = host.stepper if isinstance(host, StreamedEngine) else None
         if stepper is not None:  # streamed: segments issued during the last backward, of all
             record["chunks_before_tail"].append(stepper.early if stepper.armed else 0)
             record["chunks_total"].append(stepper.segments if stepper.armed else 0)

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import build_gpt
 
 from autotune.plan import Plan
+from autotune.techniques.offload import HostOptimizer, StreamedEngine
 from autotune.training.step import TrainingStep
 from autotune.workload.batching import solve_accumulation
 
@@ -67,11 +68,13 @@ def _where(step: TrainingStep, model: torch.nn.Module) -> dict:
     bad = [i for i, p in enumerate(params) if not torch.isfinite(p).all()]
     host = getattr(step._applied, "optimizer", None)
     out = {"first_nonfinite": bad[:12]}
-    if hasattr(host, "device_index"):
-        out["nonfinite_in_device_share"] = len(set(bad) & set(host.device_index))
-        out["nonfinite_in_streamed_share"] = len(set(bad) & set(host.streamed_index))
-        out["device_share"], out["streamed_share"] = len(host.device_index), len(host.streamed_index)
-        stepper = getattr(host, "stepper", None)
+    if isinstance(host, HostOptimizer):
+        device_index = host.shares.device_index
+        streamed_index = host.shares.host_index if isinstance(host, StreamedEngine) else []
+        out["nonfinite_in_device_share"] = len(set(bad) & set(device_index))
+        out["nonfinite_in_streamed_share"] = len(set(bad) & set(streamed_index))
+        out["device_share"], out["streamed_share"] = len(device_index), len(streamed_index)
+        stepper = host.stepper if isinstance(host, StreamedEngine) else None
         if stepper is not None and stepper._steps:
             counts = [float(t) for t in stepper._steps.values()]
             out["stepper_counts"] = [min(counts), max(counts)]

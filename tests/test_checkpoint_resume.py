@@ -214,8 +214,8 @@ def offload_step_taken() -> tuple[Net, torch.optim.Optimizer, TrainingStep]:
 def test_the_checkpoint_under_optimizer_offload_is_the_masters_not_the_16_bit_copies():
     model, opt, step = offload_step_taken()
     saved = model.state_dict()
-    masters = {id(p): step.optimizer.master[i] for i, p in enumerate(step.optimizer.params)
-               if i in step.optimizer.master}
+    shares = step.optimizer.shares
+    masters = {id(p): shares.master[i] for i, p in enumerate(shares.params) if i in shares.master}
     named = dict(model.named_parameters())
     offloaded = [k for k, p in named.items() if p.dtype == torch.bfloat16]
     assert offloaded  # the Linear weights: 16-bit on the device, FP32 on the host (the norms' stay FP32)

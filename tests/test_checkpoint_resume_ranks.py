@@ -38,6 +38,7 @@ def _run(case: str, rank: int, world: int, folder: str, mode: str) -> dict:
     import torch.distributed as dist
     from test_checkpoint_resume import SAVED_AT, STEPS, Net, adamw, batch
 
+    from autotune.techniques.offload import HostOptimizer
     from autotune.techniques.sharding import shard
     from autotune.training.step import TrainingStep
 
@@ -62,7 +63,7 @@ def _run(case: str, rank: int, world: int, folder: str, mode: str) -> dict:
                 torch.save(state, ckpt)
             dist.barrier()
         step(batch(k + 10 * rank))  # each rank its own share of the global batch
-    partitioned = bool(getattr(host, "foreign", None)) or fsdp
+    partitioned = (isinstance(host, HostOptimizer) and bool(host.shares.foreign)) or fsdp
     step.close()
     final = _dcp_save(model, opt)["model"] if fsdp else model.state_dict()
     torch.save(final, os.path.join(folder, f"{case}.{mode}.rank{rank}.pt"))

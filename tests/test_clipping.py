@@ -132,7 +132,7 @@ def test_optimizer_offload_clips_the_host_gradients(precision):
     want_norm = float(torch.nn.utils.clip_grad_norm_(params, 0.05))
     assert want_norm > 0.05
     assert math.isclose(step.last_grad_norm, want_norm, rel_tol=1e-6)
-    for master, p in zip(step.optimizer.masters, params):  # the FP32 gradients the host optimizer stepped with
+    for master, p in zip(step.optimizer.shares.masters, params):  # the FP32 gradients the host optimizer stepped with
         assert (master.grad.double() - p.grad).norm() <= 1e-6 * p.grad.norm()
 
 

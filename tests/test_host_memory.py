@@ -11,7 +11,7 @@ from torch import nn
 
 from autotune.devices import host
 from autotune.techniques.host_need import model_bytes, offload_need, with_snapshot
-from autotune.techniques.offload import HostOptimizer
+from autotune.techniques.offload import HostOptimizer, StreamedEngine, build_engine
 from autotune.workload.optimizers import OptimizerSpec, state_tensors_per_parameter
 
 
@@ -52,8 +52,9 @@ class Net(nn.Module):
 
 def _host_bytes(host_opt: HostOptimizer) -> int:
     """Bytes of every host tensor the offload holds: masters, their gradients, the optimizer's state."""
-    tensors = [t for m in host_opt.master.values() for t in (m, m.grad)]
-    tensors += [v for s in host_opt.optimizer.state.values() for v in s.values() if v.dim()]
+    shares = host_opt.shares
+    tensors = [t for m in shares.master.values() for t in (m, m.grad)]
+    tensors += [v for s in shares.optimizer.state.values() for v in s.values() if v.dim()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -64,7 +65,7 @@ def test_offload_need_is_what_the_host_optimizer_allocates(fraction, monkeypatch
     model = Net()
     params = [p for p in model.parameters() if p.requires_grad]
     spec = OptimizerSpec.from_user(torch.optim.AdamW(params, lr=1e-3), model)
-    host_opt = HostOptimizer(params, spec, torch.bfloat16, fraction=fraction, overlap=False)
+    host_opt = build_engine(params, spec, torch.bfloat16, fraction=fraction, overlap=False)
     model(torch.randn(4, 32).to(torch.bfloat16)).backward()
     host_opt.step()  # the state appears at the first step
     need = offload_need(params, fraction=fraction, state_tensors=state_tensors_per_parameter(spec), cuda=False,
@@ -80,13 +81,13 @@ def test_the_streamed_step_allocates_its_need_and_no_host_gradients(monkeypatch)
     model = Net()
     params = [p for p in model.parameters() if p.requires_grad]
     spec = OptimizerSpec.from_user(torch.optim.AdamW(params, lr=1e-3), model)
-    host_opt = HostOptimizer(params, spec, torch.bfloat16, fraction=1.0, overlap=True)
-    assert host_opt.stepper is not None and host_opt.stream_overlap
+    host_opt = build_engine(params, spec, torch.bfloat16, fraction=1.0, overlap=True)
+    assert isinstance(host_opt, StreamedEngine) and host_opt.overlap and host_opt.stepper is not None
     model(torch.randn(4, 32).to(torch.bfloat16)).backward()
     host_opt.step()
     stepper = host_opt.stepper
-    assert all(m.grad is None for m in host_opt.master.values())  # it reads the device gradients
-    held = [host_opt._flat, stepper._m, stepper._v, *(stepper._spare or ())]
+    assert all(m.grad is None for m in host_opt.shares.master.values())  # it reads the device gradients
+    held = [host_opt.shares.flat, stepper._m, stepper._v, *(stepper._spare or ())]
     need = offload_need(params, fraction=1.0, state_tensors=state_tensors_per_parameter(spec), cuda=False,
                         streamed=True, overlap=True)
     assert need.gradients == 0

@@ -24,7 +24,14 @@ from autotune.evidence import Trial
 from autotune.plan import Plan
 from autotune.search.trial import OVERLAPPED
 from autotune.techniques import optimizer_8bit, parse_techniques
-from autotune.techniques.offload import HostOptimizer, host_share, norm_parameters
+from autotune.techniques.offload import (
+    HostOptimizer,
+    HostSteppedEngine,
+    StreamedEngine,
+    build_engine,
+    host_share,
+    norm_parameters,
+)
 from autotune.techniques.offload import pipeline as offload_pipeline
 from autotune.training.step import TrainingStep
 from autotune.workload.batching import global_step_seconds, solve_accumulation
@@ -99,7 +106,8 @@ def train(plan: Plan, data, monkeypatch, *, overlap: bool, make_opt=adamw, **kwa
 
 
 def stepped_by_worker(step: TrainingStep) -> int:
-    pipeline = step.optimizer.pipeline
+    engine = step.optimizer
+    pipeline = engine.pipeline if isinstance(engine, HostSteppedEngine) else None  # streamed: no pipeline
     return 0 if pipeline is None else pipeline.chunks_stepped
 
 
@@ -172,7 +180,7 @@ def test_partial_offload_steps_the_rest_on_the_device(monkeypatch, fraction):
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731 - an update proportional to the gradient
     partial_sgd, p_step, _ = train(make_plan(3, 8, fraction=fraction), data, monkeypatch, overlap=True, make_opt=sgd)
     full, f_step, _ = train(make_plan(3, 8), data, monkeypatch, overlap=True, make_opt=sgd)
-    host = step.optimizer
+    host = step.optimizer.shares
     assert 0 < host.fraction < 1 and abs(host.fraction - fraction) < 0.2
     params = list(got.parameters())
     masters = host.device_master
@@ -271,7 +279,7 @@ def test_a_budget_between_none_and_full_offload_gets_a_partial_share():
     for _ in range(2):
         step(batch)
     assert step.last_peak_bytes <= limit and step.recoveries == []
-    assert abs(step.optimizer.fraction - plan.offload_fraction) < 1e-12
+    assert abs(step.optimizer.shares.fraction - plan.offload_fraction) < 1e-12
     assert (step.optimizer.pipeline is not None) == plan.offload_overlap
     step.close()
 
@@ -298,7 +306,7 @@ def test_an_optimizer_over_the_top_layers_tunes_onto_a_partial_share_and_trains_
     m = copy.deepcopy(model)
     step = plan.apply(m, top_only(m))
     below = [p for layer in m.layers[:6] for p in layer.parameters()]
-    assert {id(p) for p in step.optimizer.params}.isdisjoint(map(id, below))  # no master, no state for them
+    assert {id(p) for p in step.optimizer.shares.params}.isdisjoint(map(id, below))  # no master, no state for them
     for _ in range(2):
         step(batch)
     assert step.recoveries == [] and step.last_peak_bytes <= 0.9 * budget
@@ -324,7 +332,7 @@ def test_a_partial_optimizer_under_offload_steps_as_plain_pytorch(fraction):
     user = top_only(got)
     plan = make_plan(4, 6, precision="fp32", fraction=fraction)  # 4 + 2 micro-batches
     with plan.apply(got, user) as step:
-        held = {id(p) for p in step.optimizer.params}
+        held = {id(p) for p in step.optimizer.shares.params}
         assert held == {id(p) for p in got.layers[6:].parameters()}  # no master or state for the lower layers
         for x in data:
             step(x)
@@ -345,8 +353,11 @@ def test_a_trial_overlaps_its_warm_up_and_measures_serial_steps_unless_asked(mon
     from autotune.workload.losses import resolve
 
     armed = []
-    original = HostOptimizer.arm
-    monkeypatch.setattr(HostOptimizer, "arm", lambda self, defer=False: (armed.append(1), original(self, defer))[1])
+    def counted(arm):
+        return lambda self, defer=False: (armed.append(1), arm(self, defer))[1]
+
+    for engine in (HostSteppedEngine, StreamedEngine):
+        monkeypatch.setattr(engine, "arm", counted(engine.arm))
     model = Net()
     work = Workload(model=model, batch=batches(4, 1)[0], loss_fn=resolve(None),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=HUGE,
@@ -431,8 +442,8 @@ def test_8bit_state_is_chosen_when_it_is_the_only_thing_that_fits():
 # -- an attempt that fails in the armed backward ----------------------------------------------------------------
 
 def host_optimizer(model: nn.Module, *, overlap: bool) -> HostOptimizer:
-    return HostOptimizer(list(model.parameters()), OptimizerSpec.from_user(None, model), torch.bfloat16,
-                         keep_fp32=norm_parameters(model), overlap=overlap)
+    return build_engine(list(model.parameters()), OptimizerSpec.from_user(None, model), torch.bfloat16,
+                        keep_fp32=norm_parameters(model), overlap=overlap)
 
 
 def backward(model: nn.Module, batch) -> None:
@@ -451,7 +462,8 @@ def rerun_matches_serial(host: HostOptimizer, serial: HostOptimizer, model: nn.M
     backward(ref, batch)
     serial.step()
     assert_bitwise(model, ref)
-    assert sorted(float(s["step"]) for s in host.optimizer.state.values()) == [1.0] * len(list(model.parameters()))
+    steps = sorted(float(s["step"]) for s in host.shares.optimizer.state.values())
+    assert steps == [1.0] * len(list(model.parameters()))
 
 
 def test_chunks_stepped_before_an_aborted_backward_are_not_stepped_again():

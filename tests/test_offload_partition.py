@@ -25,6 +25,7 @@ TIMEOUT_S = 240
 def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None):
     from test_offload import Net, adamw
 
+    from autotune.techniques.offload import StreamedEngine
     from autotune.training.step import TrainingStep
 
     os.environ["AUTOTUNE_OFFLOAD_PARTITION"] = "1" if partition else "0"
@@ -38,9 +39,9 @@ def _train(plan, rank: int, *, partition: bool, stream: bool, clip: float | None
     for _ in range(3):
         step((torch.randn(5, 5, 3, generator=g), torch.randn(5, 5, generator=g)))
         peaks.append(step.last_peak_bytes)
-    host = step.optimizer
+    host = step.optimizer.shares
     layout = {"host": host.host_index, "device": host.device_index, "foreign": host.foreign,
-              "stepper": host.stepper is not None}
+              "stepper": isinstance(step.optimizer, StreamedEngine)}
     trained = [p.detach().clone() for p in model.parameters()]
     saved = opt.state_dict()  # through the user's optimizer: gathered from every rank
     state = copy.deepcopy(saved["state"])  # as saved (loading it below lets the optimizer step its tensors in place)

@@ -15,6 +15,7 @@ import torch
 from test_offload import Net, Wide, adamw, assert_bitwise, batches, make_plan, second_step_peak
 
 import autotune
+from autotune.techniques.offload import StreamedEngine
 from autotune.techniques.offload import pipeline as offload_pipeline
 from autotune.techniques.offload import streamed as offload_stream
 from autotune.training.step import TrainingStep
@@ -36,7 +37,7 @@ def train(plan, data, monkeypatch, *, stream: bool, overlap: bool, make_opt=adam
     model = Net()
     opt = make_opt(model.parameters())
     step = TrainingStep(plan, model, opt, **kwargs)
-    assert (step.optimizer.stepper is not None) == stream
+    assert isinstance(step.optimizer, StreamedEngine) == stream
     for b in data:
         step(b)
     return model, step, opt
@@ -58,9 +59,9 @@ def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch,
     cpu, c_step, c_opt = train(plan, data, monkeypatch, stream=False, overlap=False, max_grad_norm=clip)
     streamed, s_step, s_opt = train(plan, data, monkeypatch, stream=True, overlap=overlap, max_grad_norm=clip)
     host = s_step.optimizer
-    assert host.streamed_index and set(host.streamed_index) == set(host.host_index)  # the device steps all of it
+    assert isinstance(host, StreamedEngine) and host.shares.host_index  # the device steps all of it
     assert_bitwise(streamed, cpu)
-    assert s_step.optimizer.pipeline is None  # streamed, the stepper overlaps on its own
+    assert not hasattr(host, "pipeline")  # streamed, the stepper overlaps on its own
     # overlapped, segments were stepped during the last backward; clipped, the factor comes after it: none
     assert (s_step.optimizer.stepper.early > 0) == (overlap and clip is None), s_step.optimizer.stepper.early
     c_step.close()
@@ -69,12 +70,10 @@ def test_the_streamed_step_gives_the_cpu_steps_parameters_and_state(monkeypatch,
     assert_same_state(s_opt, c_opt)
 
 
-def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exact(monkeypatch):
-    # What TrainingStep does when the last backward runs out of memory after segments were stepped from its
-    # hooks: abort(), drop the gradients, re-run, step. The aborted attempt wrote new weights on the device
-    # and new masters and moments into the spare buffers: abort puts the old weights back and nothing else
-    # changed, so the re-run's step is the serial CPU step's, bitwise, each parameter stepped once.
-    from test_offload import backward, host_optimizer, rerun_matches_serial
+def serial_and_streamed(monkeypatch, overlap):
+    """A seeded `Net`, its copy, one batch, the copy's serial CPU-stepped engine and the model's streamed one
+    (overlapped or not): the pair the abort and rung-switch tests compare bitwise."""
+    from test_offload import host_optimizer
 
     torch.manual_seed(0)
     model = Net()
@@ -83,19 +82,59 @@ def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exac
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "0")
     serial = host_optimizer(ref, overlap=False)
     monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
-    host = host_optimizer(model, overlap=True)
-    assert host.stream_overlap and host.pipeline is None
+    host = host_optimizer(model, overlap=overlap)
+    assert isinstance(host, StreamedEngine) and host.overlap == overlap
+    return model, ref, batch, serial, host
+
+
+def test_an_overlapped_backward_that_fails_leaves_no_trace_and_the_rerun_is_exact(monkeypatch):
+    # What TrainingStep does when the last backward runs out of memory after segments were stepped from its
+    # hooks: abort(), drop the gradients, re-run, step. The aborted attempt wrote new weights on the device
+    # and new masters and moments into the spare buffers: abort puts the old weights back and nothing else
+    # changed, so the re-run's step is the serial CPU step's, bitwise, each parameter stepped once.
+    from test_offload import backward, rerun_matches_serial
+
+    model, ref, batch, serial, host = serial_and_streamed(monkeypatch, overlap=True)
+    assert not hasattr(host, "pipeline")
     assert host.stepper._spare is not None  # reserved when built, not in the first (timed) step
-    masters = [m.clone() for m in host.masters]
+    masters = [m.clone() for m in host.shares.masters]
     host.arm()
     old = [p.detach().clone() for p in model.parameters()]
     backward(model, batch)
     assert host.stepper.early > 0 and not all(torch.equal(p, q) for p, q in zip(model.parameters(), old))
     host.abort()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old))  # the old weights are back
-    assert all(torch.equal(m, q) for m, q in zip(host.masters, masters))  # the masters untouched
+    assert all(torch.equal(m, q) for m, q in zip(host.shares.masters, masters))  # the masters untouched
     rerun_matches_serial(host, serial, model, ref, batch)
-    assert_same_state(host.optimizer, serial.optimizer)
+    assert_same_state(host.shares.optimizer, serial.shares.optimizer)
+    host.restore()
+    serial.restore()
+    assert_bitwise(model, ref)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_positions_an_aborted_attempt_stepped_are_not_streamed_again(monkeypatch, overlap):
+    # After a rung switch the positions an aborted attempt stepped keep that update (`keep_stepped`): the
+    # streamed step leaves them as they are and streams the rest, as the CPU step does (after backward, also
+    # where the plan overlaps: an overlapped step writes every segment of the share anew).
+    from test_offload import backward
+
+    model, ref, batch, serial, host = serial_and_streamed(monkeypatch, overlap=overlap)
+    kept = set(host.shares.host_index[:2])
+    assert host.keep_stepped(kept) == kept and serial.keep_stepped(kept) == kept
+    before = [p.detach().clone() for p in model.parameters()]
+    host.arm()
+    backward(model, batch)
+    assert not host.stepper.armed
+    host.step()
+    backward(ref, batch)
+    serial.step()
+    assert_bitwise(model, ref)
+    params = list(model.parameters())
+    assert all(torch.equal(params[i], before[i]) for i in kept)
+    assert not any(torch.equal(params[i], before[i]) for i in set(host.shares.host_index) - kept)
+    assert not any(host.shares.optimizer.state.get(host.shares.master[i]) for i in kept)  # never stepped
+    assert_same_state(host, serial)  # in the user's layout
     host.restore()
     serial.restore()
     assert_bitwise(model, ref)
@@ -108,10 +147,10 @@ def test_a_grad_scaler_or_another_optimizer_keeps_the_cpu_step(monkeypatch):
                                 ("bf16", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))):
         model = Net()
         steps.append(TrainingStep(make_plan(4, 8, precision=precision), model, make_opt(model.parameters())))
-    streamed, fp16, sgd = (s.optimizer.stepper for s in steps)
-    assert streamed is not None  # the control: AdamW under bf16 streams
-    assert fp16 is None  # a GradScaler's unscale and inf check run on the host gradients
-    assert sgd is None
+    streamed, fp16, sgd = (isinstance(s.optimizer, StreamedEngine) for s in steps)
+    assert streamed  # the control: AdamW under bf16 streams
+    assert not fp16  # a GradScaler's unscale and inf check run on the host gradients
+    assert not sgd
     assert "SGD" in offload_stream.streamable(torch.optim.SGD(Net().parameters(), lr=0.1))
     assert "amsgrad" in offload_stream.streamable(torch.optim.Adam(Net().parameters(), amsgrad=True))
     for s in steps:
@@ -134,7 +173,7 @@ def test_a_loaded_state_is_streamed_from_where_it_was_left(monkeypatch):
         opt = adamw(model.parameters())
         opt.load_state_dict(saved)
         second = TrainingStep(plan, model, opt)
-        assert (second.optimizer.stepper is not None) == stream
+        assert isinstance(second.optimizer, StreamedEngine) == stream
         for b in data[1:]:
             second(b)
         second.close()
@@ -160,7 +199,7 @@ def test_on_cuda_the_streamed_step_matches_the_cpu_step_within_fp32_rounding(mon
         before = copy.deepcopy(model)
         plan = make_plan(3, 8).with_config(offload_overlap=True if overlap else None).with_provenance(device="cuda")
         step = TrainingStep(plan, model, adamw(model.parameters()))
-        assert (step.optimizer.stepper is not None) == stream
+        assert isinstance(step.optimizer, StreamedEngine) == stream
         step(batch)
         if stream:  # overlapped: segments issued from the last backward's hooks, on the GPU's streams
             assert (step.optimizer.stepper.early > 0) == overlap, step.optimizer.stepper.early
@@ -188,12 +227,12 @@ def test_on_cuda_step_counts_are_not_overwritten_by_work_queued_for_their_memory
     plan = make_plan(4, 4).with_config(offload_overlap=True).with_provenance(device="cuda")
     step = TrainingStep(plan, model, adamw(model.parameters()))
     host = step.optimizer
-    assert host.stepper is not None and host.stream_overlap
+    assert isinstance(host, StreamedEngine) and host.stepper is not None and host.overlap
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))  # about a second of the current stream's queue ahead of what follows
-    junk = [torch.empty((), device="cuda") for _ in range(4 * len(host.streamed_index))]
+    junk = [torch.empty((), device="cuda") for _ in range(4 * len(host.shares.host_index))]
     for t in junk:
         t.zero_()  # queued behind the sleep
     del junk  # freed now, written later: their blocks go to the next small tensors, the counts

@@ -21,6 +21,7 @@ import autotune
 from autotune.cache.store import PlanCache
 from autotune.errors import NoFeasiblePlan
 from autotune.plan import Plan
+from autotune.techniques.offload import HostOptimizer
 from autotune.training.step import TrainingStep
 from autotune.workload.batching import solve_accumulation
 
@@ -273,10 +274,10 @@ def test_optimizer_offload_keeps_the_users_optimizer_consistent():
     batches = [seq_batch(8, 6, seed=s, dtype=torch.float32) for s in range(2)]
     for b in batches:
         assert math.isfinite(step(b))
-    assert type(step.optimizer).__name__ == "HostOptimizer"
+    assert isinstance(step.optimizer, HostOptimizer)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # 16-bit on the device
     # Nothing stale in the user's optimizer: its state is the host optimizer's own (no device copy).
-    host_state = [step.optimizer.optimizer.state[m] for m in step.optimizer.masters]
+    host_state = [step.optimizer.shares.optimizer.state[m] for m in step.optimizer.shares.masters]
     assert len(opt.state) == len(host_state) and all(any(s is h for h in host_state) for s in opt.state.values())
     with pytest.raises(RuntimeError, match="offload"):
         opt.step()
@@ -307,7 +308,7 @@ def test_optimizer_offload_load_state_dict_goes_to_the_host():
     checkpoint = copy.deepcopy(opt.state_dict())
     step(seq_batch(8, 6, seed=1, dtype=torch.float32))
     opt.load_state_dict(checkpoint)  # resume from the checkpoint taken after one step
-    host_state = [step.optimizer.optimizer.state[m] for m in step.optimizer.masters]
+    host_state = [step.optimizer.shares.optimizer.state[m] for m in step.optimizer.shares.masters]
     assert all(any(s is h for h in host_state) for s in opt.state.values())  # the host's, loaded
     assert all(float(s["step"]) == 1 for s in opt.state_dict()["state"].values())
 
@@ -466,7 +467,7 @@ def test_recovery_into_optimizer_offload_carries_the_optimizer_state():
     assert math.isfinite(step(long))
     assert step.plan.offload == "optimizer" and step.plan.micro_batch_size == 1
     assert [r.micro_step for r in step.recoveries] == [0, 0]
-    host_state = [step.optimizer.optimizer.state[m] for m in step.optimizer.masters]
+    host_state = [step.optimizer.shares.optimizer.state[m] for m in step.optimizer.shares.masters]
     assert all(any(s is h for h in host_state) for s in opt.state.values())  # the host's, not a stale copy
     # One AdamW step per batch: the failed attempts never reached the optimizer, and its state moved on.
     assert all(float(s["step"]) == 2 for s in opt.state_dict()["state"].values())

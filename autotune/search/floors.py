@@ -21,7 +21,7 @@ def resident_floor(rung: Rung, model: nn.Module, state_tensors: int, *, scratch:
     rungs out, not a line's intercept, which the activations' peak sets while the step's comes later.
 
     An FSDP2 rank holds only its shard of each parameter (and of its gradient and state); under optimizer
-    offload a shard keeps its FP32 weight and gradient (see `HostOptimizer`); and a unit gathered whole for
+    offload a shard keeps its FP32 weight and gradient (see offload's `Shares`); and a unit gathered whole for
     its forward and backward on top (`sharded_transients`).
     """
     on_device = rung.offload != "optimizer" and not rung.optimizer_8bit
@@ -87,7 +87,7 @@ def _state_floor(rung: Rung, model: nn.Module, state_tensors: int) -> int:
     trainable = [p for p in params if p.requires_grad]
     if rung.offload == "optimizer":  # each weight and gradient at its device dtype: 2 bytes from FP32
         def size(p: nn.Parameter) -> int:
-            if is_shard(p):  # an FSDP2 shard keeps its dtype (see HostOptimizer)
+            if is_shard(p):  # an FSDP2 shard keeps its dtype (see offload's Shares)
                 return _held(p) * p.element_size()
             return _held(p) * torch.empty((), dtype=device_dtype(p, torch.bfloat16)).element_size()
         return sum(size(p) for p in params) + sum(size(p) for p in trainable)

@@ -32,7 +32,7 @@ from .. import parallel as distributed
 from ..configuration import Rung
 from ..devices.placement import Placement, release_memory
 from ..techniques import AppliedRung
-from ..techniques.offload import HostOptimizer, host_buffers
+from ..techniques.offload import HostOptimizer, HostSteppedEngine, StreamedEngine, host_buffers
 
 Key = tuple[Rung, float, bool, str]  # the rung, its host share, whether the measured steps overlap, its sharding
 
@@ -84,8 +84,8 @@ def keeps(applied: AppliedRung, placement: Placement) -> bool:
     """Whether `applied`, whose trial ran its steps, may stay on the model for the next trial."""
     engine = applied.optimizer
     return (bool(_keeping) and isinstance(engine, HostOptimizer) and applied.scaler is None
-            and engine.partition is None and not distributed.active() and host_buffers.pooling()
-            and not (placement.simulated and engine.stepper is not None))
+            and engine.shares.partition is None and not distributed.active() and host_buffers.pooling()
+            and not (placement.simulated and isinstance(engine, StreamedEngine)))
 
 
 def keep(key: Key, applied: AppliedRung, placement: Placement) -> int:
@@ -94,10 +94,12 @@ def keep(key: Key, applied: AppliedRung, placement: Placement) -> int:
     engine = applied.optimizer
     assert isinstance(engine, HostOptimizer), "only optimizer offload's rung is kept"
     engine.discard_state()  # the next trial starts from no state, as a freshly built engine does
-    if engine.pipeline is not None:
-        engine.pipeline.stop_worker()
+    staging = 0  # pinned, outside the pool
+    if isinstance(engine, HostSteppedEngine):
+        if engine.pipeline is not None:
+            engine.pipeline.stop_worker()
+        staging = sum(t.numel() * t.element_size() for t in engine.copies.staging.values())
     reused, held = host_buffers.hold()
-    staging = sum(t.numel() * t.element_size() for t in engine._staging.values())  # pinned, outside the pool
     _kept[:] = [Kept(key=key, applied=applied, placement=placement, host_bytes=held + staging)]
     COUNTS.kept += 1
     return reused
@@ -125,7 +127,8 @@ def resident(applied: AppliedRung) -> list[torch.Tensor]:
     engine = applied.optimizer
     if not isinstance(engine, HostOptimizer):
         return []
-    return [m for i, m in engine.device_master.items() if m is not engine.params[i]]
+    shares = engine.shares
+    return [m for i, m in shares.device_master.items() if m is not shares.params[i]]
 
 
 def release() -> None:

@@ -8,7 +8,7 @@ share, by memory arithmetic on the measured peak of full offload, then checked b
 
     peak(share kept on the device) ~ peak(full offload) + sum over kept parameters of bytes_to_device(p)
 
-`HostOptimizer` keeps the first parameters in model order on the device (`host_share`), so the arithmetic
+Optimizer offload keeps the first parameters in model order on the device (`host_share`), so the arithmetic
 walks them in that order and keeps as many as the room allows.
 """
 
@@ -125,7 +125,7 @@ def _costs(params: Sequence[nn.Parameter], state_tensors: int, keep_fp32: Collec
 
 def _dearest_run(costs: Sequence[int], numels: Sequence[int], kept: int, ranks: int) -> int:
     """What keeping the first `kept` parameters on the device costs the rank whose run of them costs most (the
-    only rank, unpartitioned): the runs `HostOptimizer`'s partition cuts, balanced by elements."""
+    only rank, unpartitioned): the runs the shares' partition cuts, balanced by elements."""
     # fewer than the ranks: every rank steps all of them (techniques/offload/partition.py)
     if ranks <= 1 or kept < ranks:
         return sum(costs[:kept])

@@ -22,8 +22,8 @@ from . import attention_lengths, checkpointing, fp8, optimizer_8bit
 from . import compile as compiling
 from .blocks import BlockGroup
 from .ladder import block_count
-from .offload import HostOptimizer, norm_parameters, offload_of
 from .offload import activations as saved_activations
+from .offload import build_engine, norm_parameters, offload_of
 from .precision import autocast_factory, make_scaler
 
 
@@ -84,7 +84,7 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
                offload_fraction: float = 1.0, overlap: bool | None = None, sharding: str = "none") -> AppliedRung:
     """Put `rung` on `model`; the optimizer is `optimizer` if given, else a fresh one from `spec`.
 
-    Under optimizer offload the returned optimizer is a `HostOptimizer` built from `spec` (with
+    Under optimizer offload the returned optimizer is a `HostOptimizer` (`build_engine`) built from `spec` (with
     `optimizer`'s state, when given, moved into it), holding `offload_fraction` of the parameters on the host,
     stepping them during the last backward unless `overlap` is False (`Plan.offload_overlap`).
     `sharding` is the plan's: "optimizer_state" partitions the optimizer state over the replicated ranks, which
@@ -123,8 +123,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(rung.precision, torch.float32)
             held = [trainable[i] for i in spec.held()]  # no master or state for a parameter no group holds
             started = time.perf_counter()
-            opt: Any = HostOptimizer(held, spec.over_held(), dtype, scaler, state, keep_fp32=norm_parameters(model),
-                                     fraction=0.0 if partitioned else offload_fraction, overlap=overlap)
+            opt: Any = build_engine(held, spec.over_held(), dtype, scaler, state, keep_fp32=norm_parameters(model),
+                                    fraction=0.0 if partitioned else offload_fraction, overlap=overlap)
             host_seconds = time.perf_counter() - started  # masters, moments, pinned buffers: a trial's phase
             undo.append(opt.restore)
         elif rung.optimizer_8bit:  # a given 8-bit optimizer is kept (recovery); the user's FP32 one is not

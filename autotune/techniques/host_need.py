@@ -8,7 +8,7 @@ master and moments (the step writes into it, so an attempt that runs out of memo
 intact). Partitioned over replicated ranks, each rank holds 1/world of that. Every configuration of a tune
 also holds `fit`'s copy of the model, to put it back afterwards.
 
-The figures are what `HostOptimizer` allocates (its large buffers pinned at their exact size:
+The figures are what the engines allocate (its large buffers pinned at their exact size:
 `offload/pinned.py`), so a configuration over the host budget is refused before it allocates anything (the
 process is never left to the kernel's OOM killer).
 """

@@ -1,6 +1,6 @@
-"""The user's optimizer under optimizer offload: kept consistent with the `HostOptimizer` that replaced it.
+"""The user's optimizer under optimizer offload: kept consistent with the engine that replaced it.
 
-Under the optimizer-offload rung, `apply_rung` builds a `HostOptimizer` from the user's optimizer (its
+Under the optimizer-offload rung, `apply_rung` builds an engine (a `HostOptimizer`) from the user's optimizer (its
 class, hyperparameters and state) and steps that instead. Left alone, the user's optimizer object would go
 stale without a word: its state frozen at the switch (and still holding device memory the rung is meant
 to free), an LR scheduler writing to groups nobody reads, a checkpoint of `optimizer.state_dict()`
@@ -18,7 +18,7 @@ from torch import nn
 from ..devices.shards import is_shard
 from ..errors import is_oom
 from ..sizes import format_bytes
-from ..techniques.offload import HostOptimizer
+from ..techniques.offload import Shares
 from .state_hooks import StateHooks
 
 log = logging.getLogger(__name__)
@@ -30,10 +30,10 @@ def _empty_device_cache() -> None:
 
 
 class OffloadLink(StateHooks):
-    """Keeps the user's optimizer consistent while its state lives in a `HostOptimizer`.
+    """Keeps the user's optimizer consistent while its state lives in an engine's `Shares`.
 
     Parameters pair up by position: the k-th trainable parameter of the user's groups owns the k-th entry
-    of `HostOptimizer.owners()` (a host master, or under partial offload the parameter itself, stepped by
+    of `Shares.owners()` (a host master, or under partial offload the parameter itself, stepped by
     the device share's optimizer).
     """
 
@@ -41,10 +41,10 @@ class OffloadLink(StateHooks):
     _REFUSAL = ("autotune: this optimizer's state lives on the host under the plan's optimizer offload; step through "
                 "the TrainingStep (loss = step(batch)), not optimizer.step(). step.close() hands the state back.")
 
-    def __init__(self, user: torch.optim.Optimizer, host: HostOptimizer) -> None:
+    def __init__(self, user: torch.optim.Optimizer, shares: Shares) -> None:
         super().__init__(user)
-        self.host: HostOptimizer | None = host
-        owners = host.owners()  # held here: HostOptimizer.restore() lets go of its optimizers before close()
+        self.shares: Shares | None = shares
+        owners = shares.owners()  # held here: the engine's restore() lets go of its optimizers before close()
         self.pairs: list[tuple[int, nn.Parameter, torch.optim.Optimizer, torch.Tensor]] = []
         index = 0
         for group in user.param_groups:
@@ -67,8 +67,8 @@ class OffloadLink(StateHooks):
 
     def sync_hyperparameters(self) -> None:
         """Copy lr, betas, weight decay... from the user's groups (an LR scheduler writes there)."""
-        if self.host is not None:
-            self.host.sync_hyperparameters(self.user.param_groups, self._NOT_COPIED)
+        if self.shares is not None:
+            self.shares.sync_hyperparameters(self.user.param_groups, self._NOT_COPIED)
 
     def close(self) -> None:
         """Remove the hooks and load the host state back into the user's optimizer.
@@ -84,7 +84,7 @@ class OffloadLink(StateHooks):
             if not is_oom(exc):
                 raise
             self._keep_on_host(exc)
-        self.host = None
+        self.shares = None
         self.pairs = []
 
     def _keep_on_host(self, exc: BaseException) -> None:
@@ -106,15 +106,15 @@ class OffloadLink(StateHooks):
                     format_bytes(nbytes), str(exc).splitlines()[0][:120])
 
     def _saved_state(self) -> dict[int, Any]:
-        if self.host is not None:
-            self.host.gather()  # partitioned over ranks: the other ranks' state (a collective)
+        if self.shares is not None:
+            self.shares.gather()  # partitioned over ranks: the other ranks' state (a collective)
         return {i: _like_param(opt.state[key], p) for i, p, opt, key in self.pairs if opt.state.get(key)}
 
     def _take_state(self, state: dict[int, Any]) -> None:
         # The user loaded a checkpoint into their optimizer: move its state, unrounded, into the host optimizer.
         owned = {k: state[index] for k, (index, _, _, _) in enumerate(self.pairs) if index in state}
-        if self.host is not None:
-            self.host.load_user_state({"state": owned})
+        if self.shares is not None:
+            self.shares.load_user_state({"state": owned})
         self.mirror()
         self.sync_hyperparameters()
 

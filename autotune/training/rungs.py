@@ -68,9 +68,9 @@ class RungInForce:
                 self._links.append(EightBitLink(self.device_optimizer, applied.optimizer))
         elif self.offload.engaged:
             self.offload.for_training()  # partitioned over ranks: close() gathers weights and state
-            self._links.append(ModelLink(self.model, applied.optimizer))
+            self._links.append(ModelLink(self.model, applied.optimizer.shares))
             if self.device_optimizer is not None:
-                self._offload_link = OffloadLink(self.device_optimizer, applied.optimizer)
+                self._offload_link = OffloadLink(self.device_optimizer, applied.optimizer.shares)
         elif self.device_optimizer is None:
             self.device_optimizer = applied.optimizer  # built from the spec: keep its state across rungs
 

@@ -1,5 +1,6 @@
-"""The CPU engine's copies between device and host: device gradients into the FP32 host gradient buffers, and
-updated masters back into the device weights (through pinned staging buffers and a side stream on CUDA)."""
+"""The host-stepped engine's copies between device and host: device gradients into the FP32 host gradient
+buffers, and updated masters back into the device weights (on CUDA, through pinned staging buffers in the
+device weights' dtype and a side stream, while the pipeline overlaps backward)."""
 
 from __future__ import annotations
 
@@ -7,71 +8,92 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from ...devices.ceiling import host_memory
 from .local import local_part
+from .shares import Shares
 
 
 class HostCopies:
-    """Gradients to the host and weights back for a `HostOptimizer`, which inherits it (its fields are set
-    there)."""
+    """The FP32 host gradient of each host master (its `.grad` in a step where its parameter got a gradient,
+    None in one where it did not, so the CPU optimizer skips it as torch would) and, overlapped on CUDA, the
+    pinned staging buffers and side stream the copies run through."""
 
-    params: list[nn.Parameter]
-    master: dict[int, torch.Tensor]
-    _grads: dict[int, torch.Tensor]
-    _staging: dict[int, torch.Tensor]
-    _stream: Any
+    def __init__(self, shares: Shares) -> None:
+        self.shares = shares
+        self.grads = {i: m.grad for i, m in shares.master.items() if m.grad is not None}
+        self.staging: dict[int, torch.Tensor] = {}  # CUDA only: pinned buffers in the device weights' dtype
+        self.stream: Any = None
 
-    def _stage(self, i: int, grad: torch.Tensor) -> None:
+    def stage_through(self, stream: Any) -> None:
+        """CUDA: one pinned buffer per host parameter in the device weight's dtype (gradient out, weight back),
+        copied on `stream`."""
+        shares = self.shares
+        self.staging = {i: torch.empty(shares.master[i].shape, dtype=shares.params[i].dtype, pin_memory=True)
+                        for i in shares.host_index}
+        self.stream = stream
+
+    def stage(self, i: int, grad: torch.Tensor) -> None:
         # on the side stream, in the hook (see the pipeline)
-        self._staging[i].copy_(local_part(grad), non_blocking=True)
+        self.staging[i].copy_(local_part(grad), non_blocking=True)
 
-    def _host_grad(self, i: int) -> torch.Tensor:
-        """The FP32 gradient buffer of host master `i`: the CPU step's engine gives each one (`give_gradients`)."""
-        return self._grads[i]
-
-    def _land(self, i: int) -> None:
-        if self._staging:
-            source = self._staging[i]
+    def land(self, i: int) -> None:
+        """Position i's gradient, staged or on the device, into its FP32 host gradient."""
+        if self.staging:
+            source = self.staging[i]
         else:
-            grad = self.params[i].grad
+            grad = self.shares.params[i].grad
             assert grad is not None, f"parameter {i} landed before backward made its gradient"
             source = local_part(grad)
-        self._host_grad(i).copy_(source)
-        self.master[i].grad = self._host_grad(i)  # (a worker-thread write: the main thread reads it after `drain`)
+        self.grads[i].copy_(source)
+        self.shares.master[i].grad = self.grads[i]  # (a worker-thread write: the main thread reads it after `drain`)
 
-    def _copy_grads(self, indices: Sequence[int]) -> None:
+    def copy_grads(self, indices: Sequence[int]) -> None:
         """The device gradients at `indices` into their FP32 host masters' (host-side copies: on the
         simulated device, not device memory); a master whose parameter got none has no gradient this step."""
+        master = self.shares.master
         with host_memory():
             for i in indices:
-                grad = self.params[i].grad
+                grad = self.shares.params[i].grad
                 if grad is None:
-                    self.master[i].grad = None
+                    master[i].grad = None
                 else:
-                    self._host_grad(i).copy_(local_part(grad), non_blocking=True)
-                    self.master[i].grad = self._host_grad(i)
+                    self.grads[i].copy_(local_part(grad), non_blocking=True)
+                    master[i].grad = self.grads[i]
 
-    def _live_host_grads(self, indices: Sequence[int]) -> list[torch.Tensor]:
-        """The FP32 host gradients of those `indices` that got a gradient this step (`_copy_grads`)."""
-        return [g for g in (self.master[i].grad for i in indices) if g is not None]
+    def live(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """The FP32 host gradients of those `indices` that got a gradient this step (`copy_grads`)."""
+        return [g for g in (self.shares.master[i].grad for i in indices) if g is not None]
 
-    def _write_back(self, indices: Sequence[int]) -> None:
+    def narrow(self, indices: Sequence[int]) -> None:
+        """Updated masters into their staging buffers, narrowed on the CPU: 2 bytes a parameter cross PCIe."""
+        for i in indices:
+            self.staging[i].copy_(self.shares.master[i])
+
+    def write_back(self, indices: Sequence[int]) -> None:
         """Updated masters into the device weights (narrowed to their dtype)."""
-        if self._staging:
-            for i in indices:
-                self._staging[i].copy_(self.master[i])  # narrowed on the CPU: 2 bytes a parameter cross PCIe
-            self._send_back(indices)
+        if self.staging:
+            self.narrow(indices)
+            self.send_back(indices)
             return
         for i in indices:
-            local_part(self.params[i].data).copy_(self.master[i], non_blocking=True)
+            local_part(self.shares.params[i].data).copy_(self.shares.master[i], non_blocking=True)
 
-    def _send_back(self, indices: Sequence[int]) -> None:
+    def send_back(self, indices: Sequence[int]) -> None:
         """Staged weights host to device on the side stream (the simulated device has no staging)."""
-        if not self._staging:
-            self._write_back(indices)
+        if not self.staging:
+            self.write_back(indices)
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self.stream):
             for i in indices:
-                local_part(self.params[i].data).copy_(self._staging[i], non_blocking=True)
+                local_part(self.shares.params[i].data).copy_(self.staging[i], non_blocking=True)
+
+    def settle(self) -> None:
+        """The current stream (the next forward) waits for the weights sent back on the side stream."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.shares.params[0].device).wait_stream(self.stream)
+
+    def release(self) -> None:
+        """Let go of the host gradients and staging buffers (the offload is undone)."""
+        self.grads = {}
+        self.staging = {}

@@ -2,11 +2,12 @@
 
 Replicated, every rank holds the same summed gradients after the all-reduce, so every rank stepping every
 parameter repeats one update world times: each rank would stream the same FP32 state over its own link
-every step and keep the same FP32 masters and moments of the device share. Partitioned, each share of `HostOptimizer`
-(host and device) is cut into `world` contiguous runs of parameters, balanced by elements; rank r keeps masters and
-state for its runs only and steps them; then each rank broadcasts the weights it updated to the others (16 bits a
-parameter: what DDP's all-reduce moves, over NVLink, against 24 bytes a parameter over each rank's PCIe link
-for the streamed state). The host work, host memory and device-share state per rank fall to 1/world.
+every step and keep the same FP32 masters and moments of the device share. Partitioned, each share of
+optimizer offload (host and device: shares.py) is cut into `world` contiguous runs of parameters, balanced by
+elements; rank r keeps masters and state for its runs only and steps them; then each rank broadcasts the
+weights it updated to the others (16 bits a parameter: what DDP's all-reduce moves, over NVLink, against 24
+bytes a parameter over each rank's PCIe link for the streamed state). The host work, host memory and
+device-share state per rank fall to 1/world.
 
 The update is the unpartitioned one, bitwise: the same kernel on the same gradient and state, run by one rank
 instead of all (tests/test_offload_partition.py). What changes for the user: the optimizer state is spread
@@ -50,7 +51,7 @@ def partitions(precision: str, sharded: bool) -> bool:
 
 def ranks(precision: str, sharded: bool) -> int:
     """Over how many ranks optimizer offload of this kind partitions its shares (1: not partitioned).
-    `HostOptimizer` decides the same from what it is given; the search asks before building one."""
+    `Shares` decides the same from what it is given; the search asks before building one."""
     if not partitions(precision, sharded) or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
@@ -73,12 +74,14 @@ def runs(indices: Sequence[int], numels: Sequence[int], world: int) -> list[list
 
 
 class Gathered:
-    """The optimizer state of the parameters other ranks step, gathered here (`Partition.gather_state`):
-    stands in for their optimizer where `HostOptimizer.owners()` names one (it has a `state`, keyed by
-    parameter, as an optimizer's is)."""
+    """What this rank holds of the parameters other ranks step, gathered from them: their optimizer state
+    (`Partition.gather_state`), which stands in for their optimizer where `Shares.owners()` names one (it has a
+    `state`, keyed by parameter, as an optimizer's is), and their full-precision weights while a model state
+    dict is built (`Partition.gather_masters`; None otherwise)."""
 
     def __init__(self) -> None:
         self.state: dict[torch.Tensor, dict[str, Any]] = {}
+        self.weights: dict[int, torch.Tensor] | None = None
 
 
 class Partition:

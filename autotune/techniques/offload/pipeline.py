@@ -112,7 +112,7 @@ def sync_view(view: torch.optim.Optimizer) -> None:
 
 
 class OffloadPipeline:
-    """The hooks, side stream and worker thread of one `HostOptimizer` (see the module docstring).
+    """The hooks, side stream and worker thread of one `HostSteppedEngine` (see the module docstring).
 
     Large: the gradient hooks, the worker thread and the step write and read one step's bookkeeping (which
     gradients landed, which chunks are pending or stepped, whether the attempt was aborted or a gradient grew

@@ -1,4 +1,5 @@
-"""The streamed engine: the host share of optimizer offload stepped on the GPU, its state streamed over PCIe.
+"""The device stepper the streamed engine runs (`streamed_engine.py`): the host share of optimizer offload
+stepped on the GPU, its state streamed over PCIe.
 
 Optimizer offload keeps the FP32 masters and the AdamW moments of its share in host memory. Stepping them on
 the CPU costs the fused CPU AdamW plus widening gradients, narrowing weights and copies. Streaming the three
@@ -7,15 +8,16 @@ back moves 24 bytes a parameter over a link that carries them both ways at once,
 faster on the hosts measured (benchmarks/bench_host_step.py; docs/offload-engines.md).
 
 Serial (`step`), it runs after backward. Overlapped (`begin`, `landed`, `finish`), each segment is issued from
-the last backward's post-accumulate-grad hooks as soon as every parameter in it has its final gradient, on
-the GPU's streams behind an event of the backward's stream: no thread, no host wait (issued from the CPU
-engine's worker instead, the new weights staged through host memory, it was no faster). An overlapped step
+the last backward's post-accumulate-grad hooks (the engine's) as soon as every parameter in it has its final
+gradient, on the GPU's streams behind an event of the backward's stream: no thread, no host wait (issued from
+the host-stepped engine's pipeline worker instead, the new weights staged through host memory, it was no
+faster). An overlapped step
 writes the new masters and moments into a second set of host buffers, made current by `finish`: an attempt
 that runs out of memory half-way (`abort`) leaves the state as it was, puts the old weights back on the
 device from the untouched masters, and the re-run is exact. It costs 12 more bytes of pinned host memory a
-parameter, allocated when `HostOptimizer` is built for an overlapped plan (`reserve`).
+parameter, allocated when `StreamedEngine` is built for an overlapped plan (`reserve`).
 
-How: the masters are views of one pinned FP32 buffer (`HostOptimizer` lays them out so) and the stepper
+How: the masters are views of one pinned FP32 buffer (`Shares` lays them out so) and the stepper
 keeps both moments in two more, in the same order, so any run of parameters is one range of each. A ring
 of device buffer sets each holds one segment (`SEGMENT` elements, across parameter boundaries) of the
 master, both moments and the FP32 gradient. Per segment, on three streams: copy in (three ranges); step
@@ -63,7 +65,7 @@ def stream_wanted(device_type: str) -> bool:
 
 
 def streams(device_type: str, optimizer_class: str, precision: str) -> bool:
-    """Whether optimizer offload of this kind steps its host share on the device (`HostOptimizer` decides
+    """Whether optimizer offload of this kind steps its host share on the device (`build_engine` decides
     the same from the built optimizer; the search asks before building one)."""
     return stream_wanted(device_type) and optimizer_class in STREAMED and precision != "fp16"
 
@@ -160,7 +162,7 @@ class DeviceStepper:
 
     def reserve(self) -> None:
         """Allocate the spare buffers an overlapped step writes into (pinning 12 bytes a parameter takes seconds
-        for a large share: `HostOptimizer` reserves them when it is built, not in a timed step)."""
+        for a large share: `StreamedEngine` reserves them when it is built, not in a timed step)."""
         if self._spare is None:
             with host_memory():  # host buffers (on the CPU test device too: not the simulated device's memory)
                 self._spare = (host_like(self.flat, pin=self.cuda), host_like(self._m, pin=self.cuda),

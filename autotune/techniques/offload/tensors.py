@@ -6,9 +6,9 @@ Two strengths of the offload rung:
   pinned host memory in forward and comes back for the recompute in backward (`to_host` / `to_device`).
   Pays at long sequences; at short ones the copies cost more than they save.
 - `optimizer`: FP32 master weights and the optimizer state live on the host and are updated there
-  (`cpu_engine.HostOptimizer`, its host share streamed through the GPU where it can: `streamed.py`); the GPU
-  holds only 16-bit weights and gradients. For AdamW that takes the 16 bytes/parameter of FP32 weights +
-  grads + two moments down to 4 (bf16 weights + grads).
+  (`host_engine.HostSteppedEngine`, or the host share streamed through the GPU where it can:
+  `streamed_engine.StreamedEngine`); the GPU holds only 16-bit weights and gradients. For AdamW that takes
+  the 16 bytes/parameter of FP32 weights + grads + two moments down to 4 (bf16 weights + grads).
 
 On the simulated CPU device, host copies are made inside `host_memory()`, so the ceiling stops counting
 them exactly as a GPU would.

@@ -1,7 +1,7 @@
-"""The CPU engine's weights and state as the user's model and optimizer read them: the FP32 masters for a
-model state dict, the state of every share in the user's optimizer's layout, gathered from every rank when
-the engine is partitioned over replicated ranks, and `restore()`, which hands the weights back to the
-device. `HostOptimizer` inherits it; its fields are set there.
+"""The shares' weights and state as the user's model and optimizer read them: the FP32 masters for a model
+state dict, the state of both shares in the user's optimizer's layout, gathered from every rank when they are
+partitioned over replicated ranks, and `restore()`, which hands the weights back to the device. `Shares`
+(shares.py) inherits it; its fields are set there.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from .partition import Gathered, Partition
 from .tensors import _master_dtype_of, local_part
 
 
-class EngineState:
-    """Reading and loading the weights and state of a `HostOptimizer` (see there for the fields)."""
+class ShareState:
+    """Reading and loading the weights and state of `Shares` (see there for the fields)."""
 
     params: list[nn.Parameter]
     spec: OptimizerSpec
     dtypes: list[torch.dtype]
+    kept: set[int]
     master: dict[int, torch.Tensor]
-    _grads: dict[int, torch.Tensor]
+    flat: torch.Tensor | None
     device_master: dict[int, torch.Tensor]
     host_index: list[int]
     device_index: list[int]
@@ -36,31 +37,19 @@ class EngineState:
     gathered: Gathered
     optimizer: Any
     device_optimizer: Any
-    _kept: set[int]
-    _weights: dict[int, torch.Tensor] | None
-    gather_on_restore: bool
-    pipeline: Any
-    stepper: Any
-    _staging: dict[int, torch.Tensor]
-    _views: dict[tuple[int, ...], Any]
-    _flat: torch.Tensor | None
 
-    def _disarm(self, *, failed: bool) -> None:
-        raise NotImplementedError
-
-
-    def _restore_foreign(self) -> None:
+    def _restore_foreign(self, gather: bool) -> None:
         """The FP32 weights of the parameters other ranks stepped: gathered from them where the ranks agreed
-        to (`gather_on_restore`: TrainingStep, whose ranks close alike); in a trial, where a rank that ran out
-        of memory building its optimizer restores nothing, their 16-bit weights widened (the search puts the
-        model's own weights back when it ends)."""
-        if self.gather_on_restore:
-            current = [i for i, p in enumerate(self.params) if id(p) in self._kept]
+        to (`gather`: TrainingStep, whose ranks close alike); in a trial, where a rank that ran out of memory
+        building its optimizer restores nothing, their 16-bit weights widened (the search puts the model's own
+        weights back when it ends)."""
+        if gather:
+            current = [i for i, p in enumerate(self.params) if id(p) in self.kept]
             assert self.partition is not None, "restore() reaches here only partitioned"
             self.partition.gather_weights(self.params, self.dtypes, current)
             return
         for i in self.foreign:
-            if id(self.params[i]) in self._kept:
+            if id(self.params[i]) in self.kept:
                 continue
             self.params[i].data = self.params[i].data.to(self.dtypes[i])
 
@@ -68,7 +57,7 @@ class EngineState:
     def holds_weight(self, i: int) -> bool:
         """Whether position i's full-precision weight lives apart from its device parameter: a master here
         (host or device share) or on the rank that steps it. Kept FP32 parameters are their own masters."""
-        if id(self.params[i]) in self._kept:
+        if id(self.params[i]) in self.kept:
             return False
         return i in self.master or i in self.device_master or i in self.foreign
 
@@ -85,13 +74,13 @@ class EngineState:
         if i in self.device_master:
             return self.device_master[i].detach()
         self.gather_weights()
-        assert self._weights is not None
-        return self._weights[i]
+        assert self.gathered.weights is not None
+        return self.gathered.weights[i]
 
     def gather_weights(self) -> None:
         """Partitioned: the other ranks' full-precision weights, once until `forget_weights` (a collective)."""
-        if self._weights is None and self.partition is not None:
-            self._weights = self._gather_foreign()
+        if self.gathered.weights is None and self.partition is not None:
+            self.gathered.weights = self._gather_foreign()
 
     def _gather_foreign(self) -> dict[int, torch.Tensor]:
         """The full-precision weights other ranks hold the masters of, as host tensors: every rank sends its
@@ -100,13 +89,13 @@ class EngineState:
         own = {**{i: m for i, m in self.device_master.items() if m is not self.params[i]}, **self.master}
         shapes = [p.shape for p in self.params]
         dtypes = [_master_dtype_of(d) for d in self.dtypes]
-        kept = [i for i, p in enumerate(self.params) if id(p) in self._kept]
+        kept = [i for i, p in enumerate(self.params) if id(p) in self.kept]
         with host_memory():
             return self.partition.gather_masters(own, shapes, dtypes, skip=kept)
 
     def forget_weights(self) -> None:
         """Drop the other ranks' weights gathered for a state dict (host memory held only while it is built)."""
-        self._weights = None
+        self.gathered.weights = None
 
     def has_master(self, i: int) -> bool:
         """Whether this rank keeps a master of position i that the step writes back into the parameter (a
@@ -172,10 +161,6 @@ class EngineState:
             with host_memory() if opt is self.optimizer else contextlib.nullcontext():
                 opt.load_state_dict(part)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The inverse of `state_dict()`: a state dict of the user's layout."""
-        self.load_user_state(state_dict)
-
     def sync_hyperparameters(self, groups: Sequence[dict[str, Any]], skip: Collection[str]) -> None:
         """Copy lr, betas, weight decay... from the user's groups (one per spec group) into both shares."""
         for opt, share in ((self.optimizer, self.host_index), (self.device_optimizer, self.device_index)):
@@ -194,15 +179,11 @@ class EngineState:
                 opt.state.clear()
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Undo the offload: the weights back on the device in the dtype they came in, host copies released."""
-        if self.pipeline is not None:
-            self.pipeline.close()
-            self.pipeline = None
-        self._disarm(failed=True)  # an armed backward that never reached the step (a trial's OOM)
-        if self.stepper is not None:
-            self.stepper.close()  # nothing may still read the device gradients or write its buffers once freed
-        if self.gather_on_restore:
+    def restore(self, *, gather: bool) -> None:
+        """Undo the offload: the weights back on the device in the dtype they came in, host copies released
+        (the engine has stopped every copy and step first). `gather`: every rank's weights and state come back
+        (`HostOptimizer.for_training`)."""
+        if gather:
             self.gather()  # before the state goes: the user's optimizer gets every rank's back
         # Room first, then the weights: the gradients go before any FP32 weight comes back (and a trial drops
         # the optimizer state before this: `discard_state`), so that a large model fits back in its budget.
@@ -213,13 +194,9 @@ class EngineState:
             if master is not p and not is_shard(p):  # a shard's FP32 storage was updated in place
                 p.data = master.detach().to(p.device, dtype=self.dtypes[i], copy=True)
         if self.partition is not None:  # the weights other ranks held the masters of (norm weights are current)
-            self._restore_foreign()
+            self._restore_foreign(gather)
         self.master = {}
-        self._grads = {}
         self.device_master = {}
-        self._staging = {}
-        self._views = {}
-        self._flat = None
-        self.stepper = None
+        self.flat = None
         self.optimizer = None
         self.device_optimizer = None
