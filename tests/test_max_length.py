@@ -93,5 +93,9 @@ def test_the_plans_rate_is_measured_at_the_examples_length_and_its_peak_at_max_l
     # model a step's fixed part, the optimizer, is most of it, and a loaded CPU hides the difference.)
     best = max((t for t in plan.trials if t.fits), key=lambda t: t.samples_per_second)
     assert plan.samples_per_second != best.samples_per_second
-    assert plan.peak_memory_bytes >= 0.9 * at_long.peak_memory_bytes
+    # The peak is the 64-token one: against the tune at 64 tokens at the same configuration (the two searches may
+    # pick different micro-batches; a peak at 16 tokens would be about a quarter of the activations).
+    long_peaks = [t.peak_bytes for t in at_long.trials
+                  if t.fits and t.rung == plan.rung and t.micro_batch_size == plan.micro_batch_size]
+    assert long_peaks and plan.peak_memory_bytes >= 0.9 * max(long_peaks)
     assert "figures at the example's length, 16 tokens" in plan.reason
