@@ -28,28 +28,102 @@ class _Stored:
     shape: torch.Size
 
 
+STAGE_BYTES = 64 << 20  # one staging buffer: large enough that a copy's fixed cost is noise, small to pin
+
+
 class _DiskCopies:
-    """Tensors' values in an unnamed temporary file, written one tensor at a time (one on the host at once)."""
+    """Tensors' values in an unnamed temporary file, moved through two staging buffers (page-locked for a GPU
+    tensor) a chunk at a time: a device copy into one buffer runs while the other is written to or read from
+    the file, and no whole tensor is ever on the host. A pageable copy of a large model instead allocates and
+    faults in every tensor's host pages on the way out and again on the way back."""
 
     def __init__(self) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(prefix="autotune-snapshot-")
         self.size = 0
+        self._stage_bytes = STAGE_BYTES
+        # pinned or not: two buffers each, made when first needed and dropped after each pass over the model,
+        # so trials never run beside them
+        self._stages: dict[bool, list[torch.Tensor]] = {}
 
     def save(self, t: torch.Tensor) -> _Stored:
-        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.file.seek(self.size)
-        self.file.write(raw.data)  # the array's own bytes, not a copy of them
         stored = _Stored(self.size, t.dtype, t.shape)
-        self.size += raw.nbytes
+        flat = _bytes_of(t.detach().contiguous())
+        self.file.seek(self.size)
+        pending: tuple[torch.Tensor, Any] | None = None  # a filled buffer not yet written, and its copy's event
+        for i, chunk in enumerate(self._chunks(flat)):
+            buffer = self._stage(flat.is_cuda, i)[: chunk.numel()]
+            buffer.copy_(chunk, non_blocking=flat.is_cuda)
+            done = _event_after_copy(flat.is_cuda)
+            if pending is not None:
+                self._write(*pending)
+            pending = (buffer, done)
+        if pending is not None:
+            self._write(*pending)
+        self.size += flat.numel()
         return stored
 
+    def load_into(self, stored: _Stored, live: torch.Tensor) -> None:
+        """`live`'s values from the file: chunks read into one buffer while the other's copy to `live` runs."""
+        if live.dtype != stored.dtype or live.shape != stored.shape or not live.is_contiguous():
+            live.copy_(self.load(stored))
+            return
+        flat = _bytes_of(live)
+        self.file.seek(stored.offset)
+        copies: list[Any] = [None, None]  # each buffer's last copy to the device, waited on before refilling it
+        for i, chunk in enumerate(self._chunks(flat)):
+            buffer = self._stage(flat.is_cuda, i)[: chunk.numel()]
+            if copies[i % 2] is not None:
+                copies[i % 2].synchronize()
+            self._read(buffer, stored.offset)
+            chunk.copy_(buffer, non_blocking=flat.is_cuda)
+            copies[i % 2] = _event_after_copy(flat.is_cuda)
+        for done in copies:
+            if done is not None:
+                done.synchronize()
+
     def load(self, stored: _Stored) -> torch.Tensor:
+        """A tensor's values as a new host tensor (where the live one no longer matches its dtype or shape)."""
         nbytes = stored.shape.numel() * torch.empty((), dtype=stored.dtype).element_size()
         self.file.seek(stored.offset)
-        data = bytearray(nbytes)
-        if self.file.readinto(data) != nbytes:  # type: ignore[attr-defined]
-            raise OSError(f"the snapshot's file ended before {nbytes} bytes at {stored.offset}")
-        return torch.frombuffer(data, dtype=torch.uint8).view(stored.dtype).view(stored.shape)
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        self._read(data, stored.offset)
+        return data.view(stored.dtype).view(stored.shape)
+
+    def release(self) -> None:
+        """Drop the staging buffers (the next save or load makes them again)."""
+        self._stages.clear()
+
+    def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[i: i + self._stage_bytes] for i in range(0, flat.numel(), self._stage_bytes)]
+
+    def _stage(self, pinned: bool, i: int) -> torch.Tensor:
+        if pinned not in self._stages:
+            self._stages[pinned] = [torch.empty(self._stage_bytes, dtype=torch.uint8, pin_memory=pinned)
+                                    for _ in range(2)]
+        return self._stages[pinned][i % 2]
+
+    def _write(self, buffer: torch.Tensor, done: Any) -> None:
+        if done is not None:
+            done.synchronize()
+        self.file.write(buffer.numpy().data)  # the buffer's own bytes, not a copy of them
+
+    def _read(self, buffer: torch.Tensor, offset: int) -> None:
+        if self.file.readinto(buffer.numpy().data) != buffer.numel():  # type: ignore[attr-defined]
+            raise OSError(f"the snapshot's file ended before the tensor stored at {offset}")
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat byte tensor on its own device (a view, no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _event_after_copy(cuda: bool) -> Any:
+    """An event marking the copies issued so far on the current stream (None on the host: its copies are done)."""
+    if not cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,6 +149,8 @@ class Snapshot:
             live = [local_part(t) for t in [*model.parameters(), *model.buffers()]]
             disk = _DiskCopies() if to_disk else None
             tensors = [(t, disk.save(t) if disk is not None else t.to("cpu", copy=True)) for t in live]
+            if disk is not None:
+                disk.release()
         user_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         snapshot = cls(
             tensors=tensors,
@@ -118,8 +194,11 @@ class Snapshot:
             for live, saved in self.tensors:
                 if isinstance(saved, _Stored):
                     assert self.disk is not None, "a tensor stored on disk without the snapshot's file"
-                    saved = self.disk.load(saved)
-                live.copy_(saved)
+                    self.disk.load_into(saved, live)
+                else:
+                    live.copy_(saved)
+            if self.disk is not None:
+                self.disk.release()
 
 
 def _copy_state(state: Any) -> Any:
