@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 @pytest.mark.parametrize("given", [None, "garbage_collection_threshold:0.8"], ids=["unset", "the user's"])
 def test_autotune_run_starts_its_jobs_with_expandable_segments_unless_the_user_configured_the_allocator(
         tmp_path: Path, given: str | None) -> None:

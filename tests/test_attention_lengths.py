@@ -175,6 +175,7 @@ def test_a_rung_routes_attention_through_the_buckets_where_wanted_and_its_remova
     assert "AUTOTUNE_ATTENTION_BUCKETS=0" in lengths.note("cpu")[0]  # the reason names the way out
 
 
+@pytest.mark.slow  # seconds: Inductor compiles
 @pytest.mark.parametrize("recomputed", [0, 2])
 def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monkeypatch, recomputed):
     """Compiled per block, a GPT-2 with padding masks runs one graph for lengths 9-32, its attention reaches
@@ -221,6 +222,7 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
         restore()
 
 
+@pytest.mark.slow  # seconds: Inductor compiles
 def test_under_autocast_the_compiled_operator_trains_as_eager_attention_does(monkeypatch):
     """Under bf16 autocast (the operator casts its inputs as autocast casts torch's attention, and its backward
     runs without autocast): a compiled, padded GPT-2's losses and gradients are the unpadded eager ones, within

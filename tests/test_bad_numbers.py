@@ -171,6 +171,7 @@ def test_run_prints_a_cache_warning_as_one_plain_line(tmp_path: Path, monkeypatc
     assert not any(p.name.startswith("~") for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_run_prints_the_jobs_cache_warning_as_one_plain_line(tmp_path: Path) -> None:
     """Cooperative mode: `fit` opens the cache inside the job's own process, and warns there."""
     home = _no_such_home()

@@ -175,6 +175,7 @@ def test_cache_hit_returns_the_tuned_plan_without_running_a_trial(tmp_path: Path
     assert again.source == "tuned" and trial_records(caplog)
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_a_row_of_plan_format_1_is_retuned_and_never_misread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     # An older autotune (plan format 1: no compile, block count, offload fraction...) wrote this cache and
@@ -217,6 +218,7 @@ FLAT_V2_PLAN = {
 }
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_a_flat_row_of_plan_format_2_is_listed_stale_and_retuned(tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     # An older autotune wrote flat plans: one under its own key (parts of format 2), and one under the key this
@@ -256,6 +258,7 @@ def test_a_flat_row_of_plan_format_2_is_listed_stale_and_retuned(tmp_path: Path,
     assert fit(model, batch, path).source == "cache"
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_an_oom_seen_in_training_makes_the_next_fit_choose_a_smaller_micro_batch(tmp_path: Path) -> None:
     model, batch = tiny_workload()
     store = PlanCache(tmp_path / "plans.db")

@@ -103,6 +103,7 @@ def test_export_then_import(filled: Path, tmp_path: Path) -> None:
     assert {e.key for e in PlanCache(tmp_path / "new.db").entries()} == {sample(i)[0].key for i in range(3)}
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_export_to_stdout_piped_into_import_from_stdin(filled: Path, tmp_path: Path) -> None:
     """`-` is standard output / input, through a real pipe between two processes; no file named `-` appears."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -39,6 +39,7 @@ def test_the_cache_option_after_the_subcommand_wins(one_plan: Path) -> None:
     assert result.exit_code == 0 and result.output.strip() == str(one_plan), result.output
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_a_script_that_tunes_nothing_is_told_so_once(tmp_path: Path) -> None:
     script = tmp_path / "plain.py"
     script.write_text("print('trained without autotune')\n")

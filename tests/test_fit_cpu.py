@@ -48,6 +48,7 @@ def peaks(gpt):
     return {name: runner(rung, 4).peak_bytes for name, rung in RUNGS.items()}
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_each_rung_lowers_the_simulated_peak(peaks):
     order = ["fp32", "bf16", "selective", "full", "activations", "optimizer"]
     for lighter, heavier in zip(order[1:], order):
@@ -59,6 +60,7 @@ def _fit(model, batch, budget, **kw):
                         trial_steps=1, **kw)
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_shrinking_budget_pushes_the_model_up_the_ladder(gpt, peaks):
     model, batch = gpt
     # Nothing forces a climb: plain bf16 fits, and the search grows it to the whole per-rank batch. Only bf16
@@ -121,6 +123,7 @@ def _peak_at_one(model, batch, rung):
     return TrialRunner(work)(rung, 1).peak_bytes
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_fit_restores_weights_optimizer_state_grads_and_rng(gpt, peaks):
     model, batch = gpt
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

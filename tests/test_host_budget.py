@@ -50,6 +50,7 @@ def test_a_host_budget_under_offloads_least_share_names_the_host(gpt):
     assert "host_memory_budget" in str(err.value) and "--host-budget" in str(err.value)
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_a_host_budget_that_holds_offload_gives_a_plan_under_it(gpt, tmp_path):
     model, batch = gpt
     need = _need(model)
@@ -136,6 +137,7 @@ def test_a_bad_host_budget_is_refused_naming_the_setting(gpt):
             _fit(model, batch, host_memory_budget=bad, cache=False)
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_apply_warns_when_the_host_has_less_free_than_the_plan_allocates(gpt, caplog):
 
     model, batch = gpt

@@ -331,6 +331,7 @@ def test_the_history_check_leaves_prose_alone(text: str) -> None:
     assert not list(history_in(text))
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_starting_autotune_does_not_import_dtensors_module() -> None:
     """`torch.distributed.tensor` brings sympy and takes about half a second: `autotune run` and each trial it
     starts import autotune, and only FSDP2 needs that module (devices/shards.py asks without it)."""

@@ -37,6 +37,7 @@ def test_lengthen_tiles_the_sequence_of_every_tensor_that_has_it():
     assert torch.equal(out["input_ids"][:, 5:10], ids) and torch.equal(out["input_ids"][:, 10:], ids[:, :2])
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_a_plan_tuned_to_max_length_trains_every_length_without_passing_its_peak():
     model, short, long = _short_and_long()
     budget = _budget(model, short)
@@ -51,6 +52,7 @@ def test_a_plan_tuned_to_max_length_trains_every_length_without_passing_its_peak
     step.close()
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_a_batch_longer_than_max_length_warns_once(caplog):
     model, short, long = _short_and_long()
     plan = autotune.fit(model, short, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
@@ -77,6 +79,7 @@ def test_a_max_length_shorter_than_the_example_or_on_a_batch_without_tokens_is_r
 
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_the_plans_rate_is_measured_at_the_examples_length_and_its_peak_at_max_length():
     """Trials run at max_length (64 tokens); one more runs the chosen configuration on the example as given (16
     tokens), and the plan's samples/s, tokens/s and FLOPs are that one's: a quarter of the tokens a sample makes

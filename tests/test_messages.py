@@ -35,6 +35,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_nothing_fits_on_the_command_line_advises_its_options_not_fits_arguments(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "autotune", "run", "--global-batch-size", "4", "--budget", "1MiB",
                            "--trial-steps", "1", "--map", "micro_batch=--per_device_train_batch_size",
@@ -105,6 +106,7 @@ def test_the_runs_rate_names_its_clock_and_the_examples_say_theirs_is_the_wall_c
     assert done.returncode == 0 and "samples/s (wall clock)" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao (the optim8bit extra)")
 def test_importing_the_8bit_optimizers_prints_no_torchao_loading_noise() -> None:
     done = subprocess.run([sys.executable, "-c", "from autotune.techniques.optimizer_8bit import backend; "

@@ -178,6 +178,7 @@ def images(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3, 32, 32, generator=g), torch.randn(n, 3, 32, 32, generator=g)
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 @pytest.mark.parametrize("global_batch", [32, 64])
 def test_an_image_batch_held_whole_is_in_the_plans_peak(global_batch):
     """`step(batch)` holds this rank's whole batch (here ~0.8 and 1.5 MiB of images, a fifth and more of the

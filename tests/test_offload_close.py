@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from test_step import make_plan, new_model, run_plan, seq_batch
 
@@ -45,6 +46,7 @@ def test_close_keeps_the_state_on_the_host_when_it_does_not_fit_back(caplog):
     assert all(s["exp_avg"].device.type == "cpu" and s["exp_avg"].abs().sum() > 0 for s in states)
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_after_close_an_offloaded_model_is_freed_once_the_user_drops_it():
     """`fit`, `apply`, steps and `close()` under optimizer offload leave nothing holding the model: on a GPU,
     anything that did would keep its weights' memory from the user's next model."""

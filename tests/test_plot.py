@@ -172,6 +172,7 @@ def test_without_matplotlib_run_plot_fails_before_running_anything(tmp_path: Pat
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_run_plot_draws_the_search_after_tuning_and_json_keeps_stdout_for_the_plan(tmp_path: Path) -> None:
     """The zero-change script of test_runner, tuned under an 8 MiB ceiling and not trained (--tune-only)."""
     out = tmp_path / "search.png"

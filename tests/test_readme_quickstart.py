@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- python-quickstart -->"
 
@@ -27,6 +29,7 @@ def test_the_quick_start_block_defines_what_it_uses_and_links_the_runnable_examp
     assert "](examples/fit_gpt.py)" in section
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_the_readme_python_quick_start_runs_as_written_on_the_cpu(tmp_path: Path) -> None:
     script = tmp_path / "quickstart.py"
     script.write_text(quickstart_block())

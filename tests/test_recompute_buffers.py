@@ -248,6 +248,7 @@ def train_compiled(model: nn.Module, checkpointing: str) -> list[torch.Tensor]:
     return grads
 
 
+@pytest.mark.slow  # seconds: Inductor compiles
 def test_a_block_compiled_inside_its_checkpoint_writes_its_state_once():
     torch._dynamo.reset()
     plain, recomputed = new(SpectralStatefulBlock), new(SpectralStatefulBlock)

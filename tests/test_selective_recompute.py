@@ -115,6 +115,7 @@ def gpt_runner() -> tuple[nn.Module, TrialRunner]:
     return model, TrialRunner(work)
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_the_policys_memory_line_predicts_its_peak_within_the_margin():
     _, runner = gpt_runner()
     controller = Controller(runner, per_rank=8, limit_bytes=2**40)
@@ -180,6 +181,7 @@ def test_the_search_picks_blocks_keeping_their_matmuls_where_that_is_the_fastest
     assert ruled_out == {"whole_block", "save_half_matmuls"}
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_fit_measures_blocks_keeping_their_matmuls_beside_whole_blocks():
     torch.manual_seed(0)
     model, batch = GPT(CFG), random_batch(CFG, 4)

@@ -77,6 +77,7 @@ def test_fit_of_a_token_model_with_garbage_attention_buckets_names_it(monkeypatc
         _fit(GPT(cfg), random_batch(cfg, 2), cache=tmp_path / "plans.db", loss_fn=None)
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_autotune_run_with_garbage_fork_trials_is_a_usage_error_naming_it(tmp_path: Path) -> None:
     env = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "OMP_NUM_THREADS": "1",
            settings.FORK_TRIALS_ENV: "maybe",

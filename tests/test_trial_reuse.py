@@ -4,6 +4,7 @@ simulated ceiling, and a fit whose budget leaves only optimizer offload."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from gpt import GPT, GPTConfig, random_batch
 
@@ -70,6 +71,7 @@ class _nothing:
         return None
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_reused_buffers_change_no_outcome_peak_or_weight() -> None:
     built = _counts()[0]
     fresh, fresh_weights = _sequence(pooled=False)
@@ -85,6 +87,7 @@ def test_reused_buffers_change_no_outcome_peak_or_weight() -> None:
         assert torch.equal(value, pooled_weights[name]), name
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_fit_passes_host_buffers_between_its_offload_trials_and_frees_them() -> None:
     torch.manual_seed(0)
     model, batch = GPT(CFG), random_batch(CFG, 4)

@@ -70,6 +70,7 @@ def test_a_fitting_trials_phases_add_up_to_its_wall_time(rung: Rung) -> None:
         assert trial.phases["host buffers"] > 0, trial.phases
 
 
+@pytest.mark.slow  # seconds: searches that run real trial steps
 def test_an_out_of_memory_trials_phases_add_up_too() -> None:
     runner = _runner(2**40)
     fitting = runner(Rung(), 8)

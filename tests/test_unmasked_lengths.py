@@ -137,6 +137,7 @@ def test_a_padded_unmasked_batch_has_the_unpadded_loss_and_gradients(seen):
         applied.remove()
 
 
+@pytest.mark.slow  # seconds: Inductor compiles
 def test_compiled_blocks_run_one_graph_for_every_length_after_the_second(seen):
     """Compiled per block: the first length's graph, one more when lengths start to vary, and no other for
     the lengths after; from the second length on the kernel sees buckets only."""

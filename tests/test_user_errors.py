@@ -50,6 +50,7 @@ def test_a_type_error_inside_the_models_own_forward_is_left_untouched() -> None:
         autotune.fit(Broken(), (torch.randn(4, 8), torch.randn(4)), device="cpu", memory_budget="64MiB", cache=False)
 
 
+@pytest.mark.slow  # seconds: starts processes that import torch
 def test_a_script_that_never_calls_fit_run_without_map_warns_and_exits_5(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("print('trained without autotune')\n")
