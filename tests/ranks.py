@@ -25,9 +25,11 @@ import torch.distributed as dist
 
 # Ranks start from a fork server that imported torch and autotune once per test process, rather than each
 # rank importing them again (about 3 s of CPU a rank on a 2-core machine); the server runs no torch op before
-# it forks, so no thread pool or device state is carried into the ranks.
+# it forks, so no thread pool or device state is carried into the ranks. FSDP and Dynamo are preloaded too:
+# each rank otherwise imports them on its first sharded or optimizer call (about 1.5 s of CPU a rank).
 START_METHOD = "forkserver"
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "autotune"])
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo",
+                                        "autotune"])
 
 COLLECTIVE_TIMEOUT_S = 120  # under test_distributed_step's 180 s join deadline
 LEAVE_WAIT_S = 60  # how long a finished rank waits for the others' results before it leaves anyway

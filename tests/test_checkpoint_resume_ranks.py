@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # spawned ranks: about 25 s on a 2-core machine
+pytestmark = pytest.mark.slow  # two spawns of two ranks: about 25 s on a 2-core machine
 
 # name -> plan.sharding; "fsdp2" cases shard the model and save through torch's distributed checkpoint API;
 # "optimizer-state-sharded" keeps nothing on the host, each rank 1/world of the state on its device
@@ -95,22 +95,30 @@ def _dcp_load(model, opt, saved: dict) -> None:
                    options=StateDictOptions(full_state_dict=True))
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str, folder: str, mode: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, folder: str, phase: str) -> None:
+    """Phase "whole" trains every case; phase "resume" runs every (case, mode) pair, scenario "<case> <mode>"."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ranks import run_scenarios
 
-    cases = tuple(c for c in CASES if mode == "whole" or (c, mode) in PAIRS)
-    run_scenarios(rank, world, init_file, out_dir, cases, lambda case, r, w: _run(case, r, w, folder, mode))
+    def run(name: str, r: int, w: int) -> dict:
+        case, mode = name.split(" ") if phase == "resume" else (name, "whole")
+        return _run(case, r, w, folder, mode)
+
+    names = tuple(CASES) if phase == "whole" else tuple(f"{case} {mode}" for case, mode in PAIRS)
+    run_scenarios(rank, world, init_file, out_dir, names, run)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """Two spawns: ranks that train and save, then new ranks that resume in both modes (each case and mode from
+    a model and optimizer of its own, so one pair of processes serves them all)."""
     from ranks import spawn
 
     folder = str(tmp_path_factory.mktemp("ranks"))
-    return {"folder": folder, **{mode: spawn(_rank_main, 2, TIMEOUT_S, folder, mode) for mode in ("whole", *MODES)}}
+    return {"folder": folder, "whole": spawn(_rank_main, 2, TIMEOUT_S, folder, "whole"),
+            "resume": spawn(_rank_main, 2, TIMEOUT_S, folder, "resume")}
 
 
 # torch's distributed checkpoint API loads a full optimizer state only into an optimizer whose state exists
@@ -121,9 +129,9 @@ PAIRS = [(case, mode) for case in CASES for mode in MODES if (case, mode) != ("f
 
 @pytest.mark.parametrize(("case", "mode"), PAIRS)
 def test_partitioned_state_resumes_bitwise_on_two_ranks(runs, case, mode):
-    for phase in ("whole", mode):
+    for phase, name in (("whole", case), ("resume", f"{case} {mode}")):
         for rank, result in enumerate(runs[phase]):
-            assert result[case]["ok"], f"{phase}, rank {rank}:\n{result[case].get('error')}"
+            assert result[name]["ok"], f"{name}, rank {rank}:\n{result[name].get('error')}"
     assert all(r[case]["partitioned"] for r in runs["whole"])  # each rank stepped (or held) only its part
     assert runs["whole"][0][case]["dtypes"] == ["torch.float32"]  # the other rank's masters, not 16-bit copies
     for rank in range(2):
