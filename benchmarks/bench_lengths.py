@@ -96,7 +96,8 @@ def _compiled_frames() -> tuple[int, int]:
     return int(counters["frames"]["ok"]), int(sum(counters["recompiles"].values()))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """`argv`: the arguments after the script's name (default: the command line's)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2-medium")
     parser.add_argument("--budget", default="10GiB")
@@ -120,7 +121,7 @@ def main() -> None:
                         help="AUTOTUNE_ATTENTION_BUCKETS=0: attention runs at each batch's own length instead of "
                              "the length rounded up to a multiple of 64 (cuDNN then builds a plan per new length)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.no_attention_buckets:
         os.environ["AUTOTUNE_ATTENTION_BUCKETS"] = "0"
     if args.allocator == "fixed":

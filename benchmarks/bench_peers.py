@@ -183,11 +183,11 @@ def child(args: argparse.Namespace) -> int:
 
 # -- the driver ---------------------------------------------------------------------------------------
 class Driver:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
         self.args = args
         self.run_id = uuid.uuid4().hex[:12]
         self.deadline = time.time() + args.deadline if args.deadline else None
-        self.command = "python benchmarks/bench_peers.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        self.command = "python benchmarks/bench_peers.py " + " ".join(shlex.quote(a) for a in argv)
 
     def spawn(self, spec: wl.Spec, stage: str, extra: list[str], label: str) -> None:
         which = {"method": extra[extra.index("--method") + 1] if "--method" in extra else None,
@@ -264,7 +264,9 @@ class Driver:
                        f"(for {', '.join(methods)})")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """`argv`: the arguments after the script's name (default: the command line's)."""
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", action="append", choices=("W1", "W2", "W3"),
                    help="repeatable; default all three")
@@ -291,7 +293,7 @@ def main() -> int:
     p.add_argument("--run-id", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     p.add_argument("--stop-at", type=float, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         return child(args)
 
@@ -306,7 +308,7 @@ def main() -> int:
         args.deadline = 560.0
     if not args.smoke and not torch.cuda.is_available():
         p.error("no CUDA GPU: run on the GPU machine, or pass --smoke for the CPU stand-ins")
-    driver = Driver(args)
+    driver = Driver(args, argv)
     specs = wl.workloads(args.smoke)
     for name in args.workload or ["W1", "W2", "W3"]:
         driver.run(specs[name], methods)

@@ -289,13 +289,15 @@ def text_summary(records: list[dict[str, Any]]) -> str:
 
 
 # -- command line -------------------------------------------------------------------------------------
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """`argv`: the arguments after the script's name (default: the command line's)."""
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", help="JSON-lines files from bench_peers.py")
     p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     p.add_argument("--plot", default=None, help="PNG path; default peers.png beside --results")
     p.add_argument("--workload", action="append", help="only these workloads (default: all in the files)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     records = [r for r in load(args.files) if "workload" in r]
     ws = [w for w in workloads(records) if not args.workload or w.name in args.workload]
     if not ws:
@@ -305,7 +307,7 @@ def main() -> int:
 
     drew = plot.plot(ws, plot_path)
     rel = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(args.results))) if drew else None
-    command = "python benchmarks/render.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/render.py " + " ".join(argv)
     write_section(args.results, section(ws, args.files, rel, command))
     print(f"render: wrote {args.results}" + (f" and {plot_path}" if drew else ""))
     return 0

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 
+# The benchmarks run in this process, which has imported torch already (a process of their own spends seconds of
+# CPU importing it again); bench_peers.py still starts a fresh process for each method and answer, as it is built to.
+import bench_lengths  # noqa: E402
+import bench_moe  # noqa: E402
+import bench_peers  # noqa: E402
 import render  # noqa: E402
 import workloads  # noqa: E402
 
@@ -37,22 +41,23 @@ def test_a_recorded_configuration_keeps_every_knob_the_plan_has() -> None:
     assert render.rung_name(older["rung"]) == "bf16+full ckpt" and render.config_key(older)[-1] == 4
 
 
+@pytest.fixture
+def no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks run without the $AUTOTUNE_* settings of the environment, as from a clean shell."""
+    for name in [k for k in os.environ if k.startswith("AUTOTUNE_")]:
+        monkeypatch.delenv(name)
+
+
 def _bench(tmp_path, *args: str) -> list[dict]:
+    """bench_peers.py's driver, in this process; it strips $AUTOTUNE_* from the processes it starts."""
     out = tmp_path / "peers.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_peers.py"), "--smoke", "--workload", "W1",
-                           "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert bench_peers.main(["--smoke", "--workload", "W1", "--out", str(out), *args]) == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def _render(tmp_path, *files: str) -> str:
     results = tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "render.py"), *files, "--results", str(results),
-                           "--plot", str(tmp_path / "peers.png")], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr
+    assert render.main([*files, "--results", str(results), "--plot", str(tmp_path / "peers.png")]) == 0
     return results.read_text()
 
 
@@ -161,7 +166,6 @@ def test_render_says_plainly_where_autotune_is_behind(tmp_path):
     assert "none: gave up (ValueError: batch_size should be a positive integer value)" in section
 
 
-@pytest.mark.slow  # two processes importing matplotlib
 def test_render_replaces_only_its_own_section(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
@@ -173,15 +177,12 @@ def test_render_replaces_only_its_own_section(tmp_path):
     assert again == text  # idempotent
 
 
-@pytest.mark.slow  # seconds: a subprocess importing transformers, a search and two steps under the simulated ceiling
+@pytest.mark.slow  # seconds: a reference, a search and two steps under the simulated ceiling
 @pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="bench_moe.py builds a transformers Mixtral")
-def test_bench_moe_tiny_trains_a_split_plan_beside_its_reference(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_moe.py"), "--device", "cpu", "--tiny",
-                           "--steps", "2", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "autotune" in proc.stdout and "reference" in proc.stdout  # the table
+def test_bench_moe_tiny_trains_a_split_plan_beside_its_reference(tmp_path, capsys, no_user_settings):
+    assert bench_moe.main(["--device", "cpu", "--tiny", "--steps", "2", "--out", str(tmp_path)]) == 0
+    stdout = capsys.readouterr().out
+    assert "autotune" in stdout and "reference" in stdout  # the table
     record = json.loads((tmp_path / "bench_moe.json").read_text())
     tuned, reference = record["autotune"], record["reference"]
     assert tuned["accumulation_steps"] >= 2 and record["budget_bytes"] < reference["peak_bytes"]
@@ -193,15 +194,11 @@ def test_bench_moe_tiny_trains_a_split_plan_beside_its_reference(tmp_path):
     assert "micro-batch" in tuned["plan"] and tuned["plan_record"]["config"]
 
 
-@pytest.mark.slow  # seconds: a subprocess, a search and four steps under the simulated ceiling
-def test_bench_lengths_dry_run_trains_padded_batches_of_every_length(tmp_path):
+@pytest.mark.slow  # seconds: a search and four steps under the simulated ceiling
+def test_bench_lengths_dry_run_trains_padded_batches_of_every_length(tmp_path, no_user_settings):
     out = tmp_path / "lengths.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_lengths.py"), "--model", "tiny-gpt",
-                           "--device", "cpu", "--budget", "64MiB", "--min-length", "8", "--max-length", "32",
-                           "--global-batch-size", "8", "--steps", "4", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "64MiB", "--min-length", "8",
+                        "--max-length", "32", "--global-batch-size", "8", "--steps", "4", "--out", str(out)])
     row = json.loads(out.read_text().splitlines()[-1])
     assert row["lengths"] == [8, 32] and 8 <= row["mean_length"] <= 32
     assert row["recoveries"] == 0 and row["trained_tokens_per_s"] > 0 and row["estimate_tokens_per_s"] > 0
