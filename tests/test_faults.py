@@ -1,8 +1,8 @@
 """The fault table (README "Faults"): each scenario driven through the real thing.
 
 Real SQLite files, real processes and signals, the real `autotune.fit` on a tiny GPT under the simulated
-ceiling, the CLI through click's runner or as a subprocess. Each test names the fault it covers; the
-README's table lists them.
+ceiling, the CLI through click's runner (`autotune run` too: its jobs are real processes). Each test names the
+fault it covers; the README's table lists them.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
-import sys
+import threading
 import tracemalloc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def test_a_deeply_nested_team_line_neither_stops_fit_nor_hides_the_teams_plans(t
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     model, batch = tiny_workload()
     alice = PlanCache(tmp_path / "alice.db")
-    tuned = fit(model, batch, alice)
+    tuned = fit(model, batch, alice, max_trials=2)  # any plan of Alice's will do: the team line is what is tested
     team = tmp_path / "team"
     team.mkdir()
     alice.export(team / "alice.jsonl")
@@ -125,10 +126,30 @@ SCRIPTS = ROOT / "tests" / "scripts"
 RUN_TIMEOUT = 240  # seconds for one `autotune run` (two busy CPUs start torch slowly)
 
 
-def autotune_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "autotune", "run", *args], cwd=ROOT, env=environment,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+RunHere = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def autotune_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> RunHere:
+    """`autotune run ARGS...` inside this process, with the exit code and output a subprocess would give: what
+    the command writes through click, plus what its jobs write to the descriptors they inherit (read by capfd).
+    Not a subprocess of its own: that would import torch once more for the supervisor."""
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        capfd.readouterr()
+        # The run forwards a SIGTERM to its job and exits 143, so a hung job fails the test instead of holding it.
+        deadline = threading.Timer(RUN_TIMEOUT, os.kill, (os.getpid(), signal.SIGTERM))
+        deadline.start()
+        try:
+            result = CliRunner().invoke(main, ["run", *args], catch_exceptions=False,
+                                        env={"AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1"})
+        finally:
+            deadline.cancel()
+        inherited = capfd.readouterr()
+        return subprocess.CompletedProcess(["autotune", "run", *args], result.exit_code,
+                                          result.stdout + inherited.out, result.stderr + inherited.err)
+
+    return invoke
 
 
 def launches(log: Path) -> list[str]:
@@ -142,31 +163,33 @@ def assert_autotune_error(done: subprocess.CompletedProcess[str], code: int, tex
 
 
 @pytest.mark.slow  # two `autotune run`s of a torch job
-def test_cooperative_nothing_fits_exits_3_with_autotunes_message(tmp_path: Path) -> None:
+def test_cooperative_nothing_fits_exits_3_with_autotunes_message(tmp_path: Path, autotune_run: RunHere) -> None:
     log = tmp_path / "launches"
-    done = autotune_run(tmp_path, "--budget", "1MiB", "--device", "cpu", "--trial-steps", "1",
+    done = autotune_run("--budget", "1MiB", "--device", "cpu", "--trial-steps", "1",
                         str(SCRIPTS / "cooperative_fit.py"), str(log), "--width", "512")
     assert_autotune_error(done, 3, "no configuration fits")
     assert launches(log) == ["launch 0 1"], "nothing fits is not an OOM to restart after"
 
 
-def test_cooperative_invalid_setting_inside_the_job_exits_2(tmp_path: Path) -> None:
+@pytest.mark.slow  # its job imports torch in a process of its own
+def test_cooperative_invalid_setting_inside_the_job_exits_2(tmp_path: Path, autotune_run: RunHere) -> None:
     log = tmp_path / "launches"
-    done = autotune_run(tmp_path, "--device", "cpu", str(SCRIPTS / "cooperative_fit.py"), str(log),
+    done = autotune_run("--device", "cpu", str(SCRIPTS / "cooperative_fit.py"), str(log),
                         "--fit", '{"margin": 2.0}')
     assert_autotune_error(done, 2, "margin must be a fraction")
 
 
 @pytest.mark.slow  # two `autotune run`s of a torch job
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_cooperative_device_cuda_without_a_gpu_exits_4(tmp_path: Path) -> None:
-    done = autotune_run(tmp_path, "--device", "cuda", str(SCRIPTS / "cooperative_fit.py"), str(tmp_path / "log"))
+def test_cooperative_device_cuda_without_a_gpu_exits_4(tmp_path: Path, autotune_run: RunHere) -> None:
+    done = autotune_run("--device", "cuda", str(SCRIPTS / "cooperative_fit.py"), str(tmp_path / "log"))
     assert_autotune_error(done, 4, "device='cuda' but torch sees no CUDA GPU")
 
 
-def test_nproc_per_node_with_a_global_batch_that_does_not_divide_is_refused_before_launch(tmp_path: Path) -> None:
+def test_nproc_per_node_with_a_global_batch_that_does_not_divide_is_refused_before_launch(
+        tmp_path: Path, autotune_run: RunHere) -> None:
     log = tmp_path / "launches"
-    done = autotune_run(tmp_path, "--nproc-per-node", "2", "--global-batch-size", "5", "--device", "cpu",
+    done = autotune_run("--nproc-per-node", "2", "--global-batch-size", "5", "--device", "cpu",
                         str(SCRIPTS / "cooperative_fit.py"), str(log))
     assert done.returncode == 2, done.stderr
     assert "--global-batch-size 5 with --nproc-per-node 2" in done.stderr and "4 or 6" in done.stderr
@@ -174,23 +197,25 @@ def test_nproc_per_node_with_a_global_batch_that_does_not_divide_is_refused_befo
 
 
 @pytest.mark.slow
-def test_several_processes_that_never_initialise_torch_distributed_are_warned_about(tmp_path: Path) -> None:
+def test_several_processes_that_never_initialise_torch_distributed_are_warned_about(
+        tmp_path: Path, autotune_run: RunHere) -> None:
     log = tmp_path / "launches"
-    done = autotune_run(tmp_path, "--nproc-per-node", "2", "--global-batch-size", "4", "--device", "cpu",
+    done = autotune_run("--nproc-per-node", "2", "--global-batch-size", "4", "--device", "cpu",
                         "--budget", "64MiB", "--trial-steps", "1", str(SCRIPTS / "cooperative_fit.py"), str(log))
     assert done.returncode == 0, done.stderr
     assert launches(log) == ["launch 0 2", "launch 0 2"]
     assert "never initialised torch.distributed, so each rank tuned and trained alone" in done.stderr
 
 
-def test_a_directory_as_script_is_a_usage_error(tmp_path: Path) -> None:
-    done = autotune_run(tmp_path, str(SCRIPTS))
+def test_a_directory_as_script_is_a_usage_error(autotune_run: RunHere) -> None:
+    done = autotune_run(str(SCRIPTS))
     assert done.returncode == 2 and "is a directory" in done.stderr, done.stderr
 
 
-def test_zero_change_passes_a_non_memory_exit_code_through(tmp_path: Path) -> None:
+@pytest.mark.slow  # a fork server imports torch for the trial
+def test_zero_change_passes_a_non_memory_exit_code_through(tmp_path: Path, autotune_run: RunHere) -> None:
     log = tmp_path / "launches"
-    done = autotune_run(tmp_path, "--global-batch-size", "8", "--device", "cpu", "--budget", "64MiB",
+    done = autotune_run("--global-batch-size", "8", "--device", "cpu", "--budget", "64MiB",
                         "--map", "micro_batch=--bs", "--map", "accumulation=--acc", str(SCRIPTS / "exit7.py"),
                         str(log))
     assert done.returncode == 7, done.stderr

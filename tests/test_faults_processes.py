@@ -190,7 +190,7 @@ class Samples(torch.utils.data.Dataset):
 def test_dataloader_workers_forked_after_fit_train_and_leave_the_cache_intact(tmp_path: Path) -> None:
     model, batch = tiny_workload()
     store = PlanCache(tmp_path / "plans.db", strict=True)  # the user's, held open across the fork
-    plan = fit(model, batch, store)
+    plan = fit(model, batch, store, max_trials=2)  # any plan will do: the workers forked after it are what is tested
     step = plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     loader = torch.utils.data.DataLoader(Samples(batch, store, plan.key), batch_size=GLOBAL_BATCH, num_workers=2,
                                          multiprocessing_context="fork")
@@ -212,7 +212,7 @@ def test_dataloader_workers_forked_after_fit_train_and_leave_the_cache_intact(tm
 def test_a_plan_cached_under_another_torch_version_is_never_served(tmp_path: Path) -> None:
     model, batch = tiny_workload()
     theirs = PlanCache(tmp_path / "theirs.db")
-    fit(model, batch, theirs)
+    fit(model, batch, theirs, max_trials=2)  # a short search: which plan is cached does not matter here
     theirs.export(tmp_path / "bundle.jsonl")
     row = json.loads((tmp_path / "bundle.jsonl").read_text())
     row["parts"]["runtime"]["torch"] = "2.4.0"  # the teammate's torch: an honest row, for another runtime
@@ -224,6 +224,6 @@ def test_a_plan_cached_under_another_torch_version_is_never_served(tmp_path: Pat
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
-        plan = fit(model, batch, mine)
+        plan = fit(model, batch, mine, max_trials=2)
     assert plan.source == "tuned" and plan.key != row["key"]
     assert {e.key for e in PlanCache(mine).entries()} == {row["key"], plan.key}  # the stale row is kept, unused

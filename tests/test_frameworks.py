@@ -1,7 +1,8 @@
 """Zero-change mode on the frameworks people use: real Lightning and real Hugging Face Trainer scripts.
 
-End to end: `autotune run --preset lightning-cli` / `--preset hf-trainer` tunes the example scripts on the
-CPU under a simulated ceiling, trains with the plan, exits 0, and the plan's claimed samples/s is within
+End to end: `autotune run --preset lightning-cli` / `--preset hf-trainer` (run inside the test's process through
+click's test runner; its trials and training are real processes) tunes the example scripts on the CPU under a
+simulated ceiling, trains with the plan, exits 0, and the plan's claimed samples/s is within
 1.5x of what the real run measured (the run's whole optimizer steps, timed by the agent), at once or, where a
 trial read fast, at the next tune, which takes the run's measurement in its place. In process: the
 step watch against real Lightning training, with forward and backward inside `optimizer.step(closure)`
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,11 +42,31 @@ TIMEOUT = 600  # one tune (a fresh process per trial: ~15 s of imports each on a
 CLAIM_WITHIN = 1.5  # the issue's bar: claimed and measured samples/s within this factor
 
 
-def autotune_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "autotune", "run", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT)
+RunHere = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def autotune_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> RunHere:
+    """`autotune run ARGS...` inside this process, with the exit code and output a subprocess would give: what
+    the command writes through click, plus what its jobs write to the descriptors they inherit (read by capfd).
+    Not a subprocess of its own: that would import torch once more for the supervisor."""
+    env = {"AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        capfd.readouterr()
+        # The run forwards a SIGTERM to its job and exits 143, so a hung job fails the test instead of holding it.
+        deadline = threading.Timer(TIMEOUT, os.kill, (os.getpid(), signal.SIGTERM))
+        deadline.start()
+        try:
+            result = CliRunner().invoke(main, ["run", *args], env=env, catch_exceptions=False)
+        finally:
+            deadline.cancel()
+        inherited = capfd.readouterr()
+        return subprocess.CompletedProcess(["autotune", "run", *args], result.exit_code,
+                                          result.stdout + inherited.out, result.stderr + inherited.err)
+
+    return invoke
 
 
 def check_tuned_and_trained(done: subprocess.CompletedProcess[str], budget_mib: int, per_rank: int) -> Plan:
@@ -66,7 +88,7 @@ def claim_ratio(plan: Plan) -> float:
     return plan.samples_per_second / plan.measured_samples_per_second
 
 
-def tune_train_and_hold_the_claim(tmp_path: Path, args: tuple[str, ...], budget_mib: int,
+def tune_train_and_hold_the_claim(autotune_run: RunHere, args: tuple[str, ...], budget_mib: int,
                                   per_rank: int) -> tuple[Plan, subprocess.CompletedProcess[str]]:
     """`autotune run` tunes, trains, and its claim is within 1.5x of what the run measured.
 
@@ -75,12 +97,12 @@ def tune_train_and_hold_the_claim(tmp_path: Path, args: tuple[str, ...], budget_
     against the plan and take it in place of the trial's estimate at the next tune: that is checked here,
     by running again against the same cache, and the second claim must hold.
     """
-    done = autotune_run(tmp_path, *args)
+    done = autotune_run(*args)
     plan = check_tuned_and_trained(done, budget_mib, per_rank)
     if 1 / CLAIM_WITHIN <= claim_ratio(plan) <= CLAIM_WITHIN:
         return plan, done
     assert "recorded against the plan, so its next tune re-measures" in done.stderr, done.stderr[-3000:]
-    again = autotune_run(tmp_path, *args)
+    again = autotune_run(*args)
     assert "re-tuning, with that configuration scored at the measured rate" in again.stderr, again.stderr[-3000:]
     plan = check_tuned_and_trained(again, budget_mib, per_rank)
     assert 1 / CLAIM_WITHIN <= claim_ratio(plan) <= CLAIM_WITHIN, (plan.samples_per_second,
@@ -92,34 +114,35 @@ def tune_train_and_hold_the_claim(tmp_path: Path, args: tuple[str, ...], budget_
 # -- end to end: real frameworks under `autotune run` -------------------------------------------------------
 
 @pytest.mark.slow
-def test_lightning_cli_preset_tunes_trains_and_its_claim_holds(tmp_path: Path) -> None:
+def test_lightning_cli_preset_tunes_trains_and_its_claim_holds(autotune_run: RunHere) -> None:
     args = ("--preset", "lightning-cli", "--global-batch-size", "8", "--budget", "8MiB", "--trial-steps", "4",
             "--json", "--map", "checkpointing=--model.gradient_checkpointing=true",
             str(EXAMPLES / "train_lightning.py"), "fit", "--trainer.max_steps", "12", "--model.layers", "2",
             "--model.width", "64")
-    plan, done = tune_train_and_hold_the_claim(tmp_path, args, budget_mib=8, per_rank=8)
+    plan, done = tune_train_and_hold_the_claim(autotune_run, args, budget_mib=8, per_rank=8)
     micro, accumulation = plan.micro_batch_size, plan.accumulation_steps
     assert f"--data.batch_size {micro} --trainer.accumulate_grad_batches {accumulation}" in done.stderr
     assert "max_steps=12` reached" in done.stderr  # Lightning's own word that it trained to the end
 
 
 @pytest.mark.slow
-def test_hf_trainer_preset_tunes_trains_and_its_claim_holds(tmp_path: Path) -> None:
+def test_hf_trainer_preset_tunes_trains_and_its_claim_holds(tmp_path: Path, autotune_run: RunHere) -> None:
     args = ("--preset", "hf-trainer", "--global-batch-size", "8", "--budget", "24MiB", "--trial-steps", "4", "--json",
             str(EXAMPLES / "train_hf_trainer.py"), "--model_size", "tiny", "--seq_len", "64", "--vocab_size", "512",
             "--max_steps", "12", "--logging_steps", "100", "--output_dir", str(tmp_path / "out"))
-    plan, done = tune_train_and_hold_the_claim(tmp_path, args, budget_mib=24, per_rank=8)
+    plan, done = tune_train_and_hold_the_claim(autotune_run, args, budget_mib=24, per_rank=8)
     micro, accumulation = plan.micro_batch_size, plan.accumulation_steps
     assert f"--per_device_train_batch_size {micro} --gradient_accumulation_steps {accumulation}" in done.stderr
     assert "trained 12 steps" in done.stderr  # the script's own report of the finished run
 
 
 @pytest.mark.slow
-def test_a_cooperative_runs_steps_are_counted_from_its_plan_on_and_stored_on_the_cached_plan(tmp_path: Path) -> None:
+def test_a_cooperative_runs_steps_are_counted_from_its_plan_on_and_stored_on_the_cached_plan(
+        tmp_path: Path, autotune_run: RunHere) -> None:
     """fit's own trials step optimizers too: the count restarts when fit reports its plan."""
     from autotune.cache.store import PlanCache
 
-    done = autotune_run(tmp_path, "--global-batch-size", "8", "--budget", "40MiB", "--trial-steps", "1", "--json",
+    done = autotune_run("--global-batch-size", "8", "--budget", "40MiB", "--trial-steps", "1", "--json",
                         str(EXAMPLES / "train_cooperative.py"), "--steps", "6", "--layers", "1", "--width", "32",
                         "--checkpoint", str(tmp_path / "ck.pt"))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -161,6 +184,7 @@ def watch() -> StepWatch:
     w.remove()
 
 
+@pytest.mark.slow  # the first of these in a process imports Lightning: seconds of CPU
 def test_a_closure_step_is_timed_whole_and_the_optimizer_share_told_apart(watch: StepWatch) -> None:
     """Lightning runs forward and backward inside optimizer.step(closure): the step is all of it."""
     import lightning.pytorch as pl
@@ -187,6 +211,7 @@ def test_a_closure_step_is_timed_whole_and_the_optimizer_share_told_apart(watch:
     assert all(o < w for o, w in zip(watch.optimizer_seconds, watch.step_seconds))
 
 
+@pytest.mark.slow  # the first of these in a process imports Lightning: seconds of CPU
 def test_manual_optimization_stepping_every_other_batch_is_one_step_per_update(watch: StepWatch) -> None:
     """The loop calls step() itself (here every second batch, its own accumulation) and the scheduler after it."""
     import lightning.pytorch as pl

@@ -1,8 +1,10 @@
 """`autotune run`: the supervisor against small scripts that fail, run out of memory, hang or ignore SIGTERM.
 
-The end-to-end tests start `python -m autotune run ...` as a real process (signals, process groups and
-exit codes are the point); each is bounded by a subprocess timeout. The decision logic (flag mapping,
-classification, the restart loop) is also tested in-process with fakes, which is fast and exact.
+The end-to-end tests run real jobs in real processes. Where a signal to `autotune run` itself is the point,
+it runs as `python -m autotune run ...`, bounded by a subprocess timeout; elsewhere it runs inside the test's
+process through click's test runner (`run_here`), bounded by a SIGTERM to that process, which spares each
+test a second interpreter importing torch. The decision logic (flag mapping, classification, the restart
+loop) is also tested in-process with fakes, which is fast and exact.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -42,17 +46,44 @@ ZERO_CHANGE_MAPS = ["--map", "micro_batch=--per_device_train_batch_size",
                     "--map", "accumulation=--gradient_accumulation_steps"]
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
+def _run_env(tmp_path: Path) -> dict[str, str]:
     # One thread per job: under CI's default thread count with another process on the 2 cores, OpenMP
     # contention made micro-batch 1 "measure" 5x faster than 2 (1,127 vs 227 samples/s), the plan took 1 and
     # the restart after the OOM had nothing smaller to try. These tests are about the supervisor, not timing.
-    return {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1"}
+    return {"AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, **_run_env(tmp_path)}
 
 
 def autotune_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "autotune", "run", *args], cwd=ROOT, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=TIMEOUT)
+
+
+RunHere = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def run_here(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> RunHere:
+    """`autotune run ARGS...` inside this process, with the exit code and output a subprocess would give: what
+    the command writes through click, plus what its jobs write to the descriptors they inherit (read by capfd)."""
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        capfd.readouterr()
+        # The run forwards a SIGTERM to its job and exits 143, so a hung job fails the test instead of holding it.
+        deadline = threading.Timer(TIMEOUT, os.kill, (os.getpid(), signal.SIGTERM))
+        deadline.start()
+        try:
+            result = CliRunner().invoke(main, ["run", *args], env=_run_env(tmp_path), catch_exceptions=False)
+        finally:
+            deadline.cancel()
+        inherited = capfd.readouterr()
+        return subprocess.CompletedProcess(["autotune", "run", *args], result.exit_code,
+                                          result.stdout + inherited.out, result.stderr + inherited.err)
+
+    return invoke
 
 
 def start_run(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
@@ -97,9 +128,11 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- end to end ------------------------------------------------------------------------------------------
 
-def test_a_failure_that_is_not_memory_passes_its_exit_code_through_and_is_not_retried(tmp_path: Path) -> None:
+@pytest.mark.slow  # its job imports torch in a process of its own
+def test_a_failure_that_is_not_memory_passes_its_exit_code_through_and_is_not_retried(tmp_path: Path,
+                                                                                     run_here: RunHere) -> None:
     launches = tmp_path / "launches"
-    done = autotune_run(tmp_path, str(SCRIPTS / "exit7.py"), str(launches))
+    done = run_here(str(SCRIPTS / "exit7.py"), str(launches))
     assert done.returncode == 7, done.stderr
     assert launches.read_text().splitlines() == ["launch 0"]
     assert "ValueError: bad learning rate schedule" in done.stderr  # the traceback tail passes through
@@ -108,11 +141,12 @@ def test_a_failure_that_is_not_memory_passes_its_exit_code_through_and_is_not_re
 
 @pytest.mark.slow  # `autotune run` and two launches of a torch job
 @pytest.mark.parametrize("cache", ["plans.db", "off"])
-def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Path, cache: str) -> None:
+def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Path, cache: str,
+                                                                    run_here: RunHere) -> None:
     log = tmp_path / "attempts"
     setting = str(tmp_path / cache) if cache != "off" else "off"
-    done = autotune_run(tmp_path, "--global-batch-size", "16", "--budget", "256MiB", "--trial-steps", "2",
-                        "--cache", setting, str(SCRIPTS / "cooperative_oom.py"), str(log))
+    done = run_here("--global-batch-size", "16", "--budget", "256MiB", "--trial-steps", "2",
+                    "--cache", setting, str(SCRIPTS / "cooperative_oom.py"), str(log))
     assert done.returncode == 0, done.stderr
     attempts = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
     assert [a[0] for a in attempts] == [0, 1]  # AUTOTUNE_RESTART_COUNT of each launch
@@ -123,11 +157,11 @@ def test_an_oom_in_the_real_run_restarts_with_a_smaller_micro_batch(tmp_path: Pa
 
 
 @pytest.mark.slow  # `autotune run` and its trial processes
-def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Path) -> None:
+def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Path, run_here: RunHere) -> None:
     """Each sample costs 1.5 MiB: under an 8 MiB ceiling micro-batch 8 runs out of memory, 4 fits."""
     out = tmp_path / "final"
-    done = autotune_run(tmp_path, "--global-batch-size", "32", "--budget", "8MiB", "--trial-steps", "2", "--json",
-                        *ZERO_CHANGE_MAPS, str(SCRIPTS / "zero_change_oom.py"), str(out))
+    done = run_here("--global-batch-size", "32", "--budget", "8MiB", "--trial-steps", "2", "--json",
+                    *ZERO_CHANGE_MAPS, str(SCRIPTS / "zero_change_oom.py"), str(out))
     assert done.returncode == 0, done.stderr
     plan = Plan.from_dict(json.loads(done.stdout))  # --json: the plan, and nothing else, on stdout
     outcomes = {t.micro_batch_size: t.outcome for t in plan.trials}
@@ -144,20 +178,27 @@ def test_zero_change_tunes_the_scripts_flags_under_a_memory_ceiling(tmp_path: Pa
     assert 0 < start <= whole <= max(t.seconds for t in plan.trials if t.outcome == "ok") + 0.1, plan.reason
 
 
-def test_a_hung_trial_is_stopped_at_the_trial_timeout(tmp_path: Path) -> None:
+@pytest.mark.slow  # a fork server imports torch, then the trial's 5 s timeout runs out
+def test_a_hung_trial_is_stopped_at_the_trial_timeout(tmp_path: Path, run_here: RunHere) -> None:
     pid_file = tmp_path / "pid"
-    proc = start_run(tmp_path, "--global-batch-size", "8", "--trial-timeout", "5", "--grace-period", "1",
-                     *ZERO_CHANGE_MAPS, str(SCRIPTS / "hang.py"), str(pid_file))
-    job = [psutil.Process(int(wait_for_file(pid_file, proc)))]
+    done = run_here("--global-batch-size", "8", "--trial-timeout", "5", "--grace-period", "1",
+                    *ZERO_CHANGE_MAPS, str(SCRIPTS / "hang.py"), str(pid_file))
+    assert pid_file.exists(), f"the trial never started: {done.stderr}"
     try:
-        _, stderr = proc.communicate(timeout=TIMEOUT)
-        assert proc.returncode == 124, stderr
-        assert "still running after 5 s" in stderr and "--trial-timeout" in stderr
+        job = [psutil.Process(int(pid_file.read_text()))]  # the run is over: the trial is found only if it survived
+    except psutil.NoSuchProcess:
+        job = []
+    try:
+        assert done.returncode == 124, done.stderr
+        assert "still running after 5 s" in done.stderr and "--trial-timeout" in done.stderr
         assert all(gone(p) for p in job)
     finally:
-        stop_all(proc, job)
+        for p in job:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
+@pytest.mark.slow  # `autotune run` and its job each import torch in a process of their own
 def test_a_job_ignoring_sigterm_is_killed_after_the_grace_period_and_leaves_no_orphan(tmp_path: Path) -> None:
     pid_file = tmp_path / "pids"
     proc = start_run(tmp_path, "--grace-period", "1", str(SCRIPTS / "ignore_term.py"), str(pid_file))
@@ -175,6 +216,7 @@ def test_a_job_ignoring_sigterm_is_killed_after_the_grace_period_and_leaves_no_o
         stop_all(proc, job)  # after the checks: leave nothing behind even when they fail
 
 
+@pytest.mark.slow  # `autotune run` and its job each import torch in a process of their own
 def test_sigint_stops_the_job_and_exits_130(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     proc = start_run(tmp_path, str(SCRIPTS / "sleeper.py"), str(pid_file))
@@ -476,14 +518,16 @@ def _readme_main_command() -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_readme_main_command_launched_twice_tunes_once(tmp_path: Path) -> None:
+def test_the_readme_main_command_launched_twice_tunes_once(tmp_path: Path, run_here: RunHere,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     args = _readme_main_command()
     assert args[0] == "run" and "--map" in args, args
-    first = autotune_run(tmp_path, "--json", *args[1:])
+    monkeypatch.chdir(ROOT)  # the README's paths are relative to the checkout
+    first = run_here("--json", *args[1:])
     assert first.returncode == 0, first.stderr
     plan = Plan.from_dict(json.loads(first.stdout))
     assert plan.source == "tuned" and len(plan.key) == 64 and len(plan.trials) >= 2
-    second = autotune_run(tmp_path, *args[1:])
+    second = autotune_run(tmp_path, *args[1:])  # a process of its own: the plan must come from the file
     assert second.returncode == 0, second.stderr
     assert "autotune: trial" in first.stderr
     # Which path the second launch takes is decided by the first run's own measurement, read here rather than

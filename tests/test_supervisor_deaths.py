@@ -1,8 +1,9 @@
 """How `autotune run` tells a job's deaths apart: an OOM (restarted, recorded against the job's own plan) from a
 kill that memory does not explain (passed through as exit 137, nothing recorded).
 
-The runs are real: `autotune run` supervises real scripts in tests/scripts/ that kill themselves or raise the
-OOM a GPU would, and the plan cache is a real SQLite file read back as the next job would read it.
+The runs are real: `autotune run` (inside the test's process, through click's test runner) supervises real
+scripts in tests/scripts/, in processes of their own, that kill themselves or raise the OOM a GPU would, and the
+plan cache is a real SQLite file read back as the next job would read it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from autotune.cli.main import main
 from autotune.supervisor.oom_killer import KernelKill, OomKillWatch, read_count
 from autotune.supervisor.process import ChildExit
 from autotune.supervisor.verdict import classify
@@ -25,13 +29,31 @@ SCRIPTS = ROOT / "tests" / "scripts"
 TIMEOUT = 240  # seconds for one `autotune run`: a few launches of a tiny torch job on two shared cores
 
 
-def autotune_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`autotune run` of a tiny job with the plan cache in `tmp_path`, as a user's shell would start it."""
-    env = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "autotune", "run", "--global-batch-size", "16", "--budget", "256MiB",
-                           "--trial-steps", "3", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+RunHere = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def autotune_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> RunHere:
+    """`autotune run` of a tiny job with the plan cache in `tmp_path`, inside this process, with the exit code and
+    output a subprocess would give: what the command writes through click, plus what its jobs write to the
+    descriptors they inherit (read by capfd). Not a subprocess of its own: that would import torch once more."""
+    env = {"AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        command = ["run", "--global-batch-size", "16", "--budget", "256MiB", "--trial-steps", "3", *args]
+        capfd.readouterr()
+        # The run forwards a SIGTERM to its job and exits 143, so a hung job fails the test instead of holding it.
+        deadline = threading.Timer(TIMEOUT, os.kill, (os.getpid(), signal.SIGTERM))
+        deadline.start()
+        try:
+            result = CliRunner().invoke(main, command, env=env, catch_exceptions=False)
+        finally:
+            deadline.cancel()
+        inherited = capfd.readouterr()
+        return subprocess.CompletedProcess(["autotune", *command], result.exit_code,
+                                          result.stdout + inherited.out, result.stderr + inherited.err)
+
+    return invoke
 
 
 def failures(tmp_path: Path) -> list[tuple[str, int]]:
@@ -47,10 +69,11 @@ def launches(log: Path) -> list[tuple[int, int]]:
 
 # -- a SIGKILL ----------------------------------------------------------------------------------------
 
-@pytest.mark.slow  # `autotune run` and a torch job in processes of their own
-def test_a_sigkill_with_no_memory_pressure_is_passed_through_as_137_and_recorded_nowhere(tmp_path: Path) -> None:
+@pytest.mark.slow  # a torch job in a process of its own, whose fit tunes
+def test_a_sigkill_with_no_memory_pressure_is_passed_through_as_137_and_recorded_nowhere(
+        tmp_path: Path, autotune_run: RunHere) -> None:
     log = tmp_path / "launches"
-    done = autotune_run(tmp_path, "--max-restarts", "2", str(SCRIPTS / "killed_after_fit.py"), str(log))
+    done = autotune_run("--max-restarts", "2", str(SCRIPTS / "killed_after_fit.py"), str(log))
 
     assert done.returncode == 128 + signal.SIGKILL, done.stderr
     assert [n for n, _ in launches(log)] == [0]  # never restarted
@@ -105,10 +128,10 @@ def test_the_oom_kill_count_is_read_from_either_cgroup_version(tmp_path: Path) -
 
 @pytest.mark.slow  # two `autotune run`s, three launches of a torch job
 def test_a_restarts_oom_is_recorded_against_the_jobs_own_key_so_the_next_launch_starts_below_it(
-        tmp_path: Path) -> None:
+        tmp_path: Path, autotune_run: RunHere) -> None:
     log = tmp_path / "launches"
     script = str(SCRIPTS / "cooperative_oom_above.py")
-    first = autotune_run(tmp_path, "--max-restarts", "1", script, str(log), "1")  # every micro-batch above 1 fails
+    first = autotune_run("--max-restarts", "1", script, str(log), "1")  # every micro-batch above 1 fails
     assert first.returncode == 3, first.stderr
     (_, micro0, key), (_, micro1, capped) = (line.split() for line in log.read_text().splitlines())
     assert capped != key  # the restart ran under a micro-batch cap, which is part of its key
@@ -116,6 +139,6 @@ def test_a_restarts_oom_is_recorded_against_the_jobs_own_key_so_the_next_launch_
     assert failures(tmp_path) == [(key, int(micro0)), (key, int(micro1))]
 
     log.unlink()
-    again = autotune_run(tmp_path, "--max-restarts", "0", script, str(log), "1")
+    again = autotune_run("--max-restarts", "0", script, str(log), "1")
     [(_, micro, key_again)] = (line.split() for line in log.read_text().splitlines())
     assert key_again == key and int(micro) < min(int(micro0), int(micro1)), again.stderr
