@@ -234,6 +234,7 @@ def _preload(script: str) -> list[str]:
     """Import what every trial imports, and name the packages beside torch; a module that fails to import is
     left for the trial to report."""
     import torch  # noqa: F401  the heaviest import of every trial
+    import torch._dynamo  # noqa: F401  imported by the first optimizer a trial builds (1.5 s of CPU); no threads
 
     import autotune.supervisor.agent  # noqa: F401
     loaded: list[str] = []
