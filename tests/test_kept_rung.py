@@ -1,6 +1,6 @@
 """Trials of optimizer offload that differ only in micro-batch run on one engine: the first trial leaves its rung
 on the model and the next takes it, so no FP32 masters are copied out and no weights restored in between, and
-that changes nothing a trial measures or computes. Real trials of a small GPT on the CPU under the simulated
+that changes nothing a trial measures or computes. Real trials of a tiny GPT on the CPU under the simulated
 ceiling, and a fit whose budget leaves only optimizer offload."""
 
 from __future__ import annotations
@@ -10,13 +10,31 @@ import re
 from collections.abc import Iterator
 
 import torch
-from gpt import GPT, random_batch
-from test_trial_reuse import CFG, OFFLOAD, _runner  # the same tiny GPT and trial runner
+from gpt import GPT, GPTConfig, random_batch
+from test_trial_reuse import OFFLOAD
 
 import autotune
 from autotune.configuration import Rung
+from autotune.devices.placement import resolve_device
 from autotune.evidence import Trial
+from autotune.search.trial import TrialRunner, Workload
+from autotune.techniques import find_blocks
 from autotune.techniques.offload import host_buffers
+from autotune.workload.losses import resolve
+from autotune.workload.optimizers import OptimizerSpec
+
+# Smaller than test_trial_reuse's GPT: which engines the trials build does not depend on the size, their time does.
+CFG = GPTConfig(vocab_size=128, n_layer=2, n_embd=32, n_head=4, seq_len=16)
+
+
+def _runner() -> TrialRunner:
+    """test_trial_reuse's trial runner (one measured step, a ceiling nothing reaches) over this module's GPT."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    work = Workload(model=model, batch=random_batch(CFG, 8), loss_fn=resolve(None),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=2**40,
+                    limit_bytes=2**39, per_rank=8, blocks=find_blocks(model), measured_steps=1)
+    return TrialRunner(work)
 
 
 def _taken() -> int:
@@ -117,8 +135,9 @@ def test_fit_builds_one_engine_for_its_offload_trials_at_several_micro_batches()
     _runner()(OFFLOAD, 1)
     per_engine = _taken() - per_engine  # host buffers one engine takes
     before = _taken()
+    # Four trials: the plain rung, then optimizer offload climbing its micro-batches (the share and overlap follow).
     plan = autotune.fit(model, batch, global_batch_size=8, memory_budget=int(one * 0.97 / 0.9), device="cpu",
-                        cache=False, trial_steps=1)
+                        cache=False, trial_steps=1, max_trials=4)
     assert plan.offload == "optimizer"
     offloaded = [t for t in plan.trials if t.rung.offload == "optimizer"]
     again = [b for a, b in zip(plan.trials, plan.trials[1:])  # only the micro-batch changed from the trial before

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -33,12 +33,15 @@ from autotune.techniques.offload import (
     norm_parameters,
 )
 from autotune.techniques.offload import pipeline as offload_pipeline
+from autotune.techniques.offload import streamed as offload_stream
 from autotune.training.step import TrainingStep
 from autotune.workload.batching import global_step_seconds, solve_accumulation
 from autotune.workload.optimizers import OptimizerSpec
 
 HUGE = 2**40  # a budget nothing reaches: the ceiling is on, but never hit
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# The offload modules' defaults, before the fixtures here and in test_offload_stream.py shrink them.
+CHUNK_ELEMENTS, SEGMENT = offload_pipeline.CHUNK_ELEMENTS, offload_stream.SEGMENT
 
 
 @pytest.fixture(autouse=True)
@@ -424,7 +427,8 @@ def test_8bit_state_is_chosen_when_it_is_the_only_thing_that_fits():
     # part of that at the peak.
     assert full - small >= 2 * n
     budget = int((full + small) / 2 / 0.9)
-    kw = dict(global_batch_size=4, memory_budget=budget, device="cpu", cache=False, max_trials=8)
+    # One measured step a trial: torchao's 8-bit AdamW steps slowly on the CPU, and only what fits is under test.
+    kw = dict(global_batch_size=4, memory_budget=budget, device="cpu", cache=False, max_trials=8, trial_steps=1)
     with pytest.raises(autotune.NoFeasiblePlan):
         autotune.fit(copy.deepcopy(model), batch, techniques=("bf16",), **kw)
     plan = autotune.fit(copy.deepcopy(model), batch, techniques=("bf16", "optimizer_8bit"), **kw)
@@ -515,15 +519,28 @@ def test_overlap_on_cuda_gives_the_serial_parameters(monkeypatch, fraction):
     assert_bitwise(run(True), run(False))
 
 
-@pytest.mark.slow  # a benchmark script in its own torch process
-def test_bench_offload_runs_every_mode_on_the_cpu(tmp_path):
+def run_benchmark(monkeypatch, script: str, *args: str) -> None:
+    """`python benchmarks/SCRIPT ARGS` run in this process (a process of its own spends seconds importing torch),
+    as from a shell: without $AUTOTUNE_*, with the offload modules' defaults; what the script changes (the
+    variables it sets, the stream's segment size, sys.path) is put back after the test."""
+    for name in [k for k in os.environ if k.startswith("AUTOTUNE_")]:
+        monkeypatch.delenv(name)
+    for name in ("AUTOTUNE_OFFLOAD_OVERLAP", "AUTOTUNE_OFFLOAD_STREAM"):  # set by the script, unset after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(offload_pipeline, "CHUNK_ELEMENTS", CHUNK_ELEMENTS)
+    monkeypatch.setattr(offload_stream, "SEGMENT", SEGMENT)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    path = os.path.join(ROOT, "benchmarks", script)
+    monkeypatch.setattr(sys, "argv", [path, *args])
+    runpy.run_path(path, run_name="__main__")
+
+
+@pytest.mark.slow  # seconds: a benchmark script's four modes of training
+def test_bench_offload_runs_every_mode_on_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "offload.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_offload.py"), "--workload", "tiny",
-                           "--config", "0,4,0.5", "--steps", "1", "--warmup", "1", "--out", str(out),
-                           "--modes", "serial,overlap,stream-serial,stream-overlap"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_benchmark(monkeypatch, "bench_offload.py", "--workload", "tiny", "--config", "0,4,0.5", "--steps", "1",
+                  "--warmup", "1", "--out", str(out), "--modes", "serial,overlap,stream-serial,stream-overlap")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["serial", "overlap", "stream-serial", "stream-overlap"]
     for r in rows:
@@ -534,18 +551,13 @@ def test_bench_offload_runs_every_mode_on_the_cpu(tmp_path):
     assert rows[3]["chunks_before_tail"] == rows[3]["chunks"]  # every segment issued during the last backward
 
 
-@pytest.mark.slow  # two benchmark scripts, each its own torch process
-def test_bench_trial_accuracy_and_profile_step_run_on_the_cpu(tmp_path):
+@pytest.mark.slow  # seconds: two benchmark scripts' trials and training steps
+def test_bench_trial_accuracy_and_profile_step_run_on_the_cpu(tmp_path, monkeypatch):
     # The two scripts behind the trial-accuracy and sync-point figures, on the tiny CPU workload.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    bench = os.path.join(ROOT, "benchmarks")
     out = tmp_path / "acc.jsonl"
-    for script, extra in (("bench_trial_accuracy.py", ["--steps", "1", "--warmup", "1"]),
-                          ("profile_step.py", ["--steps", "1", "--warmup", "1"])):
-        proc = subprocess.run([sys.executable, os.path.join(bench, script), "--workload", "tiny", "--config", "0,4",
-                               *extra, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for script in ("bench_trial_accuracy.py", "profile_step.py"):
+        run_benchmark(monkeypatch, script, "--workload", "tiny", "--config", "0,4", "--steps", "1", "--warmup", "1",
+                      "--out", str(out))
     accuracy, profile = [json.loads(line) for line in out.read_text().splitlines()]
     for key in ("estimate_armed_True", "estimate_armed_False", "trained_overlap", "trained_serial"):
         assert accuracy[key] > 0, accuracy
