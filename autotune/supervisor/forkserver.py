@@ -233,8 +233,9 @@ def _installed(name: str, home: str) -> bool:
 def _preload(script: str) -> list[str]:
     """Import what every trial imports, and name the packages beside torch; a module that fails to import is
     left for the trial to report."""
-    import torch  # noqa: F401  the heaviest import of every trial
-    import torch._dynamo  # noqa: F401  imported by the first optimizer a trial builds (1.5 s of CPU); no threads
+    # torch, the heaviest import of every trial, and Dynamo, which the first optimizer a trial builds imports
+    # (1.5 s of CPU); neither starts a thread
+    import torch._dynamo  # noqa: F401
 
     import autotune.supervisor.agent  # noqa: F401
     loaded: list[str] = []
