@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import time
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -112,3 +115,14 @@ def spawn(rank_main, world: int, timeout_s: int, *args) -> list[dict]:
                 p.kill()
             pytest.fail(f"{world} ranks did not finish within {timeout_s} s (a collective left waiting?)")
         return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+
+
+def join_within(ctx: Any, seconds: float, what: str) -> None:
+    """Wait for the ranks `ctx` started (torch.multiprocessing); past `seconds`, kill them and fail the test. A rank
+    that raised or exited non-zero raises here, as `ctx.join` does."""
+    deadline = time.monotonic() + seconds
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what}: the ranks did not finish within {seconds} s")

@@ -14,7 +14,6 @@ import runpy
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 import ranks  # tests/ranks.py: the fork server the ranks start from
@@ -68,13 +67,8 @@ def _run_ranks(script: str, *args: str) -> dict:
             with open(path) as f:
                 return f.read()
 
-        deadline = time.monotonic() + TIMEOUT_S
         try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    pytest.fail(f"the ranks did not finish within {TIMEOUT_S} s")
+            ranks.join_within(ctx, TIMEOUT_S, script)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             pytest.fail(f"{exc}\n" + "\n".join(f"rank {r} {name}:\n{output(r, name)[-3000:]}"
                                                 for r in range(WORLD) for name in ("out", "err")))

@@ -10,18 +10,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
-import threading
 import tracemalloc
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cli_here
 import pytest
 import torch
 from cache_samples import cache_warnings, clean_environment, fit, sample, tiny_workload  # noqa: F401 - autouse fixture
+from cli_here import RunHere
 from click.testing import CliRunner
 
 from autotune.cache.lines import read_rows
@@ -126,30 +126,11 @@ SCRIPTS = ROOT / "tests" / "scripts"
 RUN_TIMEOUT = 240  # seconds for one `autotune run` (two busy CPUs start torch slowly)
 
 
-RunHere = Callable[..., subprocess.CompletedProcess[str]]
-
-
 @pytest.fixture
 def autotune_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> RunHere:
-    """`autotune run ARGS...` inside this process, with the exit code and output a subprocess would give: what
-    the command writes through click, plus what its jobs write to the descriptors they inherit (read by capfd).
-    Not a subprocess of its own: that would import torch once more for the supervisor."""
-
-    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
-        capfd.readouterr()
-        # The run forwards a SIGTERM to its job and exits 143, so a hung job fails the test instead of holding it.
-        deadline = threading.Timer(RUN_TIMEOUT, os.kill, (os.getpid(), signal.SIGTERM))
-        deadline.start()
-        try:
-            result = CliRunner().invoke(main, ["run", *args], catch_exceptions=False,
-                                        env={"AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1"})
-        finally:
-            deadline.cancel()
-        inherited = capfd.readouterr()
-        return subprocess.CompletedProcess(["autotune", "run", *args], result.exit_code,
-                                          result.stdout + inherited.out, result.stderr + inherited.err)
-
-    return invoke
+    """`autotune run ARGS...` in this process (`cli_here`), with this test's cache."""
+    env = {"AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1"}
+    return lambda *args: cli_here.run_here(capfd, args, env=env, timeout=RUN_TIMEOUT)
 
 
 def launches(log: Path) -> list[str]:

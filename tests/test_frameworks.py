@@ -13,17 +13,16 @@ measurement, with a scripted launcher (the decision logic, exact and fast).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+import cli_here
 import pytest
 import torch
+from cli_here import RunHere
 from click.testing import CliRunner
 
 from autotune.cli.main import main
@@ -42,31 +41,12 @@ TIMEOUT = 600  # one tune (a fresh process per trial: ~15 s of imports each on a
 CLAIM_WITHIN = 1.5  # the issue's bar: claimed and measured samples/s within this factor
 
 
-RunHere = Callable[..., subprocess.CompletedProcess[str]]
-
-
 @pytest.fixture
 def autotune_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> RunHere:
-    """`autotune run ARGS...` inside this process, with the exit code and output a subprocess would give: what
-    the command writes through click, plus what its jobs write to the descriptors they inherit (read by capfd).
-    Not a subprocess of its own: that would import torch once more for the supervisor."""
+    """`autotune run ARGS...` in this process (`cli_here`), with this test's cache."""
     env = {"AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-
-    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
-        capfd.readouterr()
-        # The run forwards a SIGTERM to its job and exits 143, so a hung job fails the test instead of holding it.
-        deadline = threading.Timer(TIMEOUT, os.kill, (os.getpid(), signal.SIGTERM))
-        deadline.start()
-        try:
-            result = CliRunner().invoke(main, ["run", *args], env=env, catch_exceptions=False)
-        finally:
-            deadline.cancel()
-        inherited = capfd.readouterr()
-        return subprocess.CompletedProcess(["autotune", "run", *args], result.exit_code,
-                                          result.stdout + inherited.out, result.stderr + inherited.err)
-
-    return invoke
+    return lambda *args: cli_here.run_here(capfd, args, env=env, timeout=TIMEOUT)
 
 
 def check_tuned_and_trained(done: subprocess.CompletedProcess[str], budget_mib: int, per_rank: int) -> Plan:

@@ -12,29 +12,21 @@ from collections.abc import Iterator
 import torch
 from gpt import GPT, GPTConfig, random_batch
 from test_trial_reuse import OFFLOAD
+from test_trial_reuse import _runner as reuse_runner
 
 import autotune
 from autotune.configuration import Rung
-from autotune.devices.placement import resolve_device
 from autotune.evidence import Trial
-from autotune.search.trial import TrialRunner, Workload
-from autotune.techniques import find_blocks
+from autotune.search.trial import TrialRunner
 from autotune.techniques.offload import host_buffers
-from autotune.workload.losses import resolve
-from autotune.workload.optimizers import OptimizerSpec
 
 # Smaller than test_trial_reuse's GPT: which engines the trials build does not depend on the size, their time does.
 CFG = GPTConfig(vocab_size=128, n_layer=2, n_embd=32, n_head=4, seq_len=16)
 
 
 def _runner() -> TrialRunner:
-    """test_trial_reuse's trial runner (one measured step, a ceiling nothing reaches) over this module's GPT."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    work = Workload(model=model, batch=random_batch(CFG, 8), loss_fn=resolve(None),
-                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=2**40,
-                    limit_bytes=2**39, per_rank=8, blocks=find_blocks(model), measured_steps=1)
-    return TrialRunner(work)
+    """test_trial_reuse's trial runner over this module's GPT."""
+    return reuse_runner(CFG)
 
 
 def _taken() -> int:

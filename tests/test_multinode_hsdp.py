@@ -67,17 +67,12 @@ def _one_node(out: Path) -> None:
     imported already (a torchrun launch imports them in three new processes), with the environment torchrun
     gives the ranks of one node of two."""
     import torch.multiprocessing as mp
-    from ranks import START_METHOD
+    from ranks import START_METHOD, join_within
 
     ctx = mp.start_processes(_one_node_rank, args=(2, _free_port(), str(out)), nprocs=2, join=False,
                              start_method=START_METHOD)
-    deadline = time.monotonic() + TIMEOUT_S
     try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"one-node: the ranks did not finish within {TIMEOUT_S} s")
+        join_within(ctx, TIMEOUT_S, "one-node")
     except mp.ProcessExitedException:
         pass  # a rank whose scenario failed exits with 1: its report says why
 

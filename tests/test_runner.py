@@ -17,14 +17,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+import cli_here
 import click
 import psutil
 import pytest
+from cli_here import RunHere
 from click.testing import CliRunner
 
 from autotune.cache.store import PlanCache
@@ -62,28 +62,10 @@ def autotune_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
-RunHere = Callable[..., subprocess.CompletedProcess[str]]
-
-
 @pytest.fixture
 def run_here(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> RunHere:
-    """`autotune run ARGS...` inside this process, with the exit code and output a subprocess would give: what
-    the command writes through click, plus what its jobs write to the descriptors they inherit (read by capfd)."""
-
-    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
-        capfd.readouterr()
-        # The run forwards a SIGTERM to its job and exits 143, so a hung job fails the test instead of holding it.
-        deadline = threading.Timer(TIMEOUT, os.kill, (os.getpid(), signal.SIGTERM))
-        deadline.start()
-        try:
-            result = CliRunner().invoke(main, ["run", *args], env=_run_env(tmp_path), catch_exceptions=False)
-        finally:
-            deadline.cancel()
-        inherited = capfd.readouterr()
-        return subprocess.CompletedProcess(["autotune", "run", *args], result.exit_code,
-                                          result.stdout + inherited.out, result.stderr + inherited.err)
-
-    return invoke
+    """`autotune run ARGS...` in this process (`cli_here`), with this test's cache."""
+    return lambda *args: cli_here.run_here(capfd, args, env=_run_env(tmp_path), timeout=TIMEOUT)
 
 
 def start_run(tmp_path: Path, *args: str) -> subprocess.Popen[str]:

@@ -22,10 +22,11 @@ CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
 OFFLOAD = Rung(checkpointing="full", offload="optimizer")
 
 
-def _runner() -> TrialRunner:
+def _runner(cfg: GPTConfig = CFG) -> TrialRunner:
+    """Trials of a GPT at `cfg`: one measured step each, under a ceiling nothing reaches."""
     torch.manual_seed(0)
-    model = GPT(CFG)
-    work = Workload(model=model, batch=random_batch(CFG, 8), loss_fn=resolve(None),
+    model = GPT(cfg)
+    work = Workload(model=model, batch=random_batch(cfg, 8), loss_fn=resolve(None),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=2**40,
                     limit_bytes=2**39, per_rank=8, blocks=find_blocks(model), measured_steps=1)
     return TrialRunner(work)
