@@ -50,7 +50,8 @@ def _timed(runner: TrialRunner, rung: Rung, micro: int) -> tuple[Trial, float]:
 
 def _adds_up(trial: Trial, wall: float) -> None:
     total = sum(trial.phases.values())
-    assert abs(total - wall) <= 0.05 * wall, (trial.phases, wall)
+    # Within 5%, or 10 ms on a trial so short that one preemption by a busy neighbour is more than 5% of it
+    assert abs(total - wall) <= max(0.05 * wall, 0.010), (trial.phases, wall)
     assert trial.seconds == pytest.approx(total)
     assert set(trial.phases) <= set(TRIAL_PHASES), trial.phases
 
