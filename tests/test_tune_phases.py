@@ -26,12 +26,12 @@ from autotune.workload.optimizers import OptimizerSpec
 CFG = GPTConfig(vocab_size=128, n_layer=4, n_embd=64, n_head=4, seq_len=64)
 
 
-def _runner(budget: int) -> TrialRunner:
+def _runner(budget: int, cfg: GPTConfig = CFG, per_rank: int = 8) -> TrialRunner:
     torch.manual_seed(0)
-    model = GPT(CFG)
-    work = Workload(model=model, batch=random_batch(CFG, 8), loss_fn=resolve(None),
+    model = GPT(cfg)
+    work = Workload(model=model, batch=random_batch(cfg, per_rank), loss_fn=resolve(None),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"), budget_bytes=budget,
-                    limit_bytes=int(0.9 * budget), per_rank=8, blocks=find_blocks(model), measured_steps=2)
+                    limit_bytes=int(0.9 * budget), per_rank=per_rank, blocks=find_blocks(model), measured_steps=2)
     return TrialRunner(work)
 
 
@@ -50,8 +50,7 @@ def _timed(runner: TrialRunner, rung: Rung, micro: int) -> tuple[Trial, float]:
 
 def _adds_up(trial: Trial, wall: float) -> None:
     total = sum(trial.phases.values())
-    # Within 5%, or 10 ms on a trial so short that one preemption by a busy neighbour is more than 5% of it
-    assert abs(total - wall) <= max(0.05 * wall, 0.010), (trial.phases, wall)
+    assert abs(total - wall) <= 0.05 * wall, (trial.phases, wall)
     assert trial.seconds == pytest.approx(total)
     assert set(trial.phases) <= set(TRIAL_PHASES), trial.phases
 
@@ -73,10 +72,12 @@ def test_a_fitting_trials_phases_add_up_to_its_wall_time(rung: Rung) -> None:
 
 @pytest.mark.slow  # seconds: searches that run real trial steps
 def test_an_out_of_memory_trials_phases_add_up_too() -> None:
-    runner = _runner(2**40)
-    fitting = runner(Rung(), 8)
-    runner = _runner(fitting.peak_bytes // 3)  # the weights and state fit, the step's activations do not
-    trial, wall = _timed(runner, Rung(), 8)
+    # A deeper, wider GPT than the others: its failing trial lasts about half a second, so that one preemption by a
+    # busy neighbour (a few ms) stays well inside the 5%
+    deeper = GPTConfig(vocab_size=128, n_layer=8, n_embd=128, n_head=4, seq_len=128)
+    fitting = _runner(2**40, deeper, 16)(Rung(), 1)
+    runner = _runner(fitting.peak_bytes, deeper, 16)  # micro-batch 1 fits, 16 times its activations do not
+    trial, wall = _timed(runner, Rung(), 16)
     assert trial.outcome == "oom", trial
     _adds_up(trial, wall)
     assert "measured" not in trial.phases  # it never got there
