@@ -83,8 +83,7 @@ class HostSteppedEngine(HostOptimizer):
         key = tuple(indices)
         view = self._views.get(key)
         if view is None:
-            view = self._views.setdefault(key, optimizer_view(self.shares.optimizer,
-                                                              [self.shares.master[i] for i in indices]))
+            view = self._views[key] = optimizer_view(self.shares.optimizer, [self.shares.master[i] for i in indices])
         sync_view(view)
         with host_memory():
             for part in momentum_apart(view):
