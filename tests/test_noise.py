@@ -43,8 +43,11 @@ class ContendedCPU:
         seconds = 0.05 + 0.01 * micro * (1.25 if ckpt else 1.0)
         if not ckpt and micro in self.contended and not again:
             seconds *= 5
+        # A configuration's first trial compiles (as on a GPU: seconds of a cold tune), a reading again does not
+        phases = {"measured": 4 * seconds} if again else {"compile": 2.0, "measured": 4 * seconds}
         return Trial(rung=rung, micro_batch_size=micro, outcome="ok", step_seconds=seconds, optimizer_seconds=0.0,
-                     samples_per_second=micro / seconds, peak_bytes=int(micro * MiB * (0.5 if ckpt else 1.0)))
+                     samples_per_second=micro / seconds, peak_bytes=int(micro * MiB * (0.5 if ckpt else 1.0)),
+                     seconds=sum(phases.values()), phases=phases)
 
 
 def search(cpu: ContendedCPU) -> Ledger:
@@ -61,6 +64,9 @@ def test_a_recompute_win_recompute_cannot_explain_is_remeasured_and_not_believed
     assert any("more than recompute can explain: both re-measured" in n for n in result.notes), result.notes
     plain4 = next(t for t in result.trials if t.rung == PLAIN and t.micro_batch_size == 4)
     assert plain4.samples_per_second == 4 / 0.09 and "re-measured; first 8.9 samples/s" in plain4.note
+    # In the first reading's place, with its time: the tune's account keeps the compile the first reading did
+    assert plain4.phases == pytest.approx({"compile": 2.0, "measured": 4 * (0.09 * 5 + 0.09)}), plain4.phases
+    assert plain4.seconds == pytest.approx(sum(plain4.phases.values()))
     # The re-measurements took the first figures' places: one line per configuration in the record.
     assert len(result.trials) == len({(t.rung, t.micro_batch_size) for t in result.trials})
     # Micro-batch 8 (only checkpointing fits it) amortises the fixed cost: the true winner, by the model.

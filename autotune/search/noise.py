@@ -59,6 +59,12 @@ def settle(first: Trial, again: Callable[[], Trial], siblings: Sequence[Trial] =
     kept = last if not doubtful(last, siblings) else max(readings, key=lambda t: t.samples_per_second)
     rates = ", ".join(f"{t.samples_per_second:,.1f}" for t in readings if t.fits)
     note = f"timings in doubt, measured {len(readings)} times ({rates} samples/s)"
+    return timed_with(kept, readings, note)
+
+
+def timed_with(kept: Trial, readings: Sequence[Trial], note: str) -> Trial:
+    """`kept`, one of `readings` of one configuration, in their place in the record: its `seconds` and `phases`
+    all of theirs (a first reading's compile included, so the tune's account keeps every second), `note` added."""
     return dataclasses.replace(kept, seconds=sum(t.seconds for t in readings),
                                phases=merged([t.phases for t in readings]),
                                note=f"{kept.note}; {note}" if kept.note else note)

@@ -4,13 +4,12 @@ micro-batch, was measured in a disturbed moment; both are measured again, longer
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..configuration import Rung
 from ..evidence import Trial
 from .deadline import OutOfTime
 from .ledger import Ledger
 from .lines import NOISE, best_so_far
+from .noise import timed_with
 
 
 def recheck_recompute(s: Ledger) -> Ledger:
@@ -34,7 +33,8 @@ def rechecked(s: Ledger, best: Trial) -> Trial:
     neighbour took the CPU during the plain trial: "4.46x faster with checkpointing" on ResNet-18 at a
     roomy budget; "offload <0.01% of the parameters, 4.90x faster" on a tiny model), both are measured
     again, longer; the re-measurements take the first ones' places in the record (their notes keep the
-    first figures), and the pick is made again.
+    first figures, their seconds and phases the first ones' too: a first reading's compile stays in the tune's
+    account), and the pick is made again.
     """
     if s.remeasure is None or (best.rung.checkpointing, best.rung.offload) == ("none", "none"):
         return best
@@ -49,8 +49,7 @@ def rechecked(s: Ledger, best: Trial) -> Trial:
     now = []
     for first in (ckpt, plain):
         again = s.remeasure(first.rung, first.micro_batch_size)
-        note = f"re-measured; first {first.samples_per_second:,.1f} samples/s"
-        now.append(dataclasses.replace(again, note=f"{again.note}; {note}" if again.note else note))
+        now.append(timed_with(again, (first, again), f"re-measured; first {first.samples_per_second:,.1f} samples/s"))
         s.trials[s.trials.index(first)] = now[-1]
     # Said with the figures the pick is then made on: the first ones are in the re-measured trials' notes.
     factor = now[0].samples_per_second / now[1].samples_per_second if now[1].samples_per_second else 0.0
