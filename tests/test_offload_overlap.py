@@ -59,3 +59,156 @@ def test_an_overlapped_trial_over_the_limit_counts_only_when_streamed():
     chosen, overlap, clause = offload_overlap.choose(serial, _overlapped(0.0, 0.0, outcome="oom"), PER_RANK,
                                                      streamed=True)
     assert overlap is False and chosen is serial and clause.endswith("the overlapped trial: oom")
+
+
+# -- an offload rival measured overlapped, where the pick offloads nothing ---------------------------------------
+MiB = 2**20
+PLAIN, OFFLOAD = Rung(precision="bf16"), Rung(precision="bf16", offload="optimizer")
+
+
+class Streamed:
+    """One GPU, scripted: without offload the optimizer state holds 12 MiB and a micro-batch of 4 fits; offloaded,
+    16 fit, but the streamed host step takes `host_s` serially and `overlapped_s` behind the last backward."""
+
+    def __init__(self, host_s: float = 0.5, overlapped_s: float = 0.05) -> None:
+        self.host_s, self.overlapped_s, self.calls = host_s, overlapped_s, []
+
+    def __call__(self, rung: Rung, micro: int, **options: object) -> Trial:
+        self.calls.append((rung, micro, options))
+        offloaded = rung.offload == "optimizer"
+        peak = int(((2 if offloaded else 14) + micro * 1.0) * MiB)
+        step = 0.1 + 0.01 * micro
+        opt = (self.overlapped_s if options.get("overlap") else self.host_s) if offloaded else 0.02
+        return Trial(rung=rung, micro_batch_size=micro, outcome="ok" if peak <= 18 * MiB else "over_budget",
+                     peak_bytes=peak, step_seconds=step, optimizer_seconds=opt,
+                     samples_per_second=16 / global_step_seconds(step, opt, 16, micro))
+
+
+def _picked(runner: Streamed, host_limit: int | None = None):
+    import torch
+    from torch import nn
+
+    from autotune.devices.placement import resolve_device
+    from autotune.search.controller import AfterPick, Controller
+    from autotune.search.trial import Workload
+    from autotune.workload.losses import resolve
+    from autotune.workload.optimizers import OptimizerSpec
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
+                    budget_bytes=20 * MiB, limit_bytes=18 * MiB, per_rank=16, host_limit_bytes=host_limit)
+    after = AfterPick(run=runner, work=work, sharded=False, allowed=frozenset({"bf16", "offload"}))
+    return Controller(runner, per_rank=16, limit_bytes=18 * MiB).search([PLAIN, OFFLOAD], after=after)
+
+
+@pytest.fixture
+def streamed_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU test device streams the host step as a GPU does."""
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_STREAM", "1")
+    monkeypatch.delenv("AUTOTUNE_OFFLOAD_OVERLAP", raising=False)
+
+
+def test_an_offload_rival_that_lost_by_its_serial_host_step_is_measured_overlapped_and_wins(streamed_here) -> None:
+    runner = Streamed()
+    s = _picked(runner)
+    overlapped = [(r, m) for r, m, o in runner.calls if o.get("overlap")]
+    assert len(overlapped) == 1 and overlapped[0][0] == OFFLOAD, runner.calls
+    micro = overlapped[0][1]
+    assert s.pick.rung == OFFLOAD and s.pick.micro_batch_size == micro and s.overlap is True
+    # serially the rival lost (0.5 s a step on the host); overlapped, 0.05 s: its estimate is of that step
+    assert s.pick.optimizer_seconds == pytest.approx(0.05)
+    steps = -(-16 // micro)
+    assert s.pick.samples_per_second == pytest.approx(16 / (steps * (0.1 + 0.01 * micro) + 0.05))
+    serial_best = max((t for t in s.trials if t.rung == PLAIN and t.fits), key=lambda t: t.samples_per_second)
+    assert s.pick.samples_per_second > serial_best.samples_per_second * 1.03
+    found = [f for f in s.findings if f.kind == "offload overlap"]
+    assert len(found) == 1 and found[0].place == "leads", s.findings  # it replaced the pick
+
+
+def test_a_rival_the_overlap_cannot_lift_past_the_pick_is_not_measured(streamed_here) -> None:
+    runner = Streamed(host_s=2.0)  # even all of a micro-step hidden, 1.7 s of host step a step remain
+    s = _picked(runner)
+    assert not any(o.get("overlap") for _, _, o in runner.calls), runner.calls
+    assert s.pick.rung == PLAIN and s.overlap is None
+
+
+def test_a_rival_measured_overlapped_but_not_faster_leaves_the_pick(streamed_here) -> None:
+    runner = Streamed(overlapped_s=0.45)  # the overlap hides little
+    s = _picked(runner)
+    assert [m for r, m, o in runner.calls if o.get("overlap")], runner.calls
+    assert s.pick.rung == PLAIN and s.overlap is None
+    assert any("measured overlapped" in n and "not faster than the pick" in n for n in s.notes), s.notes
+
+
+def test_a_rival_whose_overlap_would_pass_the_host_budget_is_not_measured(streamed_here) -> None:
+    runner = Streamed()
+    s = _picked(runner, host_limit=1)  # one byte: no second set of host buffers fits
+    assert not any(o.get("overlap") for _, _, o in runner.calls), runner.calls
+    assert s.pick.rung == PLAIN
+    assert any("not measured overlapped" in n and "over the host budget" in n for n in s.notes), s.notes
+
+
+# -- the placement's price of a streamed host step ---------------------------------------------------------------
+GiB = 2**30
+# GPT-2 large at 24 GiB on an H100 (global batch 64, 36 blocks), the trials before compile with blocks recomputed is
+# placed: (checkpointed blocks, offload, compile, micro-batch, peak GiB, micro-step s, optimizer s)
+W1_TRIALS = [(0, "none", False, 1, 18.40, 0.0854, 0.0292), (0, "optimizer", False, 3, 16.51, 0.1154, 0.3064),
+             (0, "optimizer", False, 4, 20.50, 0.1354, 0.2854), (0, "optimizer", True, 4, 11.26, 0.0783, 0.2736),
+             (0, "optimizer", True, 10, 20.42, 0.1676, 0.2905), (0, "none", True, 4, 21.42, 0.0878, 0.0280),
+             (36, "none", False, 4, 15.82, 0.1879, 0.0283), (36, "none", False, 8, 17.13, 0.3337, 0.0283),
+             (36, "none", False, 16, 19.91, 0.6298, 0.0296), (36, "optimizer", False, 32, 13.34, 1.2185, 0.2834),
+             (36, "none", True, 16, 17.17, 0.3282, 0.0282)]
+
+
+def _w1_ledger(after: bool):
+    from autotune.search.ledger import Lattice, Ledger
+    from autotune.search.lines import rung_state
+
+    s = Ledger(runner=None, per_rank=64, limit=int(21.6 * GiB), cap=64, max_trials=24)
+    s.lattice = Lattice(blocks=36, compile=True)
+    for k, offload, compiled, micro, peak, step, opt in W1_TRIALS:
+        rung = Rung(precision="bf16", checkpointing="full" if k else "none", checkpointed_blocks=k, offload=offload,
+                    compile=compiled)
+        trial = Trial(rung=rung, micro_batch_size=micro, outcome="ok", peak_bytes=int(peak * GiB), step_seconds=step,
+                      optimizer_seconds=opt, samples_per_second=64 / global_step_seconds(step, opt, 64, micro))
+        rung_state(s, rung).trials.append(trial)
+        s.trials.append(trial)
+    if after:
+        s.after = _after_for(s)
+    return s
+
+
+def _after_for(s):
+    import torch
+    from torch import nn
+
+    from autotune.devices.placement import resolve_device
+    from autotune.search.controller import AfterPick
+    from autotune.search.trial import Workload
+    from autotune.workload.losses import resolve
+    from autotune.workload.optimizers import OptimizerSpec
+
+    model = nn.Linear(8, 8)
+    work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
+                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
+                    budget_bytes=24 * GiB, limit_bytes=s.limit, per_rank=64)
+    return AfterPick(run=lambda *a, **k: None, work=work, sharded=False, allowed=frozenset())
+
+
+def test_compiled_blocks_with_a_streamed_offload_are_priced_with_the_host_step_the_overlap_hides(streamed_here):
+    from autotune.search.ledger import Compiled
+    from autotune.search.placement import candidates_for
+
+    compiled = Compiled(memory=1.0, time=0.3282 / (0.03982 + 0.03686 * 16))  # compiled full recompute / eager's line
+    best = 64 / global_step_seconds(0.3282, 0.0282, 64, 16)  # every block recomputed and compiled, 47.7 samples/s
+
+    def top(after: bool) -> tuple[Rung, int, float]:
+        blocks = [c for c in candidates_for(_w1_ledger(after), "optimizer", compiled) if c[0].checkpointed_blocks]
+        return max(blocks, key=lambda c: c[2])
+
+    serial, hidden = top(after=False), top(after=True)  # without the steps after the pick, nothing may overlap
+    # Charged its whole 0.27 s host step, the best block count with the optimizer offloaded loses; priced as the
+    # overlap may hide it behind the last micro-step, it is worth a trial, at as many samples as fit either way.
+    assert serial[2] < best < best * 1.03 < hidden[2], (serial, hidden, best)
+    assert 0 < hidden[0].checkpointed_blocks < 36 and hidden[0].compile and hidden[1] > 10

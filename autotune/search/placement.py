@@ -23,6 +23,7 @@ from .lines import (
     step_line,
 )
 from .measure import budget_left, measure
+from .offload_overlap import hidden_host_step, may_hide_host_step
 
 
 def with_room(s: Ledger, like: Rung, freed: float) -> list[tuple[Rung, int, float]]:
@@ -80,6 +81,9 @@ def candidates_for(s: Ledger, offload: str, compiled: Compiled | None, limit: in
         return []
     if sn is None or tn is None:  # recompute not measured yet: only configurations without it
         n, sn, tn = 0, s0, t0
+    # A streamed host step, measured serially, is priced as the offload-overlap step may hide it behind the last
+    # backward: this only decides what is worth a trial, and the pick's offload rival is measured overlapped.
+    hides = offload == "optimizer" and may_hide_host_step(s, precision)
     out = []
     for micro in accumulation_sizes(s):
         if compiled is not None and one_sample_left(s, micro):
@@ -93,7 +97,8 @@ def candidates_for(s: Ledger, offload: str, compiled: Compiled | None, limit: in
                                    recompute_policy=policy if k else WHOLE_BLOCK)
         frac = k / n if n else 0.0
         seconds = (1 - frac) * (t0[0] + t0[1] * micro) * time0 + frac * (tn[0] + tn[1] * micro) * timen
-        rate = s.per_rank * s.world_size / global_step_seconds(max(seconds, 1e-9), opt, s.per_rank, micro)
+        once = hidden_host_step(opt, seconds) if hides else opt
+        rate = s.per_rank * s.world_size / global_step_seconds(max(seconds, 1e-9), once, s.per_rank, micro)
         out.append((rung, micro, rate))
     return out
 
