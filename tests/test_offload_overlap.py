@@ -5,11 +5,21 @@ measure them run for real in test_offload.py (the host optimizer) and test_offlo
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from autotune.configuration import Rung
+from autotune.devices.placement import resolve_device
 from autotune.evidence import Trial
 from autotune.search import offload_overlap
+from autotune.search.controller import AfterPick, Controller
+from autotune.search.ledger import Compiled, Lattice, Ledger
+from autotune.search.lines import rung_state
+from autotune.search.placement import candidates_for
+from autotune.search.trial import Workload
 from autotune.workload.batching import global_step_seconds
+from autotune.workload.losses import resolve
+from autotune.workload.optimizers import OptimizerSpec
 
 PER_RANK, MICRO = 65, 13  # five micro-batches, GPT-2 medium's one-GPU plan at 16 GiB
 RUNG = Rung(offload="optimizer", compile=True)
@@ -84,16 +94,7 @@ class Streamed:
                      samples_per_second=16 / global_step_seconds(step, opt, 16, micro))
 
 
-def _picked(runner: Streamed, host_limit: int | None = None):
-    import torch
-    from torch import nn
-
-    from autotune.devices.placement import resolve_device
-    from autotune.search.controller import AfterPick, Controller
-    from autotune.search.trial import Workload
-    from autotune.workload.losses import resolve
-    from autotune.workload.optimizers import OptimizerSpec
-
+def _picked(runner: Streamed, host_limit: int | None = None) -> Ledger:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
@@ -161,10 +162,7 @@ W1_TRIALS = [(0, "none", False, 1, 18.40, 0.0854, 0.0292), (0, "optimizer", Fals
              (36, "none", True, 16, 17.17, 0.3282, 0.0282)]
 
 
-def _w1_ledger(after: bool):
-    from autotune.search.ledger import Lattice, Ledger
-    from autotune.search.lines import rung_state
-
+def _w1_ledger(after: bool) -> Ledger:
     s = Ledger(runner=None, per_rank=64, limit=int(21.6 * GiB), cap=64, max_trials=24)
     s.lattice = Lattice(blocks=36, compile=True)
     for k, offload, compiled, micro, peak, step, opt in W1_TRIALS:
@@ -179,16 +177,7 @@ def _w1_ledger(after: bool):
     return s
 
 
-def _after_for(s):
-    import torch
-    from torch import nn
-
-    from autotune.devices.placement import resolve_device
-    from autotune.search.controller import AfterPick
-    from autotune.search.trial import Workload
-    from autotune.workload.losses import resolve
-    from autotune.workload.optimizers import OptimizerSpec
-
+def _after_for(s: Ledger) -> AfterPick:
     model = nn.Linear(8, 8)
     work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
@@ -197,9 +186,6 @@ def _after_for(s):
 
 
 def test_compiled_blocks_with_a_streamed_offload_are_priced_with_the_host_step_the_overlap_hides(streamed_here):
-    from autotune.search.ledger import Compiled
-    from autotune.search.placement import candidates_for
-
     compiled = Compiled(memory=1.0, time=0.3282 / (0.03982 + 0.03686 * 16))  # compiled full recompute / eager's line
     best = 64 / global_step_seconds(0.3282, 0.0282, 64, 16)  # every block recomputed and compiled, 47.7 samples/s
 
