@@ -185,7 +185,8 @@ def _after_for(s: Ledger) -> AfterPick:
     return AfterPick(run=lambda *a, **k: None, work=work, sharded=False, allowed=frozenset())
 
 
-def test_compiled_blocks_with_a_streamed_offload_are_priced_with_the_host_step_the_overlap_hides(streamed_here):
+def test_compiled_blocks_with_a_streamed_offload_are_priced_with_the_host_step_the_overlap_hides(
+        streamed_here, monkeypatch: pytest.MonkeyPatch) -> None:
     compiled = Compiled(memory=1.0, time=0.3282 / (0.03982 + 0.03686 * 16))  # compiled full recompute / eager's line
     best = 64 / global_step_seconds(0.3282, 0.0282, 64, 16)  # every block recomputed and compiled, 47.7 samples/s
 
@@ -198,3 +199,5 @@ def test_compiled_blocks_with_a_streamed_offload_are_priced_with_the_host_step_t
     # overlap may hide it behind the last micro-step, it is worth a trial, at as many samples as fit either way.
     assert serial[2] < best < best * 1.03 < hidden[2], (serial, hidden, best)
     assert 0 < hidden[0].checkpointed_blocks < 36 and hidden[0].compile and hidden[1] > 10
+    monkeypatch.setenv("AUTOTUNE_OFFLOAD_OVERLAP", "0")  # the overlap turned off: the host step is paid whole
+    assert top(after=True) == serial
