@@ -4,6 +4,8 @@ measure them run for real in test_offload.py (the host optimizer) and test_offlo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -94,12 +96,19 @@ class Streamed:
                      samples_per_second=16 / global_step_seconds(step, opt, 16, micro))
 
 
-def _picked(runner: Streamed, host_limit: int | None = None) -> Ledger:
+def _after(run: Callable[..., Trial], per_rank: int, limit_bytes: int, host_limit: int | None = None) -> AfterPick:
+    """What the steps after the pick run with, on one process of the CPU test device (a small model stands in:
+    only the host budget's arithmetic reads it)."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
                     spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
-                    budget_bytes=20 * MiB, limit_bytes=18 * MiB, per_rank=16, host_limit_bytes=host_limit)
-    after = AfterPick(run=runner, work=work, sharded=False, allowed=frozenset({"bf16", "offload"}))
+                    budget_bytes=int(limit_bytes / 0.9), limit_bytes=limit_bytes, per_rank=per_rank,
+                    host_limit_bytes=host_limit)
+    return AfterPick(run=run, work=work, sharded=False, allowed=frozenset({"bf16", "offload"}))
+
+
+def _picked(runner: Streamed, host_limit: int | None = None) -> Ledger:
+    after = _after(runner, 16, 18 * MiB, host_limit)
     return Controller(runner, per_rank=16, limit_bytes=18 * MiB).search([PLAIN, OFFLOAD], after=after)
 
 
@@ -173,16 +182,8 @@ def _w1_ledger(after: bool) -> Ledger:
         rung_state(s, rung).trials.append(trial)
         s.trials.append(trial)
     if after:
-        s.after = _after_for(s)
+        s.after = _after(lambda *a, **k: None, 64, s.limit)
     return s
-
-
-def _after_for(s: Ledger) -> AfterPick:
-    model = nn.Linear(8, 8)
-    work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
-                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
-                    budget_bytes=24 * GiB, limit_bytes=s.limit, per_rank=64)
-    return AfterPick(run=lambda *a, **k: None, work=work, sharded=False, allowed=frozenset())
 
 
 def test_compiled_blocks_with_a_streamed_offload_are_priced_with_the_host_step_the_overlap_hides(

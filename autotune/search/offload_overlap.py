@@ -18,7 +18,6 @@ from ..evidence import Trial
 from ..sizes import format_bytes
 from ..techniques.offload import overlap_default
 from ..techniques.offload.streamed import streams
-from ..workload.batching import global_step_seconds
 from . import host_budget
 from .ledger import Ledger
 from .lines import NOISE
@@ -103,8 +102,7 @@ def hidden_host_step(optimizer_seconds: float, micro_step_seconds: float) -> flo
 
 def overlapped_rate(trial: Trial, per_rank: int) -> float:
     """`trial`'s samples/s were its host step hidden as far as `hidden_host_step` allows: a bound."""
-    once = hidden_host_step(trial.optimizer_seconds, trial.step_seconds)
-    return per_rank / global_step_seconds(trial.step_seconds, once, per_rank, trial.micro_batch_size)
+    return retimed(trial, hidden_host_step(trial.optimizer_seconds, trial.step_seconds), per_rank, 1).samples_per_second
 
 
 def _over_host_budget(s: Ledger, trial: Trial, fraction: float) -> str:
