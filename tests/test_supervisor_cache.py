@@ -48,8 +48,8 @@ def open_here(path: Path) -> list[str]:
 def test_a_cooperative_job_restarted_after_three_ooms_keeps_its_cache(tmp_path: Path,
                                                                      capfd: pytest.CaptureFixture[str]) -> None:
     path, log = tmp_path / "plans.db", tmp_path / "launches"
-    # One thread per job, and three measured steps per trial: each restart's plan is then a smaller
-    # micro-batch but not 1 (after an OOM at 1 there is nothing to restart with).
+    # One thread per job; the script's step costs a fixed 10 ms, so the first plan takes the largest micro-batch
+    # and each restart's plan a smaller one but not 1 (after an OOM at 1 there is nothing to restart with).
     env = {"AUTOTUNE_CACHE": str(path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     # The supervisor runs in this process (a subprocess would import torch once more); a SIGTERM after TIMEOUT
     # is forwarded to its job and ends the run (exit 143), so a hung job fails the test instead of holding it.
@@ -67,6 +67,8 @@ def test_a_cooperative_job_restarted_after_three_ooms_keeps_its_cache(tmp_path: 
     assert "CacheWarning" not in stderr and "corrupt" not in stderr, stderr
     launches = [line.split() for line in log.read_text().splitlines()]
     assert [int(n) for n, *_ in launches] == [0, 1, 2, 3]
+    micro = [int(m) for _, m, *_ in launches]
+    assert all(after < before for before, after in zip(micro, micro[1:])), micro  # each OOM lowered the cap
     # Every job, and the file at the end, saw one file: never moved aside and started again.
     assert {int(inode) for _, _, _, inode, _ in launches} == {path.stat().st_ino}
     assert not list(tmp_path.glob("plans.db.corrupt-*"))

@@ -11,6 +11,7 @@ descriptors of the cache file the supervisor (this job's parent) holds open.
 
 import os
 import sys
+import time
 
 import psutil
 import torch
@@ -23,7 +24,16 @@ restart = int(os.environ["AUTOTUNE_RESTART_COUNT"])
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
 batch = (torch.randn(4, 32), torch.randn(4, 1))
-loss_fn = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+
+
+def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # A fixed 10 ms a step, as a launch-bound GPU step pays: each doubling of the micro-batch then nearly doubles
+    # the rate, far beyond what a busy CPU's noise can hide, so the first plan's micro-batch is the largest
+    # (16) and three OOMs each halve it without reaching 1, after which there would be nothing to restart with.
+    time.sleep(0.01)
+    return nn.functional.mse_loss(m(b[0]), b[1])
+
+
 plan = autotune.fit(model, batch, techniques=(), loss_fn=loss_fn)
 cache = os.environ["AUTOTUNE_CACHE"]
 held = sum(f.path == cache for f in psutil.Process(os.getppid()).open_files())
