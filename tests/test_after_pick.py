@@ -8,20 +8,15 @@ import dataclasses
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
+from after_pick_samples import after_pick
 
 from autotune.configuration import Rung
-from autotune.devices.placement import resolve_device
 from autotune.evidence import Trial
 from autotune.search.controller import AFTER_PICK, AfterPick, Controller
 from autotune.search.deadline import OutOfTime
 from autotune.search.ledger import Ledger
 from autotune.search.plan_reason import reason
-from autotune.search.trial import Workload
 from autotune.workload.batching import global_step_seconds
-from autotune.workload.losses import resolve
-from autotune.workload.optimizers import OptimizerSpec
 
 MiB = 2**20
 PLAIN, FULL = Rung(), Rung(checkpointing="full", checkpointed_blocks=2)
@@ -51,11 +46,8 @@ class Ranks:
 
 
 def _after(runner: Ranks) -> AfterPick:
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
-                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
-                    budget_bytes=22 * MiB, limit_bytes=20 * MiB, per_rank=16, world_size=2)
-    return AfterPick(run=runner, work=work, sharded=False, allowed=frozenset({"bf16", "checkpointing"}))
+    return after_pick(runner, per_rank=16, limit_bytes=20 * MiB, budget_bytes=22 * MiB, world_size=2,
+                      allowed={"bf16", "checkpointing"})
 
 
 def _search(runner: Ranks, after: bool = True) -> Ledger:

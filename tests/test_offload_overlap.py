@@ -4,24 +4,17 @@ measure them run for real in test_offload.py (the host optimizer) and test_offlo
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-import torch
-from torch import nn
+from after_pick_samples import after_pick
 
 from autotune.configuration import Rung
-from autotune.devices.placement import resolve_device
 from autotune.evidence import Trial
 from autotune.search import offload_overlap
-from autotune.search.controller import AfterPick, Controller
+from autotune.search.controller import Controller
 from autotune.search.ledger import Compiled, Lattice, Ledger
 from autotune.search.lines import rung_state
 from autotune.search.placement import candidates_for
-from autotune.search.trial import Workload
 from autotune.workload.batching import global_step_seconds
-from autotune.workload.losses import resolve
-from autotune.workload.optimizers import OptimizerSpec
 
 PER_RANK, MICRO = 65, 13  # five micro-batches, GPT-2 medium's one-GPU plan at 16 GiB
 RUNG = Rung(offload="optimizer", compile=True)
@@ -96,19 +89,8 @@ class Streamed:
                      samples_per_second=16 / global_step_seconds(step, opt, 16, micro))
 
 
-def _after(run: Callable[..., Trial], per_rank: int, limit_bytes: int, host_limit: int | None = None) -> AfterPick:
-    """What the steps after the pick run with, on one process of the CPU test device (a small model stands in:
-    only the host budget's arithmetic reads it)."""
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    work = Workload(model=model, batch=torch.randn(4, 8), loss_fn=resolve(None),
-                    spec=OptimizerSpec.from_user(None, model), placement=resolve_device("cpu"),
-                    budget_bytes=int(limit_bytes / 0.9), limit_bytes=limit_bytes, per_rank=per_rank,
-                    host_limit_bytes=host_limit)
-    return AfterPick(run=run, work=work, sharded=False, allowed=frozenset({"bf16", "offload"}))
-
-
 def _picked(runner: Streamed, host_limit: int | None = None) -> Ledger:
-    after = _after(runner, 16, 18 * MiB, host_limit)
+    after = after_pick(runner, per_rank=16, limit_bytes=18 * MiB, host_limit=host_limit, allowed={"bf16", "offload"})
     return Controller(runner, per_rank=16, limit_bytes=18 * MiB).search([PLAIN, OFFLOAD], after=after)
 
 
@@ -182,7 +164,7 @@ def _w1_ledger(after: bool) -> Ledger:
         rung_state(s, rung).trials.append(trial)
         s.trials.append(trial)
     if after:
-        s.after = _after(lambda *a, **k: None, 64, s.limit)
+        s.after = after_pick(lambda *a, **k: None, per_rank=64, limit_bytes=s.limit, allowed={"bf16", "offload"})
     return s
 
 
