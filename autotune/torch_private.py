@@ -13,6 +13,7 @@ parallel/oom.py's collectives wrapper touch are read on the state objects these 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +27,42 @@ try:  # one collective for a bucket of tensors (parallel/reduce.py)
 except ImportError:  # pragma: no cover - a torch without it: one all-reduce per tensor
     coalescing_manager = None
 
-__all__ = ["TorchDispatchMode", "allocator_setter", "coalescing_manager", "default_store", "dynamo_config",
-           "empty_host_cache", "in_selective_recompute", "innermost_mode_aside",
+__all__ = ["DispatchMode", "TorchDispatchMode", "allocator_setter", "coalescing_manager", "default_store",
+           "dynamo_config", "empty_host_cache", "in_selective_recompute", "innermost_mode_aside",
            "foreach_devices", "fsdp_param_groups", "fsdp_state", "fsdp_training_state", "fused_adam", "has_triton",
            "is_traceable_wrapper_subclass", "local_tensor", "maybe_mark_dynamic", "tree_leaves"]
+
+
+class DispatchMode(TorchDispatchMode):
+    """torch's `TorchDispatchMode`, its handler kept out of Dynamo from the first op after Dynamo is loaded.
+
+    torch wraps every mode's `__torch_dispatch__` in Dynamo's `disable` (`_should_skip_dynamo`), which imports
+    torch._dynamo at the mode's first op: more than a second of CPU that a process which never compiles (a
+    plan-cache hit's loss check, a CPU trial in eager mode) pays for nothing, since while torch._dynamo is not
+    loaded no frame can be compiled. Subclasses run their handler as written until then, and through the same
+    `disable` torch applies once it is loaded, a compiled function then running inside the mode.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # torch leaves the handler unwrapped; `__init_subclass__` wraps it lazily instead
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_dispatch__")
+        if handler is not None and not isinstance(handler, classmethod):
+            cls.__torch_dispatch__ = _outside_dynamo_once_loaded(cls, handler)  # type: ignore[method-assign]
+
+
+def _outside_dynamo_once_loaded(cls: type, handler: Callable[..., Any]) -> Callable[..., Any]:
+    def dispatch(self: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if "torch._dynamo" in sys.modules:  # from now on, as torch would have wrapped it; later ops go straight there
+            disabled = torch._disable_dynamo(handler, recursive=True)
+            cls.__torch_dispatch__ = disabled  # type: ignore[attr-defined]
+            return disabled(self, func, types, args, kwargs)
+        return handler(self, func, types, args, kwargs)
+
+    return dispatch
 
 
 def default_store() -> Any:

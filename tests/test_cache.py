@@ -175,6 +175,34 @@ def test_cache_hit_returns_the_tuned_plan_without_running_a_trial(tmp_path: Path
     assert again.source == "tuned" and trial_records(caplog)
 
 
+# What a new process's hit loads: the loss check runs the example under a dispatch mode (evaluation.py), whose
+# handler torch would keep out of Dynamo by importing it, and the check reshards FSDP2 units, which an import of
+# torch.distributed.fsdp would find; neither model is compiled or sharded, and each import costs over a second.
+HIT_IN_A_NEW_PROCESS = """
+import json, sys, time
+import torch
+from cache_samples import fit, tiny_workload
+model, batch = tiny_workload()
+started = time.perf_counter()
+plan = fit(model, batch, sys.argv[1])
+print(json.dumps({"source": plan.source, "seconds": time.perf_counter() - started,
+                  "loaded": [m for m in ("torch._dynamo", "torch.distributed.fsdp") if m in sys.modules]}))
+"""
+
+
+@pytest.mark.slow  # a process of its own, which imports torch
+def test_a_hit_in_a_new_process_loads_neither_dynamo_nor_fsdp(tmp_path: Path) -> None:
+    model, batch = tiny_workload()
+    assert fit(model, batch, tmp_path / "plans.db").source == "tuned"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.join(tests, "..", "examples")])}
+    done = subprocess.run([sys.executable, "-c", HIT_IN_A_NEW_PROCESS, str(tmp_path / "plans.db")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hit = json.loads(done.stdout.splitlines()[-1])
+    assert hit["source"] == "cache" and hit["loaded"] == [], hit
+
+
 @pytest.mark.slow  # seconds: searches that run real trial steps
 def test_a_row_of_plan_format_1_is_retuned_and_never_misread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:

@@ -32,3 +32,32 @@ def test_the_dispatch_and_pytree_names_are_torchs_own():
     assert issubclass(torch_private.TorchDispatchMode, object)
     assert torch_private.tree_leaves({"a": [1, (2, 3)]}) == [1, 2, 3]
     assert not torch_private.is_traceable_wrapper_subclass(torch.zeros(1))
+
+
+def test_a_dispatch_modes_handler_goes_through_dynamos_disable_once_dynamo_is_loaded():
+    # Dynamo is loaded in this process (other tests compiled): the first op switches the handler to torch's own
+    # Dynamo-disabled wrapper of it, and a compiled function run inside the mode is seen op by op as in eager.
+    # tests/test_cache.py checks the other side: a process that never loads Dynamo runs the handler as written.
+    import torch._dynamo  # loaded, as by any compile
+
+    class Counting(torch_private.DispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    written = Counting.__dict__["__torch_dispatch__"]
+    x = torch.randn(3)
+    with Counting() as eager:
+        (x * 2 + 1).sum()
+    handler = Counting.__dict__["__torch_dispatch__"]
+    assert written.__qualname__.startswith("_outside_dynamo_once_loaded")  # as the class was made: the lazy one
+    assert handler is not written  # torch's Dynamo-disabled wrapper of the handler as written
+    assert handler.__wrapped__.__qualname__.endswith("Counting.__torch_dispatch__")
+    compiled = torch.compile(lambda t: (t * 2 + 1).sum(), backend="eager")
+    with Counting() as inside:
+        compiled(x)
+    assert inside.ops == eager.ops == 3

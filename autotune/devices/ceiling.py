@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..sizes import format_bytes
-from ..torch_private import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
+from ..torch_private import DispatchMode, is_traceable_wrapper_subclass, tree_leaves
 from .shards import is_shard
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def hosted() -> bool:
     return ceiling is None or ceiling._host_depth > 0
 
 
-class SimulatedCeiling(TorchDispatchMode):
+class SimulatedCeiling(DispatchMode):
     """Counts live CPU storage bytes and raises `torch.OutOfMemoryError` above `limit_bytes`.
 
     Use as a context manager; `track()` the tensors that existed before it was entered (parameters,
@@ -262,7 +262,7 @@ class SimulatedCeiling(TorchDispatchMode):
             self.current_bytes = self.host_bytes = 0
 
 
-class _HostThreadCounter(TorchDispatchMode):
+class _HostThreadCounter(DispatchMode):
     """On a thread that only works on host memory (the host optimizer's worker), counts every tensor its
     operators create in a ceiling's host ledger. Dispatch modes are per thread, so the ceiling itself does not
     see that thread."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import torch_private
 from ..devices.ceiling import host_memory
+from ..devices.shards import fsdp_units
 from .fsdp_comms import wrap_comms
 from .ranks import active, collective_device
 
@@ -100,9 +101,7 @@ def _exchange(*, oom: bool, in_step: bool) -> tuple[bool, bool]:
 
 def guard_collectives(model: torch.nn.Module) -> bool:
     """Put a check-in before every FSDP2 collective of `model` (idempotent); False where torch cannot."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = fsdp_units(model)
     if not units or not hasattr(units[0], "set_custom_all_gather"):
         return False
     for unit in units:

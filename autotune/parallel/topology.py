@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import settings, torch_private
+from ..devices.shards import fsdp_units
 from ..errors import AutotuneError, InvalidSetting
 from .ranks import active, collective_device, rank, world_size
 
@@ -136,13 +137,11 @@ def slow_link(model: torch.nn.Module, *, hybrid: bool, nodes: int) -> None:
     """Under the test-only link delay (`link_delay_seconds`), make each FSDP2 collective of `model` that crosses
     nodes wait it: every all-gather and reduce-scatter of a flat mesh over several nodes, the all-reduce across
     nodes of a hybrid one. Nothing happens outside tests, or on one node."""
-    from torch.distributed.fsdp import FSDPModule
-
     from .fsdp_comms import wrap_comms
 
     if not link_delay_seconds() or nodes < 2:
         return
-    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+    for unit in fsdp_units(model):
         if hybrid:
             if len(torch_private.fsdp_param_groups(torch_private.fsdp_state(unit))) == 1:
                 unit.set_all_reduce_hook(lambda _: cross_node_pause())  # (a unit without parameters runs none)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..configuration import Rung
-from ..devices.shards import is_shard
+from ..devices.shards import is_fsdp_unit, is_shard
 from ..sizes import format_bytes
 from ..techniques import optimizer_8bit
 from ..techniques.offload import device_dtype, local_part
@@ -59,9 +59,7 @@ def sharded_transients(model: nn.Module, precision: str) -> int:
     On the simulated CPU device (gloo) this accounts for what a sharded step's peak measures over the
     shards' weights, gradients and state (tests/test_sharding.py); the device's own allocator may add more.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if is_fsdp_unit(m)]
     if not units:
         return 0
     largest = max((_own_parameters(u) for u in units), key=lambda ps: sum(p.numel() for p in ps))
@@ -76,9 +74,7 @@ def sharded_transients(model: nn.Module, precision: str) -> int:
 
 def _own_parameters(unit: nn.Module) -> list[nn.Parameter]:
     """The parameters `unit` gathers itself: not those of the units inside it."""
-    from torch.distributed.fsdp import FSDPModule
-
-    inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    inner = {id(p) for m in unit.modules() if m is not unit and is_fsdp_unit(m) for p in m.parameters()}
     return [p for p in unit.parameters() if id(p) not in inner]
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import torch_private
+from ..devices.shards import fsdp_units, is_fsdp_unit
 from ..parallel.oom import param_groups  # the FSDP2 state's parameter groups, read the same way there
 from ..parallel.ranks import collective_device
 from ..parallel.topology import hybrid_mesh, slow_link, topology
@@ -47,9 +48,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 def is_unit(module: nn.Module) -> bool:
     """Whether FSDP2 wraps `module` itself (a unit): its `__call__` runs FSDP's all-gather and reshard hooks."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
+    return is_fsdp_unit(module)
 
 
 def shard(model: nn.Module, *, precision: str = "bf16", blocks: BlockGroup | None = None, nodes: int = 1) -> nn.Module:
@@ -92,9 +91,7 @@ def reset_after_failure(model: nn.Module) -> None:
     alone after an OOM can be followed by an illegal memory access on every rank).
     A model that is not sharded is left alone.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = fsdp_units(model)
     if not units:
         return
     device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .. import torch_private
-from ..torch_private import TorchDispatchMode
+from ..devices.shards import fsdp_units
+from ..torch_private import DispatchMode
 
 
 @contextmanager
@@ -47,11 +48,8 @@ def evaluating(model: nn.Module) -> Iterator[None]:
 def _reshard(model: nn.Module) -> None:
     """An FSDP2 model's parameters sharded again: its root keeps them gathered after a forward, for the backward
     that a forward without gradients never runs, and whatever comes next (a snapshot, a step) expects shards."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for unit in fsdp_units(model):
+        unit.reshard()
 
 
 def _storage(tensor: Any) -> int | None:
@@ -63,7 +61,7 @@ def _storage(tensor: Any) -> int | None:
         return None
 
 
-class _FirstValues(TorchDispatchMode):
+class _FirstValues(DispatchMode):
     """Keeps a copy of each watched parameter from before its first in-place write, to put back after."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
