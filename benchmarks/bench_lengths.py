@@ -15,12 +15,16 @@ estimate: at the batches' mean padded length the plan expects the same rate per 
 (dynamo's count) and recompiles, the recoveries, the reserved peak beside the plan's and the budget less its
 margin, the process's resident memory, and the median step of the steps whose length is new beside those whose
 length came before (a cost paid once per length: over lengths 256-1024 most of 100 steps bring a new one;
-`--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths).
+`--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths). With `--one-length`
+each batch is instead of one length drawn from the range, unpadded and without a mask, and `fit`'s example is a
+batch at `--max-length`.
 
     python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
         --global-batch-size 32 --steps 100 --out lengths.jsonl
     python benchmarks/bench_lengths.py --model gpt2-large --budget 24GiB --max-length 1024 \\
         --global-batch-size 64 --steps 100 --out lengths.jsonl
+    python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
+        --one-length --global-batch-size 32 --steps 100 --out lengths.jsonl
     python benchmarks/bench_lengths.py --model tiny-gpt --device cpu --budget 64MiB --min-length 8 \\
         --max-length 32 --global-batch-size 8 --steps 4 --out /tmp/lengths.jsonl       # a CPU dry run
 """
@@ -46,13 +50,19 @@ from autotune.sizes import parse_bytes
 
 
 def batches(steps: int, n: int, low: int, high: int, vocab: int, device: str,
-            masks: bool = True, multiple: int = 1) -> list[dict[str, torch.Tensor]]:
+            masks: bool = True, multiple: int = 1, one_length: bool = False) -> list[dict[str, torch.Tensor]]:
     """`steps` batches of `n` samples, each sample's length uniform in [low, high], padded to the longest (with
     an attention mask where the model takes one: `masks`), rounded up to a multiple of `multiple` (as a collator
-    with `pad_to_multiple_of` pads; never past `high`)."""
+    with `pad_to_multiple_of` pads; never past `high`). With `one_length`, each batch's samples share one length
+    drawn uniformly in [low, high] instead: no padding and no mask (sequence packing, or a sampler that groups by
+    length, gives such batches)."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
+        if one_length:
+            ids = torch.randint(0, vocab, (n, int(torch.randint(low, high + 1, (1,), generator=g))), generator=g)
+            out.append({"input_ids": ids.to(device), "labels": ids.to(device)})
+            continue
         lengths = torch.randint(low, high + 1, (n,), generator=g)
         longest = min(high, -(-int(lengths.max()) // multiple) * multiple)
         ids = torch.randint(0, vocab, (n, longest), generator=g)
@@ -113,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length-multiple", type=int, default=1,
                         help="pad each batch to a multiple of this many tokens, as a collator's pad_to_multiple_of "
                              "does: fewer distinct lengths in training (default 1: to the longest sample)")
+    parser.add_argument("--one-length", action="store_true",
+                        help="each batch of one length drawn from [--min-length, --max-length], no padding and no "
+                             "attention mask (fit's example then is a batch at --max-length)")
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="turn off cuDNN's attention for SDPA (torch.backends.cuda.enable_cudnn_sdp(False)) "
                              "before fit: cuDNN builds an execution plan for every new shape, which a step at a "
@@ -133,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     model, example = build_gpt(args.model, args.device, args.max_length)
     hugging_face = hasattr(model, "config")  # the tiny GPT of the dry run takes no attention mask
     vocab = model.config.vocab_size if hugging_face else model.cfg.vocab_size
-    if low < args.max_length and hugging_face:
+    if low < args.max_length and hugging_face and not args.one_length:
         example = padded_example(example["input_ids"].shape[0], low, args.max_length, vocab, args.device)
     row: dict[str, Any] = {"model": args.model, "budget": args.budget, "lengths": [low, args.max_length],
                            "global_batch_size": args.global_batch_size, "steps": args.steps,
@@ -145,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                estimate_tokens_per_s=plan.tokens_per_second, mfu=plan.mfu, plan_peak=plan.peak_memory_bytes)
     print(json.dumps(row), flush=True)
     data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face,
-                   args.length_multiple)
+                   args.length_multiple, args.one_length)
     frames_before, recompiles_before = _compiled_frames()
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
                allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
                allocator_setting=args.allocator, length_multiple=args.length_multiple,
-               cudnn_attention=not args.no_cudnn_attention, attention_buckets=not args.no_attention_buckets,
+               one_length=args.one_length, cudnn_attention=not args.no_cudnn_attention, attention_buckets=not args.no_attention_buckets,
                median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],
                padded_lengths=[p // args.global_batch_size for p in padded])

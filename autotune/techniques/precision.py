@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from .. import settings
-from ..devices.placement import NO_NATIVE_BF16, Placement, bf16_supported, cpu_has_native_bf16
+from ..devices import placement as cpu_features
+from ..devices.placement import NO_NATIVE_BF16, Placement, bf16_supported
 from ..settings import CPU_BF16_ENV
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -23,8 +24,8 @@ def choose_precision(allow_16bit: bool, placement: Placement) -> tuple[str, str]
     if not allow_16bit:
         return "fp32", "fp32: 'bf16' is not among the allowed techniques"
     if placement.simulated:  # fp16 on a CPU is emulated as well: bf16 or fp32
-        native = cpu_has_native_bf16()
-        if not settings.cpu_bf16():
+        native = cpu_features.cpu_has_native_bf16()  # read once: the switch's default and the reason agree
+        if not settings.cpu_bf16(native):
             return "fp32", f"fp32: {NO_NATIVE_BF16 if not native else f'{CPU_BF16_ENV}=0'}"
         return "bf16", (f"bf16: supported on {placement.name}" if native else
                         f"bf16: {CPU_BF16_ENV}=1, though this CPU emulates it (slower than fp32)")
