@@ -231,9 +231,10 @@ def on_or_off(name: str, raw: str, *, default: bool) -> bool:
 
 def cpu_bf16(native: bool | None = None) -> bool:
     """Whether the search measures bf16 on the CPU (the simulated device): where the CPU runs it natively
-    (`native`, read from the CPU's features when not given), unless $AUTOTUNE_CPU_BF16 says otherwise. Elsewhere torch emulates bf16, several times slower than fp32, so by
-    default a CPU plan stays in fp32; 1 searches bf16 all the same (a CPU run that should choose as a bf16 GPU
-    would, as the test suite does), 0 keeps fp32 on any CPU.
+    (`native`, read from the CPU's features when not given), unless $AUTOTUNE_CPU_BF16 says otherwise.
+    Elsewhere torch emulates bf16, several times slower than fp32, so by default a CPU plan stays in fp32; 1
+    searches bf16 all the same (a CPU run that should choose as a bf16 GPU would, as the test suite does), 0
+    keeps fp32 on any CPU.
 
     Raises:
         InvalidSetting: $AUTOTUNE_CPU_BF16 is neither on nor off.

@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
                allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
                allocator_setting=args.allocator, length_multiple=args.length_multiple,
-               one_length=args.one_length, cudnn_attention=not args.no_cudnn_attention, attention_buckets=not args.no_attention_buckets,
+               one_length=args.one_length, cudnn_attention=not args.no_cudnn_attention,
+               attention_buckets=not args.no_attention_buckets,
                median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],
                padded_lengths=[p // args.global_batch_size for p in padded])
