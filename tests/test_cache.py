@@ -195,7 +195,9 @@ def test_a_hit_in_a_new_process_loads_neither_dynamo_nor_fsdp(tmp_path: Path) ->
     model, batch = tiny_workload()
     assert fit(model, batch, tmp_path / "plans.db").source == "tuned"
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.join(tests, "..", "examples")])}
+    # the caller's own path kept after ours: where the dependencies were installed to a --target folder
+    path = [tests, os.path.join(tests, "..", "examples"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     done = subprocess.run([sys.executable, "-c", HIT_IN_A_NEW_PROCESS, str(tmp_path / "plans.db")], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
