@@ -35,6 +35,10 @@ from torch import nn
 IGNORE_INDEX = -100
 CAUSAL_LOSS = "ForCausalLMLoss"  # Hugging Face's next-token cross-entropy, the one loss the chunks compute
 CHUNK_BYTES = 256 << 20  # FP32 logits of one chunk; GPT-2: 1,335 tokens (transients ~2.5x this)
+# The head's three matmuls run on the vocabulary padded with zero rows to a multiple of this (GPT-2's 50,257 to
+# 50,304): 16-bit matrices whose rows are not a multiple of 16 bytes long keep cuBLAS off its fastest kernels,
+# and Inductor pads a compiled matmul the same way. The padded logits are 0 and are never read.
+ALIGN = 64
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -183,6 +187,21 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                                      track)
 
 
+def _aligned(vocab: int) -> int:
+    """The vocabulary rounded up to a multiple of `ALIGN`."""
+    return -(-vocab // ALIGN) * ALIGN
+
+
+def _padded_rows(weight: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """`weight` in `dtype` with zero rows appended up to `rows` (the weight itself where nothing is added and the
+    dtype is its own)."""
+    if rows == weight.shape[0]:
+        return weight.to(dtype)
+    out = weight.new_zeros((rows, weight.shape[1]), dtype=dtype)
+    out[:weight.shape[0]].copy_(weight)
+    return out
+
+
 def _denominator(num_items: Any, targets: torch.Tensor, ignore_index: int, device: torch.device) -> torch.Tensor:
     if num_items is None:
         return (targets != ignore_index).sum().to(torch.float32)  # a mean over counted tokens (0/0 is NaN, as HF)
@@ -202,16 +221,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
         wide = torch.promote_types(compute, torch.float32)  # softmax and sums: FP32, or FP64 for a float64 model
+        vocab, padded = weight.shape[0], _aligned(weight.shape[0])
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(compute)
+            w = _padded_rows(weight, compute, padded)
             b = None if bias is None else bias.to(wide)
             total = torch.zeros((), device=h.device, dtype=wide)
             grad_h = torch.empty_like(h) if wanted[0] else None
-            grad_w = torch.zeros_like(weight, dtype=wide) if wanted[1] else None
+            grad_w = torch.zeros((padded, weight.shape[1]), device=weight.device, dtype=wide) if wanted[1] else None
             grad_b = torch.zeros_like(bias, dtype=wide) if bias is not None and wanted[2] else None
             for start in range(0, h.shape[0], rows):
                 hc, tc = h[start:start + rows].to(compute), t[start:start + rows]
-                z = (hc @ w.T).to(wide)  # (n, V): the only logits alive
+                zp = hc @ w.T  # (n, padded): the only logits alive; the padding's columns are 0
+                z = zp[:, :vocab].to(wide)  # a view of zp where the compute dtype is already wide
                 if b is not None:
                     z += b
                 counted = tc != ignore_index
@@ -225,11 +246,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g *= counted.unsqueeze(1)  # d(sum of losses)/d(logits); ignored rows give nothing
                 if grad_b is not None:
                     grad_b += g.sum(0)
-                g = g.to(compute)
+                if compute != wide:
+                    zp[:, :vocab].copy_(g)  # back into the aligned buffer, its padding still 0
                 if grad_h is not None:
-                    grad_h[start:start + rows] = g @ w
+                    grad_h[start:start + rows] = zp @ w
                 if grad_w is not None:
-                    grad_w += g.T @ hc
+                    grad_w += zp.T @ hc
+            if grad_w is not None:
+                grad_w = grad_w[:vocab]
         ctx.save_for_backward(grad_h, grad_w, grad_b, denominator)
         ctx.hidden_shape = hidden.shape
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
