@@ -13,11 +13,15 @@ fp8 one on the tuned configuration with fp8 turned on.
     python benchmarks/bench_fp8.py --size 1b --budget 40GiB --global-batch-size 32 --seq 1024 --steps 200 \\
         --out fp8.json
     python benchmarks/bench_fp8.py --size tiny --seq 256 --steps 30 --out /tmp/fp8.json    # a quick check
+    python benchmarks/bench_fp8.py --size 1.1b --seq 2048 --budget 24GiB --global-batch-size 32 --steps 200 \\
+        --roof-micro 8 --out fp8_1b.json                 # beside the uncapped compiled bf16 roof, same batches
 
 Needs a CUDA GPU of compute capability 8.9 or later and torchao (`pip install -e ".[fp8]"`). Writes one JSON
 object: the plan and its reason, and per run ("bf16", "fp8") the loss of every step, the step seconds and
 tokens/s; `fp8_over_bf16` is the ratio of the two rates and `final_loss_gap` the difference of the mean loss
-over the last tenth of the steps.
+over the last tenth of the steps. With `--roof-micro`, a third run, "roof", trains the same steps as plain
+compiled bf16 without the budget, first, and `fp8_over_roof` and `final_loss_gap_to_roof` hold the fp8 plan
+against it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ SIZES = {
     "tiny": (256, 4, 4, 2, 768, 4096),
     "350m": (1024, 24, 16, 8, 2816, 32000),
     "1b": (2048, 16, 32, 8, 8192, 128256),
+    "1.1b": (2048, 22, 32, 4, 5632, 32000),  # TinyLlama's shape, as bench_llama.py builds it
     "3b": (3072, 28, 24, 8, 8192, 128256),
 }
 
@@ -90,6 +95,46 @@ def train(plan: Any, model: torch.nn.Module, start: dict[str, torch.Tensor], arg
             "final_loss": statistics.mean(losses[-tail:])}
 
 
+def roof(model: torch.nn.Module, start: dict[str, torch.Tensor], args: argparse.Namespace,
+         vocab: int) -> dict[str, Any]:
+    """The bf16 roof over the same steps and batches: the model compiled whole, bf16 autocast, fused AdamW,
+    `args.roof_micro` samples a micro-batch accumulated to the global batch, no memory cap and no autotune."""
+    model.load_state_dict(start)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    compiled = torch.compile(model)
+    micro = args.roof_micro
+    steps_per = max(1, args.global_batch_size // micro)
+    losses, seconds = [], []
+    for i in range(args.steps):
+        data = batch(args.global_batch_size, args.seq, vocab, i)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        total = torch.zeros((), device="cuda")
+        for m in range(steps_per):
+            part = {k: v[m * micro:(m + 1) * micro] for k, v in data.items()}
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(**part).loss / steps_per
+            loss.backward()
+            total += loss.detach()  # no synchronising read inside the timed step
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - began)
+        losses.append(float(total))
+    peak = torch.cuda.max_memory_reserved()
+    del optimizer, compiled
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    timed = seconds[args.warmup:] or seconds
+    median = statistics.median(timed)
+    tail = max(1, args.steps // 10)
+    return {"rung": f"compiled bf16 (whole model), {micro} x {steps_per}, uncapped", "losses": losses,
+            "step_seconds": seconds, "median_step_seconds": median,
+            "tokens_per_second": args.global_batch_size * args.seq / median,
+            "final_loss": statistics.mean(losses[-tail:]), "peak_reserved": peak}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -100,15 +145,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the rate (compile, first shapes)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--techniques", default="bf16,checkpointing,compile,chunked_loss,fp8")
+    parser.add_argument("--roof-micro", type=int, default=None,
+                        help="also train the bf16 roof (the model compiled whole, uncapped) at this micro-batch, "
+                             "before the budget is set, over the same steps and batches")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8 needs a CUDA GPU")
-    if args.budget:
-        cap_memory("cuda", args.budget)
     model = build(args.size, args.seq)
     vocab = model.config.vocab_size
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ceiling = roof(model, start, args, vocab) if args.roof_micro else None
+    if args.budget:
+        cap_memory("cuda", args.budget)
     tuned_at = time.perf_counter()
     plan = autotune.fit(model, batch(min(4, args.global_batch_size), args.seq, vocab, -1),
                         global_batch_size=args.global_batch_size, memory_budget=args.budget, cache=False,
@@ -116,11 +165,16 @@ def main() -> None:
     tune_seconds = time.perf_counter() - tuned_at
     runs = {"bf16": train(plan.with_config(fp8=False), model, start, args, vocab),
             "fp8": train(plan.with_config(fp8=True), model, start, args, vocab)}
+    if ceiling is not None:
+        runs["roof"] = ceiling
     result = {"environment": environment("cuda"), "size": args.size, "seq": args.seq,
               "global_batch_size": args.global_batch_size, "steps": args.steps, "tune_seconds": tune_seconds,
               "plan": plan.summary(), "plan_fp8": plan.fp8, "reason": plan.reason, "runs": runs,
               "fp8_over_bf16": runs["fp8"]["tokens_per_second"] / runs["bf16"]["tokens_per_second"],
               "final_loss_gap": runs["fp8"]["final_loss"] - runs["bf16"]["final_loss"]}
+    if ceiling is not None:  # the fp8 plan at its budget against the uncapped bf16 roof, and the loss beside it
+        result["fp8_over_roof"] = runs["fp8"]["tokens_per_second"] / ceiling["tokens_per_second"]
+        result["final_loss_gap_to_roof"] = runs["fp8"]["final_loss"] - ceiling["final_loss"]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
