@@ -60,20 +60,23 @@ def timed(loss_fn, args: argparse.Namespace) -> dict:
     return {"ms": round(1e3 * statistics.median(seconds[1:]), 2), "loss": float(loss.detach()), "peak_bytes": peak}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """`argv`: the arguments after the script's name (default: the command line's); the rows printed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--hidden", type=int, default=1280)
     parser.add_argument("--tokens", type=int, default=13 * 1024)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     variants = {f"chunked, vocabulary padded to {chunked_loss.ALIGN}": chunked(chunked_loss.ALIGN),
                 "chunked, unpadded": chunked(1), "unchunked (the model's own)": unchunked}
+    rows = []
     for name, fn in variants.items():
-        row = {"variant": name, "vocab": args.vocab, "hidden": args.hidden, "tokens": args.tokens,
-               "device": args.device, **timed(fn, args)}
-        print(json.dumps(row), flush=True)
+        rows.append({"variant": name, "vocab": args.vocab, "hidden": args.hidden, "tokens": args.tokens,
+                     "device": args.device, **timed(fn, args)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ sys.path.insert(0, BENCH)
 
 # The benchmarks run in this process, which has imported torch already (a process of their own spends seconds of
 # CPU importing it again); bench_peers.py still starts a fresh process for each method and answer, as it is built to.
+import bench_head_loss  # noqa: E402
 import bench_lengths  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_peers  # noqa: E402
@@ -192,6 +193,23 @@ def test_bench_moe_tiny_trains_a_split_plan_beside_its_reference(tmp_path, capsy
     assert record["model"]["experts"] == 8 and record["model"]["top_k"] == 2
     assert record["host"]["rss_bytes"] > 0 and "Mem:" in record["host"]["free_g"]
     assert "micro-batch" in tuned["plan"] and tuned["plan_record"]["config"]
+
+
+def test_one_length_batches_are_unpadded_and_unmasked_with_lengths_drawn_batch_by_batch() -> None:
+    data = bench_lengths.batches(12, 4, 8, 32, 50, "cpu", one_length=True)
+    lengths = {b["input_ids"].shape[1] for b in data}
+    assert len(lengths) > 1 and all(8 <= n <= 32 for n in lengths)
+    assert all(set(b) == {"input_ids", "labels"} and b["labels"].equal(b["input_ids"]) for b in data)
+
+
+def test_bench_head_loss_times_the_padded_and_unpadded_head_to_the_same_loss(capsys) -> None:
+    rows = bench_head_loss.main(["--device", "cpu", "--vocab", "101", "--hidden", "16", "--tokens", "40",
+                                 "--repeats", "1"])
+    assert [r["variant"] for r in rows] == ["chunked, vocabulary padded to 64", "chunked, unpadded",
+                                            "unchunked (the model's own)"]
+    assert all(r["ms"] > 0 for r in rows)
+    assert max(r["loss"] for r in rows) - min(r["loss"] for r in rows) < 1e-2  # bf16 autocast: one loss
+    assert len(capsys.readouterr().out.splitlines()) == 3
 
 
 @pytest.mark.slow  # seconds: a search and four steps under the simulated ceiling
