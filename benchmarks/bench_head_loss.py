@@ -29,11 +29,7 @@ def unchunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor)
 
 def chunked(align: int):
     def call(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        kept, chunked_loss.ALIGN = chunked_loss.ALIGN, align
-        try:
-            return chunked_loss.linear_cross_entropy(hidden, weight, None, targets)
-        finally:
-            chunked_loss.ALIGN = kept
+        return chunked_loss.linear_cross_entropy(hidden, weight, None, targets, align=align)
     return call
 
 

@@ -44,6 +44,26 @@ def test_linear_cross_entropy_equals_cross_entropy_of_the_full_logits(num_items,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_in_16_bits_the_padded_vocabulary_gives_the_unpadded_loss_and_gradients():
+    """Under bf16 autocast the head's matmuls run on the vocabulary padded to `align` (29 words to 64): the
+    padding's logits must stay out of the log-sum-exp and its rows out of the weight's gradient."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 11, 8, generator=g, requires_grad=True)
+    weight = torch.randn(29, 8, generator=g, requires_grad=True)
+    bias = torch.randn(29, generator=g, requires_grad=True)
+    targets = torch.randint(0, 29, (3, 11), generator=g)
+    targets[0, 4:9] = -100
+    results = []
+    for align in (64, 1):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(hidden, weight, bias, targets, chunk_bytes=7 * 4 * 29, align=align)
+        results.append((loss, *torch.autograd.grad(loss, (hidden, weight, bias))))
+    padded, unpadded = results
+    assert padded[2].shape == weight.shape
+    for a, b in zip(padded, unpadded):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
 def test_a_float64_head_computes_in_float64_under_bf16_autocast():
     """Autocast leaves float64 operators alone, so the model's own head runs in float64 there: so does the chunk."""
     g = torch.Generator().manual_seed(0)

@@ -35,9 +35,10 @@ from torch import nn
 IGNORE_INDEX = -100
 CAUSAL_LOSS = "ForCausalLMLoss"  # Hugging Face's next-token cross-entropy, the one loss the chunks compute
 CHUNK_BYTES = 256 << 20  # FP32 logits of one chunk; GPT-2: 1,335 tokens (transients ~2.5x this)
-# The head's three matmuls run on the vocabulary padded with zero rows to a multiple of this (GPT-2's 50,257 to
-# 50,304): 16-bit matrices whose rows are not a multiple of 16 bytes long keep cuBLAS off its fastest kernels,
-# and Inductor pads a compiled matmul the same way. The padded logits are 0 and are never read.
+# In 16 bits the head's three matmuls run on the vocabulary padded with zero rows to a multiple of this (GPT-2's
+# 50,257 to 50,304): 16-bit matrices whose rows are not a multiple of 16 bytes long keep cuBLAS off its fastest
+# kernels, and Inductor pads a compiled matmul the same way. The weight is cast to 16 bits there anyway, so the
+# padded copy costs nothing more; in a wider dtype the weight is used as it is. The padded logits are never read.
 ALIGN = 64
 
 
@@ -170,9 +171,11 @@ class _HeadLoss:
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, *, num_items_in_batch: Any = None,
-                         ignore_index: int = IGNORE_INDEX, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, chunk_bytes: int = CHUNK_BYTES,
+                         align: int = ALIGN) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T + bias, targets): summed over `num_items_in_batch` when given, else the
-    mean over targets that are not `ignore_index`; the (tokens, vocabulary) logits only a chunk at a time.
+    mean over targets that are not `ignore_index`; the (tokens, vocabulary) logits only a chunk at a time, the
+    vocabulary padded to a multiple of `align` where the matmuls run in 16 bits (see `ALIGN`).
 
     hidden: (..., d); weight: (V, d); targets: (...) integer, the shape of hidden without its last dim.
     """
@@ -181,15 +184,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     autocast = torch.is_autocast_enabled(device_type) and weight.dtype != torch.float64
     compute = torch.get_autocast_dtype(device_type) if autocast else weight.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
+    vocab = weight.shape[0]
+    padded = -(-vocab // align) * align if compute.itemsize == 2 else vocab
     denominator = _denominator(num_items_in_batch, targets, ignore_index, hidden.device)
     track = torch.is_grad_enabled()  # forward runs without grad mode: say whether gradients are wanted
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, denominator, compute, rows, ignore_index,
-                                     track)
-
-
-def _aligned(vocab: int) -> int:
-    """The vocabulary rounded up to a multiple of `ALIGN`."""
-    return -(-vocab // ALIGN) * ALIGN
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, denominator, compute, rows, padded,
+                                     ignore_index, track)
 
 
 def _padded_rows(weight: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
@@ -215,13 +215,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, denominator: torch.Tensor, compute: torch.dtype, rows: int,
+                targets: torch.Tensor, denominator: torch.Tensor, compute: torch.dtype, rows: int, padded: int,
                 ignore_index: int, track: bool) -> torch.Tensor:
         wanted = ctx.needs_input_grad if track else (False,) * 3
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
         wide = torch.promote_types(compute, torch.float32)  # softmax and sums: FP32, or FP64 for a float64 model
-        vocab, padded = weight.shape[0], _aligned(weight.shape[0])
+        vocab = weight.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w = _padded_rows(weight, compute, padded)
             b = None if bias is None else bias.to(wide)
@@ -266,4 +266,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = None if grad_h is None else (grad_h * scale.to(grad_h.dtype)).reshape(ctx.hidden_shape)
         dw = None if grad_w is None else (grad_w * scale).to(ctx.weight_dtype)
         db = None if grad_b is None else (grad_b * scale).to(ctx.bias_dtype)
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None
