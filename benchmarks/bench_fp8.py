@@ -87,10 +87,15 @@ def train(plan: Any, model: torch.nn.Module, start: dict[str, torch.Tensor], arg
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - began)
             losses.append(float(loss))
-    timed = seconds[args.warmup:] or seconds
-    median = statistics.median(timed)
+    return summary(plan.rung.name, losses, seconds, args)
+
+
+def summary(rung: str, losses: list[float], seconds: list[float], args: argparse.Namespace) -> dict[str, Any]:
+    """A run's record: its losses and step seconds, the median step after the warm-up and its tokens/s, and the
+    mean loss over the last tenth of the steps."""
+    median = statistics.median(seconds[args.warmup:] or seconds)
     tail = max(1, args.steps // 10)
-    return {"rung": plan.rung.name, "losses": losses, "step_seconds": seconds, "median_step_seconds": median,
+    return {"rung": rung, "losses": losses, "step_seconds": seconds, "median_step_seconds": median,
             "tokens_per_second": args.global_batch_size * args.seq / median,
             "final_loss": statistics.mean(losses[-tail:])}
 
@@ -126,13 +131,8 @@ def roof(model: torch.nn.Module, start: dict[str, torch.Tensor], args: argparse.
     model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    timed = seconds[args.warmup:] or seconds
-    median = statistics.median(timed)
-    tail = max(1, args.steps // 10)
-    return {"rung": f"compiled bf16 (whole model), {micro} x {steps_per}, uncapped", "losses": losses,
-            "step_seconds": seconds, "median_step_seconds": median,
-            "tokens_per_second": args.global_batch_size * args.seq / median,
-            "final_loss": statistics.mean(losses[-tail:]), "peak_reserved": peak}
+    return {**summary(f"compiled bf16 (whole model), {micro} x {steps_per}, uncapped", losses, seconds, args),
+            "peak_reserved": peak}
 
 
 def main() -> None:
@@ -165,14 +165,13 @@ def main() -> None:
     tune_seconds = time.perf_counter() - tuned_at
     runs = {"bf16": train(plan.with_config(fp8=False), model, start, args, vocab),
             "fp8": train(plan.with_config(fp8=True), model, start, args, vocab)}
-    if ceiling is not None:
-        runs["roof"] = ceiling
     result = {"environment": environment("cuda"), "size": args.size, "seq": args.seq,
               "global_batch_size": args.global_batch_size, "steps": args.steps, "tune_seconds": tune_seconds,
               "plan": plan.summary(), "plan_fp8": plan.fp8, "reason": plan.reason, "runs": runs,
               "fp8_over_bf16": runs["fp8"]["tokens_per_second"] / runs["bf16"]["tokens_per_second"],
               "final_loss_gap": runs["fp8"]["final_loss"] - runs["bf16"]["final_loss"]}
     if ceiling is not None:  # the fp8 plan at its budget against the uncapped bf16 roof, and the loss beside it
+        runs["roof"] = ceiling
         result["fp8_over_roof"] = runs["fp8"]["tokens_per_second"] / ceiling["tokens_per_second"]
         result["final_loss_gap_to_roof"] = runs["fp8"]["final_loss"] - ceiling["final_loss"]
     with open(args.out, "w") as f:
