@@ -28,7 +28,7 @@
 #   onelength the lengths part over batches of one length each, no mask, tuned with max_length=1024
 #   roof     W1's roof: the model compiled whole, uncapped, at micro-batch 8 and at 4 (bench_fit.py --method roof)
 #   fp8      the 1.1B Llama at 24 GiB with fp8 allowed, beside bf16 and the uncapped bf16 roof, FP8_STEPS steps
-#            each (100; the issue's 200 take about 13 minutes, over one call's 10: start it with setsid)
+#            each (100; FP8_RUNS=fp8 trains the fp8 plan alone beside the roof; the issue's 200 take about 13 minutes, over one call's 10: start it with setsid)
 #   headloss the chunked loss at GPT-2 large's head, vocabulary padded against unpadded (bench_head_loss.py)
 #   new_length the cost of a step at a new length, with and without attention's buckets (bench_new_length.py)
 #   large100_fixed the large100 part with the allocator's fixed segments
@@ -78,7 +78,7 @@ for p in $PARTS; do
         new_length) part new_length bash -c "python benchmarks/bench_new_length.py --out '$OUT/new_length.jsonl' && python benchmarks/bench_new_length.py --no-attention-buckets --out '$OUT/new_length.jsonl'" ;;
         onelength) part onelength python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --one-length --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
         roof) part roof bash -c "python benchmarks/bench_fit.py --method roof --steps 10 --out '$OUT/roof.jsonl' && python benchmarks/bench_fit.py --method roof --roof-micro 4 --steps 6 --out '$OUT/roof.jsonl'" ;;
-        fp8) part fp8 python benchmarks/bench_fp8.py --size 1.1b --seq 2048 --budget 24GiB --global-batch-size 32 --steps "${FP8_STEPS:-100}" --roof-micro 8 --out "$OUT/fp8.json" ;;
+        fp8) part fp8 python benchmarks/bench_fp8.py --size 1.1b --seq 2048 --budget 24GiB --global-batch-size 32 --steps "${FP8_STEPS:-100}" --runs "${FP8_RUNS:-bf16,fp8}" --roof-micro 8 --out "$OUT/fp8.json" ;;
         headloss) part headloss python benchmarks/bench_head_loss.py ;;
         lengths64) part lengths64 python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --length-multiple 64 --out "$OUT/lengths.jsonl" ;;
         lengths_fixed) part lengths_fixed python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --allocator fixed --out "$OUT/lengths.jsonl" ;;
