@@ -146,6 +146,7 @@ OFFLOAD_OVERLAP_ENV = "AUTOTUNE_OFFLOAD_OVERLAP"
 OFFLOAD_PARTITION_ENV = "AUTOTUNE_OFFLOAD_PARTITION"
 OFFLOAD_STREAM_ENV = "AUTOTUNE_OFFLOAD_STREAM"
 COMPILE_REGIONS_ENV = "AUTOTUNE_COMPILE_REGIONS"
+COMPILE_STATIC_ENV = "AUTOTUNE_COMPILE_STATIC"
 ATTENTION_BUCKETS_ENV = "AUTOTUNE_ATTENTION_BUCKETS"
 RESTART_COUNT_ENV = "AUTOTUNE_RESTART_COUNT"
 AGENT_STEPS_ENV = "AUTOTUNE_AGENT_STEPS"
@@ -178,7 +179,8 @@ VARIABLES: dict[str, str] = {
     OFFLOAD_OVERLAP_ENV: "0: the host's optimizer step never overlaps the last backward",
     OFFLOAD_PARTITION_ENV: "0: replicated ranks do not partition the offloaded optimizer state",
     OFFLOAD_STREAM_ENV: "0 or 1: step the host share on the GPU streamed, or never (default: where a GPU is)",
-    COMPILE_REGIONS_ENV: "blocks or model: what torch.compile wraps",
+    COMPILE_REGIONS_ENV: "blocks or whole: what torch.compile wraps",
+    COMPILE_STATIC_ENV: "0: training keeps the trials' dynamic graphs instead of compiling its shape once, static",
     CPU_BF16_ENV: "0 or 1: on the CPU, keep fp32 or search bf16 (default: where the CPU runs bf16 natively)",
     ATTENTION_BUCKETS_ENV: "0 or 1: pad masked attention (causal once lengths vary) to 64 tokens, or never (default: "
                            "under cuDNN's)",

@@ -22,6 +22,13 @@ so a change of micro-batch (the next trial, a recovery, an uneven last micro-bat
 token batch the sequence dimension is too, from the first call, so training on padded batches of every length
 compiles one graph per block instead of one per length (up to dynamo's recompile limit, then eager).
 
+Training (`plan.apply`) compiles each call once more, static, at the first shapes it runs at the plan's
+micro-batch (`static_at`): kernels specialized to one shape are faster than symbolic ones (benchmarks/RESULTS.md,
+"The budget's cost"), and a training run at a fixed shape repeats that shape every step; the price is one more
+compile at the first step. Any other shape (an uneven last micro-batch, a recovery's smaller
+micro-batch, a new sequence length) runs the dynamic graph the trials compiled and measured, so no shape
+compiles more than once. `$AUTOTUNE_COMPILE_STATIC=0` keeps training on the dynamic graphs.
+
 On an FSDP2-sharded model each unit's `forward` is compiled and its `__call__`, where FSDP gathers the
 unit's parameters before and reshards them after, stays eager: the graph sees whole parameters and no
 collective.
@@ -33,9 +40,10 @@ a note (the search records the failed trial and goes on without compile).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +55,8 @@ from ..errors import InvalidSetting
 from ..workload.batch import tensors
 from .checkpointing import BlockGroup
 from .sharding import is_sharded, is_unit
+
+COMPILE_STATIC = settings.COMPILE_STATIC_ENV  # "0": training keeps the trials' dynamic graphs
 
 # Each trial of a new configuration may add a guard set per compiled code object (shapes, checkpointed or
 # not); the default of 8 would send a long search back to eager silently.
@@ -127,26 +137,62 @@ def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], mo
 
 
 def _weakly_bound(module: nn.Module, method: Callable[..., object]) -> Callable[..., object]:
-    """`method` compiled and called with its batch dimension marked, holding `module` by a weak reference.
+    """`method` compiled and called with its batch dimension marked, holding `module` by a weak reference; in
+    training at the plan's micro-batch, the static graph instead (`_StaticGraph`).
 
     A method of `module` is compiled as its class's function and handed the module at each call: Dynamo traces
     the same frame (the method's code with `self` the module) as for the bound method, so graphs and guards
     are unchanged. Anything else (a function set on the instance) is compiled as it is."""
-    if not (inspect.ismethod(method) and method.__self__ is module):
-        compiled = torch.compile(method)
+    bound = inspect.ismethod(method) and getattr(method, "__self__", None) is module
+    target = getattr(method, "__func__", method) if bound else method
+    dynamic, static, owner = torch.compile(target), _StaticGraph(target), weakref.ref(module)
 
-        def call(*args: object, **kwargs: object) -> object:
-            mark_batch_dynamic((args, kwargs), _SEQUENCE.length)
-            return compiled(*args, **kwargs)
-
-        return call
-    function, owner = torch.compile(method.__func__), weakref.ref(module)
-
-    def call_method(*args: object, **kwargs: object) -> object:
+    def call(*args: object, **kwargs: object) -> object:
+        full = (owner(), *args) if bound else args
+        if static.takes((args, kwargs)):
+            return static(*full, **kwargs)
         mark_batch_dynamic((args, kwargs), _SEQUENCE.length)
-        return function(owner(), *args, **kwargs)
+        return dynamic(*full, **kwargs)
 
-    return call_method
+    return call
+
+
+class _StaticGraph:
+    """One compiled call's static graph: compiled (`dynamic=False`) at the first inputs it is asked to take
+    under `static_at`, and taking only inputs of those very shapes and dtypes after, so it compiles once."""
+
+    def __init__(self, target: Callable[..., object]) -> None:
+        self.target = target
+        self.compiled: Callable[..., object] | None = None
+        self.signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] | None = None
+
+    def takes(self, inputs: object) -> bool:
+        """Whether this call runs the static graph: in training (`static_at`), at the plan's micro-batch, with
+        the inputs' shapes those of its first such call."""
+        if _SEQUENCE.static_rows is None or _SEQUENCE.rows != _SEQUENCE.static_rows:
+            return False
+        signature = tuple((tuple(t.shape), t.dtype) for t in tensors(inputs))
+        if self.signature is None:
+            self.signature = signature
+        return signature == self.signature
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if self.compiled is None:
+            self.compiled = torch.compile(self.target, dynamic=False)
+        return self.compiled(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def static_at(rows: int | None) -> Iterator[None]:
+    """Inside, a compiled call of a model batch of `rows` samples runs its static graph (`_StaticGraph`);
+    None, or `$AUTOTUNE_COMPILE_STATIC=0`, leaves every call on the dynamic graphs. The training step's
+    micro-steps run inside it, at the plan's micro-batch; trials never do (their graphs serve every size)."""
+    previous = _SEQUENCE.static_rows
+    _SEQUENCE.static_rows = rows if rows is not None and settings.switch(COMPILE_STATIC) else None
+    try:
+        yield
+    finally:
+        _SEQUENCE.static_rows = previous
 
 
 def _no_kv_cache(model: nn.Module) -> Callable[[], None]:
@@ -172,7 +218,8 @@ def graphs_note(blocks: BlockGroup | None, checkpointed: int, tokens: bool) -> s
     per_block = blocks is not None and bool(blocks.blocks) and not (regions() == "whole" and checkpointed == 0)
     what = "one graph per kind of repeated block" if per_block else "one graph for the whole model"
     dims = "micro-batch size and sequence length" if tokens else "micro-batch size"
-    return f"compile: {what} for every {dims} (dynamic from the first call)"
+    static = ", and training compiles its own shape once more, static" if settings.switch(COMPILE_STATIC) else ""
+    return f"compile: {what} for every {dims} (dynamic from the first call){static}"
 
 
 def regions() -> str:
@@ -212,9 +259,12 @@ def mark_batch_dynamic(batch: object, length: int | None = None) -> None:
 
 
 class _SequenceLength:
-    """The sequence length of the token batch the compiled model is running, set before each forward."""
+    """The sequence length and rows of the batch the compiled model is running, set before each forward; and
+    the micro-batch whose calls run static graphs (`static_at`), None outside training."""
 
     length: int | None = None
+    rows: int | None = None
+    static_rows: int | None = None
 
 
 _SEQUENCE = _SequenceLength()
@@ -223,5 +273,7 @@ _SEQUENCE = _SequenceLength()
 def _record_length(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A forward pre-hook: the length of the model's token input (an integer tensor of shape (batch, length)),
     or None for a batch without one (images, features: no sequence to mark)."""
-    tokens = [t for t in tensors((args, kwargs)) if t.dim() == 2 and not t.is_floating_point()]
+    inputs = [t for t in tensors((args, kwargs)) if t.dim() > 0]
+    tokens = [t for t in inputs if t.dim() == 2 and not t.is_floating_point()]
     _SEQUENCE.length = int(tokens[0].shape[1]) if tokens else None
+    _SEQUENCE.rows = int((tokens or inputs)[0].shape[0]) if inputs else None

@@ -36,6 +36,7 @@ from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_pois
 from ..evidence import Finding, Trial
 from ..parallel.deaths import named_deaths
 from ..techniques import dtype_conflict, find_blocks
+from ..techniques.compile import static_at
 from ..techniques.sharding import is_sharded, reset_after_failure
 from ..workload import batch as batches
 from ..workload.losses import APPLY_CALL, LossFn, MissingLoss, resolve
@@ -229,7 +230,8 @@ class TrainingStep:
         """Run the whole batch and step: (mean loss, "") on success, else (nan, the OOM's first line)."""
         acc = self._accumulator
         self._open().before_attempt()
-        with self._memory_guard(batch), parallel.armed(self._sharded and self._oom_likely()):
+        static = self.plan.micro_batch_size if self.plan.rung.compile else None  # its shape's graphs: static
+        with self._memory_guard(batch), parallel.armed(self._sharded and self._oom_likely()), static_at(static):
             weights, failure = self._guarded(acc.forward, self._applied, self.plan, batch, n)
             # Every rank learns of an OOM on any rank before anyone steps. Under FSDP no collective of
             # autotune's runs between the first micro-batch and this point (the counts are summed before it,

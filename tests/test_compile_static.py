@@ -1,0 +1,101 @@
+"""Training compiles the plan's shape once more, static, and every other shape runs the dynamic graph the trials
+compiled (CPU, Inductor; the search leaves compile out on the simulated device, so the knob is put on directly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotune import Plan
+from autotune.techniques import compile as compiling
+from autotune.techniques import find_blocks
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["frames"]["ok"])
+
+
+def _ids(rows: int, length: int) -> torch.Tensor:
+    return torch.randint(0, 97, (rows, length), generator=torch.Generator().manual_seed(rows * 100 + length))
+
+
+def _same_loss(model: torch.nn.Module, eager: torch.nn.Module, rows: int, length: int) -> None:
+    ids = _ids(rows, length)
+    got, want = model(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss
+    assert got.item() == pytest.approx(want.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_the_plans_micro_batch_compiles_once_static_and_other_shapes_reuse_the_dynamic_graph(
+        monkeypatch: pytest.MonkeyPatch, static: bool) -> None:
+    monkeypatch.setenv("AUTOTUNE_COMPILE_STATIC", "1" if static else "0")
+    torch._dynamo.reset()
+    model, eager = _gpt2(), _gpt2()
+    undo = compiling.install(model, find_blocks(model), 0)
+    try:
+        _same_loss(model, eager, 2, 12)  # a trial: the dynamic graph, for every size and length
+        before = _frames()
+        with compiling.static_at(4):
+            # the plan's micro-batch twice, then an uneven last micro-batch, a new length, a smaller micro-batch
+            for rows, length in ((4, 16), (4, 16), (3, 16), (4, 9), (2, 12), (4, 16)):
+                _same_loss(model, eager, rows, length)
+        # static: one graph more, for (4, 16) alone; off: every shape on the trial's graph
+        assert _frames() - before == (1 if static else 0)
+        with compiling.static_at(None):  # outside training: the dynamic graph, at the plan's shape too
+            _same_loss(model, eager, 4, 16)
+        assert _frames() - before == (1 if static else 0)
+    finally:
+        undo()
+
+
+def test_a_compiled_plans_micro_steps_run_with_its_micro_batch_static() -> None:
+    """Through `plan.apply`: every forward of a compiled plan's step runs with the plan's micro-batch as the static
+    one; a plan without compile runs none static. (On the simulated device the memory ceiling's dispatch mode keeps
+    dynamo from tracing, so the graphs themselves are counted above, with the knob put on directly.)"""
+    seen: dict[bool, list[int | None]] = {True: [], False: []}
+    for compiled in (True, False):
+        model = _gpt2()
+        model.register_forward_pre_hook(lambda *_, c=compiled: seen[c].append(compiling._SEQUENCE.static_rows))
+        plan = Plan.of(precision="fp32", compile=compiled, micro_batch_size=2, global_batch_size=5,
+                       memory_budget_bytes=1 << 40, device="cpu")
+        with plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.0)) as step:
+            ids = _ids(5, 12)
+            step({"input_ids": ids, "labels": ids})
+        assert compiling._SEQUENCE.static_rows is None  # left with the step
+    # the step's micro-batches of 1, 2 and 2 at the plan's 2; the loss checks before the first step, outside it
+    assert seen[True].count(2) == 3 and set(seen[True]) == {2, None}
+    assert set(seen[False]) == {None}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_on_a_gpu_a_compiled_plan_trains_its_shape_static_and_a_new_length_on_the_dynamic_graph(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `plan.apply` on CUDA, where dynamo traces: two steps at the plan's shape compile the static graph
+    once, a step at another length the dynamic one; with $AUTOTUNE_COMPILE_STATIC=0 one graph serves all three.
+    The losses are the eager model's either way."""
+    counts = {}
+    for static in ("1", "0"):
+        monkeypatch.setenv("AUTOTUNE_COMPILE_STATIC", static)
+        torch._dynamo.reset()
+        model, eager = _gpt2().cuda(), _gpt2().cuda()
+        plan = Plan.of(precision="fp32", compile=True, micro_batch_size=2, global_batch_size=4,
+                       memory_budget_bytes=8 << 30, device="cuda")
+        before = _frames()
+        with plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.0)) as step:
+            for length in (12, 12, 10):
+                ids = _ids(4, length).cuda()
+                loss = step({"input_ids": ids, "labels": ids})
+                assert loss == pytest.approx(eager(input_ids=ids, labels=ids).loss.item(), rel=1e-3)
+        counts[static] = _frames() - before
+    assert counts == {"1": 2, "0": 1}
