@@ -44,8 +44,8 @@ class AppliedRung:
         dynamic batch dimension (on the per-sample tensors only). Its token length is counted, for the
         attention padding of batches whose length varies (`attention_lengths.observe`)."""
         attention_lengths.observe(micro_batch)
-        if self.rung.compile:
-            compiling.mark_batch_dynamic(micro_batch)
+        if self.rung.compile and not compiling.runs_static(batches.batch_size(micro_batch)):
+            compiling.mark_batch_dynamic(micro_batch)  # (a mark would make a static graph's dimension symbolic)
         return batches.unwrap(micro_batch)
 
     def backward(self, loss: torch.Tensor, *, last: bool = False, defer: bool = False) -> None:

@@ -169,7 +169,7 @@ class _StaticGraph:
     def takes(self, inputs: object) -> bool:
         """Whether this call runs the static graph: in training (`static_at`), at the plan's micro-batch, with
         the inputs' shapes those of its first such call."""
-        if _SEQUENCE.static_rows is None or _SEQUENCE.rows != _SEQUENCE.static_rows:
+        if _SEQUENCE.rows is None or not runs_static(_SEQUENCE.rows):
             return False
         signature = tuple((tuple(t.shape), t.dtype) for t in tensors(inputs))
         if self.signature is None:
@@ -180,6 +180,11 @@ class _StaticGraph:
         if self.compiled is None:
             self.compiled = torch.compile(self.target, dynamic=False)
         return self.compiled(*args, **kwargs)
+
+
+def runs_static(rows: int) -> bool:
+    """Whether a model batch of `rows` samples runs the static graphs (`static_at`): its inputs go unmarked."""
+    return _SEQUENCE.static_rows is not None and rows == _SEQUENCE.static_rows
 
 
 @contextlib.contextmanager
