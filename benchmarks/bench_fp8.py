@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the rate (compile, first shapes)")
     parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--techniques", default="bf16,checkpointing,compile,chunked_loss,fp8")
+    parser.add_argument("--techniques", default="bf16,checkpointing,offload,compile,chunked_loss,fp8")
     parser.add_argument("--roof-micro", type=int, default=None,
                         help="also train the bf16 roof (the model compiled whole, uncapped) at this micro-batch, "
                              "before the budget is set, over the same steps and batches")

@@ -11,7 +11,11 @@ trial) or not grown (after it): on GPT-2 large at 24 GiB, activation offload at 
 25.3 samples/s beside its base's 25.2 at 16, and its trial would take 11 of the tune's seconds.
 
 The optimizer step is bounded by the base's (on the device): a partial host share (`offload_share.py`) can
-leave most of it there, so a bound with the host's whole step would rule out a share that wins.
+leave most of it there, so a bound with the host's whole step would rule out a share that wins. An offload that
+copies in every micro-step (the recomputed blocks' inputs, or what the other blocks save) adds at least its
+least cost per sample (`lines.MIN_OVERHEAD`, as the bound from the best trial charges it) to each micro-step;
+optimizer offload adds nothing there. On W1 the least cost alone rules out activation offload before its first
+trial, which measured 16% slower than its base at the same micro-batch.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from ..configuration import Rung
 from ..evidence import Trial
 from ..workload.batching import fit_line, global_step_seconds
 from .ledger import Ledger, RungState
-from .lines import NOISE, accumulation_sizes, timed
+from .lines import MIN_OVERHEAD, NOISE, accumulation_sizes, timed
 
 
 def base(s: Ledger, rung: Rung) -> RungState | None:
@@ -48,12 +52,13 @@ def bound(s: Ledger, rung: Rung, start: Trial | None = None) -> float | None:
     a, b = max(a, 0.0), max(b, 0.0)
     top = start or max(st.ok, key=lambda t: t.micro_batch_size)
     opt = min(t.optimizer_seconds for t in st.ok)
+    copies = 1.0 + (MIN_OVERHEAD[rung.offload] if rung.offload != "optimizer" else 0.0)  # per micro-step
     rates = [start.samples_per_second] if start is not None and start.fits else []
     edge = top.micro_batch_size
     for m in accumulation_sizes(s):
         if m <= edge and start is not None:
             continue
-        least = a + b * m if m < edge else max(a + b * m, top.step_seconds + b * (m - edge))
+        least = copies * (a + b * m if m < edge else max(a + b * m, top.step_seconds + b * (m - edge)))
         rates.append(s.per_rank * s.world_size / global_step_seconds(max(least, 1e-9), opt, s.per_rank, m))
     return max(rates, default=None)
 

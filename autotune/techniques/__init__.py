@@ -18,9 +18,10 @@ dtype conflicts) · `apply` (`apply_rung`: a rung in force on a model) · `block
 
 from .apply import AppliedRung, apply_rung
 from .blocks import BlockGroup, find_blocks, profile_blocks
+from .compile import static_at
 from .ladder import FLOAT64_KEPT, block_count, dtype_conflict, is_float64, ladder, serve_dtypes
 from .names import DEFAULT_TECHNIQUES, TECHNIQUES, parse_techniques
 
 __all__ = ["TECHNIQUES", "DEFAULT_TECHNIQUES", "FLOAT64_KEPT", "AppliedRung", "apply_rung", "block_count",
            "dtype_conflict", "is_float64", "ladder", "parse_techniques", "serve_dtypes", "find_blocks",
-           "profile_blocks", "BlockGroup"]
+           "profile_blocks", "BlockGroup", "static_at"]

@@ -35,8 +35,7 @@ from ..devices.placement import release_memory
 from ..errors import DeviceError, InvalidSetting, NoFeasiblePlan, is_device_poisoned, is_oom, needs_more_samples
 from ..evidence import Finding, Trial
 from ..parallel.deaths import named_deaths
-from ..techniques import dtype_conflict, find_blocks
-from ..techniques.compile import static_at
+from ..techniques import dtype_conflict, find_blocks, static_at
 from ..techniques.sharding import is_sharded, reset_after_failure
 from ..workload import batch as batches
 from ..workload.losses import APPLY_CALL, LossFn, MissingLoss, resolve
