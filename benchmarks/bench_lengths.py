@@ -17,7 +17,9 @@ margin, the process's resident memory, and the median step of the steps whose le
 length came before (a cost paid once per length: over lengths 256-1024 most of 100 steps bring a new one;
 `--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths). With `--one-length`
 each batch is instead of one length drawn from the range, unpadded and without a mask, and `fit`'s example is a
-batch at `--max-length`.
+batch at `--max-length`; with `--example typical` too, it is a batch at the range's middle length, as a user hands
+`fit` a batch from the loader beside `max_length` (the trials still run at `--max-length`, and the plan's estimate
+is at the example's length).
 
     python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
         --global-batch-size 32 --steps 100 --out lengths.jsonl
@@ -25,6 +27,8 @@ batch at `--max-length`.
         --global-batch-size 64 --steps 100 --out lengths.jsonl
     python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
         --one-length --global-batch-size 32 --steps 100 --out lengths.jsonl
+    python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
+        --one-length --example typical --global-batch-size 32 --steps 100 --out lengths.jsonl
     python benchmarks/bench_lengths.py --model tiny-gpt --device cpu --budget 64MiB --min-length 8 \\
         --max-length 32 --global-batch-size 8 --steps 4 --out /tmp/lengths.jsonl       # a CPU dry run
 """
@@ -126,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--one-length", action="store_true",
                         help="each batch of one length drawn from [--min-length, --max-length], no padding and no "
                              "attention mask (fit's example then is a batch at --max-length)")
+    parser.add_argument("--example", choices=("longest", "typical"), default="longest",
+                        help="with --one-length, fit's example: a batch at --max-length (default), or at the "
+                             "middle of the range, a batch as the loader gives one (the estimate is at its length)")
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="turn off cuDNN's attention for SDPA (torch.backends.cuda.enable_cudnn_sdp(False)) "
                              "before fit: cuDNN builds an execution plan for every new shape, which a step at a "
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     vocab = model.config.vocab_size if hugging_face else model.cfg.vocab_size
     if low < args.max_length and hugging_face and not args.one_length:
         example = padded_example(example["input_ids"].shape[0], low, args.max_length, vocab, args.device)
+    if args.one_length and args.example == "typical":  # the middle length: the plan's estimate is at it
+        example = {k: v[:, : (low + args.max_length) // 2] for k, v in example.items()}
     row: dict[str, Any] = {"model": args.model, "budget": args.budget, "lengths": [low, args.max_length],
                            "global_batch_size": args.global_batch_size, "steps": args.steps,
                            **environment(args.device)}
@@ -155,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     plan = autotune.fit(model, example, global_batch_size=args.global_batch_size, memory_budget=args.budget,
                         device=args.device, cache=False, max_length=args.max_length)
     row.update(tune_s=round(time.perf_counter() - started, 1), plan=plan.summary(), reason=plan.reason,
-               estimate_tokens_per_s=plan.tokens_per_second, mfu=plan.mfu, plan_peak=plan.peak_memory_bytes)
+               estimate_tokens_per_s=plan.tokens_per_second, mfu=plan.mfu, plan_peak=plan.peak_memory_bytes,
+               estimate_at_length=(round(plan.tokens_per_second / plan.samples_per_second)
+                                   if plan.tokens_per_second and plan.samples_per_second else None))
     print(json.dumps(row), flush=True)
     data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face,
                    args.length_multiple, args.one_length)
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
                rss_gib=round(psutil.Process().memory_info().rss / 2**30, 2),
                allocator={k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")},
                allocator_setting=args.allocator, length_multiple=args.length_multiple,
-               one_length=args.one_length, cudnn_attention=not args.no_cudnn_attention,
+               one_length=args.one_length, example=args.example, cudnn_attention=not args.no_cudnn_attention,
                attention_buckets=not args.no_attention_buckets,
                median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],

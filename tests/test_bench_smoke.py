@@ -220,3 +220,15 @@ def test_bench_lengths_dry_run_trains_padded_batches_of_every_length(tmp_path, n
     row = json.loads(out.read_text().splitlines()[-1])
     assert row["lengths"] == [8, 32] and 8 <= row["mean_length"] <= 32
     assert row["recoveries"] == 0 and row["trained_tokens_per_s"] > 0 and row["estimate_tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # seconds: a search, the typical-length trial and four steps under the simulated ceiling
+def test_bench_lengths_one_length_with_a_typical_example_estimates_at_the_middle_length(tmp_path, no_user_settings):
+    out = tmp_path / "lengths.jsonl"
+    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "64MiB", "--min-length", "8",
+                        "--max-length", "32", "--global-batch-size", "8", "--steps", "4", "--one-length",
+                        "--example", "typical", "--out", str(out)])
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["one_length"] and row["example"] == "typical"
+    assert row["estimate_at_length"] == 20  # the middle of 8-32: the trials ran at 32, the estimate is at 20
+    assert row["recoveries"] == 0 and row["trained_tokens_per_s"] > 0
