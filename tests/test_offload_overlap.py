@@ -45,6 +45,20 @@ def test_the_overlap_is_kept_when_faster_and_the_estimate_is_of_the_step_it_trai
     assert (chosen.rung, chosen.micro_batch_size, chosen.peak_bytes, chosen.step_seconds) == (RUNG, MICRO, 10, 0.13)
 
 
+def test_an_overlapped_trial_is_recorded_at_the_rate_of_the_step_it_stands_for():
+    # W1's figures: 8 micro-batches of 8; serially 0.1146 s each and 0.224 s of host step; overlapped, the last
+    # micro-step took 0.2784 s with 0.0264 s of the host step left after it
+    serial = Trial(rung=RUNG, micro_batch_size=8, outcome="ok", peak_bytes=10, step_seconds=0.1146,
+                   optimizer_seconds=0.224, samples_per_second=64 / (8 * 0.1146 + 0.224))
+    raw = Trial(rung=RUNG, micro_batch_size=8, outcome="ok", peak_bytes=11, step_seconds=0.2784,
+                optimizer_seconds=0.0264, samples_per_second=64 / (8 * 0.2784 + 0.0264), overlapped=True)
+    recorded = offload_overlap.standing_for(serial, raw, 64)
+    assert recorded.samples_per_second == pytest.approx(64 / (7 * 0.1146 + 0.2784 + 0.0264))  # 57.8, not 28.4
+    assert (recorded.step_seconds, recorded.optimizer_seconds, recorded.overlapped) == (0.2784, 0.0264, True)
+    chosen, overlap, _ = offload_overlap.choose(serial, raw, 64, streamed=True)
+    assert overlap and chosen.samples_per_second == pytest.approx(recorded.samples_per_second)
+
+
 @pytest.mark.parametrize("step_s, optimizer_s", [(0.15, 0.07), (0.20, 0.02), (0.22, 0.0)])
 def test_the_serial_step_stays_when_the_overlap_was_not_faster(step_s, optimizer_s):
     serial = _serial()
