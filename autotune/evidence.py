@@ -110,8 +110,9 @@ class Trial:
 
 
 # The search's steps after its pick, each a kind of finding: the host share of an offloaded optimizer, the optimizer
-# state partitioned over ranks, the host optimizer overlapping the last backward, when the all-reduce runs.
-STEPS_AFTER_PICK = ("offload share", "partitioned state", "offload overlap", "reduce timing")
+# state partitioned over ranks, the host optimizer overlapping the last backward, when the all-reduce runs, and the
+# pick's rate at the example's own length (where the trials ran at max_length).
+STEPS_AFTER_PICK = ("offload share", "partitioned state", "offload overlap", "reduce timing", "typical length")
 # What a finding is about: a step after the search's pick (`STEPS_AFTER_PICK`), which of two measured plans was
 # kept ("sharding": replicated or FSDP2; "hybrid": flat or hybrid sharding), a second search that found nothing or
 # failed, a note of the loss check, a verification trial here, a recovery in training (an OOM's, the split balanced

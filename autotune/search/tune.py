@@ -300,7 +300,7 @@ def _at_typical_length(job: Job, state: Ledger, work: Workload) -> typical.Typic
         state.cut = True
         rate, note = None, ("rate at the example's length not measured (max_tune_seconds passed): the figures are "
                             "at max_length")
-    state.notes.append(note)
+    state.found("typical length", note)  # where the plan's figures come from: said whatever else is
     return rate
 
 
