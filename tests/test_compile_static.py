@@ -99,3 +99,45 @@ def test_on_a_gpu_a_compiled_plan_trains_its_shape_static_and_a_new_length_on_th
                 assert loss == pytest.approx(eager(input_ids=ids, labels=ids).loss.item(), rel=1e-3)
         counts[static] = _frames() - before
     assert counts == {"1": 2, "0": 1}
+
+
+def test_a_recomputed_block_runs_one_graph_in_its_forward_and_its_recompute() -> None:
+    """Compile with 2 of 4 blocks recomputed, as `apply_rung` puts them together, in training (`static_at`): the
+    recomputed blocks run their static graph inside the checkpoint, in forward and again in backward, and the
+    gradients are those of the compiled model without recompute, dropout included; an uneven micro-batch runs the
+    dynamic graph in both, with the same gradients as that model's."""
+    from autotune.devices.placement import Placement
+    from autotune.techniques import checkpointing
+
+    torch._dynamo.reset()
+    cfg = dict(n_layer=4, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.1, attn_pdrop=0.1)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)))
+    plain, recomputing = models
+    placement = Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=2**34)
+    blocks = find_blocks(recomputing)
+    undo = [checkpointing.install(blocks, 2, offload_activations=False, placement=placement, inner=compiling.forward),
+            compiling.install(recomputing, blocks, 2), compiling.install(plain, find_blocks(plain), 0)]
+
+    def grads(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    try:
+        grads(recomputing, _ids(5, 12))  # a trial at another size: the dynamic graphs
+        grads(plain, _ids(5, 12))
+        before = _frames()
+        compiled = []
+        with compiling.static_at(3):
+            for rows in (3, 2, 3):  # the plan's micro-batch, an uneven one, the plan's again
+                ids = _ids(rows, 12)
+                assert torch.equal(grads(recomputing, ids), grads(plain, ids)), rows
+                compiled.append(_frames() - before)
+        assert compiled[0] >= 1 and compiled[-1] == compiled[0]  # static graphs at 3 once; 2 on the trial's
+    finally:
+        for fn in reversed(undo):
+            fn()
