@@ -277,7 +277,7 @@ _SEQUENCE = _SequenceLength()
 
 def _record_length(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A forward pre-hook: the length of the model's token input (an integer tensor of shape (batch, length)),
-    or None for a batch without one (images, features: no sequence to mark)."""
+    or None for a batch without one (images, features: no sequence to mark); and the batch's rows (`static_at`)."""
     inputs = [t for t in tensors((args, kwargs)) if t.dim() > 0]
     tokens = [t for t in inputs if t.dim() == 2 and not t.is_floating_point()]
     _SEQUENCE.length = int(tokens[0].shape[1]) if tokens else None
