@@ -28,6 +28,7 @@ import pytest
 import torch
 from cache_samples import TINY, cache_warnings, clean_environment, fit, sample, set_plan_fields, tiny_workload  # noqa: F401 - autouse fixture
 from gpt import GPT, random_batch
+from subprocess_env import with_path
 
 from autotune.cache.db import SCHEMA_VERSION
 from autotune.cache.lines import read_rows
@@ -195,9 +196,7 @@ def test_a_hit_in_a_new_process_loads_neither_dynamo_nor_fsdp(tmp_path: Path) ->
     model, batch = tiny_workload()
     assert fit(model, batch, tmp_path / "plans.db").source == "tuned"
     tests = os.path.dirname(os.path.abspath(__file__))
-    # the caller's own path kept after ours: where the dependencies were installed to a --target folder
-    path = [tests, os.path.join(tests, "..", "examples"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = with_path(tests, os.path.join(tests, "..", "examples"))
     done = subprocess.run([sys.executable, "-c", HIT_IN_A_NEW_PROCESS, str(tmp_path / "plans.db")], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

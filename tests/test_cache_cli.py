@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import click
 import pytest
 from cache_samples import sample
 from click.testing import CliRunner
+from subprocess_env import with_path
 
 from autotune.cache import guard
 from autotune.cache.store import PlanCache
@@ -106,7 +106,7 @@ def test_export_then_import(filled: Path, tmp_path: Path) -> None:
 @pytest.mark.slow  # seconds: starts processes that import torch
 def test_export_to_stdout_piped_into_import_from_stdin(filled: Path, tmp_path: Path) -> None:
     """`-` is standard output / input, through a real pipe between two processes; no file named `-` appears."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = with_path(ROOT)
     command = [sys.executable, "-m", "autotune", "cache", "--cache"]
     exporter = subprocess.Popen([*command, str(filled), "export", "-"], cwd=tmp_path, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)

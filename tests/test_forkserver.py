@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from subprocess_env import with_path
 
 from autotune.supervisor.forkserver import ForkedProcess, ForkServer, ForkServerError, script_imports
 
@@ -19,9 +20,8 @@ pytestmark = pytest.mark.skipif(not ForkServer.supported(), reason="the fork ser
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
+def _env(*folders: object, **extra: str) -> dict[str, str]:
+    return with_path(*folders, REPO, **extra)
 
 
 def _write(path: Path, text: str) -> str:
@@ -112,7 +112,7 @@ def test_a_package_that_starts_a_thread_at_import_keeps_trials_fresh(tmp_path: P
            "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
     (tmp_path / "job").mkdir()
     script = _write(tmp_path / "job" / "train.py", "import spinner\n")
-    env = _env(PYTHONPATH=f"{tmp_path / 'pkgs'}{os.pathsep}{_env()['PYTHONPATH']}")
+    env = _env(tmp_path / "pkgs")
     server = ForkServer(script, env)
     with pytest.raises(ForkServerError, match="started threads"):
         server.start()

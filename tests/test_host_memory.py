@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from subprocess_env import with_path
 from torch import nn
 
 from autotune.devices import host
@@ -128,8 +129,7 @@ def test_a_trial_measures_the_host_memory_it_raises_and_ten_in_a_row_do_not_add_
     here = os.path.dirname(os.path.abspath(__file__))
     code = "import json, test_host_memory as t; print(json.dumps(t.ten_offload_trials()))"
     out = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             p for p in (here, os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)})
+                         env=with_path(here, os.path.dirname(here)))
     assert out.returncode == 0, out.stderr[-3000:]
     rises, after, buffers = json.loads(out.stdout.strip().splitlines()[-1])
     # Measured by the kernel's high-water mark, not computed: each rise holds the host optimizer's buffers.

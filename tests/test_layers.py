@@ -10,7 +10,6 @@ counts, those inside functions too (a lazy import is still a dependency); only i
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from subprocess_env import with_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autotune"
@@ -337,6 +337,6 @@ def test_starting_autotune_does_not_import_dtensors_module() -> None:
     starts import autotune, and only FSDP2 needs that module (devices/shards.py asks without it)."""
     code = ("import sys, autotune, autotune.cli.main, autotune.supervisor.bootstrap; "
             "print('torch.distributed.tensor' in sys.modules, 'torch' in sys.modules)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = with_path(ROOT)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr

@@ -13,6 +13,7 @@ import pytest
 import torch
 from cache_samples import sample
 from click.testing import CliRunner
+from subprocess_env import with_path
 from torch import nn
 
 import autotune
@@ -31,8 +32,7 @@ OOM = ("OutOfMemoryError: simulated ceiling: 40.2 MiB live, over the 40.0 MiB bu
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return with_path(ROOT, AUTOTUNE_CACHE=str(tmp_path / "plans.db"), OMP_NUM_THREADS="1")
 
 
 @pytest.mark.slow  # seconds: starts processes that import torch
@@ -126,7 +126,7 @@ def test_a_job_that_imports_torchao_shows_none_of_its_kernel_load_noise(tmp_path
     pytest.importorskip("torchao")
     script = tmp_path / "imports_torchao.py"
     script.write_text("import logging, torchao\nlogging.getLogger('torchao').warning('a warning of its own')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env = with_path(os.getcwd())
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     if "Failed to load" not in plain.stderr:
         pytest.skip("torchao loads all its kernels here: no noise to filter")

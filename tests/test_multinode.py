@@ -10,13 +10,13 @@ samples long enough to run out of memory, fails that trial on all four and goes 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import with_path
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 240  # a guard against a hang: collectives time out on the ranks first (multinode_script.py)
@@ -30,8 +30,7 @@ def _free_port() -> int:
 
 def _two_nodes(out: Path, delay_ms: int) -> list[dict]:
     port = _free_port()
-    env = {**os.environ, "AUTOTUNE_TEST_CROSS_NODE_DELAY_MS": str(delay_ms), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    env = with_path(TESTS, TESTS.parent, AUTOTUNE_TEST_CROSS_NODE_DELAY_MS=str(delay_ms), OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                f"localhost:{port}", "--rdzv-id", f"autotune-test-{port}", "--max-restarts", "0",

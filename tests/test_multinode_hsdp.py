@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from subprocess_env import with_path
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 180  # a guard against a hang: collectives time out on the ranks first (60 s)
@@ -31,8 +32,7 @@ def _free_port() -> int:
 def _torchrun(out: Path, mode: str, nodes: int) -> str:
     """`nodes` torchrun invocations of two ranks each, side by side; their output."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    env = with_path(TESTS, TESTS.parent, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"autotune-test-{port}",
                "--max-restarts", "0", str(TESTS / "multinode_hsdp_script.py"), mode, str(out)]

@@ -4,7 +4,6 @@ failure (exit 4, the install command) where matplotlib is missing, shown in a pr
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 from cache_samples import sample
 from click.testing import CliRunner
+from subprocess_env import with_path
 
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
@@ -151,7 +151,7 @@ BLOCKER = textwrap.dedent("""
 
 
 def without_matplotlib(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_CACHE": str(tmp_path / "plans.db")}
+    env = with_path(ROOT, AUTOTUNE_CACHE=str(tmp_path / "plans.db"))
     return subprocess.run([sys.executable, "-c", BLOCKER, *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
 
@@ -176,7 +176,7 @@ def test_without_matplotlib_run_plot_fails_before_running_anything(tmp_path: Pat
 def test_run_plot_draws_the_search_after_tuning_and_json_keeps_stdout_for_the_plan(tmp_path: Path) -> None:
     """The zero-change script of test_runner, tuned under an 8 MiB ceiling and not trained (--tune-only)."""
     out = tmp_path / "search.png"
-    env = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONPATH": str(ROOT)}
+    env = with_path(ROOT, AUTOTUNE_CACHE=str(tmp_path / "plans.db"))
     done = subprocess.run([sys.executable, "-m", "autotune", "run", "--global-batch-size", "32", "--budget", "8MiB",
                            "--trial-steps", "2", "--json", "--tune-only", "--plot", str(out),
                            "--map", "micro_batch=--per_device_train_batch_size",

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from subprocess_env import with_path
 
 from autotune.configuration import Rung
 from autotune.evidence import Trial
@@ -32,8 +33,7 @@ print("PLAN", plan.micro_batch_size)
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_PROGRESS"}
-    return {**env, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])}
+    return with_path(ROOT, base=env, AUTOTUNE_CACHE=str(tmp_path / "plans.db"), OMP_NUM_THREADS="1")
 
 
 def run_with_stderr_on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:

@@ -3,7 +3,6 @@ values it takes, wherever it is read (fit, a trial, `autotune run`), never taken
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpt import GPT, GPTConfig, random_batch
+from subprocess_env import with_path
 from torch import nn
 
 import autotune
@@ -79,9 +79,8 @@ def test_fit_of_a_token_model_with_garbage_attention_buckets_names_it(monkeypatc
 
 @pytest.mark.slow  # seconds: starts processes that import torch
 def test_autotune_run_with_garbage_fork_trials_is_a_usage_error_naming_it(tmp_path: Path) -> None:
-    env = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "OMP_NUM_THREADS": "1",
-           settings.FORK_TRIALS_ENV: "maybe",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = with_path(ROOT, AUTOTUNE_CACHE=str(tmp_path / "plans.db"), OMP_NUM_THREADS="1",
+                    **{settings.FORK_TRIALS_ENV: "maybe"})
     done = subprocess.run([sys.executable, "-m", "autotune", "run", "--global-batch-size", "4", "--budget", "64MiB",
                            "--trial-steps", "1", "--map", "micro_batch=--per_device_train_batch_size",
                            "--map", "accumulation=--gradient_accumulation_steps",

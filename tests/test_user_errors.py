@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from subprocess_env import with_path
 from torch import nn
 
 import autotune
@@ -54,8 +54,7 @@ def test_a_type_error_inside_the_models_own_forward_is_left_untouched() -> None:
 def test_a_script_that_never_calls_fit_run_without_map_warns_and_exits_5(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("print('trained without autotune')\n")
-    env = {**os.environ, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = with_path(ROOT, AUTOTUNE_CACHE=str(tmp_path / "plans.db"))
     done = subprocess.run([sys.executable, "-m", "autotune", "run", "--global-batch-size", "8", str(script)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 5, done.stderr

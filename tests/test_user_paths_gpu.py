@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import with_path
 
 from autotune.cache.store import PlanCache
 
@@ -39,8 +40,7 @@ def readme_main_command() -> list[str]:
 
 def user_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
-    return {**env, "AUTOTUNE_CACHE": str(tmp_path / "plans.db"), "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
+    return with_path(ROOT, base=env, AUTOTUNE_CACHE=str(tmp_path / "plans.db"), PYTHONUNBUFFERED="1")
 
 
 def launch(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
