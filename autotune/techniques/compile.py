@@ -56,8 +56,6 @@ from ..workload.batch import tensors
 from .checkpointing import BlockGroup
 from .sharding import is_sharded, is_unit
 
-COMPILE_STATIC = settings.COMPILE_STATIC_ENV  # "0": training keeps the trials' dynamic graphs
-
 # Each trial of a new configuration may add a guard set per compiled code object (shapes, checkpointed or
 # not); the default of 8 would send a long search back to eager silently.
 _CACHE_LIMIT = 64
@@ -169,7 +167,7 @@ class _StaticGraph:
     def takes(self, inputs: object) -> bool:
         """Whether this call runs the static graph: in training (`static_at`), at the plan's micro-batch, with
         the inputs' shapes those of its first such call."""
-        if _SEQUENCE.rows is None or not runs_static(_SEQUENCE.rows):
+        if not runs_static(_SEQUENCE.rows):
             return False
         signature = tuple((tuple(t.shape), t.dtype) for t in tensors(inputs))
         if self.signature is None:
@@ -182,9 +180,9 @@ class _StaticGraph:
         return self.compiled(*args, **kwargs)
 
 
-def runs_static(rows: int) -> bool:
+def runs_static(rows: int | None) -> bool:
     """Whether a model batch of `rows` samples runs the static graphs (`static_at`): its inputs go unmarked."""
-    return _SEQUENCE.static_rows is not None and rows == _SEQUENCE.static_rows
+    return rows is not None and rows == _SEQUENCE.static_rows
 
 
 @contextlib.contextmanager
@@ -193,7 +191,7 @@ def static_at(rows: int | None) -> Iterator[None]:
     None, or `$AUTOTUNE_COMPILE_STATIC=0`, leaves every call on the dynamic graphs. The training step's
     micro-steps run inside it, at the plan's micro-batch; trials never do (their graphs serve every size)."""
     previous = _SEQUENCE.static_rows
-    _SEQUENCE.static_rows = rows if rows is not None and settings.switch(COMPILE_STATIC) else None
+    _SEQUENCE.static_rows = rows if rows is not None and settings.switch(settings.COMPILE_STATIC_ENV) else None
     try:
         yield
     finally:
@@ -223,7 +221,8 @@ def graphs_note(blocks: BlockGroup | None, checkpointed: int, tokens: bool) -> s
     per_block = blocks is not None and bool(blocks.blocks) and not (regions() == "whole" and checkpointed == 0)
     what = "one graph per kind of repeated block" if per_block else "one graph for the whole model"
     dims = "micro-batch size and sequence length" if tokens else "micro-batch size"
-    static = ", and training compiles its own shape once more, static" if settings.switch(COMPILE_STATIC) else ""
+    static = (", and training compiles its own shape once more, static"
+              if settings.switch(settings.COMPILE_STATIC_ENV) else "")
     return f"compile: {what} for every {dims} (dynamic from the first call){static}"
 
 
