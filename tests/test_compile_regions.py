@@ -5,12 +5,14 @@ The search leaves compile out on the simulated CPU device, so these tests put th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from autotune.errors import InvalidSetting
+from autotune.techniques import BlockGroup, find_blocks
 from autotune.techniques import compile as compiling
-from autotune.techniques import find_blocks
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,23 +90,8 @@ def test_a_recomputed_block_is_compiled_inside_its_checkpoint_with_the_gradients
     The gradients are bitwise those of the compiled model without recompute, dropout included (the
     checkpoint restores the RNG state Inductor draws its seeds from), and the checkpoint did drop what
     the compiled blocks would have kept."""
-    from autotune.devices.placement import Placement
-    from autotune.techniques import checkpointing
-
-    torch._dynamo.reset()
-    cfg = dict(n_layer=4, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.1, attn_pdrop=0.1)
     ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)))
-    plain, recomputing = models
-    placement = Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=2**34)
-    blocks = find_blocks(recomputing)
-    undo = [checkpointing.install(blocks, recomputed, offload_activations=False, placement=placement,
-                                  inner=compiling.forward),
-            compiling.install(recomputing, blocks, recomputed)]
-    undo_plain = compiling.install(plain, find_blocks(plain), 0)
+    plain, recomputing, blocks, undo = compiled_pair(recomputed)
     try:
         assert [b._compiled_call_impl is None for b in blocks.blocks] == [i < recomputed for i in range(4)]
         want, kept = _grads_and_saved(plain, ids)
@@ -114,8 +101,31 @@ def test_a_recomputed_block_is_compiled_inside_its_checkpoint_with_the_gradients
     finally:
         for fn in reversed(undo):
             fn()
-        undo_plain()
     assert all("forward" not in b.__dict__ and b._compiled_call_impl is None for b in blocks.blocks)
+
+
+def compiled_pair(recomputed: int) -> tuple[torch.nn.Module, torch.nn.Module, BlockGroup, list[Callable[[], None]]]:
+    """Two GPT-2s of 4 blocks with the same weights (dropout on), both compiled as `apply_rung` compiles them: one
+    recomputing none, the other its first `recomputed` blocks, each compiled inside its checkpoint; the second's
+    blocks and the undo functions (undo in reverse)."""
+    from autotune.devices.placement import Placement
+    from autotune.techniques import checkpointing
+
+    torch._dynamo.reset()
+    cfg = dict(n_layer=4, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.1, attn_pdrop=0.1)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)))
+    plain, recomputing = models
+    placement = Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=2**34)
+    blocks = find_blocks(recomputing)
+    assert blocks is not None
+    undo = [compiling.install(plain, find_blocks(plain), 0),
+            checkpointing.install(blocks, recomputed, offload_activations=False, placement=placement,
+                                  inner=compiling.forward),
+            compiling.install(recomputing, blocks, recomputed)]
+    return plain, recomputing, blocks, undo
 
 
 def test_compiled_rungs_with_more_blocks_recomputed_follow_each_other_as_a_search_and_a_recovery_do():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_compile_regions import compiled_pair
 
 from autotune import Plan
 from autotune.techniques import compile as compiling
@@ -114,21 +115,7 @@ def test_a_recomputed_block_runs_one_graph_in_its_forward_and_its_recompute() ->
     recomputed blocks run their static graph inside the checkpoint, in forward and again in backward, and the
     gradients are those of the compiled model without recompute, dropout included; an uneven micro-batch runs the
     dynamic graph in both, with the same gradients as that model's."""
-    from autotune.devices.placement import Placement
-    from autotune.techniques import checkpointing
-
-    torch._dynamo.reset()
-    cfg = dict(n_layer=4, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.1, attn_pdrop=0.1)
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)))
-    plain, recomputing = models
-    placement = Placement(kind="cpu", name="cpu (simulated ceiling)", total_bytes=2**34)
-    blocks = find_blocks(recomputing)
-    assert blocks is not None
-    undo = [checkpointing.install(blocks, 2, offload_activations=False, placement=placement, inner=compiling.forward),
-            compiling.install(recomputing, blocks, 2), compiling.install(plain, find_blocks(plain), 0)]
+    plain, recomputing, _, undo = compiled_pair(2)
 
     def grads(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
