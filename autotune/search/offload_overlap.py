@@ -20,6 +20,7 @@ from ..evidence import Trial
 from ..sizes import format_bytes
 from ..techniques.offload import overlap_default
 from ..techniques.offload.streamed import streams
+from ..workload.batching import global_step_seconds
 from . import host_budget
 from .ledger import Ledger
 from .lines import NOISE
@@ -93,9 +94,11 @@ def standing_for(serial: Trial, overlapped: Trial, per_rank: int) -> Trial:
     with the plan would show the overlap at half the rate the plan trains."""
     if overlapped.step_seconds <= 0:
         return overlapped
-    # every micro-step at the serial time, and once a step what the overlapped last one took beyond it
-    once = overlapped.step_seconds + overlapped.optimizer_seconds - serial.step_seconds
-    return dataclasses.replace(overlapped, samples_per_second=retimed(serial, once, per_rank, 1).samples_per_second)
+    # Summed here, not through `retimed`: what the overlapped last micro-step took beyond a serial one can be
+    # negative (the host step wholly hidden, and the step measured faster), which no trial's optimizer seconds are.
+    before = global_step_seconds(serial.step_seconds, 0.0, per_rank, overlapped.micro_batch_size) - serial.step_seconds
+    seconds = before + overlapped.step_seconds + overlapped.optimizer_seconds
+    return dataclasses.replace(overlapped, samples_per_second=per_rank / seconds)
 
 
 def may_hide_host_step(s: Ledger, precision: str) -> bool:
