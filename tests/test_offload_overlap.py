@@ -57,6 +57,10 @@ def test_an_overlapped_trial_is_recorded_at_the_rate_of_the_step_it_stands_for()
     assert (recorded.step_seconds, recorded.optimizer_seconds, recorded.overlapped) == (0.2784, 0.0264, True)
     chosen, overlap, _ = offload_overlap.choose(serial, raw, 64, streamed=True)
     assert overlap and chosen.samples_per_second == pytest.approx(recorded.samples_per_second)
+    # the host step wholly hidden and the last micro-step measured faster than a serial one (a loaded CPU): the
+    # record stands for 7 serial micro-steps and that one
+    hidden = Trial(rung=RUNG, micro_batch_size=8, outcome="ok", peak_bytes=11, step_seconds=0.1, optimizer_seconds=0.0)
+    assert offload_overlap.standing_for(serial, hidden, 64).samples_per_second == pytest.approx(64 / (7 * 0.1146 + 0.1))
 
 
 @pytest.mark.parametrize("step_s, optimizer_s", [(0.15, 0.07), (0.20, 0.02), (0.22, 0.0)])
