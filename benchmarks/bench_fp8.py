@@ -2,7 +2,8 @@
 torchao's float8 linear layers.
 
 Builds a Llama-shaped decoder (transformers' `LlamaConfig`, random weights, FP32 on the GPU: every projection
-an `nn.Linear` whose features divide by 16), tunes it with `autotune.fit(..., techniques=(..., "fp8"))`, then
+an `nn.Linear` whose features divide by 16) or, with `--size gpt2-large`, transformers' GPT-2 large (its
+attention and MLP `Conv1D` layers), tunes it with `autotune.fit(..., techniques=(..., "fp8"))`, then
 trains `--steps` global steps twice from the same weights and the same batches: once on the plan with fp8,
 once on the same plan without it (`plan.with_config(fp8=False)`), so float8 is the only difference. The data
 is a learnable stream (each sequence repeats a random prefix), so the loss falls and the two curves can be
@@ -15,6 +16,8 @@ fp8 one on the tuned configuration with fp8 turned on.
     python benchmarks/bench_fp8.py --size tiny --seq 256 --steps 30 --out /tmp/fp8.json    # a quick check
     python benchmarks/bench_fp8.py --size 1.1b --seq 2048 --budget 24GiB --global-batch-size 32 --steps 200 \\
         --roof-micro 8 --out fp8_1b.json                 # beside the uncapped compiled bf16 roof, same batches
+    python benchmarks/bench_fp8.py --size gpt2-large --seq 1024 --budget 24GiB --global-batch-size 64 \
+        --steps 200 --roof-micro 8 --out fp8_w1.json     # W1
 
 Needs a CUDA GPU of compute capability 8.9 or later and torchao (`pip install -e ".[fp8]"`). Writes one JSON
 object: the plan and its reason, and per run ("bf16", "fp8") the loss of every step, the step seconds and
@@ -52,9 +55,18 @@ SIZES = {
 }
 
 
-def build(size: str, seq: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+GPT2 = {"gpt2-large": (1280, 36, 20)}  # (hidden, layers, heads): transformers' GPT-2, its layers `Conv1D`
 
+
+def build(size: str, seq: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if size in GPT2:
+        hidden, layers, heads = GPT2[size]
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            return GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq,
+                                              use_cache=False))
     hidden, layers, heads, kv, inter, vocab = SIZES[size]
     cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
@@ -137,7 +149,7 @@ def roof(model: torch.nn.Module, start: dict[str, torch.Tensor], args: argparse.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--size", choices=sorted(SIZES) + sorted(GPT2), default="tiny")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--budget", default=None, help="memory budget (e.g. 40GiB); default the whole GPU")

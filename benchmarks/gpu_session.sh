@@ -30,6 +30,7 @@
 #   roof     W1's roof: the model compiled whole, uncapped, at micro-batch 8 and at 4 (bench_fit.py --method roof)
 #   fp8      the 1.1B Llama at 24 GiB with fp8 allowed, beside bf16 and the uncapped bf16 roof, FP8_STEPS steps
 #            each (100; FP8_RUNS=fp8 trains the fp8 plan alone beside the roof; the issue's 200 take about 13 minutes, over one call's 10: start it with setsid)
+#   fp8w1    W1 (GPT-2 large, 24 GiB, global batch 64) with fp8 allowed, its fp8 plan beside the roof, FP8_STEPS steps
 #   modes    W1's model at micro-batch 4 uncapped: whole (roof), blocks dynamic, blocks static, blocks + chunked loss
 #   headloss the chunked loss at GPT-2 large's head, vocabulary padded against unpadded (bench_head_loss.py)
 #   new_length the cost of a step at a new length, with and without attention's buckets (bench_new_length.py)
@@ -48,7 +49,7 @@ declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=
                  [moe]=${MOE_S:-120} [llama3b]=${LLAMA3B_S:-420} [llama1b]=${LLAMA1B_S:-240}
                  [llama8b]=${LLAMA8B_S:-1200} [lengths]=${LENGTHS_S:-420} [large100]=${LARGE100_S:-480}
                  [lengths_fixed]=${LENGTHS_S:-420} [lengths64]=${LENGTHS_S:-420} [lengths_nocudnn]=${LENGTHS_S:-420} [lengths_nobuckets]=${LENGTHS_S:-420} [new_length]=${NEW_LENGTH_S:-420} [large100_fixed]=${LARGE100_S:-480} [lightning]=${LIGHTNING_S:-200} [lightning_fresh]=${LIGHTNING_S:-200}
-                 [onelength]=${LENGTHS_S:-420} [onelength_typical]=${LENGTHS_S:-420} [roof]=${ROOF_S:-240} [headloss]=${HEADLOSS_S:-60} [modes]=${MODES_S:-420} [fp8]=${FP8_S:-560})
+                 [onelength]=${LENGTHS_S:-420} [onelength_typical]=${LENGTHS_S:-420} [roof]=${ROOF_S:-240} [headloss]=${HEADLOSS_S:-60} [modes]=${MODES_S:-420} [fp8]=${FP8_S:-560} [fp8w1]=${FP8_S:-560})
 
 part() {  # name, then the command
     local name=$1; shift
@@ -82,6 +83,7 @@ for p in $PARTS; do
         onelength_typical) part onelength_typical python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --one-length --example typical --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
         roof) part roof bash -c "python benchmarks/bench_fit.py --method roof --steps 10 --out '$OUT/roof.jsonl' && python benchmarks/bench_fit.py --method roof --roof-micro 4 --steps 6 --out '$OUT/roof.jsonl'" ;;
         fp8) part fp8 python benchmarks/bench_fp8.py --size 1.1b --seq 2048 --budget 24GiB --global-batch-size 32 --steps "${FP8_STEPS:-100}" --runs "${FP8_RUNS:-bf16,fp8}" --roof-micro 8 --out "$OUT/fp8.json" ;;
+        fp8w1) part fp8w1 python benchmarks/bench_fp8.py --size gpt2-large --seq 1024 --budget 24GiB --global-batch-size 64 --steps "${FP8_STEPS:-100}" --runs "${FP8_RUNS:-fp8}" --roof-micro 8 --out "$OUT/fp8w1.json" ;;
         headloss) part headloss python benchmarks/bench_head_loss.py ;;
         modes) part modes bash -c "for v in roof blocks 'blocks --static' 'blocks --loss chunked' 'blocks --static --loss chunked'; do python benchmarks/bench_compile_modes.py --compile \$v 2>&1 | grep RESULT; done" ;;
         lengths64) part lengths64 python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --length-multiple 64 --out "$OUT/lengths.jsonl" ;;

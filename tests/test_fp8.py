@@ -181,3 +181,87 @@ def test_an_fp8_rung_trains_a_recomputed_step_and_its_removal_restores_the_layer
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     moved = [k for k, v in model.state_dict().items() if not torch.equal(v, start[k])]
     assert "blocks.0.qkv.weight" in moved and "head.weight" in moved, "the step did not train the user's weights"
+
+
+def tiny_gpt2() -> nn.Module:
+    """Transformers' GPT-2, small: its attention and MLP are `Conv1D` layers (32 and 128 features, served); its
+    head's 50 outputs are not."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=50)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2s_conv1d_layers_are_chosen_by_their_features_and_the_head_left():
+    chosen = fp8.layers(tiny_gpt2())
+    per_block = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert chosen.converted == tuple(f"transformer.h.{i}.{name}" for i in range(2) for name in per_block)
+    assert chosen.left == ("lm_head",)
+    assert chosen.note() == ("fp8 tried on 8 of 9 linear layers (1 left in bf16: in or out features not divisible "
+                             "by 16)")
+    without = fp8.layers(tiny_gpt2(), conv1d=False)
+    assert without.converted == () and len(without.left) == 9
+    assert "a Conv1D, which this torchao's float8 cannot serve" in without.note()
+
+
+def test_a_float8_conv1d_computes_what_a_float8_linear_holding_its_weight_transposed_computes():
+    """The same float8 casts and matmuls as torchao's own layer on `W.t()`: output and both gradients bitwise
+    (torchao's float8 matmul runs on the CPU too), on the user's own `Parameter`s."""
+    float8 = pytest.importorskip("torchao.float8")
+    from autotune.techniques.fp8_conv1d import Float8Conv1D
+    conv = tiny_gpt2().transformer.h[0].mlp.c_fc  # weight (32, 128): in, out
+    config = float8.Float8LinearConfig(pad_inner_dim=True)
+    linear = nn.Linear(32, 128)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    linear = float8.float8_linear.Float8Linear.from_float(linear, config)
+    layer = Float8Conv1D(conv, config)
+    assert layer.weight is conv.weight and layer.bias is conv.bias
+    x = torch.randn(3, 5, 32, dtype=torch.float32)
+    x_conv, x_linear = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = layer(x_conv), linear(x_linear)
+    assert out.shape == (3, 5, 128) and torch.equal(out, expected)
+    assert not torch.allclose(out, conv(x), atol=1e-6), "the float8 layer rounded nothing: is it float8?"
+    assert torch.allclose(out, conv(x), rtol=0.1, atol=0.05), "float8 is a rounding, not another function"
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(x_conv.grad, x_linear.grad)
+    assert torch.equal(conv.weight.grad, linear.weight.grad.t())
+    assert torch.equal(conv.bias.grad, linear.bias.grad)
+
+
+def test_install_on_gpt2_swaps_its_conv1d_layers_keeps_the_state_dict_and_trains():
+    pytest.importorskip("torchao.float8")
+    from autotune.techniques.fp8_conv1d import Float8Conv1D
+    model = tiny_gpt2()
+    before = dict(model.named_modules())
+    keys = list(model.state_dict())
+    parameters = list(model.parameters())
+    undo = fp8.install(model)
+    try:
+        swapped = {n for n, m in model.named_modules() if isinstance(m, Float8Conv1D)}
+        assert swapped == set(fp8.layers(tiny_gpt2()).converted)
+        assert list(model.state_dict()) == keys
+        assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))
+        ids = torch.randint(0, 50, (2, 16))
+        start = model.transformer.h[1].mlp.c_fc.weight.detach().clone()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        assert not torch.equal(model.transformer.h[1].mlp.c_fc.weight, start)
+    finally:
+        undo()
+    assert dict(model.named_modules()) == before
+
+
+def test_a_torchao_without_the_conv1d_matmul_leaves_gpt2s_conv1d_layers_in_bf16(monkeypatch):
+    pytest.importorskip("torchao.float8")
+    from autotune.techniques import fp8_conv1d
+    monkeypatch.setattr(fp8_conv1d, "_internals", lambda: None)
+    model = tiny_gpt2()
+    before = dict(model.named_modules())
+    undo = fp8.install(model)
+    assert dict(model.named_modules()) == before
+    undo()

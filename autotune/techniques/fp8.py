@@ -8,9 +8,9 @@ float8, so the knob changes the numerics: it is never in the default set, and on
 fp8 twin, which the search measures beside the one without (the plan's name says "fp8" when it won).
 
 A layer is converted only where float8's matmul serves its shape: in and out features each a multiple of
-`MULTIPLE`. The others stay in bf16, and the plan's reason says how many. (Transformers' GPT-2 computes its
-attention and MLP with `Conv1D`, which is not an `nn.Linear`: only its head is a candidate there.) The token
-dimension, an inner dimension of the weight gradient's matmul, is padded to `MULTIPLE` by torchao, since a
+`MULTIPLE`. The others stay in bf16, and the plan's reason says how many. Transformers' `Conv1D` (GPT-2's
+attention and MLP: a linear layer with its weight stored transposed) is converted too, by `fp8_conv1d`. The
+token dimension, an inner dimension of the weight gradient's matmul, is padded to `MULTIPLE` by torchao, since a
 batch's tokens need not divide.
 
 Left out with the reason in the plan's on the CPU and on GPUs below 8.9; refused (`InvalidSetting`) where
@@ -30,6 +30,7 @@ from torch import nn
 
 from ..devices.placement import Placement
 from ..errors import InvalidSetting
+from . import fp8_conv1d
 
 MIN_CAPABILITY = (8, 9)  # CUDA compute capability of the first float8 tensor cores (Ada)
 MULTIPLE = 16  # float8 matmul (`torch._scaled_mm`) wants each dimension of its operands a multiple of this
@@ -42,15 +43,14 @@ class Layers:
 
     converted: tuple[str, ...]
     left: tuple[str, ...]
+    why_left: str = f"in or out features not divisible by {MULTIPLE}"
 
     def note(self) -> str:
         """The plan's word on it."""
         total = len(self.converted) + len(self.left)
         if not self.converted:
-            return (f"fp8 left out: none of the model's {total} linear layers has in and out features divisible "
-                    f"by {MULTIPLE}")
-        left = (f" ({len(self.left)} left in bf16: in or out features not divisible by {MULTIPLE})"
-                if self.left else "")
+            return f"fp8 left out: none of the model's {total} linear layers is served ({self.why_left})"
+        left = f" ({len(self.left)} left in bf16: {self.why_left})" if self.left else ""
         return f"fp8 tried on {len(self.converted)} of {total} linear layers{left}"
 
 
@@ -67,17 +67,31 @@ def unavailable(placement: Placement) -> str | None:
     return None
 
 
+def is_linear(module: nn.Module) -> bool:
+    """Whether `module` computes a linear layer: an `nn.Linear` (subclasses too, as torchao swaps them) or a
+    transformers-style `Conv1D`."""
+    return isinstance(module, nn.Linear) or fp8_conv1d.is_conv1d(module)
+
+
 def servable(module: nn.Module) -> bool:
     """Whether `module` is a linear layer whose shape float8's matmul serves."""
-    return (isinstance(module, nn.Linear) and module.in_features % MULTIPLE == 0
-            and module.out_features % MULTIPLE == 0)
+    if isinstance(module, nn.Linear):
+        in_features, out_features = module.in_features, module.out_features
+    elif fp8_conv1d.is_conv1d(module):
+        in_features, out_features = fp8_conv1d.features(module)
+    else:
+        return False
+    return in_features % MULTIPLE == 0 and out_features % MULTIPLE == 0
 
 
-def layers(model: nn.Module) -> Layers:
-    """The model's `nn.Linear` layers (subclasses too, as torchao swaps them), split by `servable`."""
-    linear = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    return Layers(converted=tuple(name for name, m in linear if servable(m)),
-                  left=tuple(name for name, m in linear if not servable(m)))
+def layers(model: nn.Module, *, conv1d: bool = True) -> Layers:
+    """The model's linear layers (`is_linear`), split by `servable`; `Conv1D` layers are left in bf16 where
+    `conv1d` is False (a torchao without what `fp8_conv1d` needs)."""
+    linear = [(name, m) for name, m in model.named_modules() if is_linear(m)]
+    chosen = [name for name, m in linear if servable(m) and (conv1d or not fp8_conv1d.is_conv1d(m))]
+    why = "" if conv1d else ", or a Conv1D, which this torchao's float8 cannot serve (upgrade torchao)"
+    return Layers(converted=tuple(chosen), left=tuple(name for name, _ in linear if name not in chosen),
+                  why_left=f"in or out features not divisible by {MULTIPLE}{why}")
 
 
 def require() -> Any:
@@ -93,15 +107,24 @@ def install(model: nn.Module) -> Callable[[], None]:
     """Convert the servable linear layers of `model` to float8 training; the undo puts the original modules
     back (they hold the same parameters, trained meanwhile)."""
     float8 = require()
-    chosen = {name for name in layers(model).converted if name}  # (the model itself is not swapped in place)
+    chosen = {name for name in layers(model, conv1d=fp8_conv1d.supported()).converted
+              if name}  # (the model itself is not swapped in place)
     named = dict(model.named_modules())
     originals = {name: named[name] for name in chosen}
-    float8.convert_to_float8_training(model, config=float8.Float8LinearConfig(pad_inner_dim=True),
-                                      module_filter_fn=lambda module, name: name in chosen and servable(module))
+    config = float8.Float8LinearConfig(pad_inner_dim=True)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: (
+        name in chosen and isinstance(module, nn.Linear) and servable(module)))
+    for name in sorted(n for n in chosen if fp8_conv1d.is_conv1d(originals[n])):
+        _swap(model, name, fp8_conv1d.Float8Conv1D(originals[name], config))
 
     def undo() -> None:
         for name, module in originals.items():
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, module)
+            _swap(model, name, module)
 
     return undo
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` at `name` (a dotted path below `model`)."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
