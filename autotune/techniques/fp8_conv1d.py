@@ -28,7 +28,9 @@ def is_conv1d(module: nn.Module) -> bool:
 
 def features(module: nn.Module) -> tuple[int, int]:
     """A `Conv1D`'s (in, out) features."""
-    return int(module.weight.shape[0]), int(module.weight.shape[1])
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[0]), int(weight.shape[1])
 
 
 def _internals() -> Any | None:
