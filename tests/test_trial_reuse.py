@@ -104,3 +104,36 @@ def test_fit_passes_host_buffers_between_its_offload_trials_and_frees_them() -> 
     # every engine after the first was lent the buffers (a trial on the engine the last one left takes none)
     assert built >= 1 and reused >= built and built + reused <= built * len(offloaded), (built, reused, len(offloaded))
     assert not host_buffers._pool  # the tune's pool is gone with the tune
+
+
+def test_the_pool_lends_the_smallest_buffer_that_serves_wherever_it_lies_in_the_free_list() -> None:
+    """Buffers of several sizes lie free after an overlapped trial at a host share (its masters, moments and spare
+    set) beside a larger one from a whole-model trial: the pool finds the one to lend by identity, never by
+    comparing the tensors (elementwise, an error where their sizes differ)."""
+    pool = host_buffers.HostBuffers()
+    big, small = pool.take(100, False), pool.take(60, False)
+    pool.reclaim()
+    lent = pool.take(50, False)
+    assert lent.numel() == 50 and lent.data_ptr() == small.data_ptr()  # the smallest that holds 50 bytes
+    assert [b[1].numel() for b in pool.free] == [100]
+    pool.reclaim()
+    grown = pool.take(200, False)  # none holds 200: the smallest free one goes, a new one is built
+    assert grown.numel() == 200 and [b[1].data_ptr() for b in pool.free] == [big.data_ptr()]
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_trials_at_shrinking_host_shares_overlapped_run_on_the_pools_buffers(monkeypatch: pytest.MonkeyPatch,
+                                                                             streamed: bool) -> None:
+    """What a tune runs after its pick: the whole optimizer offloaded, then a share of it overlapped, then a
+    smaller share overlapped (the example's own length measures the pick once more the same way). The streamed
+    engine (the GPU's; on the CPU test device by $AUTOTUNE_OFFLOAD_STREAM=1) leaves masters, moments and a spare
+    set of several sizes in the pool; every trial still runs, lent what the pool holds."""
+    from autotune import settings
+    monkeypatch.setenv(settings.OFFLOAD_STREAM_ENV, "1" if streamed else "0")
+    runner = _runner()
+    with host_buffers.reusing():
+        trials = [runner(OFFLOAD, 4, offload_fraction=share, overlap=overlapped)
+                  for share, overlapped in [(1.0, False), (0.5, True), (0.3, True), (0.3, True)]]
+        reused = _counts()[1]
+    assert [t.outcome for t in trials] == ["ok"] * 4, [t.note for t in trials]
+    assert reused > 0

@@ -47,7 +47,8 @@ def measure(state: Ledger, work: Workload, example: Any,
     trial = run(best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=state.overlap is True,
                 measured_steps=2 * work.measured_steps, sharding=best.sharding)
     if not trial.fits or not trial.samples_per_second:
-        return None, (f"rate at the example's length ({length} tokens) not measured ({trial.outcome}): the figures "
+        why = f"{trial.outcome}: {trial.note}" if trial.note else trial.outcome
+        return None, (f"rate at the example's length ({length} tokens) not measured ({why}): the figures "
                       "are at max_length")
     flops = count_flops(work.model, batch, work.loss_fn, work.placement)
     note = (f"figures at the example's length, {length} tokens ({trial.samples_per_second * length:,.0f} tokens/s; "

@@ -52,18 +52,23 @@ class HostBuffers:
         fits = [b for b in self.free if b[0] == pin and b[1].numel() >= nbytes]
         if fits:
             chosen = min(fits, key=lambda b: b[1].numel())
-            self.free.remove(chosen)
+            self._drop(chosen)
             COUNTS.reused += 1
             self.reused_bytes += nbytes
         else:
             small = [b for b in self.free if b[0] == pin]
             if small:  # freed before the new one is built: the pool grows to the largest need, not the sum
-                self.free.remove(min(small, key=lambda b: b[1].numel()))
+                self._drop(min(small, key=lambda b: b[1].numel()))
             chosen = (pin, pinned_empty(nbytes, torch.uint8) if pin else torch.empty(nbytes, dtype=torch.uint8))
             COUNTS.built += 1
         self.lent.append(chosen)
         self.lent_bytes += nbytes
         return chosen[1][:nbytes]
+
+    def _drop(self, buffer: tuple[bool, torch.Tensor]) -> None:
+        """Take `buffer` off the free list, found by identity: `list.remove` would compare the tensors of the
+        buffers before it elementwise (an error where their sizes differ)."""
+        self.free = [b for b in self.free if b is not buffer]
 
     def reclaim(self) -> int:
         """Every buffer lent is free again (the trial that held them has cleaned up); the bytes it was lent
