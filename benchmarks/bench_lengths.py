@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     row.update(tune_s=round(time.perf_counter() - started, 1), plan=plan.summary(), reason=plan.reason,
                estimate_tokens_per_s=plan.tokens_per_second, mfu=plan.mfu, plan_peak=plan.peak_memory_bytes,
                estimate_at_length=(round(plan.tokens_per_second / plan.samples_per_second)
-                                   if plan.tokens_per_second and plan.samples_per_second else None))
+                                   if plan.tokens_per_second and plan.samples_per_second else None),
+               failed_trials=[f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}: {t.note}" for t in plan.trials
+                              if t.outcome in ("error", "non_finite")])  # a search that lost a configuration
     print(json.dumps(row), flush=True)
     data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face,
                    args.length_multiple, args.one_length)

@@ -233,3 +233,4 @@ def test_bench_lengths_one_length_with_a_typical_example_estimates_at_the_middle
     assert row["estimate_at_length"] == 20  # the middle of 8-32: the trials ran at 32, the estimate is at 20
     assert "figures at the example's length, 20 tokens" in row["reason"]  # said, however many notes come before
     assert row["recoveries"] == 0 and row["trained_tokens_per_s"] > 0
+    assert row["failed_trials"] == []  # no configuration lost to an error
