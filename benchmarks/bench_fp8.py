@@ -16,7 +16,7 @@ fp8 one on the tuned configuration with fp8 turned on.
     python benchmarks/bench_fp8.py --size tiny --seq 256 --steps 30 --out /tmp/fp8.json    # a quick check
     python benchmarks/bench_fp8.py --size 1.1b --seq 2048 --budget 24GiB --global-batch-size 32 --steps 200 \\
         --roof-micro 8 --out fp8_1b.json                 # beside the uncapped compiled bf16 roof, same batches
-    python benchmarks/bench_fp8.py --size gpt2-large --seq 1024 --budget 24GiB --global-batch-size 64 \
+    python benchmarks/bench_fp8.py --size gpt2-large --seq 1024 --budget 24GiB --global-batch-size 64 \\
         --steps 200 --roof-micro 8 --out fp8_w1.json     # W1
 
 Needs a CUDA GPU of compute capability 8.9 or later and torchao (`pip install -e ".[fp8]"`). Writes one JSON

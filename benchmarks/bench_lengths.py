@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import build_gpt, cap_memory, environment
 
 import autotune
+from autotune.search.failures import FAILED
 from autotune.sizes import parse_bytes
 
 
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                estimate_at_length=(round(plan.tokens_per_second / plan.samples_per_second)
                                    if plan.tokens_per_second and plan.samples_per_second else None),
                failed_trials=[f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}: {t.note}" for t in plan.trials
-                              if t.outcome in ("error", "non_finite")])  # a search that lost a configuration
+                              if t.outcome in FAILED])  # a search that lost a configuration
     print(json.dumps(row), flush=True)
     data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face,
                    args.length_multiple, args.one_length)

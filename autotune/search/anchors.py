@@ -10,7 +10,7 @@ from torch import nn
 
 from ..configuration import RECOMPUTE_POLICIES, WHOLE_BLOCK, Rung
 from ..devices.placement import Placement
-from ..techniques import fp8, fp8_conv1d, optimizer_8bit
+from ..techniques import fp8, optimizer_8bit
 from ..techniques.blocks import BlockGroup
 from ..techniques.ladder import is_float64, ladder
 from ..techniques.names import parse_techniques
@@ -94,8 +94,5 @@ def fp8_anchors(rungs: list[Rung], allowed: frozenset[str], placement: Placement
     if not chosen.converted or not twins:
         return rungs, [chosen.note() if twins else "fp8 left out: it runs beside bf16, which is not allowed here"]
     fp8.require()
-    if not fp8_conv1d.supported():  # this torchao cannot serve Conv1D layers: they stay in bf16
-        chosen = fp8.layers(model, conv1d=False)
-        if not chosen.converted:
-            return rungs, [chosen.note()]
-    return rungs + twins, [chosen.note()]
+    chosen = fp8.served(model)  # a torchao that cannot serve Conv1D layers leaves them in bf16
+    return (rungs + twins, [chosen.note()]) if chosen.converted else (rungs, [chosen.note()])

@@ -94,6 +94,12 @@ def layers(model: nn.Module, *, conv1d: bool = True) -> Layers:
                   why_left=f"in or out features not divisible by {MULTIPLE}{why}")
 
 
+def served(model: nn.Module) -> Layers:
+    """`layers` as the installed torchao serves them: its `Conv1D` layers left in bf16 where it cannot (imports
+    torchao; `layers` alone does not)."""
+    return layers(model, conv1d=fp8_conv1d.supported())
+
+
 def require() -> Any:
     """torchao's float8 training module; InvalidSetting naming the extra when it is not importable."""
     try:
@@ -107,13 +113,12 @@ def install(model: nn.Module) -> Callable[[], None]:
     """Convert the servable linear layers of `model` to float8 training; the undo puts the original modules
     back (they hold the same parameters, trained meanwhile)."""
     float8 = require()
-    chosen = {name for name in layers(model, conv1d=fp8_conv1d.supported()).converted
-              if name}  # (the model itself is not swapped in place)
+    chosen = {name for name in served(model).converted if name}  # (the model itself is not swapped in place)
     named = dict(model.named_modules())
     originals = {name: named[name] for name in chosen}
     config = float8.Float8LinearConfig(pad_inner_dim=True)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: (
-        name in chosen and isinstance(module, nn.Linear) and servable(module)))
+        name in chosen and isinstance(module, nn.Linear)))
     for name in sorted(n for n in chosen if fp8_conv1d.is_conv1d(originals[n])):
         _swap(model, name, fp8_conv1d.Float8Conv1D(originals[name], config))
 

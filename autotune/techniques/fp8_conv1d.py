@@ -6,7 +6,7 @@ transposed, so a `Conv1D` hands it its own weight as it is: the same float8 cast
 `Float8Linear` holding `W.t()`, with the user's `Parameter` (and its name in the state dict) untouched.
 
 The autograd function and its matmul settings are torchao's internals (`torchao.float8.float8_linear`): where a
-torchao release lacks them, `FLOAT8_CONV1D` is False and these layers stay in bf16, which the plan's reason says.
+torchao release lacks them, `supported()` is False and these layers stay in bf16, which the plan's reason says.
 """
 
 from __future__ import annotations
