@@ -308,6 +308,26 @@ def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case, path
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
 
 
+def test_a_step_accumulating_the_trials_micro_batch_stays_under_that_trials_peak():
+    """The step over a global batch of 8 at micro-batch 2 holds nothing of the batch's size beyond what the
+    trial at micro-batch 2 held (the label counts are read as numbers before the first forward)."""
+    transformers = pytest.importorskip("transformers")
+    import autotune
+
+    model = _tiny_gpt2(transformers, 64)
+    ids = torch.randint(0, 97, (8, 64), generator=torch.Generator().manual_seed(0))
+    padding = (torch.arange(64)[None, :] < torch.tensor([64, 50, 30, 64, 9, 64, 40, 20])[:, None]).long()
+    example = {"input_ids": ids, "attention_mask": padding, "labels": ids.masked_fill(padding == 0, -100)}
+    plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
+                        memory_budget="1GiB", techniques=("bf16",))
+    trial = next(t for t in plan.trials if t.outcome == "ok" and t.micro_batch_size == 2 and t.rung == plan.rung)
+    at_two = plan.with_config(micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2)
+    with at_two.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
+        step(example)
+        step(example)
+        assert 0 < step.last_peak_bytes <= trial.peak_bytes
+
+
 def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):
     """Through `fit` and `plan.apply` (switched on for the CPU): the reason of a token model's plan says how
     attention runs, and lengths 16-64 train at the bucket's length under the peak the trials measured at 64."""

@@ -9,6 +9,7 @@ all-reduce beside it and optimizer offload steps during it.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,14 +62,14 @@ class Accumulator:
         # A smaller odd one out runs first: the last backward is the one optimizer offload overlaps its
         # step with, and a full one gives it the most time.
         sizes = sorted(sizes)
-        counts = label_counts(self.model, batch)  # label tokens per sample, counted before the first forward
+        counts = _per_sample(label_counts(self.model, batch))  # label tokens per sample, before the first forward
         weights = self._loss_weights(n, len(sizes), counts, plan.micro_batch_size)
         start = 0
         for index, size in enumerate(sizes):
             self.micro_step, self.micro_size = index, size
             micro = applied.inputs(batches.to_device(batches.take(batch, start, start + size),
                                                      self.placement.torch_device))
-            expected = None if counts is None else float(counts[start:start + size].sum())
+            expected = None if counts is None else math.fsum(counts[start:start + size])
             start += size
             with applied.autocast():
                 loss = weighted_loss(self.loss_fn, self.model, micro, weights, size, expected=expected,
@@ -151,8 +152,8 @@ class Accumulator:
         notes, self.notes = self.notes, []
         return notes
 
-    def _loss_weights(self, n: int, steps: int, counts: torch.Tensor | None, micro: int) -> LossWeights:
-        tokens = None if counts is None else float(counts.sum())
+    def _loss_weights(self, n: int, steps: int, counts: list[float] | None, micro: int) -> LossWeights:
+        tokens = None if counts is None else math.fsum(counts)
         if not self.sharded:
             if not parallel.active():
                 return LossWeights(n, steps, total=tokens)
@@ -170,3 +171,9 @@ class Accumulator:
                                  f"from {fewest} to {most} at micro-batch {micro}; give every "
                                  f"rank the same number of samples (global batch / world size)")
         return LossWeights(n, steps, divisor=total / world, estimate=1.0, sharded=True)
+
+
+def _per_sample(counts: torch.Tensor | None) -> list[float] | None:
+    """The label counts as numbers, read once: a tensor of the global batch's length would stay allocated
+    through every micro-batch, above the peak the trials measured on one micro-batch's worth of samples."""
+    return None if counts is None else counts.tolist()
