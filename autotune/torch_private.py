@@ -28,7 +28,8 @@ except ImportError:  # pragma: no cover - a torch without it: one all-reduce per
     coalescing_manager = None
 
 __all__ = ["DispatchMode", "TorchDispatchMode", "allocator_setter", "coalescing_manager", "default_store",
-           "dynamo_config", "empty_host_cache", "in_selective_recompute", "innermost_mode_aside",
+           "dispatch_mode_blocks_compile", "dynamo_config", "empty_host_cache", "in_selective_recompute",
+           "innermost_mode_aside",
            "foreach_devices", "fsdp_param_groups", "fsdp_state", "fsdp_training_state", "fused_adam", "has_triton",
            "is_traceable_wrapper_subclass", "local_tensor", "maybe_mark_dynamic", "tree_leaves"]
 
@@ -83,6 +84,21 @@ def in_selective_recompute() -> bool:
 
     mode = getattr(checkpoint, "_CachedTorchDispatchMode", None)
     return mode is not None and isinstance(_get_current_dispatch_mode(), mode)
+
+
+def dispatch_mode_blocks_compile() -> bool:
+    """Whether a dispatch mode that Dynamo does not compile under is on the stack (a FLOP counter, a memory
+    ceiling, a mode of the user's). Dynamo runs such a frame eagerly and marks its code skipped for good, so a
+    compiled call first reached under a mode would stay eager for the rest of the process. Either of torch's two
+    checks (which one Dynamo reads depends on a config flag) counts."""
+    from torch.utils import _python_dispatch as dispatch
+
+    checks = [getattr(dispatch, name, None) for name in
+              ("any_torch_dispatch_mode_on_stack", "is_in_any_mode_without_ignore_compile_internals")]
+    found = [check for check in checks if check is not None]
+    if not found:  # pragma: no cover - a torch without either: any mode at all
+        return bool(torch._C._len_torch_dispatch_stack())
+    return any(check() for check in found)
 
 
 def innermost_mode_aside() -> Any:

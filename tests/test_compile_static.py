@@ -86,6 +86,32 @@ def test_a_compiled_plans_micro_steps_run_with_its_micro_batch_static() -> None:
     assert set(seen[False]) == {None}
 
 
+@pytest.mark.parametrize("mode", ["loss check", "flop count"])
+def test_a_block_first_called_under_a_dispatch_mode_still_compiles_after(mode: str) -> None:
+    """A compiled model's first forward inside a dispatch mode (a plan applied from the cache checks the loss under
+    `evaluating`'s mode before its first step; a FLOP count) runs eager, and the next forward outside compiles: Dynamo,
+    reaching the block's frame under the mode, would mark its code skipped, and every block would run eager after."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autotune.workload.evaluation import evaluating
+
+    torch._dynamo.reset()
+    model, eager = _gpt2(), _gpt2()
+    undo = compiling.install(model, find_blocks(model), 0)
+    try:
+        before = _frames()
+        ids = _ids(2, 12)
+        with evaluating(model) if mode == "loss check" else FlopCounterMode(display=False):
+            got = model(input_ids=ids, labels=ids).loss
+        assert _frames() == before  # nothing compiled under the mode
+        eager.eval()
+        assert got.item() == pytest.approx(eager(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+        _same_loss(model, eager, 2, 12)
+        assert _frames() - before == 1  # the blocks' one graph, compiled on the first forward outside the mode
+    finally:
+        undo()
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_on_a_gpu_a_compiled_plan_trains_its_shape_static_and_a_new_length_on_the_dynamic_graph(

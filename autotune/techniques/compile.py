@@ -136,7 +136,9 @@ def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], mo
 
 def _weakly_bound(module: nn.Module, method: Callable[..., object]) -> Callable[..., object]:
     """`method` compiled and called with its batch dimension marked, holding `module` by a weak reference; in
-    training at the plan's micro-batch, the static graph instead (`_StaticGraph`).
+    training at the plan's micro-batch, the static graph instead (`_StaticGraph`); under a dispatch mode (a loss
+    check's forward, a FLOP count), eager: Dynamo, reaching the frame there, would mark its code skipped and every
+    later call of the block would run eager too.
 
     A method of `module` is compiled as its class's function and handed the module at each call: Dynamo traces
     the same frame (the method's code with `self` the module) as for the bound method, so graphs and guards
@@ -147,6 +149,8 @@ def _weakly_bound(module: nn.Module, method: Callable[..., object]) -> Callable[
 
     def call(*args: object, **kwargs: object) -> object:
         full = (owner(), *args) if bound else args
+        if not torch.compiler.is_compiling() and torch_private.dispatch_mode_blocks_compile():
+            return target(*full, **kwargs)  # eager, as Dynamo would run it, without marking the code skipped
         if static.takes((args, kwargs)):
             return static(*full, **kwargs)
         mark_batch_dynamic((args, kwargs), _SEQUENCE.length)
