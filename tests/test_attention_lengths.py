@@ -308,9 +308,12 @@ def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case, path
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
 
 
-def test_a_step_accumulating_the_trials_micro_batch_stays_under_that_trials_peak():
-    """The step over a global batch of 8 at micro-batch 2 holds nothing of the batch's size beyond what the
-    trial at micro-batch 2 held (the label counts are read as numbers before the first forward)."""
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_step_at_a_trials_micro_batch_stays_under_that_trials_peak_on_padded_batches(micro: int):
+    """A step over global batches of 8 at the micro-batch of one of fit's trials, every sample padded, peaks no
+    higher than that trial did: the trial ran on a padded sample although the example's first is not (a padded
+    micro-batch builds the attention mask an unpadded one skips), and the step holds nothing of the global
+    batch's size beyond what the trial held (the label counts are read as numbers before the first forward)."""
     transformers = pytest.importorskip("transformers")
     import autotune
 
@@ -320,12 +323,13 @@ def test_a_step_accumulating_the_trials_micro_batch_stays_under_that_trials_peak
     example = {"input_ids": ids, "attention_mask": padding, "labels": ids.masked_fill(padding == 0, -100)}
     plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
                         memory_budget="1GiB", techniques=("bf16",))
-    trial = next(t for t in plan.trials if t.outcome == "ok" and t.micro_batch_size == 2 and t.rung == plan.rung)
-    at_two = plan.with_config(micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2)
-    with at_two.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
-        step(example)
-        step(example)
-        assert 0 < step.last_peak_bytes <= trial.peak_bytes
+    trial = next(t for t in plan.trials if t.outcome == "ok" and t.micro_batch_size == micro and t.rung == plan.rung)
+    at_micro = plan.with_config(micro_batch_size=micro, accumulation_steps=8 // micro, last_micro_batch_size=micro)
+    with at_micro.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
+        for kept in (63, 32, 1):
+            mask = (torch.arange(64)[None, :] < kept).long().expand(8, 64)
+            step({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+            assert 0 < step.last_peak_bytes <= trial.peak_bytes, kept
 
 
 def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):

@@ -82,3 +82,21 @@ def test_records_per_sample_of_another_length_are_refused_naming_the_key():
     batch = {"x": torch.zeros(4, 2), "targets": [{"boxes": torch.ones(1, 4)}] * 3}
     with pytest.raises(autotune.InvalidSetting, match=r"batch\['targets'\] is a list of 3 records.*4 samples"):
         batches.batch_size(batch)
+
+
+def test_the_fullest_padded_sample_goes_first_where_the_first_is_not_padded():
+    """`padded_first`: the trials' micro-batch is the first samples; with a padded sample first, a trial at 1
+    builds the attention mask that training's padded samples build. Lists of per-sample values follow."""
+    ids = torch.arange(20).reshape(4, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    batch = {"input_ids": ids, "attention_mask": mask, "names": ["a", "b", "c", "d"]}
+    moved = batches.padded_first(batch)
+    assert moved["names"] == ["c", "a", "b", "d"]
+    order = [2, 0, 1, 3]
+    assert torch.equal(moved["input_ids"], ids[order]) and torch.equal(moved["attention_mask"], mask[order])
+    # nothing to move: the first sample padded already, none padded, no mask, a mask that is not zeros and ones
+    for unchanged in ({"input_ids": ids, "attention_mask": mask[[1, 0, 2, 3]]},
+                      {"input_ids": ids, "attention_mask": torch.ones_like(mask)},
+                      {"input_ids": ids}, (ids, mask),
+                      {"input_ids": ids, "attention_mask": mask * 2}):
+        assert batches.padded_first(unchanged) is unchanged

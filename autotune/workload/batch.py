@@ -166,6 +166,34 @@ def pick(batch: Batch, indices: list[int]) -> Batch:
                 samples=_of_samples(batch, lambda values: [values[i] for i in indices]))
 
 
+def padded_first(batch: Batch) -> Batch:
+    """`batch` with its fullest padded sample moved first, where a mask marks some samples padded and the first
+    one not; else `batch` itself. The trials run their micro-batch on the first samples, and a padded one builds
+    what an unpadded one skips (a model drops the attention mask where every position attends), so a trial at a
+    micro-batch of 1 on an unpadded sample would measure a peak that training's padded samples pass."""
+    masks = _padding_masks(batch)
+    if not masks:
+        return batch
+    whole = torch.stack([(m != 0).all(dim=1) for m in masks]).all(dim=0)  # per sample: no position masked
+    if not bool(whole[0]) or bool(whole.all()):
+        return batch
+    kept = torch.stack([(m != 0).sum(dim=1) for m in masks]).sum(dim=0).masked_fill(whole, -1)
+    first = int(kept.argmax())
+    return pick(batch, [first, *(i for i in range(batch_size(batch)) if i != first)])
+
+
+def _padding_masks(batch: Batch) -> list[torch.Tensor]:
+    """A mapping batch's padding masks: its entries named `...mask` that are integer or boolean (samples,
+    positions) tensors of zeros and ones."""
+    if not isinstance(batch, Mapping):
+        return []
+    n = batch_size(batch)
+    return [v for k, v in batch.items()
+            if isinstance(k, str) and k.endswith("mask") and isinstance(v, torch.Tensor) and v.dim() == 2
+            and v.shape[0] == n and not v.is_floating_point() and not v.is_complex()
+            and bool(((v == 0) | (v == 1)).all())]
+
+
 def resize(batch: Batch, n: int) -> Batch:
     """A batch of exactly `n` samples: the first `n`, or the example repeated cyclically to reach `n`."""
     have = batch_size(batch)
