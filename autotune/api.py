@@ -134,8 +134,6 @@ def fit(
         allocator.expand_in_process()
     longest = _at_max_length(batch, settings.max_length)
     typical = batch if longest is not batch else None  # throughput is measured at the example's own length
-    # a trial's micro-batch is the example's first samples: a padded one among them, where any is padded
-    longest, typical = batches.padded_first(longest), None if typical is None else batches.padded_first(typical)
     # Before the search or a cached plan: what stands in for the user's loss is checked on the example first.
     with laps.phase("loss check"):
         checked = loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(

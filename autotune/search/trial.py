@@ -119,8 +119,9 @@ class TrialRunner:
             kept_rung.release()
             laps.enter("set-up")
         # Training may hold this rank's whole batch on the device (the caller put it there) while its micro-batches
-        # run: the trial holds one of that size too, its micro-batch a view of it, so every peak counts it.
-        held = batches.resize(work.batch, work.per_rank)
+        # run: the trial holds one of that size too, its micro-batch a view of it, so every peak counts it. The
+        # micro-batch is its first samples, a padded one among them where any is (`padded_first`).
+        held = batches.padded_first(batches.resize(work.batch, work.per_rank))
         micro_batch = batches.take(held, 0, micro)
         meter = MemoryMeter(work.placement, work.budget_bytes)
         host = ResidentPeak()  # the host memory the configuration adds: offload's buffers, pinned copies
