@@ -40,7 +40,7 @@ from .techniques import parse_techniques
 from .techniques.precision import choose_precision
 from .training.learned import Learned
 from .workload import batch as batches
-from .workload import loss_checks
+from .workload import check_device, loss_checks
 from .workload.batching import per_rank_batch
 from .workload.optimizers import check_optimizer
 
@@ -136,10 +136,10 @@ def fit(
     typical = batch if longest is not batch else None  # throughput is measured at the example's own length
     # Before the search or a cached plan: what stands in for the user's loss is checked on the example first.
     with laps.phase("loss check"):
-        checked = loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(
-            settings.techniques), agree=loss_checks.on_every_rank(distributed.sum_over_ranks,
-                                                                  distributed.world_size()),
-            together=lambda: distributed.leaving_together(model))
+        checked = check_device.checked(model, placement, settings.memory_budget, distributed.world_size(), lambda:
+            loss_checks.check_and_record(model, batch, loss_fn, chunked="chunked_loss" in parse_techniques(
+                settings.techniques), agree=loss_checks.on_every_rank(distributed.sum_over_ranks,
+                distributed.world_size()), together=lambda: distributed.leaving_together(model)))
     if checked.warning is not None:
         log.warning("autotune: %s", checked.warning)
     store = plan_cache.open_cache(settings.cache)

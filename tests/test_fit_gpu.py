@@ -97,3 +97,47 @@ def test_trained_steps_fit_under_the_ceiling(capped):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert torch.cuda.max_memory_reserved() <= budget
     assert step.plan.micro_batch_size == plan.micro_batch_size  # no recovery was needed
+
+
+def _gpt2_on_the_cpu():
+    """A Hugging Face GPT-2 of 4 blocks built on the CPU, where `from_pretrained` loads, and its example."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4))
+    ids = torch.randint(0, 50257, (4, 512), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_model_waiting_on_the_cpu_is_checked_on_the_gpu_and_left_on_the_cpu_as_it_was():
+    """`fit` with the cache on, the model on the CPU: the loss check's forwards (eval mode, before any trial) run
+    on the GPU, and the model ends on the CPU with its own parameter objects and values."""
+    model, batch = _gpt2_on_the_cpu()
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    seen: list[tuple[bool, str]] = []
+    model.register_forward_pre_hook(lambda m, _: seen.append((m.training, next(m.parameters()).device.type)))
+    plan = autotune.fit(model, batch, global_batch_size=8, device="cuda", memory_budget="16GiB", max_trials=2)
+    checks = [device for training, device in seen[:next(i for i, (t, _) in enumerate(seen) if t)]]
+    assert checks and set(checks) == {"cuda"}, seen[:8]
+    assert all(a is b and a.device.type == "cpu" for a, b in zip(model.parameters(), params, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(params, before, strict=True))
+    assert plan.micro_batch_size >= 1
+
+
+def test_a_check_out_of_memory_on_the_gpu_runs_again_on_the_cpu_with_the_same_choice(capped):
+    """Capped so the model fits on the GPU and its check's logits do not: the check runs again on the CPU, and
+    chooses what a check on the CPU alone chooses; the model stays on the CPU throughout."""
+    from autotune.devices.placement import resolve_device
+    from autotune.workload import check_device, loss_checks
+
+    model, batch = _gpt2_on_the_cpu()
+    alone = loss_checks.check(model, batch, None, chunked=True)
+    devices: list[str] = []
+    model.register_forward_pre_hook(lambda m, _: devices.append(next(m.parameters()).device.type))
+    capped(int(1.3 * _param_bytes(model)))  # the move fits; 4 x 512 x 50257 float32 logits do not beside it
+    found = check_device.checked(model, resolve_device("cuda"), None, 1,
+                                 lambda: loss_checks.check(model, batch, None, chunked=True))
+    assert devices[0] == "cuda" and devices[-1] == "cpu", devices
+    assert found.choice == alone.choice and found.notes == alone.notes
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -312,3 +312,34 @@ def test_a_loss_fn_whose_counts_do_not_add_up_over_samples_is_flagged():
     batch = padded(pad=5)
     plan = tune(PadZeroLM().double(), (batch["input_ids"], batch["labels"]), loss_fn=summed)
     assert "no micro-batch weighting reproduces loss_fn's loss on the example batch" in plan.reason
+
+
+class _OutOfMemoryOnLongBatches(nn.Module):
+    """Runs out of memory on a forward of more than `most` samples, as a GPU would on a larger batch."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__()
+        self.most = most
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.most:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return F.mse_loss(self.linear(x).squeeze(1), y)
+
+
+def test_an_out_of_memory_check_raises_where_asked_and_leaves_the_loss_unchecked_otherwise():
+    """Where the check visits a GPU (`check_device.py`) an OOM raises, so it runs again on the CPU; elsewhere the
+    OOM is a failed forward like any other: the loss is left unchecked and the note says why."""
+    from autotune.workload import loss_checks
+
+    model = _OutOfMemoryOnLongBatches(most=2)
+    batch = (torch.randn(4, 4), torch.randn(4))
+    loss_fn = lambda m, b: m(*b)  # noqa: E731
+    found = loss_checks.check(model, batch, loss_fn, chunked=False)
+    assert any("not checked" in note and "OutOfMemoryError" in note for note in found.notes), found.notes
+    with pytest.raises(torch.OutOfMemoryError), loss_checks.out_of_memory_raised():
+        loss_checks.check(model, batch, loss_fn, chunked=False)
+    found = loss_checks.check(model, batch, loss_fn, chunked=False)  # the context closed: noted again
+    assert any("OutOfMemoryError" in note for note in found.notes)
+    assert not loss_checks.check(_OutOfMemoryOnLongBatches(most=4), batch, loss_fn, chunked=False).notes

@@ -27,14 +27,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import AutotuneError
+from ..errors import AutotuneError, is_oom
 from . import batch as batches
 from . import chunked_loss
 from .evaluation import evaluating
@@ -124,6 +124,7 @@ def check(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, chunked: bool
     except AutotuneError:  # autotune's own (no loss to train on): the search or the step raises it in its turn
         failure = "autotune"
     except Exception as exc:  # noqa: BLE001 - the model's error in eval mode: nothing checked, nothing substituted
+        _raise_if_out_of_memory(exc)
         failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     flags = agree(flags)
     found = _decide(model, whole_batch, loss_fn, whole, flags, (countings, primary), split, m, failure, try_chunked,
@@ -176,8 +177,8 @@ def _decide(model: nn.Module, batch: Any, loss_fn: LossFn | None, whole: _Value 
                 divided = [_divided(model, batch, choice, split, m, whole, prepare)]
         except AutotuneError:
             raise
-        except Exception:  # noqa: BLE001 - the model cannot take num_items_in_batch here: weighted as a mean
-            pass
+        except Exception as exc:  # noqa: BLE001 - the model cannot take num_items_in_batch here: weighted as a mean
+            _raise_if_out_of_memory(exc)
         if not agree(divided)[0]:
             choice = dataclasses.replace(choice, num_items=False)
             notes.append(f"num_items_in_batch not passed to {type(chunked_loss.unwrapped(model)).__name__}: on the "
@@ -186,6 +187,25 @@ def _decide(model: nn.Module, batch: Any, loss_fn: LossFn | None, whole: _Value 
         notes.append(f"micro-batches weighted {choice.describe()}: the only weighting that reproduces the whole "
                      "batch's loss on the example")
     return CheckedLoss(choice=choice, notes=tuple(notes))
+
+
+@contextlib.contextmanager
+def out_of_memory_raised() -> Iterator[None]:
+    """Inside, a forward of the check that runs out of memory raises, where it would leave the loss unchecked:
+    a check visiting the GPU (`check_device.py`) runs again on the CPU instead."""
+    _OOM_RAISED.append(True)
+    try:
+        yield
+    finally:
+        _OOM_RAISED.pop()
+
+
+_OOM_RAISED: list[bool] = []  # one entry per open `out_of_memory_raised`
+
+
+def _raise_if_out_of_memory(exc: Exception) -> None:
+    if _OOM_RAISED and is_oom(exc):
+        raise exc
 
 
 def _per_batch_terms(whole: _Value | None) -> str | None:
