@@ -32,7 +32,7 @@ SPARE = 2 << 30  # and a fixed spare for the forwards' logits and the loss over 
 
 
 def checked(model: nn.Module, placement: Placement, budget: int | str | None, world: int,
-                      check: Callable[[], loss_checks.CheckedLoss]) -> loss_checks.CheckedLoss:
+            check: Callable[[], loss_checks.CheckedLoss]) -> loss_checks.CheckedLoss:
     """`check()` (a `loss_checks.check_and_record` on the model's own device) with the model on the tuning GPU
     where it waits on the CPU and fits there; on the CPU again if the GPU runs out of memory."""
     if not _visits(model, placement, budget, world):
