@@ -87,18 +87,20 @@ def in_selective_recompute() -> bool:
 
 
 def dispatch_mode_blocks_compile() -> bool:
-    """Whether a dispatch mode that Dynamo does not compile under is on the stack (a FLOP counter, a memory
-    ceiling, a mode of the user's). Dynamo runs such a frame eagerly and marks its code skipped for good, so a
-    compiled call first reached under a mode would stay eager for the rest of the process. Either of torch's two
-    checks (which one Dynamo reads depends on a config flag) counts."""
+    """Whether Dynamo, reaching a frame now, would run it eagerly for a dispatch mode (a FLOP counter, a memory
+    ceiling, a mode of the user's) and mark its code skipped for good: a compiled call first reached under a mode
+    would stay eager for the rest of the process. The check is Dynamo's own (`convert_frame.py`): this thread's
+    mode stack where `inline_torch_dispatch_torch_compile` is on, else torch's process-wide flag, which modes
+    entered and left on two threads at once can leave set with no mode on either stack."""
     from torch.utils import _python_dispatch as dispatch
 
-    checks = [getattr(dispatch, name, None) for name in
-              ("any_torch_dispatch_mode_on_stack", "is_in_any_mode_without_ignore_compile_internals")]
-    found = [check for check in checks if check is not None]
-    if not found:  # pragma: no cover - a torch without either: any mode at all
+    on_stack = getattr(dispatch, "any_torch_dispatch_mode_on_stack", None)
+    flagged = getattr(dispatch, "is_in_any_mode_without_ignore_compile_internals", None)
+    inline = getattr(dynamo_config(), "inline_torch_dispatch_torch_compile", on_stack is not None and flagged is None)
+    check = on_stack if inline else flagged
+    if check is None:  # pragma: no cover - a torch with neither: any mode on this thread's stack
         return bool(torch._C._len_torch_dispatch_stack())
-    return any(check() for check in found)
+    return bool(check())
 
 
 def innermost_mode_aside() -> Any:

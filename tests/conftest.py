@@ -65,3 +65,30 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     `pytestmark = pytest.mark.usefixtures("private_cache")`."""
     monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "plans.db"))
     monkeypatch.delenv("AUTOTUNE_TECHNIQUES", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def compiling_left_as_found() -> Iterator[None]:
+    """A test leaves no torch dispatch mode on the stack (a memory ceiling or a loss check's mode whose `with` never
+    closed) and Dynamo's stance and switch as it found them: every later test in the process would run under
+    them, and Dynamo compiles nothing under a mode, a "force_eager" stance or `config.disable`."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    before = len(_get_current_dispatch_mode_stack())
+    stance = _dynamo_state()
+    yield
+    left = _get_current_dispatch_mode_stack()[before:]
+    for _ in left:
+        _pop_mode()
+    assert not left, f"the test left dispatch modes on the stack: {left}"
+    assert stance is None or _dynamo_state() == stance, f"the test left Dynamo {_dynamo_state()}, found {stance}"
+
+
+def _dynamo_state() -> tuple[str, bool] | None:
+    """Dynamo's stance and its `disable` switch, where this process loaded Dynamo (a test that loads it first
+    finds it at its defaults)."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    stance = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+    return str(stance), bool(torch._dynamo.config.disable)

@@ -112,6 +112,50 @@ def test_a_block_first_called_under_a_dispatch_mode_still_compiles_after(mode: s
         undo()
 
 
+def test_modes_left_on_two_threads_at_once_do_not_keep_the_blocks_eager() -> None:
+    """A mode entered on a worker thread while the main thread's is open, and left after it (the host optimizer's
+    worker under the simulated ceiling does so), leaves torch's process-wide "in a mode" flag set with no mode on
+    either stack. Where Dynamo reads the stack, compiled blocks still compile; reading the flag would run them
+    eager for the rest of the process."""
+    import threading
+
+    from torch.utils import _python_dispatch as dispatch
+
+    if not getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
+        pytest.skip("this torch's Dynamo reads the process-wide flag itself")
+
+    class Passing(dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    flag = dispatch.is_in_any_mode_without_ignore_compile_internals()
+    entered, release = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with Passing():
+            entered.set()
+            release.wait()
+
+    thread = threading.Thread(target=worker)
+    with Passing():
+        thread.start()
+        entered.wait()
+    release.set()
+    thread.join()
+    torch._dynamo.reset()
+    model, eager = _gpt2(), _gpt2()
+    undo = compiling.install(model, find_blocks(model), 0)
+    try:
+        assert dispatch.is_in_any_mode_without_ignore_compile_internals()  # set, with no mode on this stack
+        before = _frames()
+        _same_loss(model, eager, 2, 12)
+        assert _frames() - before == 1
+    finally:
+        undo()
+        dispatch._is_in_any_mode_without_ignore_compile_internals = flag  # as the process had it
+        dispatch.set_is_in_mode_without_ignore_compile_internals(flag)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_on_a_gpu_a_compiled_plan_trains_its_shape_static_and_a_new_length_on_the_dynamic_graph(
