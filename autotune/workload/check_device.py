@@ -50,6 +50,8 @@ def checked(model: nn.Module, placement: Placement, budget: int | str | None, wo
 def _visits(model: nn.Module, placement: Placement, budget: int | str | None, world: int) -> bool:
     if placement.kind != "cuda" or world > 1 or getattr(model, "hf_device_map", None):
         return False
+    if torch.__future__.get_overwrite_module_params_on_conversion():  # `to` would make new parameter objects
+        return False
     tensors = [*model.parameters(), *model.buffers()]  # a sharded model's are DTensors: a subclass, not moved
     if not tensors or any(t.device.type != "cpu" or type(t.data) is not torch.Tensor for t in tensors):
         return False
