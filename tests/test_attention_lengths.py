@@ -308,6 +308,23 @@ def test_on_cuda_in_bf16_the_padded_call_agrees_with_the_given_length(case, path
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
 
 
+def _padded_gpt2(transformers) -> tuple[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    """A GPT-2 of 64 positions, and 8 samples of 64 token ids padded to 64, 50, 30, 64, 9, 64, 40, 20 tokens: the
+    ids and the example (mask, labels -100 on padding). Its first sample is not padded."""
+    model = _tiny_gpt2(transformers, 64)
+    ids = torch.randint(0, 97, (8, 64), generator=torch.Generator().manual_seed(0))
+    padding = (torch.arange(64)[None, :] < torch.tensor([64, 50, 30, 64, 9, 64, 40, 20])[:, None]).long()
+    return model, ids, {"input_ids": ids, "attention_mask": padding, "labels": ids.masked_fill(padding == 0, -100)}
+
+
+def _fit_bf16(model: torch.nn.Module, example: dict[str, torch.Tensor]):
+    """`fit` on the simulated CPU device, bf16 only, one measured step a trial, no cache."""
+    import autotune
+
+    return autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
+                        memory_budget="1GiB", techniques=("bf16",))
+
+
 @pytest.mark.parametrize("micro", [1, 2])
 def test_a_step_at_a_trials_micro_batch_stays_under_that_trials_peak_on_padded_batches(micro: int):
     """A step over global batches of 8 at the micro-batch of one of fit's trials, every sample padded, peaks no
@@ -315,14 +332,9 @@ def test_a_step_at_a_trials_micro_batch_stays_under_that_trials_peak_on_padded_b
     micro-batch builds the attention mask an unpadded one skips), and the step holds nothing of the global
     batch's size beyond what the trial held (the label counts are read as numbers before the first forward)."""
     transformers = pytest.importorskip("transformers")
-    import autotune
 
-    model = _tiny_gpt2(transformers, 64)
-    ids = torch.randint(0, 97, (8, 64), generator=torch.Generator().manual_seed(0))
-    padding = (torch.arange(64)[None, :] < torch.tensor([64, 50, 30, 64, 9, 64, 40, 20])[:, None]).long()
-    example = {"input_ids": ids, "attention_mask": padding, "labels": ids.masked_fill(padding == 0, -100)}
-    plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
-                        memory_budget="1GiB", techniques=("bf16",))
+    model, ids, example = _padded_gpt2(transformers)
+    plan = _fit_bf16(model, example)
     trial = next(t for t in plan.trials if t.outcome == "ok" and t.micro_batch_size == micro and t.rung == plan.rung)
     at_micro = plan.with_config(micro_batch_size=micro, accumulation_steps=8 // micro, last_micro_batch_size=micro)
     with at_micro.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
@@ -336,15 +348,10 @@ def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):
     """Through `fit` and `plan.apply` (switched on for the CPU): the reason of a token model's plan says how
     attention runs, and lengths 16-64 train at the bucket's length under the peak the trials measured at 64."""
     transformers = pytest.importorskip("transformers")
-    import autotune
 
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
-    model = _tiny_gpt2(transformers, 64)
-    ids = torch.randint(0, 97, (8, 64), generator=torch.Generator().manual_seed(0))
-    padding = (torch.arange(64)[None, :] < torch.tensor([64, 50, 30, 64, 9, 64, 40, 20])[:, None]).long()
-    example = {"input_ids": ids, "attention_mask": padding, "labels": ids.masked_fill(padding == 0, -100)}
-    plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
-                        memory_budget="1GiB", techniques=("bf16",))
+    model, ids, example = _padded_gpt2(transformers)
+    plan = _fit_bf16(model, example)
     assert "multiple of 64 tokens" in plan.reason and "AUTOTUNE_ATTENTION_BUCKETS=0" in plan.reason
     seen = _record(monkeypatch)
     with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
@@ -359,8 +366,7 @@ def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):
     assert F.scaled_dot_product_attention is TORCH_SDPA  # the plan's exit put torch's function back
 
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "0")
-    plan = autotune.fit(model, example, global_batch_size=8, device="cpu", cache=False, trial_steps=1,
-                        memory_budget="1GiB", techniques=("bf16",))
+    plan = _fit_bf16(model, example)
     assert "multiple of 64" not in plan.reason
 
 
