@@ -143,3 +143,27 @@ def test_fit_builds_one_engine_for_its_offload_trials_at_several_micro_batches()
     assert engines <= len(offloaded) - len(again) + remeasured, (engines, len(offloaded), len(again), remeasured)
     assert engines < len(offloaded) + remeasured  # at least one trial ran on the engine before it
     assert _dtypes(model) == {torch.float32}  # the user's model as it was
+
+
+def test_the_rate_at_the_examples_length_counts_flops_on_the_model_as_fit_found_it() -> None:
+    """The trial at the example's own length may leave optimizer offload's rung on the model; the FLOP count after
+    it runs the model without that rung (a forward on its 16-bit weights without autocast failed), and counts what
+    the plain model counts."""
+    from autotune.search import typical
+    from autotune.search.flops import count_flops
+    from autotune.search.kept_rung import COUNTS
+    from autotune.search.ledger import Ledger
+
+    runner = _runner()
+    work = runner.work
+    short = random_batch(GPTConfig(**{**CFG.__dict__, "seq_len": CFG.seq_len // 2}), 8)
+    plain = count_flops(work.model, short, work.loss_fn, work.placement).per_sample
+    with _tune(keeping=True):
+        state = Ledger(runner=runner, per_rank=8, limit=2**39, cap=8, max_trials=4)
+        state.pick = runner(OFFLOAD, 4)
+        kept = COUNTS.kept
+        rate, note = typical.measure(state, work, short)
+        assert COUNTS.kept == kept + 1  # the trial at the example's length left its rung on
+        assert _dtypes(work.model) == {torch.float32}  # and the count ran without it
+    assert rate is not None, note
+    assert rate.flops.per_sample == plain and rate.length == CFG.seq_len // 2

@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import parallel as distributed
 from ..workload import batch as batches
+from . import kept_rung
 from .flops import FlopCount, count_flops
 from .ledger import Ledger
 from .progress import Runner
@@ -50,6 +51,9 @@ def measure(state: Ledger, work: Workload, example: Any,
         why = f"{trial.outcome}: {trial.note}" if trial.note else trial.outcome
         return None, (f"rate at the example's length ({length} tokens) not measured ({why}): the figures "
                       "are at max_length")
+    # The count runs the model as `fit` found it: the trial may have left optimizer offload's rung on it, whose
+    # 16-bit weights a forward without the trial's autocast cannot run.
+    kept_rung.release()
     flops = count_flops(work.model, batch, work.loss_fn, work.placement)
     note = (f"figures at the example's length, {length} tokens ({trial.samples_per_second * length:,.0f} tokens/s; "
             f"{best.samples_per_second * (batches.tokens_per_sample(work.batch) or 0):,.0f} at max_length, where the "
