@@ -59,6 +59,8 @@ def explore(s: Ledger, state: RungState, previous: RungState | None) -> None:
     if probe is None or probe <= first.micro_batch_size:
         probe = 2 * first.micro_batch_size
     probe = balanced_probe(s, first.micro_batch_size, probe)
+    if probe is None:  # the first is the largest balanced size under the cap
+        return
     second = measure(s, state, probe)
     if not second.fits:
         bisect(s, state)
@@ -71,14 +73,15 @@ def explore(s: Ledger, state: RungState, previous: RungState | None) -> None:
         verify(s, state, guess)
 
 
-def balanced_probe(s: Ledger, first: int, probe: int) -> int:
+def balanced_probe(s: Ledger, first: int, probe: int) -> int | None:
     """The size to probe after `first`: the largest balanced one (`accumulation_sizes`) up to `probe`, else the
-    smallest above `first`. An unbalanced size is charged for micro-steps a balanced one with as many
+    smallest above `first`; None where no allowed size above `first` runs fewer micro-steps (a cap just under the
+    batch: every size over half of it runs two, as half does). An unbalanced size is charged for micro-steps a balanced one with as many
     would run at fewer samples (20 of 64 takes four micro-steps, as 16 does), so it scores the rung below its
     speed, and the probe's answer, whether the rung fits there, is the same at the balanced size."""
     sizes = [m for m in accumulation_sizes(s) if m > first]
     if not sizes:  # no allowed size above `first` (see `sizes`) within the cap: the next allowed one above
-        return next(size for size in s.sizes or () if size > first)
+        return next((size for size in s.sizes or () if first < size <= s.cap), None)
     return max((m for m in sizes if m <= probe), default=sizes[0])
 
 
