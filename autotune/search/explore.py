@@ -76,9 +76,10 @@ def explore(s: Ledger, state: RungState, previous: RungState | None) -> None:
 def balanced_probe(s: Ledger, first: int, probe: int) -> int | None:
     """The size to probe after `first`: the largest balanced one (`accumulation_sizes`) up to `probe`, else the
     smallest above `first`; None where no allowed size above `first` runs fewer micro-steps (a cap just under the
-    batch: every size over half of it runs two, as half does). An unbalanced size is charged for micro-steps a balanced one with as many
-    would run at fewer samples (20 of 64 takes four micro-steps, as 16 does), so it scores the rung below its
-    speed, and the probe's answer, whether the rung fits there, is the same at the balanced size."""
+    batch: every size over half of it runs two, as half does). An unbalanced size is charged for micro-steps a
+    balanced one with as many would run at fewer samples (20 of 64 takes four micro-steps, as 16 does), so it
+    scores the rung below its speed, and the probe's answer, whether the rung fits there, is the same at the
+    balanced size."""
     sizes = [m for m in accumulation_sizes(s) if m > first]
     if not sizes:  # no allowed size above `first` (see `sizes`) within the cap: the next allowed one above
         return next((size for size in s.sizes or () if first < size <= s.cap), None)

@@ -175,7 +175,8 @@ def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], mo
     return cache[module]
 
 
-def _weakly_bound(module: nn.Module, method: Callable[..., object], takes_module: bool = False) -> Callable[..., object]:
+def _weakly_bound(module: nn.Module, method: Callable[..., object],
+                  takes_module: bool = False) -> Callable[..., object]:
     """`method` compiled and called with its batch dimension marked, holding `module` by a weak reference; in
     training at the plan's micro-batch, the static graph instead (`_StaticGraph`); under a dispatch mode (a loss
     check's forward, a FLOP count), eager: Dynamo, reaching the frame there, would mark its code skipped and every
