@@ -146,15 +146,15 @@ def _region(policy: str) -> Callable[..., object]:
     return _REGION_TARGETS[policy]
 
 
-_CONTEXTS = {policy: recompute_policy.context_fn(policy) for policy in recompute_policy.SELECTIVE}
+_CONTEXTS: dict[str, Any] = {policy: recompute_policy.context_fn(policy) for policy in recompute_policy.SELECTIVE}
 
 
-def _keeping_matmuls(block: nn.Module, *args: object, **kwargs: object) -> object:
+def _keeping_matmuls(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(type(block).forward, block, *args, use_reentrant=False, context_fn=_CONTEXTS["save_matmuls"],
                       **kwargs)
 
 
-def _keeping_half_matmuls(block: nn.Module, *args: object, **kwargs: object) -> object:
+def _keeping_half_matmuls(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(type(block).forward, block, *args, use_reentrant=False,
                       context_fn=_CONTEXTS["save_half_matmuls"], **kwargs)
 
