@@ -82,14 +82,13 @@ class Rung:
             raise InvalidSetting(f"recompute_policy {policy!r} says what a recomputed block keeps, but checkpointing "
                                  f"is 'none': no block is recomputed. Use checkpointing='selective' or 'full' with "
                                  f"it, or recompute_policy={WHOLE_BLOCK!r}")
-        if policy != WHOLE_BLOCK and self.compile and self.offload == "activations":
-            # Under compile the policy lives in the compiled checkpoint (techniques/compile.py `checkpointed`); a
-            # block whose input is parked on the host runs the eager wrapper around the compiled block instead,
-            # which can only recompute it whole.
-            raise InvalidSetting(f"recompute_policy {policy!r} with compile keeps operators' outputs inside the "
-                                 "compiled checkpoint, but activation offload parks each recomputed block's input "
-                                 "outside it, where the compiled block is recomputed whole. Use "
-                                 f"recompute_policy={WHOLE_BLOCK!r} with offload='activations', or offload='none'")
+        if policy != WHOLE_BLOCK and self.compile:
+            # A recomputed block is compiled inside its checkpoint (techniques/compile.py): torch's selective
+            # checkpoint then sees the compiled graph's library calls (aten.addmm.out), not the block's operators.
+            raise InvalidSetting(f"recompute_policy {policy!r} keeps operators' outputs inside a recomputed block, "
+                                 "but under compile the block is compiled inside its checkpoint, where torch's "
+                                 "selective checkpoint sees only the compiled graph's library calls, not the block's "
+                                 f"operators. Use recompute_policy={WHOLE_BLOCK!r} with compile, or compile=False")
 
     @property
     def name(self) -> str:

@@ -108,7 +108,6 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
             undo.append(checkpointing.install(blocks, count, offload_activations=rung.offload == "activations",
                                               placement=placement,
                                               inner=compiling.forward if rung.compile else None,
-                                              region=compiling.checkpointed if rung.compile else None,
                                               policy=rung.recompute_policy))
         if rung.offload == "saved_activations" and blocks is not None:
             # the blocks not recomputed send what autograd saves in them to the host, behind compute

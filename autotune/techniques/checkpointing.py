@@ -50,15 +50,12 @@ log = logging.getLogger(__name__)
 
 def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placement: Placement,
             inner: Callable[[nn.Module], Callable[..., Any]] | None = None,
-            region: Callable[[nn.Module, str], Callable[..., Any]] | None = None,
             policy: str = WHOLE_BLOCK) -> Callable[[], None]:
     """Wrap the first `count` blocks' `forward` with non-reentrant checkpointing (a module called at several
     depths: on the calls among them), keeping inside each what `policy` keeps; returns the undo function. `inner`
     gives what the checkpoint runs for a block instead of its own forward (`compile.forward`: the block
-    compiled inside its checkpoint). Under a selective policy `region` gives the checkpoint and its policy
-    compiled as one (`compile.checkpointed`), which the block runs instead wherever nothing is put back or parked
-    around the recompute (otherwise the compiled block recomputes whole). A block refused for recompute
-    (`blocks.refusal`) runs as it is (through `inner`, when given)."""
+    compiled inside its checkpoint). A block refused for recompute (`blocks.refusal`) runs as it is (through
+    `inner`, when given)."""
     chosen = blocks.calls(count)
     for block, calls in chosen.items():
         # the bound method (restored by deleting the instance attribute), or what `inner` makes of the block
@@ -67,8 +64,7 @@ def install(blocks: BlockGroup, count: int, *, offload_activations: bool, placem
             if inner is not None:
                 block.forward = original
             continue
-        compiled = region(block, policy) if region is not None and policy != WHOLE_BLOCK else None
-        wrapped = _checkpointed(block, original, offload_activations, placement, policy, compiled)
+        wrapped = _checkpointed(block, original, offload_activations, placement, policy)
         block.forward = wrapped if calls is None else _on_calls(original, wrapped, *calls)
 
     def remove() -> None:
@@ -95,11 +91,10 @@ def _on_calls(original: Callable[..., Any], wrapped: Callable[..., Any], picked:
 
 
 def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
-                  placement: Placement, policy: str, region: Callable[..., Any] | None) -> Callable[..., Any]:
+                  placement: Placement, policy: str) -> Callable[..., Any]:
     writes = ForwardWrites(block)
-    # the selective policy's contexts; none: torch's own (keep nothing but the inputs), and so around a compiled
-    # `original`, whose library calls a policy cannot judge (the policy is then `region`'s)
-    contexts = None if region is not None else context_fn(policy)
+    # the selective policy's contexts; none: torch's own (keep nothing but the inputs)
+    contexts = context_fn(policy)
     keeps: dict[str, Any] = {} if contexts is None else {"context_fn": contexts}
 
     @functools.wraps(original)
@@ -108,10 +103,6 @@ def _checkpointed(block: nn.Module, original: Callable[..., Any], offload: bool,
             return original(*args, **kwargs)
         args, kwargs = _without_kv_cache(args, kwargs)
         key = _input_key(args, kwargs) if offload else None
-        if key is None and region is not None and not writes.slots:
-            # No buffer to put back, nothing to park: the compiled checkpoint, from the first forward on (a
-            # parameter the forward writes in place kept the block out of the plan: `blocks.profile_blocks`)
-            return region(*args, **kwargs)
         if key is None and writes.idle:
             # Nothing to put back or park: a plain checkpoint of the block.
             return checkpoint(original, *args, use_reentrant=False, **keeps, **kwargs)

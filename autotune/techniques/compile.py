@@ -48,13 +48,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .. import settings, torch_private
 from ..devices.placement import Placement
 from ..errors import InvalidSetting
 from ..workload.batch import tensors
-from . import recompute_policy
 from .checkpointing import BlockGroup
 from .sharding import is_sharded, is_unit
 
@@ -127,56 +125,16 @@ def forward(block: nn.Module) -> Callable[..., object]:
     return _once(_FORWARDS, block, lambda: block.forward)
 
 
-def checkpointed(block: nn.Module, policy: str) -> Callable[..., object]:
-    """`block`'s forward inside a non-reentrant checkpoint that keeps what the selective `policy` keeps, compiled
-    as one region: what a recomputed block runs under a selective policy with compile (`checkpointing.install`).
-
-    Compiled inside the checkpoint, a policy would see only the compiled graph's library calls; here Dynamo traces
-    the checkpoint as one operator and the partitioner keeps the outputs the policy names (the matmuls', the
-    attention's) for backward and recomputes the rest in the backward graph. Identical blocks share the graph:
-    the compiled function is one per policy, the block its argument."""
-    return _once(_REGIONS.setdefault(policy, weakref.WeakKeyDictionary()), block, lambda: _region(policy),
-                 takes_module=True)
-
-
-def _region(policy: str) -> Callable[..., object]:
-    """The function `checkpointed` compiles for `policy`. One per policy, each its own code: Dynamo keys its
-    graphs by code and does not guard the policy a closure would carry, so two policies sharing one function
-    would share one graph."""
-    return _REGION_TARGETS[policy]
-
-
-_CONTEXTS: dict[str, Any] = {policy: recompute_policy.context_fn(policy) for policy in recompute_policy.SELECTIVE}
-
-
-def _keeping_matmuls(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(type(block).forward, block, *args, use_reentrant=False, context_fn=_CONTEXTS["save_matmuls"],
-                      **kwargs)
-
-
-def _keeping_half_matmuls(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(type(block).forward, block, *args, use_reentrant=False,
-                      context_fn=_CONTEXTS["save_half_matmuls"], **kwargs)
-
-
-_REGION_TARGETS: dict[str, Callable[..., object]] = {"save_matmuls": _keeping_matmuls,
-                                                     "save_half_matmuls": _keeping_half_matmuls}
-assert set(_REGION_TARGETS) == set(recompute_policy.SELECTIVE), "a compiled region for every selective policy"
-_REGIONS: dict[str, weakref.WeakKeyDictionary[nn.Module, Callable[..., object]]] = {}
-
-
 def _once(cache: weakref.WeakKeyDictionary[nn.Module, Callable[..., object]], module: nn.Module,
-          target: Callable[[], Callable[..., object]], *, takes_module: bool = False) -> Callable[..., object]:
+          target: Callable[[], Callable[..., object]]) -> Callable[..., object]:
     """`target()` compiled, once per module in `cache`, with the batch dimension of its inputs marked
-    dynamic before each call (a block's inputs are the model's activations, marked here); `takes_module`: the
-    target is a function handed the module first at each call."""
+    dynamic before each call (a block's inputs are the model's activations, marked here)."""
     if module not in cache:
-        cache[module] = _weakly_bound(module, target(), takes_module)
+        cache[module] = _weakly_bound(module, target())
     return cache[module]
 
 
-def _weakly_bound(module: nn.Module, method: Callable[..., object],
-                  takes_module: bool = False) -> Callable[..., object]:
+def _weakly_bound(module: nn.Module, method: Callable[..., object]) -> Callable[..., object]:
     """`method` compiled and called with its batch dimension marked, holding `module` by a weak reference; in
     training at the plan's micro-batch, the static graph instead (`_StaticGraph`); under a dispatch mode (a loss
     check's forward, a FLOP count), eager: Dynamo, reaching the frame there, would mark its code skipped and every
@@ -184,10 +142,9 @@ def _weakly_bound(module: nn.Module, method: Callable[..., object],
 
     A method of `module` is compiled as its class's function and handed the module at each call: Dynamo traces
     the same frame (the method's code with `self` the module) as for the bound method, so graphs and guards
-    are unchanged. A function that `takes_module` is handed it the same way; anything else (a function set on
-    the instance) is compiled as it is."""
-    bound = takes_module or (inspect.ismethod(method) and getattr(method, "__self__", None) is module)
-    target = getattr(method, "__func__", method) if bound and not takes_module else method
+    are unchanged. Anything else (a function set on the instance) is compiled as it is."""
+    bound = inspect.ismethod(method) and getattr(method, "__self__", None) is module
+    target = getattr(method, "__func__", method) if bound else method
     dynamic, static, owner = torch.compile(target), _StaticGraph(target), weakref.ref(module)
 
     def call(*args: object, **kwargs: object) -> object:
