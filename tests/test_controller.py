@@ -221,16 +221,22 @@ def test_a_higher_rung_that_can_win_is_still_explored():
     assert result.picked().rung == ACT and result.picked().micro_batch_size > 8
 
 
-
 def test_a_cap_just_under_the_batch_leaves_no_larger_balanced_size_to_probe():
     """`autotune run` after an OOM at the whole batch retunes with the cap one below it: every micro-batch over half
-    the batch then runs two micro-steps, like half the batch itself, so no balanced size lies above half and a rung
-    that fits at half has nothing larger to probe (it raised StopIteration out of the search)."""
-    from autotune.search.explore import balanced_probe
+    the batch then runs two micro-steps, like half the batch itself, so no balanced size lies above half. A higher
+    rung that fits at half, where the rung below fitted, has nothing larger to probe: its exploration ends there
+    (it raised StopIteration out of the search)."""
+    from autotune.search.explore import balanced_probe, explore
     from autotune.search.ledger import Ledger
+    from autotune.search.lines import rung_state
 
-    s = Ledger(runner=FakeGPU(80 * GiB, 32, {}), per_rank=32, limit=72 * GiB, cap=31, max_trials=24)
-    assert balanced_probe(s, 16, 32) is None
-    assert balanced_probe(s, 8, 32) == 16  # a larger balanced size is still probed
+    gpu = FakeGPU(80 * GiB, 32, {BF16: (10 * GiB, 3.5 * GiB, 0.01, 0.01), FULL: (1 * GiB, 0.1 * GiB, 0.01, 0.011)})
+    s = Ledger(runner=gpu, per_rank=32, limit=72 * GiB, cap=31, max_trials=24)
+    below = rung_state(s, BF16)
+    below.trials += [gpu(BF16, 16), gpu(BF16, 31)]  # the rung below: fits at 16, not at 31
+    assert [t.fits for t in below.trials] == [True, False]
+    explore(s, rung_state(s, FULL), below)
+    assert gpu.calls[2:] == [(FULL, 16)]  # one trial, at 16; nothing above it
+    assert balanced_probe(s, 8, 32) == 16  # below half, a larger balanced size is still probed
     s.sizes = [1, 2, 4, 8, 16]  # `autotune run`'s allowed sizes: none above 16 either
     assert balanced_probe(s, 16, 32) is None
