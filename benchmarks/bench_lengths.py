@@ -15,7 +15,9 @@ estimate: at the batches' mean padded length the plan expects the same rate per 
 (dynamo's count) and recompiles, the recoveries, the reserved peak beside the plan's and the budget less its
 margin, the process's resident memory, and the median step of the steps whose length is new beside those whose
 length came before (a cost paid once per length: over lengths 256-1024 most of 100 steps bring a new one;
-`--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths). With `--one-length`
+`--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths); under optimizer offload,
+per step, the seconds the host's step took after the last backward and how many of its chunks it had stepped
+during it (all of them: the host step hid behind the backward; none: it ran serially). With `--one-length`
 each batch is instead of one length drawn from the range, unpadded and without a mask, and `fit`'s example is a
 batch at `--max-length`; with `--example typical` too, it is a batch at the range's middle length, as a user hands
 `fit` a batch from the loader beside `max_length` (the trials still run at `--max-length`, and the plan's estimate
@@ -47,11 +49,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_offload import timed_optimizer
 from workloads import build_gpt, cap_memory, environment
 
 import autotune
 from autotune.search.failures import FAILED
 from autotune.sizes import parse_bytes
+from autotune.techniques.offload import HostSteppedEngine, StreamedEngine
 
 
 def batches(steps: int, n: int, low: int, high: int, vocab: int, device: str,
@@ -177,7 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     seconds, tokens, padded = [], [], []
+    host: dict[str, list[float]] = {k: [] for k in ("tail_start", "tail_end", "chunks_before_tail", "chunks_total")}
     with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5)) as step:
+        if isinstance(step.optimizer, (HostSteppedEngine, StreamedEngine)):  # what of the host step overlapped
+            timed_optimizer(step, args.device, host)
         for batch in data:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -213,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
                attention_buckets=not args.no_attention_buckets,
                median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],
+               optimizer_tail_seconds=[round(b - a, 4) for a, b in zip(host["tail_start"], host["tail_end"])],
+               chunks_before_tail=[int(c) for c in host["chunks_before_tail"]],
+               chunks_total=[int(c) for c in host["chunks_total"]],
                padded_lengths=[p // args.global_batch_size for p in padded])
     print(json.dumps(row), flush=True)
     with open(args.out, "a") as f:
