@@ -12,18 +12,18 @@ import inspect
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import chunked_loss
 from .chunked_loss import IGNORE_INDEX
 
-if TYPE_CHECKING:
-    from .losses import LossFn
+# A loss: the model and a batch in, the loss out (`losses.py` resolves the user's, or the model's own)
+LossFn = Callable[[torch.nn.Module, Any], Any]
 
-__all__ = ["IGNORE_INDEX", "LossChoice", "chosen", "int_labels", "is_causal_lm", "label_counts", "record_choice",
-           "recorded_choice", "takes_num_items"]
+__all__ = ["IGNORE_INDEX", "LossChoice", "LossFn", "chosen", "int_labels", "is_causal_lm", "label_counts",
+           "record_choice", "recorded_choice", "takes_num_items"]
 
 WEIGHTINGS = ("tokens", "samples", "returned", "sum")
 

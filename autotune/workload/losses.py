@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +45,7 @@ import torch
 
 from ..errors import InvalidSetting
 from . import chunked_loss
-from .loss_choice import chosen, recorded_choice, takes_num_items
-
-LossFn = Callable[[torch.nn.Module, Any], Any]
-
+from .loss_choice import LossFn, chosen, recorded_choice, takes_num_items
 
 
 def call_model(model: torch.nn.Module, batch: Any, **extra: Any) -> Any:
