@@ -167,3 +167,24 @@ def test_the_rate_at_the_examples_length_counts_flops_on_the_model_as_fit_found_
         assert _dtypes(work.model) == {torch.float32}  # and the count ran without it
     assert rate is not None, note
     assert rate.flops.per_sample == plain and rate.length == CFG.seq_len // 2
+
+
+def test_the_trial_at_the_examples_length_pads_attention_no_further_than_the_search(monkeypatch) -> None:
+    """The trial at the example's own length, on a rung of its own (not kept), pads attention no further than the
+    search's trials at `max_length`, as training does: a compiled graph holds that limit, and another would compile
+    the blocks again."""
+    from autotune.search import typical
+    from autotune.search.ledger import Ledger
+    from autotune.techniques import attention_lengths
+
+    limits: list[int | None] = []
+    install = attention_lengths.install
+    monkeypatch.setattr(attention_lengths, "install",
+                        lambda kind, longest=None: limits.append(longest) or install(kind, longest))
+    runner = _runner()
+    short = random_batch(GPTConfig(**{**CFG.__dict__, "seq_len": CFG.seq_len // 2}), 8)
+    state = Ledger(runner=runner, per_rank=8, limit=2**39, cap=8, max_trials=4)
+    state.pick = runner(Rung(checkpointing="full"), 4)
+    rate, note = typical.measure(state, runner.work, short)
+    assert rate is not None and rate.length == CFG.seq_len // 2, note
+    assert limits == [CFG.seq_len, CFG.seq_len], limits  # the search's trial, then the example's

@@ -82,6 +82,12 @@ class Workload:
     # Puts the model's weights and buffers back as fit found them: after a trial whose NaN or infinite loss
     # stepped them to NaN, so the next trial starts from finite ones. None: not possible (a sharded copy).
     reset: Callable[[], None] | None = None
+    # The token length the plan's peak is measured at (`max_length`), past which attention is never padded; None:
+    # the example's own. The trial at the example's typical length keeps the search's, as training does.
+    longest: int | None = None
+
+    def longest_tokens(self) -> int | None:
+        return self.longest if self.longest is not None else batches.tokens_per_sample(self.batch)
 
 
 def agree_local(trial: Trial) -> Trial:
@@ -141,7 +147,7 @@ class TrialRunner:
                     if applied is None:
                         applied = apply_rung(work.model, rung, work.spec, work.placement, work.blocks,
                                              offload_fraction=offload_fraction, overlap=True if overlap else None,
-                                             sharding=sharding)
+                                             sharding=sharding, longest=work.longest_tokens())
                     laps.enter("warm-up")
                     laps.move("set-up", "host buffers", applied.host_buffer_seconds)
                     timings = _run_steps(applied, micro_batch, work, measured_steps or work.measured_steps, overlap,

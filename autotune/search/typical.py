@@ -41,7 +41,8 @@ def measure(state: Ledger, work: Workload, example: Any,
     best = state.picked()
     # The search's own host share, and its sharding of the optimizer state
     fraction = state.fraction if best.rung.offload == "optimizer" and state.fraction is not None else 1.0
-    run: Runner = TrialRunner(dataclasses.replace(work, batch=batch), agree=distributed.agree_trial)
+    at_example = dataclasses.replace(work, batch=batch, longest=work.longest_tokens())  # padded as training pads
+    run: Runner = TrialRunner(at_example, agree=distributed.agree_trial)
     if watch is not None:
         run = watch(run, f"at the example's length ({length} tokens)")
     # twice the measured steps, as the search re-measures a close call: one trial stands for the plan's rate

@@ -81,7 +81,8 @@ class AppliedRung:
 
 def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Placement,
                blocks: BlockGroup | None, *, optimizer: torch.optim.Optimizer | None = None,
-               offload_fraction: float = 1.0, overlap: bool | None = None, sharding: str = "none") -> AppliedRung:
+               offload_fraction: float = 1.0, overlap: bool | None = None, sharding: str = "none",
+               longest: int | None = None) -> AppliedRung:
     """Put `rung` on `model`; the optimizer is `optimizer` if given, else a fresh one from `spec`.
 
     Under optimizer offload the returned optimizer is a `HostOptimizer` (`build_engine`) built from `spec` (with
@@ -89,7 +90,8 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
     stepping them during the last backward unless `overlap` is False (`Plan.offload_overlap`).
     `sharding` is the plan's: "optimizer_state" partitions the optimizer state over the replicated ranks, which
     the same engine runs with nothing on the host (techniques/offload/partition.py); its other values are
-    applied before this (FSDP2 shards the model itself) and change nothing here.
+    applied before this (FSDP2 shards the model itself) and change nothing here. `longest`: the token length the
+    plan's peak was measured at, past which attention is never padded (`attention_lengths`).
     """
     partitioned = sharding == "optimizer_state"
     if partitioned and (rung.offload != "none" or rung.optimizer_8bit):
@@ -100,7 +102,7 @@ def apply_rung(model: nn.Module, rung: Rung, spec: OptimizerSpec, placement: Pla
     try:
         scaler = make_scaler(rung.precision, placement)
         count = block_count(rung, blocks)  # refuses checkpointing on a model without repeated blocks
-        undo.append(attention_lengths.install(placement.torch_device.type))
+        undo.append(attention_lengths.install(placement.torch_device.type, longest))
         if rung.fp8:  # before compile and checkpointing wrap the blocks that hold the layers
             undo.append(fp8.install(model))
         if rung.checkpointing != "none" and blocks is not None and not blocks.library:

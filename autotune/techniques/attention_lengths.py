@@ -15,7 +15,9 @@ changes from batch to batch), reach attention as causal calls without a mask. A 
 lengths of the batches it is given (`observe`, from `AppliedRung.inputs`); from the second distinct length on,
 those calls are padded the same way, so cuDNN sees one shape per 64 tokens there too, and a compiled block
 compiles one more graph (at the switch) that serves every later length. Batches of one fixed length are never
-padded: their shape repeats, and padding would only add work.
+padded: their shape repeats, and padding would only add work. No call is padded past the length the plan's
+peak was measured at (`fit`'s `max_length`, the trials' batch length; `attention_padding.padding`): the
+longest bucket ends there, so no padded step holds more than a trial did.
 
 On by default where cuDNN's attention is enabled on a CUDA device; `AUTOTUNE_ATTENTION_BUCKETS=0` turns it
 off, `=1` turns it on on any device (the CPU tests). A function imported by name before the rung was applied
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from .. import settings
 from ..workload.batch import Batch, tokens_per_sample
 from . import attention_op, attention_padding
-from .attention_padding import MULTIPLE, paddable, padded_call, sdpa
+from .attention_padding import MULTIPLE, paddable, padded_call, padding, sdpa
 
 
 class _Lengths:
@@ -44,6 +46,7 @@ class _Lengths:
     def __init__(self) -> None:
         self.first: int | None = None
         self.varying = False
+        self.longest: int | None = None  # no call is padded past it (`attention_padding.padding`); set by `install`
 
     def see(self, length: int) -> None:
         if self.first is None:
@@ -90,19 +93,22 @@ def note(device_type: str) -> list[str]:
             if wanted(device_type) else [])
 
 
-def install(device_type: str) -> Callable[[], None]:
-    """Route `F.scaled_dot_product_attention` through `padded_attention` while a rung is applied; the undo puts
-    back the function it found."""
+def install(device_type: str, longest: int | None = None) -> Callable[[], None]:
+    """Route `F.scaled_dot_product_attention` through `padded_attention` while a rung is applied, padding no call
+    past `longest` tokens (the length the trials measure at, or the plan's `max_length` in training: a call
+    padded beyond it would hold more than the plan's peak); the undo puts back the function it found."""
     if not wanted(device_type) or F.scaled_dot_product_attention is padded_attention:
         return lambda: None
     found = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = padded_attention
     _LENGTHS.forget()
+    _LENGTHS.longest = longest
 
     def undo() -> None:
         F.scaled_dot_product_attention = found
         attention_padding.forget_masks()
         _LENGTHS.forget()  # the next rung's batches start their own count
+        _LENGTHS.longest = None
 
     return undo
 
@@ -114,11 +120,11 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     compiling = torch.compiler.is_compiling()
     # (compiled, the length is symbolic: a test of it would guard the graph on it, and a padding of 0 is cheap)
     padded = paddable(query, key, attn_mask, is_causal=is_causal, lengths_vary=_LENGTHS.varying)
-    if not padded or (not compiling and query.shape[-2] % MULTIPLE == 0):
-        run = sdpa
-    elif compiling:
-        return attention_op.padded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    else:
-        run = padded_call
-    return run(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-               enable_gqa=enable_gqa)
+    if not padded or (not compiling and padding(query.shape[-2], _LENGTHS.longest) == 0):
+        return sdpa(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    if compiling:  # (`longest` is a constant of the graph: one value per plan, the trials' and training's alike)
+        return attention_op.padded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                             _LENGTHS.longest or 0)
+    return padded_call(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                       enable_gqa=enable_gqa, longest=_LENGTHS.longest)

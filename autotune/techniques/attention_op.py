@@ -23,9 +23,10 @@ from .attention_padding import padded_call
 
 
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                     dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    """`padded_call` as one graph node. Autocast is applied here, as it would be to torch's attention: the
-    operator's backward runs where autocast is off."""
+                     dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+                     longest: int = 0) -> torch.Tensor:
+    """`padded_call` as one graph node (padded never past `longest` where it is not 0: `padding`). Autocast is
+    applied here, as it would be to torch's attention: the operator's backward runs where autocast is off."""
     device = query.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -33,26 +34,26 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(dtype)
     with torch.autocast(device, enabled=False):
-        out, _ = _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        out, _ = _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, longest)
     return out
 
 
 @torch.library.custom_op("autotune::padded_attention", mutates_args=())
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-             dropout_p: float, is_causal: bool, scale: float | None,
-             enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+             longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The output (contiguous, as the graph was told) and the random state its dropout drew from (empty
     without dropout)."""
     state = _rng_state(query.device) if dropout_p > 0 else torch.empty(0, dtype=torch.uint8)
     out = padded_call(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa)
+                      enable_gqa=enable_gqa, longest=longest or None)
     return out.contiguous(), state
 
 
 @_forward.register_fake
 def _forward_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                   dropout_p: float, is_causal: bool, scale: float | None,
-                   enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+                   longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))
     return out, torch.empty(_rng_state(query.device).numel() if dropout_p > 0 else 0, dtype=torch.uint8)
 
@@ -60,12 +61,13 @@ def _forward_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 @torch.library.custom_op("autotune::padded_attention_backward", mutates_args=())
 def _backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, state: torch.Tensor, dropout_p: float, is_causal: bool,
-                 scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float | None, enable_gqa: bool,
+                 longest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of query, key and value: the padded call run again under `torch.func.vjp`, with the
     forward's random state."""
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return padded_call(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                           enable_gqa=enable_gqa)
+                           enable_gqa=enable_gqa, longest=longest or None)
 
     with _replayed(state, query.device):
         vjp: Any = torch.func.vjp(attention, query, key, value)[1]  # (typed by torch as any number of outputs)
@@ -76,21 +78,22 @@ def _backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
 @_backward_op.register_fake
 def _backward_shape(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: torch.Tensor | None, state: torch.Tensor, dropout_p: float, is_causal: bool,
-                    scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale: float | None, enable_gqa: bool,
+                    longest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _save(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, longest = inputs
     ctx.save_for_backward(query, key, value, attn_mask, output[1])
-    ctx.options = (dropout_p, is_causal, scale, enable_gqa)  # type: ignore[attr-defined]
+    ctx.options = (dropout_p, is_causal, scale, enable_gqa, longest)  # type: ignore[attr-defined]
 
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor,
               _state_grad: object) -> tuple[torch.Tensor | None, ...]:
     query, key, value, attn_mask, state = ctx.saved_tensors  # type: ignore[attr-defined]
     grads = _backward_op(grad, query, key, value, attn_mask, state, *ctx.options)  # type: ignore[attr-defined]
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 _forward.register_autograd(_backward, setup_context=_save)

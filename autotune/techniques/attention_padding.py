@@ -48,12 +48,23 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
                     enable_gqa=enable_gqa)
 
 
+def padding(length: int, longest: int | None = None) -> int:
+    """The tokens a call of `length` is padded by: up to the next multiple of `MULTIPLE`, but never past `longest`,
+    the length the plan's peak was measured at (`fit`'s `max_length`), where `length` is within it: a bucket
+    beyond it would hold more than any trial did. Longer calls than `longest` take their bucket."""
+    pad = (-length) % MULTIPLE
+    return min(pad, longest - length) if longest is not None and length <= longest else pad
+
+
 def padded_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, *,
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False) -> torch.Tensor:
-    """torch's `scaled_dot_product_attention` over the length rounded up to `MULTIPLE`, sliced back."""
+                enable_gqa: bool = False, longest: int | None = None) -> torch.Tensor:
+    """torch's `scaled_dot_product_attention` over the length rounded up to `MULTIPLE` (`padding`), sliced back."""
     length = query.shape[-2]
-    pad = (-length) % MULTIPLE
+    pad = padding(length, longest)
+    if pad == 0:
+        return sdpa(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
     mask = None if attn_mask is None else _MASKS.padded(attn_mask, length, pad)
     out = sdpa(q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)

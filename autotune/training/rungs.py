@@ -31,8 +31,9 @@ class RungInForce:
     """The `AppliedRung` a `TrainingStep` trains with (`applied`), its offload (`offload`), and the links."""
 
     def __init__(self, model: nn.Module, spec: OptimizerSpec, placement: Placement, blocks: Any,
-                 optimizer: Any) -> None:
+                 optimizer: Any, longest: int | None = None) -> None:
         self.model = model
+        self.longest = longest  # the plan's max_length: attention is padded no further (`apply_rung`)
         self.spec = spec
         self.placement = placement
         self.blocks = blocks
@@ -59,7 +60,7 @@ class RungInForce:
         self._setting = (fraction, overlap, sharding)
         given = self.eight_bit if rung.optimizer_8bit and self.eight_bit is not None else self.device_optimizer
         applied = apply_rung(self.model, rung, self.spec, self.placement, self.blocks, optimizer=given,
-                             offload_fraction=fraction, overlap=overlap, sharding=sharding)
+                             offload_fraction=fraction, overlap=overlap, sharding=sharding, longest=self.longest)
         self.applied = applied
         self.offload = offload_of(applied.optimizer)
         if rung.optimizer_8bit:

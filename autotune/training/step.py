@@ -134,7 +134,8 @@ class TrainingStep:
         self._batch_warnings = checks.BatchWarnings()
         self._too_few = False  # the last attempt failed on batch statistics over a 1-sample micro-batch
         self._buffers = BufferGuard(model, self.placement.torch_device)
-        self._in_force: RungInForce | None = RungInForce(model, self.spec, self.placement, self.blocks, optimizer)
+        self._in_force: RungInForce | None = RungInForce(model, self.spec, self.placement, self.blocks, optimizer,
+                                                             self.plan.max_length)
         self._in_force.apply(self.plan.rung, fraction=recovery.host_share(self.plan), overlap=self.plan.offload_overlap,
                              sharding=self.plan.sharding)
         checks.opened(model, self)
@@ -358,8 +359,7 @@ class TrainingStep:
         """Move to the configuration the recovery policy gives after an OOM, or raise NoFeasiblePlan past the top."""
         old = self.plan
         shapes = recovery.micro_batch_shapes(batch, old.micro_batch_size)
-        failed.append(Trial(rung=old.rung, micro_batch_size=old.micro_batch_size, outcome="oom",
-                            note=failure[:200]))
+        failed.append(Trial(rung=old.rung, micro_batch_size=old.micro_batch_size, outcome="oom", note=failure[:200]))
         if self._probing:
             self._grow_wait *= 2  # growing back failed before it held a whole wait: wait twice as long next time
             self._probing = False
