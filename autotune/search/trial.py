@@ -87,6 +87,7 @@ class Workload:
     longest: int | None = None
 
     def longest_tokens(self) -> int | None:
+        """`longest`, or the example's token length (None for a batch of no tokens)."""
         return self.longest if self.longest is not None else batches.tokens_per_sample(self.batch)
 
 
