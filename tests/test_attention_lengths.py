@@ -421,3 +421,43 @@ def test_on_cuda_a_row_the_mask_hides_entirely_leaves_every_gradient_finite(path
     assert torch.isfinite(out).all()
     for t in inputs:
         assert torch.isfinite(t.grad).all()
+
+
+@pytest.mark.slow  # seconds: Inductor compiles
+def test_compiled_attention_is_padded_no_further_than_the_plans_length(monkeypatch):
+    """Compiled per block, with the plan's length 30 (not a multiple of 64): lengths up to 30 reach torch's
+    kernel at 30, the last bucket cut there, and a longer one at its own bucket; one graph serves them all, and
+    each loss and gradient is the unpadded eager one."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from autotune.techniques import compile as compiling
+    from autotune.techniques import find_blocks
+
+    torch._dynamo.reset()
+    model, eager = _tiny_gpt2(transformers, 64).double(), _tiny_gpt2(transformers, 64).double()
+    monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
+    restore = lengths.install("cpu", 30)
+    undo = compiling.install(model, find_blocks(model), 0)
+    before = int(counters["frames"]["ok"])
+    try:
+        for length, reached in ((30, 30), (16, 30), (9, 30), (40, 64)):
+            ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
+            mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
+            labels = ids.masked_fill(mask == 0, -100)
+            with pytest.MonkeyPatch.context() as spy:
+                seen = _record(spy)
+                got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                got.backward()
+            assert {s[-2] for s in seen} == {reached}, (length, seen)
+            restore()
+            want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+            want.backward()
+            restore = lengths.install("cpu", 30)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+            for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-12, msg=name)
+        assert int(counters["frames"]["ok"]) - before == 1, "a new length compiled another graph"
+    finally:
+        undo()
+        restore()
