@@ -461,3 +461,33 @@ def test_compiled_attention_is_padded_no_further_than_the_plans_length(monkeypat
     finally:
         undo()
         restore()
+
+
+def test_a_step_accumulating_micro_batches_stays_under_its_trials_peak_on_a_llama():
+    """A Llama over padded batches of 4 at micro-batch 2 (two micro-steps): from its second micro-step on, the step
+    holds the running loss and count totals, 8-byte scalars a trial of one micro-batch held nowhere until the trial
+    held them from its start too; every step peaks no higher than the trial at that micro-batch."""
+    transformers = pytest.importorskip("transformers")
+    import autotune
+
+    torch.manual_seed(17)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256))
+    generator = torch.Generator().manual_seed(0)
+
+    def batch() -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 97, (4, 64), generator=generator)
+        kept = torch.randint(1, 65, (4,), generator=generator)
+        kept[0] = 64
+        mask = (torch.arange(64)[None, :] < kept[:, None]).long()
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    plan = autotune.fit(model, batch(), global_batch_size=4, device="cpu", cache=False, trial_steps=1,
+                        memory_budget="4GiB", techniques=("bf16",))
+    trial = next(t for t in plan.trials if t.fits and t.micro_batch_size == 2 and t.rung == plan.rung)
+    at_two = plan.with_config(micro_batch_size=2, accumulation_steps=2, last_micro_batch_size=2)
+    with at_two.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-4)) as step:
+        for _ in range(3):
+            step(batch())
+            assert 0 < step.last_peak_bytes <= trial.peak_bytes, (step.last_peak_bytes, trial.peak_bytes)

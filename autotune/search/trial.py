@@ -278,6 +278,8 @@ def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: 
     `losses`, read after the steps."""
     t0 = now(work.placement)
     weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
+    if batches.batch_size(micro_batch) < work.per_rank:  # training accumulates: hold what its later micro-steps hold
+        weights.carry_totals(work.placement.torch_device)
     loss = _loss(applied, micro_batch, work, weights, tokens, form)
     if losses is not None:
         losses.add(loss)

@@ -58,6 +58,12 @@ class LossWeights:
         self.parts: tuple[tuple[str, bool], ...] | None = None  # (name, counted) of each part of a loss_fn's mapping
         self.estimate: torch.Tensor | None = None if estimate is None else torch.tensor(estimate, dtype=torch.float64)
 
+    def carry_totals(self, device: torch.device) -> None:
+        """Start the running totals at zero on `device`, as a step holds them through every micro-batch after its
+        first: a trial of one micro-batch then holds what such a micro-batch holds (two 8-byte scalars)."""
+        self.loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        self.count_total = torch.zeros((), dtype=torch.float64, device=device)
+
     def weigh(self, loss: torch.Tensor, count: Any, size: int, *, expected: float | None = None,
               mean: bool = False, labelled: bool = False) -> torch.Tensor | None:
         """The loss to call backward on for a micro-batch of `size` samples; None when it adds nothing.
