@@ -356,8 +356,10 @@ def test_a_plan_says_it_and_trains_padded_lengths_under_its_peak(monkeypatch):
     seen = _record(monkeypatch)
     with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
         for length in (16, 40, 64):
-            mask = (torch.arange(length)[None, :] < torch.randint(1, length + 1, (8, 1))).long()
-            mask[0] = 1
+            # every sample padded: a micro-batch of full rows only has its all-ones mask dropped by the model, and
+            # its causal call without a mask at the first length would reach attention as it is, by design
+            kept = torch.randint(1, length, (8, 1), generator=torch.Generator().manual_seed(length))
+            mask = (torch.arange(length)[None, :] < kept).long()
             batch = {"input_ids": ids[:, :length], "attention_mask": mask,
                      "labels": ids[:, :length].masked_fill(mask == 0, -100)}
             step(batch)
