@@ -277,8 +277,9 @@ def _timed_step(applied: AppliedRung, micro_batch: Any, work: Workload, tokens: 
     """One optimizer step at one micro-batch: (forward+backward seconds, optimizer seconds); its loss goes to
     `losses`, read after the steps."""
     t0 = now(work.placement)
-    weights = LossWeights(batches.batch_size(micro_batch), 1, total=tokens)
-    if batches.batch_size(micro_batch) < work.per_rank:  # training accumulates: hold what its later micro-steps hold
+    size = batches.batch_size(micro_batch)
+    weights = LossWeights(size, 1, total=tokens)
+    if size < work.per_rank:  # training accumulates: hold what its later micro-steps hold
         weights.carry_totals(work.placement.torch_device)
     loss = _loss(applied, micro_batch, work, weights, tokens, form)
     if losses is not None:

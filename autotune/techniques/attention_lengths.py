@@ -125,6 +125,6 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                     enable_gqa=enable_gqa)
     if compiling:  # (`longest` is a constant of the graph: one value per plan, the trials' and training's alike)
         return attention_op.padded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                             _LENGTHS.longest or 0)
+                                             _LENGTHS.longest)
     return padded_call(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                        enable_gqa=enable_gqa, longest=_LENGTHS.longest)

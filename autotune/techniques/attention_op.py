@@ -24,8 +24,8 @@ from .attention_padding import padded_call
 
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                      dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
-                     longest: int = 0) -> torch.Tensor:
-    """`padded_call` as one graph node (padded never past `longest` where it is not 0: `padding`). Autocast is
+                     longest: int | None = None) -> torch.Tensor:
+    """`padded_call` as one graph node (padded never past `longest`: `padding`). Autocast is
     applied here, as it would be to torch's attention: the operator's backward runs where autocast is off."""
     device = query.device.type
     if torch.is_autocast_enabled(device):
@@ -41,19 +41,19 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 @torch.library.custom_op("autotune::padded_attention", mutates_args=())
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
              dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
-             longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+             longest: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The output (contiguous, as the graph was told) and the random state its dropout drew from (empty
     without dropout)."""
     state = _rng_state(query.device) if dropout_p > 0 else torch.empty(0, dtype=torch.uint8)
     out = padded_call(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa, longest=longest or None)
+                      enable_gqa=enable_gqa, longest=longest)
     return out.contiguous(), state
 
 
 @_forward.register_fake
 def _forward_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
-                   longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   longest: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))
     return out, torch.empty(_rng_state(query.device).numel() if dropout_p > 0 else 0, dtype=torch.uint8)
 
@@ -62,12 +62,12 @@ def _forward_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def _backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, state: torch.Tensor, dropout_p: float, is_causal: bool,
                  scale: float | None, enable_gqa: bool,
-                 longest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 longest: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of query, key and value: the padded call run again under `torch.func.vjp`, with the
     forward's random state."""
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return padded_call(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                           enable_gqa=enable_gqa, longest=longest or None)
+                           enable_gqa=enable_gqa, longest=longest)
 
     with _replayed(state, query.device):
         vjp: Any = torch.func.vjp(attention, query, key, value)[1]  # (typed by torch as any number of outputs)
@@ -79,7 +79,7 @@ def _backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
 def _backward_shape(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: torch.Tensor | None, state: torch.Tensor, dropout_p: float, is_causal: bool,
                     scale: float | None, enable_gqa: bool,
-                    longest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    longest: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
