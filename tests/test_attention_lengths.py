@@ -50,6 +50,29 @@ def _count_masks(monkeypatch) -> list[int]:
     return built
 
 
+def _against_eager(model, eager, length: int, longest: int | None = None) -> tuple[set[int], list[int]]:
+    """Three samples of `length` tokens (real lengths `length`, `length - 3` and 2) through `model` with attention
+    padding in force, padded no further than `longest`, and through `eager` without it: the losses and gradients
+    agree (float64). Returns the query lengths that reached torch's attention and the padded masks built."""
+    ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
+    mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    restore = lengths.install("cpu", longest)
+    try:
+        with pytest.MonkeyPatch.context() as spy:
+            seen, built = _record(spy), _count_masks(spy)
+            got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            got.backward()
+    finally:
+        restore()
+    want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-12, msg=name)
+    return {shape[-2] for shape in seen}, built
+
+
 def _tiny_gpt2(transformers, positions: int) -> torch.nn.Module:
     """A two-layer GPT-2 without dropout, the same weights on every call."""
     torch.manual_seed(0)
@@ -190,7 +213,6 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
     torch._dynamo.reset()
     model, eager = _tiny_gpt2(transformers, 32).double(), _tiny_gpt2(transformers, 32).double()
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
-    restore = lengths.install("cpu")
     blocks = find_blocks(model)
     undo = compiling.install(model, blocks, recomputed)
     undo_checkpoints = (checkpointing.install(blocks, recomputed, offload_activations=False,
@@ -199,27 +221,13 @@ def test_compiled_attention_is_padded_too_and_one_graph_serves_every_length(monk
     before = int(counters["frames"]["ok"])
     try:
         for length in (32, 16, 24, 9):
-            ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
-            mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
-            labels = ids.masked_fill(mask == 0, -100)
-            with pytest.MonkeyPatch.context() as spy:
-                seen, built = _record(spy), _count_masks(spy)
-                got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-                got.backward()
-            assert {s[-2] for s in seen} == {64}, f"length {length} reached attention unpadded"
+            reached, built = _against_eager(model, eager, length)
+            assert reached == {64}, f"length {length} reached attention unpadded"
             assert built == [1], "the padded mask was built again for another layer or the backward"
-            restore()
-            want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
-            want.backward()
-            restore = lengths.install("cpu")
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
-            for (name, a), b in zip(model.named_parameters(), eager.parameters()):
-                torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-12, msg=name)
         assert int(counters["frames"]["ok"]) - before == 1, "a new length compiled another graph"
     finally:
         undo_checkpoints()
         undo()
-        restore()
 
 
 @pytest.mark.slow  # seconds: Inductor compiles
@@ -439,30 +447,14 @@ def test_compiled_attention_is_padded_no_further_than_the_plans_length(monkeypat
     torch._dynamo.reset()
     model, eager = _tiny_gpt2(transformers, 64).double(), _tiny_gpt2(transformers, 64).double()
     monkeypatch.setenv("AUTOTUNE_ATTENTION_BUCKETS", "1")
-    restore = lengths.install("cpu", 30)
     undo = compiling.install(model, find_blocks(model), 0)
     before = int(counters["frames"]["ok"])
     try:
         for length, reached in ((30, 30), (16, 30), (9, 30), (40, 64)):
-            ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
-            mask = (torch.arange(length)[None, :] < torch.tensor([length, length - 3, 2])[:, None]).long()
-            labels = ids.masked_fill(mask == 0, -100)
-            with pytest.MonkeyPatch.context() as spy:
-                seen = _record(spy)
-                got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-                got.backward()
-            assert {s[-2] for s in seen} == {reached}, (length, seen)
-            restore()
-            want = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
-            want.backward()
-            restore = lengths.install("cpu", 30)
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
-            for (name, a), b in zip(model.named_parameters(), eager.parameters()):
-                torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-12, msg=name)
+            assert _against_eager(model, eager, length, longest=30)[0] == {reached}, length
         assert int(counters["frames"]["ok"]) - before == 1, "a new length compiled another graph"
     finally:
         undo()
-        restore()
 
 
 def test_a_step_accumulating_micro_batches_stays_under_its_trials_peak_on_a_llama():

@@ -162,7 +162,7 @@ def test_compiled_blocks_run_one_graph_for_every_length_after_the_second(seen):
     assert frames[-1] == frames[2], f"a new length after the switch compiled another graph: {frames}"
 
 
-def test_a_plan_trains_a_stream_of_unmasked_lengths_padded():
+def test_a_plan_trains_a_stream_of_unmasked_lengths_padded(seen):
     """Through `fit` and `plan.apply`: a causal LM given batches of one length each, no mask, trains its
     first length as it is and every length after it at its bucket."""
     import autotune
@@ -172,21 +172,16 @@ def test_a_plan_trains_a_stream_of_unmasked_lengths_padded():
                         memory_budget="1GiB", techniques=())
     assert "causal attention once batches of one length each vary" in plan.reason
     lengths: list[list[int]] = []
-    with pytest.MonkeyPatch.context() as spy:
-        recorded: list[int] = []
-        original = attention_padding.original
-        spy.setattr(attention_padding, "original",
-                    lambda q, *a, **k: recorded.append(int(q.shape[-2])) or original(q, *a, **k))
-        with plan.apply(model, torch.optim.SGD(model.parameters(), lr=1e-3)) as step:
-            for length in (20, 20, 50, 33):
-                recorded.clear()
-                step(_batch(length))
-                lengths.append(sorted(set(recorded)))
+    with plan.apply(model, torch.optim.SGD(model.parameters(), lr=1e-3)) as step:
+        for length in (20, 20, 50, 33):
+            seen.clear()
+            step(_batch(length))
+            lengths.append(sorted(set(seen)))
     assert lengths == [[20], [20], [64], [64]]
 
 
 @pytest.mark.parametrize("techniques", [(), ("bf16",)])
-def test_lengths_up_to_max_length_train_under_the_plans_peak(techniques):
+def test_lengths_up_to_max_length_train_under_the_plans_peak(techniques, seen):
     """`fit` told `max_length=70` (not a multiple of 64) measures its peak at 70 tokens. Once a second length has
     been seen, attention is padded to its bucket, but never past the 70 the peak was measured at: a call at 66 or
     70 padded to 128 held more than any trial did (5% over the plan's peak on this model, in fp32 and bf16)."""
@@ -196,16 +191,11 @@ def test_lengths_up_to_max_length_train_under_the_plans_peak(techniques):
     plan = autotune.fit(model, _batch(30), global_batch_size=3, device="cpu", cache=False, trial_steps=1,
                         memory_budget="1GiB", techniques=techniques, max_length=70)
     assert plan.max_length == 70
-    with pytest.MonkeyPatch.context() as spy:
-        recorded: list[int] = []
-        original = attention_padding.original
-        spy.setattr(attention_padding, "original",
-                    lambda q, *a, **k: recorded.append(int(q.shape[-2])) or original(q, *a, **k))
-        with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
-            for length in (30, 70, 66, 65, 20):
-                recorded.clear()
-                step(_batch(length))
-                assert step.last_peak_bytes <= plan.peak_memory_bytes, (length, step.last_peak_bytes)
-                assert max(recorded) == (30 if length == 30 else 64 if length == 20 else 70), (length, recorded)
+    with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3)) as step:
+        for length in (30, 70, 66, 65, 20):
+            seen.clear()
+            step(_batch(length))
+            assert step.last_peak_bytes <= plan.peak_memory_bytes, (length, step.last_peak_bytes)
+            assert max(seen) == (30 if length == 30 else 64 if length == 20 else 70), (length, seen)
     assert attention_padding.padding(66, 70) == 4 and attention_padding.padding(66, None) == 62
     assert attention_padding.padding(130, 70) == 62  # longer than the plan's length: its own bucket
