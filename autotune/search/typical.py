@@ -14,10 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import parallel as distributed
+from ..evidence import Trial
 from ..workload import batch as batches
 from . import kept_rung
 from .flops import FlopCount, count_flops
 from .ledger import Ledger
+from .offload_overlap import standing_for
 from .progress import Runner
 from .trial import TrialRunner, Workload
 
@@ -45,9 +47,7 @@ def measure(state: Ledger, work: Workload, example: Any,
     run: Runner = TrialRunner(at_example, agree=distributed.agree_trial)
     if watch is not None:
         run = watch(run, f"at the example's length ({length} tokens)")
-    # twice the measured steps, as the search re-measures a close call: one trial stands for the plan's rate
-    trial = run(best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=state.overlap is True,
-                measured_steps=2 * work.measured_steps, sharding=best.sharding)
+    trial = _rate_trial(run, state, work, fraction)
     if not trial.fits or not trial.samples_per_second:
         why = f"{trial.outcome}: {trial.note}" if trial.note else trial.outcome
         return None, (f"rate at the example's length ({length} tokens) not measured ({why}): the figures "
@@ -60,3 +60,21 @@ def measure(state: Ledger, work: Workload, example: Any,
             f"{best.samples_per_second * (batches.tokens_per_sample(work.batch) or 0):,.0f} at max_length, where the "
             f"peak was measured)")
     return TypicalRate(length, trial.samples_per_second, flops), note
+
+
+def _rate_trial(run: Runner, state: Ledger, work: Workload, fraction: float) -> Trial:
+    """The pick's trial at the example's length, its rate that of the global step training runs. Overlapped
+    offload hides the host step in the last micro-step's backward only: where the plan accumulates, the micro-steps
+    before it run serially, so a serial trial times those and an overlapped one the last (`standing_for`); an
+    overlapped trial alone would charge the host step to every micro-step. Each trial runs twice the measured
+    steps, as the search re-measures a close call: it stands for the plan's rate."""
+    best = state.picked()
+    run_at = lambda overlap: run(best.rung, best.micro_batch_size, offload_fraction=fraction,  # noqa: E731
+                                 overlap=overlap, measured_steps=2 * work.measured_steps, sharding=best.sharding)
+    if state.overlap is not True:
+        return run_at(False)
+    last = run_at(True)
+    if best.micro_batch_size >= work.per_rank or not last.fits:
+        return last
+    serial = run_at(False)
+    return standing_for(serial, last, work.per_rank) if serial.fits else serial
