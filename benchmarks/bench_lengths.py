@@ -15,9 +15,11 @@ estimate: at the batches' mean padded length the plan expects the same rate per 
 (dynamo's count) and recompiles, the recoveries, the reserved peak beside the plan's and the budget less its
 margin, the process's resident memory, and the median step of the steps whose length is new beside those whose
 length came before (a cost paid once per length: over lengths 256-1024 most of 100 steps bring a new one;
-`--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths); under optimizer offload,
-per step, the seconds the host's step took after the last backward and how many of its chunks it had stepped
-during it (all of them: the host step hid behind the backward; none: it ran serially). With `--one-length`
+`--length-multiple 64` pads as a collator's `pad_to_multiple_of` does, to 13 lengths). Per step, on the device's
+timeline: each micro-step before the last (`micro_step_seconds`) and the last with the optimizer step
+(`last_micro_step_seconds`); under optimizer offload, how long the host's step ran on after the last backward
+ended on the device and how many of its chunks it had stepped (or issued, streamed) during that backward (all
+of them and a short tail: the host step hid behind the backward; none: it ran serially). With `--one-length`
 each batch is instead of one length drawn from the range, unpadded and without a mask, and `fit`'s example is a
 batch at `--max-length`; with `--example typical` too, it is a batch at the range's middle length, as a user hands
 `fit` a batch from the loader beside `max_length` (the trials still run at `--max-length`, and the plan's estimate
@@ -49,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_offload import timed_optimizer
+from bench_offload import mark, seconds_between, timed_optimizer
 from workloads import build_gpt, cap_memory, environment
 
 import autotune
@@ -107,6 +109,15 @@ def _first_and_again(seconds: list[float], lengths: list[int]) -> tuple[float | 
         return round(sorted(xs)[len(xs) // 2], 4) if xs else None
 
     return median(first), median(again)
+
+
+def _marking(starts: list[Any], device: str) -> Any:
+    """A forward pre-hook that marks the device's timeline at each forward of the model: each micro-step's start
+    (a recomputed block re-runs its own forward, not the model's). Kept out of a compiled graph."""
+    @torch.compiler.disable
+    def at_forward(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        starts.append(mark(device))
+    return at_forward
 
 
 def _compiled_frames() -> tuple[int, int]:
@@ -181,21 +192,29 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     seconds, tokens, padded = [], [], []
-    host: dict[str, list[float]] = {k: [] for k in ("tail_start", "tail_end", "chunks_before_tail", "chunks_total")}
+    host: dict[str, list[float]] = {k: [] for k in ("tail_seconds", "chunks_before_tail", "chunks_total")}
+    starts: list[Any] = []  # each micro-step's start on the device's timeline
+    split: dict[str, list[Any]] = {"before_last": [], "last": []}
+    hook = model.register_forward_pre_hook(_marking(starts, args.device), with_kwargs=True)
     with plan.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-5)) as step:
         if isinstance(step.optimizer, (HostSteppedEngine, StreamedEngine)):  # what of the host step overlapped
             timed_optimizer(step, args.device, host)
         for batch in data:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
+            starts.clear()
             t0 = time.perf_counter()
             step(batch)
+            end = mark(args.device)
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
+            split["before_last"].append([round(seconds_between(a, b), 4) for a, b in zip(starts, starts[1:])])
+            split["last"].append(round(seconds_between(starts[-1], end), 4) if starts else None)
             tokens.append(int((batch["labels"] != -100).sum()))
             padded.append(batch["labels"].numel())
         recoveries = len(step.recoveries)
+    hook.remove()
     frames, recompiles = _compiled_frames()
     kept = slice(2, None) if len(seconds) > 2 else slice(None)
     limit = (1 - plan.margin) * parse_bytes(args.budget)
@@ -220,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                attention_buckets=not args.no_attention_buckets,
                median_step_first_length=first, median_step_repeated_length=again,
                step_seconds=[round(x, 4) for x in seconds],
-               optimizer_tail_seconds=[round(b - a, 4) for a, b in zip(host["tail_start"], host["tail_end"])],
+               micro_step_seconds=split["before_last"], last_micro_step_seconds=split["last"],
+               optimizer_tail_seconds=[round(x, 4) for x in host["tail_seconds"]],
                chunks_before_tail=[int(c) for c in host["chunks_before_tail"]],
                chunks_total=[int(c) for c in host["chunks_total"]],
                padded_lengths=[p // args.global_batch_size for p in padded])

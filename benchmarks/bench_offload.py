@@ -108,15 +108,34 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def mark(device: str) -> Any:
+    """A point on the device's timeline: a CUDA event recorded on the current stream (the GPU reaches it once
+    the work queued before it is done, the host does not wait), else a clock reading."""
+    if not device.startswith("cuda"):
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start: Any, end: Any) -> float:
+    """Seconds from one `mark` to a later one (waits for the later one to be reached)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def timed_optimizer(step: Any, device: str, record: dict[str, list[float]], *, skip: bool = False) -> None:
-    """Wrap the host optimizer's `step` to time the tail and count the chunks stepped before it (`skip`: the
-    optimizer does nothing, for the step's time without it)."""
+    """Wrap the host optimizer's `step` to time its tail, from the end of the last backward on the device to the
+    step's end, and count the chunks stepped (issued, for the streamed engine) before it (`skip`: the optimizer
+    does nothing, for the step's time without it). The tail starts at a mark on the device's timeline, not at a
+    synchronize: waiting for the device there would let the host step's queued work finish before it is timed."""
     host = step.optimizer
     inner = (lambda: None) if skip else host.step
 
     def step_and_time() -> None:
-        sync(device)
-        record["tail_start"].append(time.perf_counter())
+        start = mark(device)
         pipeline = host.pipeline if isinstance(host, HostSteppedEngine) else None
         stepper = host.stepper if isinstance(host, StreamedEngine) else None
         if stepper is not None:  # streamed: segments issued during the last backward, of all
@@ -126,8 +145,7 @@ def timed_optimizer(step: Any, device: str, record: dict[str, list[float]], *, s
             record["chunks_before_tail"].append(pipeline.chunks_stepped if pipeline is not None else 0)
             record["chunks_total"].append(len(pipeline.chunks) if pipeline is not None else 0)
         inner()
-        sync(device)
-        record["tail_end"].append(time.perf_counter())
+        record["tail_seconds"].append(seconds_between(start, mark(device)))
         if pipeline is not None:
             pipeline.chunks_stepped = 0
 
@@ -144,7 +162,7 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
     # 12 GB of moments would not fit on the device beside the model). The streamed step overlaps only where
     # the plan says so, as fit decides it.
     step = plan.with_config(offload_overlap=mode.endswith("overlap")).apply(model)
-    record: dict[str, list[float]] = {k: [] for k in ("tail_start", "tail_end", "chunks_before_tail", "chunks_total")}
+    record: dict[str, list[float]] = {k: [] for k in ("tail_seconds", "chunks_before_tail", "chunks_total")}
     timed_optimizer(step, device, record, skip=mode == "none")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -158,7 +176,7 @@ def run_mode(label: str, plan: Plan, model: torch.nn.Module, batch: Any, args: a
             ended = time.perf_counter()
             if i >= args.warmup:
                 totals.append(ended - started)
-                tails.append(record["tail_end"][-1] - record["tail_start"][-1])
+                tails.append(record["tail_seconds"][-1])
                 befores.append(record["chunks_before_tail"][-1])
     finally:
         step.close()

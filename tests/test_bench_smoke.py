@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -220,6 +221,20 @@ def test_bench_lengths_dry_run_trains_padded_batches_of_every_length(tmp_path, n
     row = json.loads(out.read_text().splitlines()[-1])
     assert row["lengths"] == [8, 32] and 8 <= row["mean_length"] <= 32
     assert row["recoveries"] == 0 and row["trained_tokens_per_s"] > 0 and row["estimate_tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # seconds: a search and four steps of 8 micro-steps under the simulated ceiling
+def test_bench_lengths_splits_each_step_into_its_micro_steps(tmp_path, no_user_settings):
+    out = tmp_path / "lengths.jsonl"
+    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "1280KiB", "--min-length", "8",
+                        "--max-length", "32", "--global-batch-size", "8", "--steps", "4", "--out", str(out)])
+    row = json.loads(out.read_text().splitlines()[-1])
+    accumulation = int(re.search(r"x (\d+) accumulation", row["plan"]).group(1))
+    assert accumulation > 1, row["plan"]  # the budget leaves no micro-batch of the whole batch
+    assert len(row["micro_step_seconds"]) == len(row["last_micro_step_seconds"]) == 4
+    for before, last, whole in zip(row["micro_step_seconds"], row["last_micro_step_seconds"], row["step_seconds"]):
+        assert len(before) == accumulation - 1 and min(before) > 0 and last > 0
+        assert sum(before) + last <= whole * 1.01  # within the step's wall time
 
 
 @pytest.mark.slow  # seconds: a search, the typical-length trial and four steps under the simulated ceiling
