@@ -35,9 +35,9 @@ class TypicalRate:
 
 def measure(state: Ledger, work: Workload, example: Any,
             watch: Callable[[Runner, str], Runner] | None = None) -> tuple[TypicalRate | None, str]:
-    """One trial of the pick (`state.picked()`) on `example` (on the host; moved to the device here), and the
-    note for the plan's reason; no rate when the trial did not run clean (the rate at `max_length` then
-    stands). `watch` shows the trial as the search's progress lines show theirs."""
+    """The pick's rate (`state.picked()`) on `example` (on the host; moved to the device here) from one trial, or
+    two (`_rate_trial`), and the note for the plan's reason; no rate when a trial did not run clean (the rate at
+    `max_length` then stands). `watch` shows the trials as the search's progress lines show theirs."""
     batch = batches.detached(batches.to_device(example, work.placement.torch_device))
     length = batches.tokens_per_sample(batch) or 0
     best = state.picked()
@@ -69,8 +69,11 @@ def _rate_trial(run: Runner, state: Ledger, work: Workload, fraction: float) -> 
     overlapped trial alone would charge the host step to every micro-step. Each trial runs twice the measured
     steps, as the search re-measures a close call: it stands for the plan's rate."""
     best = state.picked()
-    run_at = lambda overlap: run(best.rung, best.micro_batch_size, offload_fraction=fraction,  # noqa: E731
-                                 overlap=overlap, measured_steps=2 * work.measured_steps, sharding=best.sharding)
+
+    def run_at(overlap: bool) -> Trial:
+        return run(best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=overlap,
+                   measured_steps=2 * work.measured_steps, sharding=best.sharding)
+
     if state.overlap is not True:
         return run_at(False)
     last = run_at(True)
