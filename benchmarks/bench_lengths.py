@@ -23,7 +23,9 @@ of them and a short tail: the host step hid behind the backward; none: it ran se
 each batch is instead of one length drawn from the range, unpadded and without a mask, and `fit`'s example is a
 batch at `--max-length`; with `--example typical` too, it is a batch at the range's middle length, as a user hands
 `fit` a batch from the loader beside `max_length` (the trials still run at `--max-length`, and the plan's estimate
-is at the example's length).
+is at the example's length). `--length-plan` gives those lengths in order instead (`640x5,1024x4`: five steps at
+640 tokens, then four at 1024), to time one plan's step at fixed lengths: the first length on training's static
+graph, a later one on the dynamic graph, a length off the 64-token grid on padded attention (CUDA).
 
     python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
         --global-batch-size 32 --steps 100 --out lengths.jsonl
@@ -33,6 +35,9 @@ is at the example's length).
         --one-length --global-batch-size 32 --steps 100 --out lengths.jsonl
     python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
         --one-length --example typical --global-batch-size 32 --steps 100 --out lengths.jsonl
+    python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 \\
+        --one-length --example typical --global-batch-size 32 --length-plan 640x5,1024x4,640x4,600x5,320x4 \\
+        --out lengths.jsonl
     python benchmarks/bench_lengths.py --model tiny-gpt --device cpu --budget 64MiB --min-length 8 \\
         --max-length 32 --global-batch-size 8 --steps 4 --out /tmp/lengths.jsonl       # a CPU dry run
 """
@@ -81,6 +86,28 @@ def batches(steps: int, n: int, low: int, high: int, vocab: int, device: str,
         labels = ids.masked_fill(~mask, -100)
         batch = {"input_ids": ids, "labels": labels} | ({"attention_mask": mask.long()} if masks else {})
         out.append({k: v.to(device) for k, v in batch.items()})
+    return out
+
+
+def _length_plan(text: str) -> list[tuple[int, int]]:
+    """"640x5,1024x4" -> [(640, 5), (1024, 4)]."""
+    plan = []
+    for part in text.split(","):
+        length, _, steps = part.strip().partition("x")
+        if not (length.isdigit() and steps.isdigit() and int(length) > 0 and int(steps) > 0):
+            raise SystemExit(f"--length-plan: {part!r} is not LENGTHxSTEPS (e.g. 640x5)")
+        plan.append((int(length), int(steps)))
+    return plan
+
+
+def planned_batches(text: str, n: int, vocab: int, device: str) -> list[dict[str, torch.Tensor]]:
+    """Batches of `n` samples of one length each, unmasked, in the order and counts `--length-plan` gives."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for length, steps in _length_plan(text):
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (n, length), generator=g).to(device)
+            out.append({"input_ids": ids, "labels": ids})
     return out
 
 
@@ -149,6 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--example", choices=("longest", "typical"), default="longest",
                         help="with --one-length, fit's example: a batch at --max-length (default), or at the "
                              "middle of the range, a batch as the loader gives one (the estimate is at its length)")
+    parser.add_argument("--length-plan", default=None, metavar="LENGTHxSTEPS,...",
+                        help="with --one-length, train these lengths in this order instead of random ones, e.g. "
+                             "640x5,1024x4,640x4,600x5,320x4 (the first length runs training's static graph, the "
+                             "rest the dynamic one; a length off the 64-token grid runs padded attention on CUDA); "
+                             "--steps is then their sum")
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="turn off cuDNN's attention for SDPA (torch.backends.cuda.enable_cudnn_sdp(False)) "
                              "before fit: cuDNN builds an execution plan for every new shape, which a step at a "
@@ -158,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
                              "the length rounded up to a multiple of 64 (cuDNN then builds a plan per new length)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.length_plan:
+        if not args.one_length:
+            parser.error("--length-plan trains batches of one length each: add --one-length")
+        args.steps = sum(steps for _, steps in _length_plan(args.length_plan))
     if args.no_attention_buckets:
         os.environ["AUTOTUNE_ATTENTION_BUCKETS"] = "0"
     if args.allocator == "fixed":
@@ -186,8 +222,11 @@ def main(argv: list[str] | None = None) -> None:
                failed_trials=[f"{t.rung.name} @ {t.micro_batch_size}: {t.outcome}: {t.note}" for t in plan.trials
                               if t.outcome in FAILED])  # a search that lost a configuration
     print(json.dumps(row), flush=True)
-    data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face,
-                   args.length_multiple, args.one_length)
+    if args.length_plan:
+        data = planned_batches(args.length_plan, args.global_batch_size, vocab, args.device)
+    else:
+        data = batches(args.steps, args.global_batch_size, low, args.max_length, vocab, args.device, hugging_face,
+                       args.length_multiple, args.one_length)
     frames_before, recompiles_before = _compiled_frames()
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

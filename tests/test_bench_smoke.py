@@ -237,6 +237,19 @@ def test_bench_lengths_splits_each_step_into_its_micro_steps(tmp_path, no_user_s
         assert sum(before) + last <= whole * 1.01  # within the step's wall time
 
 
+@pytest.mark.slow  # seconds: a search, the typical-length trial and five steps under the simulated ceiling
+def test_bench_lengths_trains_a_length_plan_in_its_order(tmp_path, no_user_settings):
+    out = tmp_path / "lengths.jsonl"
+    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "64MiB", "--min-length", "8",
+                        "--max-length", "32", "--global-batch-size", "8", "--one-length", "--example", "typical",
+                        "--length-plan", "20x2,32x1,12x2", "--out", str(out)])
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["steps"] == 5 and row["padded_lengths"] == [20, 20, 32, 12, 12]  # unpadded on the CPU
+    assert len(row["step_seconds"]) == len(row["last_micro_step_seconds"]) == 5
+    with pytest.raises(SystemExit):  # a plan of one-length batches only
+        bench_lengths.main(["--device", "cpu", "--length-plan", "20x2", "--out", str(out)])
+
+
 @pytest.mark.slow  # seconds: a search, the typical-length trial and four steps under the simulated ceiling
 def test_bench_lengths_one_length_with_a_typical_example_estimates_at_the_middle_length(tmp_path, no_user_settings):
     out = tmp_path / "lengths.jsonl"
