@@ -27,6 +27,7 @@
 #   lengths_nobuckets the lengths part with attention at each batch's own length (AUTOTUNE_ATTENTION_BUCKETS=0)
 #   onelength the lengths part over batches of one length each, no mask, tuned with max_length=1024
 #   onelength_typical the onelength part with fit given a batch at the middle length (--example typical)
+#   onelength_split  the onelength_typical plan's step at fixed lengths in order (--length-plan), each micro-step timed
 #   roof     W1's roof: the model compiled whole, uncapped, at micro-batch 8 and at 4 (bench_fit.py --method roof)
 #   fp8      the 1.1B Llama at 24 GiB with fp8 allowed, beside bf16 and the uncapped bf16 roof, FP8_STEPS steps
 #            each (100; FP8_RUNS=fp8 trains the fp8 plan alone beside the roof; the issue's 200 take about 13 minutes, over one call's 10: start it with setsid)
@@ -49,7 +50,7 @@ declare -A LIMIT=([w1cold]=${W1COLD_S:-240} [w1warm]=${W1WARM_S:-120} [offload]=
                  [moe]=${MOE_S:-120} [llama3b]=${LLAMA3B_S:-420} [llama1b]=${LLAMA1B_S:-240}
                  [llama8b]=${LLAMA8B_S:-1200} [lengths]=${LENGTHS_S:-420} [large100]=${LARGE100_S:-480}
                  [lengths_fixed]=${LENGTHS_S:-420} [lengths64]=${LENGTHS_S:-420} [lengths_nocudnn]=${LENGTHS_S:-420} [lengths_nobuckets]=${LENGTHS_S:-420} [new_length]=${NEW_LENGTH_S:-420} [large100_fixed]=${LARGE100_S:-480} [lightning]=${LIGHTNING_S:-200} [lightning_fresh]=${LIGHTNING_S:-200}
-                 [onelength]=${LENGTHS_S:-420} [onelength_typical]=${LENGTHS_S:-420} [roof]=${ROOF_S:-240} [headloss]=${HEADLOSS_S:-60} [modes]=${MODES_S:-420} [fp8]=${FP8_S:-560} [fp8w1]=${FP8_S:-560})
+                 [onelength]=${LENGTHS_S:-420} [onelength_typical]=${LENGTHS_S:-420} [onelength_split]=${LENGTHS_S:-420} [roof]=${ROOF_S:-240} [headloss]=${HEADLOSS_S:-60} [modes]=${MODES_S:-420} [fp8]=${FP8_S:-560} [fp8w1]=${FP8_S:-560})
 
 part() {  # name, then the command
     local name=$1; shift
@@ -80,6 +81,7 @@ for p in $PARTS; do
         lengths_nobuckets) part lengths_nobuckets python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --global-batch-size 32 --steps 100 --no-attention-buckets --out "$OUT/lengths.jsonl" ;;
         new_length) part new_length bash -c "python benchmarks/bench_new_length.py --out '$OUT/new_length.jsonl' && python benchmarks/bench_new_length.py --no-attention-buckets --out '$OUT/new_length.jsonl'" ;;
         onelength) part onelength python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --one-length --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
+        onelength_split) part onelength_split python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --one-length --example typical --global-batch-size 32 --length-plan 640x5,1024x4,640x4,600x5,320x4 --out "$OUT/lengths.jsonl" ;;
         onelength_typical) part onelength_typical python benchmarks/bench_lengths.py --model gpt2-medium --budget 10GiB --min-length 256 --max-length 1024 --one-length --example typical --global-batch-size 32 --steps 100 --out "$OUT/lengths.jsonl" ;;
         roof) part roof bash -c "python benchmarks/bench_fit.py --method roof --steps 10 --out '$OUT/roof.jsonl' && python benchmarks/bench_fit.py --method roof --roof-micro 4 --steps 6 --out '$OUT/roof.jsonl'" ;;
         fp8) part fp8 python benchmarks/bench_fp8.py --size 1.1b --seq 2048 --budget 24GiB --global-batch-size 32 --steps "${FP8_STEPS:-100}" --runs "${FP8_RUNS:-bf16,fp8}" --roof-micro 8 --out "$OUT/fp8.json" ;;
