@@ -18,11 +18,12 @@ from pathlib import Path
 
 import click
 import pytest
-from cache_samples import TINY, clean_environment, fit, sample, set_plan_fields, tiny_workload  # noqa: F401
+from cache_samples import GLOBAL_BATCH, TINY, clean_environment, fit, sample, set_plan_fields, tiny_workload  # noqa: F401
 from click.testing import CliRunner
 
 from autotune.cache.store import PlanCache
 from autotune.cli.main import main
+from autotune.evidence import Trial
 from autotune.plan import Plan
 
 
@@ -208,6 +209,34 @@ def test_a_verified_team_row_is_served_with_the_throughput_measured_here(
     assert warned == []
     assert_measured_here(plan)
     assert PlanCache(tmp_path / "bob.db").entries() == []  # the team's plan is verified, not copied
+
+
+def test_a_verified_overlapped_plan_that_accumulates_is_rated_as_training_steps(
+        alice: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A teammate's plan that overlaps optimizer offload at 2 x 4: training hides the host step in the last
+    micro-step's backward only, so the rate measured here times the three before it serially (a serial trial
+    beside the overlapped one); the overlapped trial alone would charge the host step to all four."""
+    from autotune.search import tune
+
+    seen: list[tuple[bool, Trial]] = []
+
+    class Seen(tune.TrialRunner):  # the real trials, each recorded
+        def __call__(self, *args: object, **kwargs: object) -> Trial:
+            trial = super().__call__(*args, **kwargs)  # type: ignore[arg-type]
+            seen.append((bool(kwargs.get("overlap")), trial))
+            return trial
+
+    monkeypatch.setattr(tune, "TrialRunner", Seen)
+    row = edited(bragging(alice), offload="optimizer", offload_fraction=1.0, offload_overlap=True,
+                 micro_batch_size=2, accumulation_steps=4, last_micro_batch_size=2)
+    team_of(tmp_path, monkeypatch, row)
+    plan, warned = bob_fits(tmp_path / "bob.db", caplog)
+    assert plan.source == "cache" and warned == [], (plan.source, warned)
+    assert sorted(overlap for overlap, _ in seen) == [False, True], seen
+    serial, last = (next(t for overlap, t in seen if overlap is want) for want in (False, True))
+    seconds = 3 * serial.step_seconds + last.step_seconds + last.optimizer_seconds
+    assert plan.samples_per_second == pytest.approx(GLOBAL_BATCH / seconds, rel=1e-9)
+    assert plan.samples_per_second != pytest.approx(last.samples_per_second, rel=1e-6)
 
 
 def test_a_verified_imported_row_is_stored_with_the_throughput_measured_here(

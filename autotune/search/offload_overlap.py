@@ -15,6 +15,7 @@ train, and promise less than the plan then trains.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from ..evidence import Trial
 from ..sizes import format_bytes
@@ -99,6 +100,21 @@ def standing_for(serial: Trial, overlapped: Trial, per_rank: int) -> Trial:
     before = global_step_seconds(serial.step_seconds, 0.0, per_rank, overlapped.micro_batch_size) - serial.step_seconds
     seconds = before + overlapped.step_seconds + overlapped.optimizer_seconds
     return dataclasses.replace(overlapped, samples_per_second=per_rank / seconds)
+
+
+def as_trained(run: Callable[[bool], Trial], overlap: bool, micro: int, per_rank: int) -> Trial:
+    """A trial of one configuration whose rate is that of the global step training runs, from `run(overlap)`,
+    which runs one. Overlapped offload hides the host step in the last micro-step's backward only: where the plan
+    accumulates, a serial trial times the micro-steps before it (`standing_for`); an overlapped trial alone would
+    charge the host step to every micro-step. Where the serial trial does not run clean, the overlapped one
+    stands as it measured (its rate then low, never high)."""
+    if not overlap:
+        return run(False)
+    last = run(True)
+    if micro >= per_rank or not last.fits:
+        return last
+    serial = run(False)
+    return standing_for(serial, last, per_rank) if serial.fits and serial.step_seconds > 0 else last
 
 
 def may_hide_host_step(s: Ledger, precision: str) -> bool:

@@ -45,6 +45,7 @@ from .floors import drop_rungs_over, fused_note, resident_floor, step_scratch
 from .flops import FlopCount, count_flops, utilization
 from .ground import Ground, trials_on
 from .ledger import Ledger
+from .offload_overlap import as_trained
 from .plan_reason import findings
 from .progress import Progress
 from .sharding_choice import replicated_or_sharded, searched_beside, sharding_may_win, with_hybrid
@@ -337,7 +338,8 @@ def _setup(job: Job, tuned: nn.Module, spec: OptimizerSpec, limit: int, example:
 
 def verify(plan: Plan, job: Job) -> Trial:
     """One trial of `plan`'s configuration at its micro-batch, on the model as training will run it (an FSDP2
-    plan on a sharded copy), leaving the model, optimizer and RNG as they were (as `tune` does)."""
+    plan on a sharded copy), leaving the model, optimizer and RNG as they were (as `tune` does); two where the
+    plan overlaps optimizer offload and accumulates, its rate that of training's step (`as_trained`)."""
     model, placement = job.model, job.placement
     conflict = dtype_conflict(plan.rung, model)
     if conflict is not None:  # such a rung crashes in its first step: the search never tries it either
@@ -355,10 +357,10 @@ def verify(plan: Plan, job: Job) -> Trial:
                         limit_bytes=int((1 - plan.margin) * plan.memory_budget_bytes), per_rank=job.per_rank,
                         world_size=job.world, blocks=find_blocks(tuned, plan.block_paths),
                         warmup_steps=job.settings.warmup_steps, measured_steps=job.settings.measured_steps)
-        trial = TrialRunner(work, agree=distributed.agree_trial)(plan.rung, plan.micro_batch_size,
-                                                                  offload_fraction=host_share(plan),
-                                                                  overlap=plan.offload_overlap is True,
-                                                                  sharding=plan.sharding)
+        run = TrialRunner(work, agree=distributed.agree_trial)
+        trial = as_trained(lambda overlap: run(plan.rung, plan.micro_batch_size, offload_fraction=host_share(plan),
+                                               overlap=overlap, sharding=plan.sharding),
+                           plan.offload_overlap is True, plan.micro_batch_size, job.per_rank)
         del tuned, work, loss
     return trial
 

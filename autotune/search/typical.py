@@ -14,12 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import parallel as distributed
-from ..evidence import Trial
 from ..workload import batch as batches
 from . import kept_rung
 from .flops import FlopCount, count_flops
 from .ledger import Ledger
-from .offload_overlap import standing_for
+from .offload_overlap import as_trained
 from .progress import Runner
 from .trial import TrialRunner, Workload
 
@@ -36,8 +35,8 @@ class TypicalRate:
 def measure(state: Ledger, work: Workload, example: Any,
             watch: Callable[[Runner, str], Runner] | None = None) -> tuple[TypicalRate | None, str]:
     """The pick's rate (`state.picked()`) on `example` (on the host; moved to the device here) from one trial, or
-    two (`_rate_trial`), and the note for the plan's reason; no rate when a trial did not run clean (the rate at
-    `max_length` then stands). `watch` shows the trials as the search's progress lines show theirs."""
+    two (`offload_overlap.as_trained`), and the note for the plan's reason; no rate when the trial did not run
+    clean (the rate at `max_length` then stands). `watch` shows the trials as the search's progress lines do."""
     batch = batches.detached(batches.to_device(example, work.placement.torch_device))
     length = batches.tokens_per_sample(batch) or 0
     best = state.picked()
@@ -47,7 +46,11 @@ def measure(state: Ledger, work: Workload, example: Any,
     run: Runner = TrialRunner(at_example, agree=distributed.agree_trial)
     if watch is not None:
         run = watch(run, f"at the example's length ({length} tokens)")
-    trial = _rate_trial(run, state, work, fraction)
+    # Twice the measured steps, as the search re-measures a close call: this trial stands for the plan's rate
+    trial = as_trained(lambda overlap: run(best.rung, best.micro_batch_size, offload_fraction=fraction,
+                                           overlap=overlap, measured_steps=2 * work.measured_steps,
+                                           sharding=best.sharding),
+                       state.overlap is True, best.micro_batch_size, work.per_rank)
     if not trial.fits or not trial.samples_per_second:
         why = f"{trial.outcome}: {trial.note}" if trial.note else trial.outcome
         return None, (f"rate at the example's length ({length} tokens) not measured ({why}): the figures "
@@ -61,23 +64,3 @@ def measure(state: Ledger, work: Workload, example: Any,
             f"peak was measured)")
     return TypicalRate(length, trial.samples_per_second, flops), note
 
-
-def _rate_trial(run: Runner, state: Ledger, work: Workload, fraction: float) -> Trial:
-    """The pick's trial at the example's length, its rate that of the global step training runs. Overlapped
-    offload hides the host step in the last micro-step's backward only: where the plan accumulates, the micro-steps
-    before it run serially, so a serial trial times those and an overlapped one the last (`standing_for`); an
-    overlapped trial alone would charge the host step to every micro-step. Each trial runs twice the measured
-    steps, as the search re-measures a close call: it stands for the plan's rate."""
-    best = state.picked()
-
-    def run_at(overlap: bool) -> Trial:
-        return run(best.rung, best.micro_batch_size, offload_fraction=fraction, overlap=overlap,
-                   measured_steps=2 * work.measured_steps, sharding=best.sharding)
-
-    if state.overlap is not True:
-        return run_at(False)
-    last = run_at(True)
-    if best.micro_batch_size >= work.per_rank or not last.fits:
-        return last
-    serial = run_at(False)
-    return standing_for(serial, last, work.per_rank) if serial.fits else serial
