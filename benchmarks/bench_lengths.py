@@ -76,8 +76,7 @@ def batches(steps: int, n: int, low: int, high: int, vocab: int, device: str,
     out = []
     for _ in range(steps):
         if one_length:
-            ids = torch.randint(0, vocab, (n, int(torch.randint(low, high + 1, (1,), generator=g))), generator=g)
-            out.append({"input_ids": ids.to(device), "labels": ids.to(device)})
+            out.append(_one_length(n, int(torch.randint(low, high + 1, (1,), generator=g)), vocab, device, g))
             continue
         lengths = torch.randint(low, high + 1, (n,), generator=g)
         longest = min(high, -(-int(lengths.max()) // multiple) * multiple)
@@ -105,10 +104,14 @@ def planned_batches(text: str, n: int, vocab: int, device: str) -> list[dict[str
     g = torch.Generator().manual_seed(1)
     out = []
     for length, steps in _length_plan(text):
-        for _ in range(steps):
-            ids = torch.randint(0, vocab, (n, length), generator=g).to(device)
-            out.append({"input_ids": ids, "labels": ids})
+        out.extend(_one_length(n, length, vocab, device, g) for _ in range(steps))
     return out
+
+
+def _one_length(n: int, length: int, vocab: int, device: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A batch of `n` samples `length` tokens long: no padding, no mask, the labels the ids."""
+    ids = torch.randint(0, vocab, (n, length), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.to(device)}
 
 
 def padded_example(rows: int, low: int, high: int, vocab: int, device: str) -> dict[str, torch.Tensor]:

@@ -213,22 +213,25 @@ def test_bench_head_loss_times_the_padded_and_unpadded_head_to_the_same_loss(cap
     assert len(capsys.readouterr().out.splitlines()) == 3
 
 
+def _lengths_row(tmp_path, budget: str, *more: str) -> dict:
+    """bench_lengths' CPU dry run (a tiny GPT, lengths 8-32, global batch 8) under `budget`, with `more`
+    arguments: the JSON row it appends."""
+    out = tmp_path / "lengths.jsonl"
+    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", budget, "--min-length", "8",
+                        "--max-length", "32", "--global-batch-size", "8", *more, "--out", str(out)])
+    return json.loads(out.read_text().splitlines()[-1])
+
+
 @pytest.mark.slow  # seconds: a search and four steps under the simulated ceiling
 def test_bench_lengths_dry_run_trains_padded_batches_of_every_length(tmp_path, no_user_settings):
-    out = tmp_path / "lengths.jsonl"
-    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "64MiB", "--min-length", "8",
-                        "--max-length", "32", "--global-batch-size", "8", "--steps", "4", "--out", str(out)])
-    row = json.loads(out.read_text().splitlines()[-1])
+    row = _lengths_row(tmp_path, "64MiB", "--steps", "4")
     assert row["lengths"] == [8, 32] and 8 <= row["mean_length"] <= 32
     assert row["recoveries"] == 0 and row["trained_tokens_per_s"] > 0 and row["estimate_tokens_per_s"] > 0
 
 
 @pytest.mark.slow  # seconds: a search and four steps of 8 micro-steps under the simulated ceiling
 def test_bench_lengths_splits_each_step_into_its_micro_steps(tmp_path, no_user_settings):
-    out = tmp_path / "lengths.jsonl"
-    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "1280KiB", "--min-length", "8",
-                        "--max-length", "32", "--global-batch-size", "8", "--steps", "4", "--out", str(out)])
-    row = json.loads(out.read_text().splitlines()[-1])
+    row = _lengths_row(tmp_path, "1280KiB", "--steps", "4")
     accumulation = int(re.search(r"x (\d+) accumulation", row["plan"]).group(1))
     assert accumulation > 1, row["plan"]  # the budget leaves no micro-batch of the whole batch
     assert len(row["micro_step_seconds"]) == len(row["last_micro_step_seconds"]) == 4
@@ -239,24 +242,16 @@ def test_bench_lengths_splits_each_step_into_its_micro_steps(tmp_path, no_user_s
 
 @pytest.mark.slow  # seconds: a search, the typical-length trial and five steps under the simulated ceiling
 def test_bench_lengths_trains_a_length_plan_in_its_order(tmp_path, no_user_settings):
-    out = tmp_path / "lengths.jsonl"
-    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "64MiB", "--min-length", "8",
-                        "--max-length", "32", "--global-batch-size", "8", "--one-length", "--example", "typical",
-                        "--length-plan", "20x2,32x1,12x2", "--out", str(out)])
-    row = json.loads(out.read_text().splitlines()[-1])
+    row = _lengths_row(tmp_path, "64MiB", "--one-length", "--example", "typical", "--length-plan", "20x2,32x1,12x2")
     assert row["steps"] == 5 and row["padded_lengths"] == [20, 20, 32, 12, 12]  # unpadded on the CPU
     assert len(row["step_seconds"]) == len(row["last_micro_step_seconds"]) == 5
     with pytest.raises(SystemExit):  # a plan of one-length batches only
-        bench_lengths.main(["--device", "cpu", "--length-plan", "20x2", "--out", str(out)])
+        bench_lengths.main(["--device", "cpu", "--length-plan", "20x2", "--out", str(tmp_path / "refused.jsonl")])
 
 
 @pytest.mark.slow  # seconds: a search, the typical-length trial and four steps under the simulated ceiling
 def test_bench_lengths_one_length_with_a_typical_example_estimates_at_the_middle_length(tmp_path, no_user_settings):
-    out = tmp_path / "lengths.jsonl"
-    bench_lengths.main(["--model", "tiny-gpt", "--device", "cpu", "--budget", "64MiB", "--min-length", "8",
-                        "--max-length", "32", "--global-batch-size", "8", "--steps", "4", "--one-length",
-                        "--example", "typical", "--out", str(out)])
-    row = json.loads(out.read_text().splitlines()[-1])
+    row = _lengths_row(tmp_path, "64MiB", "--steps", "4", "--one-length", "--example", "typical")
     assert row["one_length"] and row["example"] == "typical"
     assert row["estimate_at_length"] == 20  # the middle of 8-32: the trials ran at 32, the estimate is at 20
     assert "figures at the example's length, 20 tokens" in row["reason"]  # said, however many notes come before

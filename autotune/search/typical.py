@@ -63,4 +63,3 @@ def measure(state: Ledger, work: Workload, example: Any,
             f"{best.samples_per_second * (batches.tokens_per_sample(work.batch) or 0):,.0f} at max_length, where the "
             f"peak was measured)")
     return TypicalRate(length, trial.samples_per_second, flops), note
-
